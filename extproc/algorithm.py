@@ -1,0 +1,306 @@
+"""Algorithm 1 of the Kairos paper: the per-request deflection decision (Eqs. 1-7).
+
+Pure and clock-free: ``decide`` reads a :class:`ClusterView` and the time ``now`` it is given,
+and returns a :class:`Decision`. The ext_proc server, the simulator and the benchmarks all call
+this same function.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from extproc.decision import ChunkStep, Decision, Reason, Route
+from extproc.latency import LatencyModels
+from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+
+DEFAULT_CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class DeciderConfig:
+    """Knobs of Algorithm 1. Defaults are the paper's (§6.1)."""
+
+    alpha: float = 1.3  # deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1
+    beta: float = 1.0  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
+    tbt_slo_s: float = 0.070  # tau
+    ttft_slo_s: float = 4.0  # TTFT SLO of Eq. 7
+    chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES  # strictly decreasing step sizes
+    stale_after_s: float = 0.35  # a heartbeat older than this makes a node ineligible to deflect to
+    # Deflected prefills a decode node may hold in flight (reported backlog + own dispatches since
+    # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
+    # deflection is then scheduled behind the node's backlog.
+    max_pending_deflections: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.alpha < 1.0:
+            raise ConfigError(f"alpha must be >= 1, got {self.alpha}")
+        if not 0.0 < self.beta <= 2.0:
+            raise ConfigError(f"beta must be in (0, 2], got {self.beta}")
+        if self.tbt_slo_s <= 0 or self.ttft_slo_s <= 0:
+            raise ConfigError(f"tbt_slo_s={self.tbt_slo_s} and ttft_slo_s={self.ttft_slo_s} must be > 0")
+        cands = self.chunk_candidates
+        if not cands or any(x < 1 for x in cands) or any(a <= b for a, b in itertools.pairwise(cands)):
+            raise ConfigError(f"chunk_candidates must be positive and strictly decreasing, got {list(cands)}")
+        if self.stale_after_s <= 0:
+            raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
+        if self.max_pending_deflections is not None and self.max_pending_deflections < 1:
+            raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")
+
+    @property
+    def step_budget_s(self) -> float:
+        """beta x tau: the longest step a schedule may contain."""
+        return self.beta * self.tbt_slo_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill-node TTFT estimator (§4.2)
+# ---------------------------------------------------------------------------------------------
+def prefill_queue_wait_s(models: LatencyModels, node: PrefillNodeState) -> float:
+    """Eq. 2: (sum l_i / chi_p) steps, each costed with half the outstanding tokens cached."""
+    outstanding = node.outstanding_tokens
+    if outstanding == 0:
+        return 0.0
+    chi_p = node.chunk_tokens
+    return outstanding / chi_p * models.prefill_step_s(chi_p, outstanding / 2)
+
+
+def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int) -> float:
+    """Eq. 3: the sum of the request's own chunk steps, chunk i over i x chi_p cached tokens.
+
+    The paper's sum runs i = 0..ceil(l/chi_p), one step too many; we sum the ceil(l/chi_p)
+    steps that exist and cost the last one with the tokens it actually carries.
+    """
+    total, cached = 0.0, 0
+    while cached < prompt_tokens:
+        n = min(chunk_tokens, prompt_tokens - cached)
+        total += models.prefill_step_s(n, cached)
+        cached += n
+    return total
+
+
+def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens: int) -> float:
+    """Eq. 1: queue wait + prefill execution on one prefill node."""
+    return prefill_queue_wait_s(models, node) + prefill_exec_s(models, prompt_tokens, node.chunk_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode-node feasibility checker (§4.3)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    steps: tuple[ChunkStep, ...]
+    ttft_s: float  # includes the wait behind the node's backlog, if any
+
+
+_INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
+_TOO_SLOW = "too_slow"  # abandoned: already slower than the bound that could make it win
+
+
+def greedy_schedule(
+    models: LatencyModels,
+    prompt_tokens: int,
+    decode_tokens: int,
+    kv_tokens: int,
+    candidates: tuple[int, ...],
+    step_budget_s: float,
+    give_up_after_s: float = math.inf,
+    start_s: float = 0.0,
+) -> tuple[tuple[ChunkStep, ...], float] | str:
+    """Eq. 5 and 6: at each step take the largest candidate chi whose step stays within
+    ``step_budget_s``; a step of chi tokens carries chi - B prefill tokens (§3.2).
+
+    The final step carries only the tokens left, and is costed with them. Returns the steps and
+    the finishing time (``start_s`` + sum of step times), or ``_INFEASIBLE`` / ``_TOO_SLOW``.
+    """
+    b = decode_tokens
+    steps: list[ChunkStep] = []
+    t = start_s
+    cached = 0
+    remaining = prompt_tokens
+    idx = 0  # candidates above idx were unsafe as full chunks; they only get costlier as c grows
+    monotone = models.mixed_monotone
+    n_cand = len(candidates)
+    while remaining > 0:
+        if not monotone:
+            idx = 0
+        step_s = -1.0
+        p = 0
+        # Finish in one step if the largest candidate can hold the rest and that step is safe.
+        if candidates[0] - b >= remaining:
+            s = models.mixed_step_s(b + remaining, cached, b, kv_tokens + cached)
+            if s <= step_budget_s:
+                step_s, p = s, remaining
+        if step_s < 0:
+            while idx < n_cand:
+                full = candidates[idx] - b
+                if full <= 0:  # this and every smaller candidate carry no prefill token
+                    idx = n_cand
+                    break
+                if full < remaining:
+                    s = models.mixed_step_s(candidates[idx], cached, b, kv_tokens + cached)
+                    if s <= step_budget_s:
+                        step_s, p = s, full
+                        break
+                idx += 1
+            if step_s < 0:
+                return _INFEASIBLE
+        t += step_s
+        if t > give_up_after_s:
+            return _TOO_SLOW
+        steps.append(ChunkStep(step_tokens=b + p, prefill_tokens=p, cached_tokens=cached, predicted_s=step_s))
+        cached += p
+        remaining -= p
+    return tuple(steps), t
+
+
+def plan_on_decode_node(
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    give_up_after_s: float,
+) -> _Plan | str:
+    """Schedule the request on one decode node, behind any deflected prefills already there
+    (possible only when the pending-deflection limit is lifted)."""
+    b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+    for backlog in node.prefill_backlog_tokens:
+        done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, give_up_after_s, t)
+        if isinstance(done, str):
+            return done
+        t = done[1]
+        b, k = b + 1, k + backlog  # the backlog request decodes on the node from then on
+    done = greedy_schedule(
+        models, prompt_tokens, b, k, config.chunk_candidates, config.step_budget_s, give_up_after_s, t
+    )
+    if isinstance(done, str):
+        return done
+    return _Plan(steps=done[0], ttft_s=done[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Node eligibility and keep-path choices
+# ---------------------------------------------------------------------------------------------
+def is_fresh(reported_at: float, now: float, config: DeciderConfig) -> bool:
+    return now - reported_at <= config.stale_after_s
+
+
+def can_take_deflection(node: DecodeNodeState, now: float, config: DeciderConfig, prompt_tokens: int) -> bool:
+    """Fresh heartbeat, room for the prompt's KV, and under the pending-deflection limit."""
+    if not is_fresh(node.reported_at, now, config) or node.free_kv_tokens < prompt_tokens:
+        return False
+    limit = config.max_pending_deflections
+    return limit is None or len(node.prefill_backlog_tokens) < limit
+
+
+def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
+    """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
+    the node's backlog included. It is the TBT a newly arriving decode would see, so it weighs
+    batch size and KV occupancy the way the hardware does, in one number."""
+    return models.decode_step_s(
+        node.decode_tokens + len(node.prefill_backlog_tokens), node.kv_tokens + sum(node.prefill_backlog_tokens)
+    )
+
+
+def pick_keep_decode_node(
+    models: LatencyModels, view: ClusterView, now: float, config: DeciderConfig, prompt_tokens: int
+) -> DecodeNodeState:
+    """Least-loaded decode node for the P/D path: fresh nodes first, then nodes with room
+    for the prompt's KV; ties broken by node id so the choice is deterministic."""
+    if not view.decode:
+        raise NoHealthyNodeError("no decode node is registered")
+    fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
+    roomy = [n for n in fresh if n.free_kv_tokens >= prompt_tokens] or fresh
+    return min(roomy, key=lambda n: (decode_load_s(models, n), n.node_id))
+
+
+def best_prefill_node(
+    models: LatencyModels, view: ClusterView, now: float, config: DeciderConfig, prompt_tokens: int
+) -> tuple[PrefillNodeState, float]:
+    """The prefill node with the lowest Eq. 1 TTFT (fresh nodes first), and that TTFT."""
+    if not view.prefill:
+        raise NoHealthyNodeError("no prefill node is registered")
+    fresh = [n for n in view.prefill if is_fresh(n.reported_at, now, config)] or list(view.prefill)
+    scored = [(prefill_ttft_s(models, n, prompt_tokens), n.node_id, n) for n in fresh]
+    ttft, _, node = min(scored, key=lambda x: (x[0], x[1]))
+    return node, ttft
+
+
+def validate_prompt(prompt_tokens: int) -> None:
+    if prompt_tokens < 1:
+        raise InvalidRequestError(f"the prompt has {prompt_tokens} tokens; at least 1 is needed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1
+# ---------------------------------------------------------------------------------------------
+def decide(
+    prompt_tokens: int,
+    view: ClusterView,
+    now: float,
+    models: LatencyModels,
+    config: DeciderConfig,
+) -> Decision:
+    """Algorithm 1: keep on the best prefill node, or deflect to the decode node whose
+    TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds."""
+    validate_prompt(prompt_tokens)
+    prefill_node, ttft_pf = best_prefill_node(models, view, now, config, prompt_tokens)
+    keep_decode = pick_keep_decode_node(models, view, now, config, prompt_tokens)
+
+    def keep(reason: Reason, ttft_dec: float | None) -> Decision:
+        return Decision(
+            route=Route.KEEP,
+            reason=reason,
+            decode_node=keep_decode.node_id,
+            prefill_node=prefill_node.node_id,
+            schedule=(),
+            predicted_ttft_prefill_s=ttft_pf,
+            predicted_ttft_decode_s=ttft_dec,
+            prompt_tokens=prompt_tokens,
+        )
+
+    eligible = [n for n in view.decode if can_take_deflection(n, now, config, prompt_tokens)]
+    if not eligible:
+        return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+
+    # A node can only win if it beats the Eq. 7 bound and the best node so far, so its
+    # schedule search stops as soon as it is slower than both (bounds the loop, §4.4).
+    margin_s = config.alpha * ttft_pf
+    bound = min(margin_s, config.ttft_slo_s)
+    best: tuple[float, str, _Plan] | None = None
+    any_too_slow = False
+    memo: dict[tuple[int, int, tuple[int, ...]], _Plan | str] = {}
+    for node in sorted(eligible, key=lambda n: n.node_id):
+        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+        give_up = bound if best is None else min(bound, best[0])
+        plan = memo.get(key)  # identical states give identical plans; a tighter bound stays too slow
+        if plan is None:
+            plan = plan_on_decode_node(models, config, node, prompt_tokens, give_up)
+            memo[key] = plan
+        if plan == _TOO_SLOW:
+            any_too_slow = True
+        elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
+            best = (plan.ttft_s, node.node_id, plan)
+
+    if best is None:
+        if not any_too_slow:
+            return keep(Reason.KEEP_NO_SAFE_SCHEDULE, None)
+        return keep(Reason.KEEP_DECODE_SLOWER if margin_s <= config.ttft_slo_s else Reason.KEEP_DECODE_OVER_SLO, None)
+
+    ttft_dec, node_id, plan = best
+    if ttft_dec > margin_s:
+        return keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
+    if ttft_dec > config.ttft_slo_s:
+        return keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
+    return Decision(
+        route=Route.DEFLECT,
+        reason=Reason.DEFLECT_WITHIN_MARGIN,
+        decode_node=node_id,
+        prefill_node=None,
+        schedule=plan.steps,
+        predicted_ttft_prefill_s=ttft_pf,
+        predicted_ttft_decode_s=ttft_dec,
+        prompt_tokens=prompt_tokens,
+    )

@@ -1,0 +1,64 @@
+"""The typed output of every routing policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Route(StrEnum):
+    KEEP = "keep"  # prefill on a prefill node, KV transfer, decode on a decode node
+    DEFLECT = "deflect"  # chunked prefill in place on a decode node, no transfer
+
+
+class Reason(StrEnum):
+    """Why a decision came out the way it did; exported as a metric label."""
+
+    DEFLECT_WITHIN_MARGIN = "deflect_within_margin"  # Eq. 7 holds on the fastest feasible node
+    DEFLECT_STATIC_RULE = "deflect_static_rule"  # SQ/SL threshold fired
+    KEEP_DECODE_SLOWER = "keep_decode_slower"  # fastest decode TTFT > alpha x prefill TTFT
+    KEEP_DECODE_OVER_SLO = "keep_decode_over_slo"  # fastest decode TTFT > TTFT SLO
+    KEEP_NO_SAFE_SCHEDULE = "keep_no_safe_schedule"  # no node has a TBT-safe schedule
+    KEEP_NO_ELIGIBLE_DECODE = "keep_no_eligible_decode"  # all decode nodes stale, busy or full
+    KEEP_STATIC_RULE = "keep_static_rule"  # SQ/SL threshold did not fire
+    KEEP_POLICY = "keep_policy"  # the policy never deflects (P/D baseline)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkStep:
+    """One step of a deflected prefill on a decode node."""
+
+    step_tokens: int  # chi: all tokens in the step (B decode tokens + the prefill chunk)
+    prefill_tokens: int  # chi - B: this request's prompt tokens processed in the step
+    cached_tokens: int  # this request's prompt tokens already cached before the step
+    predicted_s: float  # predicted step latency (Eq. 4)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes, and why."""
+
+    route: Route
+    reason: Reason
+    decode_node: str  # serves the decode phase (and the prefill, on deflect)
+    prefill_node: str | None  # the prefill node on keep, None on deflect
+    schedule: tuple[ChunkStep, ...]  # the chunk schedule on deflect, () on keep
+    predicted_ttft_prefill_s: float | None  # Eq. 1 on the chosen/best prefill node
+    predicted_ttft_decode_s: float | None  # Eq. 6 on the best feasible decode node, if any
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.route is Route.DEFLECT and (not self.schedule or self.prefill_node is not None):
+            raise ValueError("a deflect decision needs a schedule and no prefill node")
+        if self.route is Route.KEEP and (self.schedule or self.prefill_node is None):
+            raise ValueError("a keep decision needs a prefill node and no schedule")
+        if self.route is Route.DEFLECT and sum(s.prefill_tokens for s in self.schedule) != self.prompt_tokens:
+            raise ValueError(
+                f"schedule covers {sum(s.prefill_tokens for s in self.schedule)} tokens, "
+                f"prompt has {self.prompt_tokens}"
+            )
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Prefill tokens per step: what the decode node's scheduler executes."""
+        return tuple(s.prefill_tokens for s in self.schedule)

@@ -1,0 +1,61 @@
+"""The cluster state a decision reads: what each node last reported, plus the dispatcher's own
+dispatches since then. Plain frozen values so the core stays pure and testable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillNodeState:
+    """A prefill node as of its last heartbeat (plus dispatches since, if tracked)."""
+
+    node_id: str
+    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
+    chunk_tokens: int  # chi_p: the node's token budget per step (max_num_batched_tokens)
+    reported_at: float  # time of the heartbeat, seconds on the decider's clock
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"prefill node {self.node_id}: chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.queued_prefill_tokens)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return sum(self.queued_prefill_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeNodeState:
+    """A decode node as of its last heartbeat (plus dispatches since, if tracked)."""
+
+    node_id: str
+    decode_tokens: int  # B: running decodes, one token each per step
+    kv_tokens: int  # K: KV-cache tokens in use
+    kv_capacity_tokens: int  # total KV-cache tokens the node can hold
+    reported_at: float  # time of the heartbeat, seconds on the decider's clock
+    # Remaining prefill tokens of deflected prefills on the node (running or queued), including
+    # the ones this dispatcher sent since the heartbeat, which the heartbeat cannot show yet.
+    prefill_backlog_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
+            raise ValueError(
+                f"decode node {self.node_id}: decode_tokens={self.decode_tokens}, kv_tokens={self.kv_tokens}, "
+                f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= 0"
+            )
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return max(0, self.kv_capacity_tokens - self.kv_tokens - sum(self.prefill_backlog_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """Everything a decision needs to know about the cluster at one instant."""
+
+    prefill: tuple[PrefillNodeState, ...] = field(default_factory=tuple)
+    decode: tuple[DecodeNodeState, ...] = field(default_factory=tuple)

@@ -1,0 +1,86 @@
+"""The dispatcher's view of the cluster: the last heartbeat of every node, with the
+dispatcher's own dispatches since that heartbeat applied on top.
+
+Without the overlay every request arriving between two heartbeats would see the same queues
+and herd onto the same "best" node; with it, a prefill queue grows by each prompt the moment
+it is dispatched, and a decode node shows each deflection sent to it, which is what the
+pending-deflection limit of §5.3 counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from extproc.decision import Decision, Route
+from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    at: float  # dispatch time
+    tokens: int  # prompt tokens sent
+
+
+@dataclass
+class ClusterTracker:
+    """Heartbeats plus own dispatches; ``view(now)`` is what a decision reads."""
+
+    # A dispatch may reach its node after the next heartbeat was taken (network, sidecar hop):
+    # keep it in the overlay until a heartbeat at least this much younger than it arrives.
+    dispatch_grace_s: float = 0.0
+    _prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
+    _decode: dict[str, DecodeNodeState] = field(default_factory=dict)
+    _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
+    _cached: ClusterView | None = None
+
+    def update_prefill(self, state: PrefillNodeState) -> None:
+        self._prefill[state.node_id] = state
+        self._expire(state.node_id, state.reported_at)
+
+    def update_decode(self, state: DecodeNodeState) -> None:
+        self._decode[state.node_id] = state
+        self._expire(state.node_id, state.reported_at)
+
+    def remove(self, node_id: str) -> None:
+        """Forget a node (its heartbeat key expired: it is gone)."""
+        self._prefill.pop(node_id, None)
+        self._decode.pop(node_id, None)
+        self._overlay.pop(node_id, None)
+        self._cached = None
+
+    def record(self, decision: Decision, now: float) -> None:
+        """Account for a dispatch until a heartbeat shows it."""
+        node = decision.prefill_node if decision.route is Route.KEEP else decision.decode_node
+        assert node is not None  # a keep decision always names its prefill node
+        self._overlay.setdefault(node, []).append(_Dispatch(now, decision.prompt_tokens))
+        self._cached = None
+
+    def _expire(self, node_id: str, reported_at: float) -> None:
+        pending = self._overlay.get(node_id)
+        if pending:
+            horizon = reported_at - self.dispatch_grace_s
+            self._overlay[node_id] = [d for d in pending if d.at > horizon]
+        self._cached = None
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return (*self._prefill, *self._decode)
+
+    def view(self) -> ClusterView:
+        if self._cached is None:
+            prefill = tuple(self._with_overlay_prefill(s) for s in self._prefill.values())
+            decode = tuple(self._with_overlay_decode(s) for s in self._decode.values())
+            self._cached = ClusterView(prefill=prefill, decode=decode)
+        return self._cached
+
+    def _with_overlay_prefill(self, s: PrefillNodeState) -> PrefillNodeState:
+        extra = self._overlay.get(s.node_id)
+        if not extra:
+            return s
+        return replace(s, queued_prefill_tokens=s.queued_prefill_tokens + tuple(d.tokens for d in extra))
+
+    def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
+        extra = self._overlay.get(s.node_id)
+        if not extra:
+            return s
+        return replace(s, prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra))

@@ -1,0 +1,47 @@
+"""Kairos's one exception hierarchy.
+
+Every error carries a stable machine-readable ``code``. The HTTP boundary maps codes to
+statuses in exactly one place; the core only raises.
+"""
+
+from __future__ import annotations
+
+
+class KairosError(Exception):
+    """Base of every error Kairos raises on purpose."""
+
+    code = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(KairosError):
+    """A configuration file, flag or environment variable is invalid."""
+
+    code = "invalid_config"
+
+
+class ProfileError(KairosError):
+    """A latency profile file is missing, malformed or inconsistent."""
+
+    code = "invalid_profile"
+
+
+class InvalidRequestError(KairosError):
+    """The client's request cannot be served as sent (bad body, empty prompt, too long)."""
+
+    code = "invalid_request"
+
+
+class NoHealthyNodeError(KairosError):
+    """No prefill or decode node is eligible to serve the request right now."""
+
+    code = "no_healthy_node"
+
+
+class UnknownPolicyError(ConfigError):
+    """A policy name or parameter that the policy factory does not know."""
+
+    code = "unknown_policy"

@@ -1,0 +1,311 @@
+"""A vLLM-like continuous-batching engine model: one instance per node.
+
+The engine never reads a clock. A driver asks it for the next step (``plan_step``), lets the
+step's duration pass in its own time base (virtual time in the simulator, wall time in the
+emulated vLLM server), then applies the step (``finish_step``). The step duration comes from a
+:class:`StepTimer`, so the same engine runs on the clean latency model or on a noisy
+"ground truth".
+
+Scheduling follows vLLM v1 with chunked prefill:
+- running decodes first, one token each;
+- then prefills in FIFO order within the step's token budget; a request that carries a chunk
+  schedule (a deflected prefill) gets exactly its schedule's next size (the last size repeats),
+  and at most one scheduled prefill advances per step, so deflected prefills on a node run one
+  after another, which is what the dispatcher's TTFT prediction assumes;
+- KV capacity in tokens: a waiting request is admitted only when its whole prompt fits; decodes
+  that were admitted keep growing (no preemption is modelled).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from extproc.latency import LatencyModels
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One node's engine limits."""
+
+    node_id: str
+    role: Role
+    max_step_tokens: int = 2048  # token budget per step (vLLM's max_num_batched_tokens)
+    kv_capacity_tokens: int = 1_300_000  # KV-cache size in tokens (A100 80 GB, DeepSeek-V2-Lite)
+    max_running: int = 256  # most sequences resident at once (vLLM's max_num_seqs)
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 1 or self.kv_capacity_tokens < 1 or self.max_running < 1:
+            raise ValueError(
+                f"engine {self.node_id}: max_step_tokens={self.max_step_tokens}, "
+                f"kv_capacity_tokens={self.kv_capacity_tokens}, max_running={self.max_running} must be >= 1"
+            )
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request resident on one engine. Mutable: the engine advances it step by step."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int  # tokens to generate on this engine (1 for a prefill-only hop)
+    schedule: tuple[int, ...] = ()  # prefill tokens per step for a deflected prefill; () = budget
+    computed: int = 0  # prompt tokens prefilled so far (or received by KV transfer)
+    generated: int = 0  # output tokens produced on this engine
+    schedule_index: int = 0
+    first_chunk_at: float | None = None  # start time of its first prefill step on this engine
+    first_token_at: float | None = None
+    first_decode_step: int = -1  # engine step index that produced its first token
+    finished_at: float | None = None
+    hold_kv: bool = False  # keep the KV after finishing, until ``release`` (a prefill hop's transfer)
+    tag: object = None  # the driver's own handle (the simulator's request record, an HTTP stream)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self.prompt_tokens - self.computed
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.computed + self.generated
+
+    def next_chunk(self) -> int:
+        if not self.schedule:
+            return self.prefill_remaining
+        size = self.schedule[min(self.schedule_index, len(self.schedule) - 1)]
+        return min(size, self.prefill_remaining)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    seq: Sequence
+    tokens: int  # prompt tokens processed in this step
+    cached: int  # this sequence's prompt tokens already computed before the step
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The composition of one engine step."""
+
+    index: int  # engine step counter
+    start: float
+    decode_tokens: int  # B
+    kv_tokens: int  # K at the start of the step
+    chunks: tuple[Chunk, ...]
+    new_decoders: int  # decodes producing their first token in this step (not a TBT sample)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks)
+
+    @property
+    def step_tokens(self) -> int:
+        return self.decode_tokens + self.prefill_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What a finished step produced."""
+
+    plan: StepPlan
+    duration: float
+    first_tokens: tuple[Sequence, ...]  # sequences that emitted their first token this step
+    finished: tuple[Sequence, ...]  # sequences that completed on this engine this step
+    tokens_emitted: tuple[Sequence, ...] = ()  # every sequence that emitted a token (if tracked)
+
+
+StepTimer = Callable[[Role, StepPlan], float]
+
+
+def model_step_time(models: LatencyModels) -> StepTimer:
+    """Step duration from the latency models: the prefill model on a prefill node's
+    prefill-only steps, T0 + Delta T (Eq. 4) on every step that has decodes or runs on a
+    decode node. Several chunks in one step are costed as one chunk over their token-weighted
+    mean cached length."""
+
+    def timer(role: Role, plan: StepPlan) -> float:
+        p = plan.prefill_tokens
+        cached = sum(c.tokens * c.cached for c in plan.chunks) / p if p else 0.0
+        if role is Role.PREFILL and plan.decode_tokens == 0:
+            return models.prefill_step_s(p, cached)
+        return models.mixed_step_s(plan.step_tokens, cached, plan.decode_tokens, plan.kv_tokens)
+
+    return timer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What a heartbeat reports."""
+
+    node_id: str
+    role: Role
+    decode_tokens: int  # running decodes
+    kv_tokens: int  # KV tokens in use
+    kv_capacity_tokens: int
+    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens, unscheduled prefills, FIFO
+    scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
+    max_step_tokens: int
+
+
+@dataclass
+class Engine:
+    """The step loop of one node. See the module docstring for the scheduling rules."""
+
+    config: EngineConfig
+    timer: StepTimer
+    track_tokens: bool = False  # report every token emission (the HTTP server streams them)
+    waiting: deque[Sequence] = field(default_factory=deque)  # not yet admitted, FIFO
+    prefilling: list[Sequence] = field(default_factory=list)  # admitted, prompt not done, FIFO
+    decoding: list[Sequence] = field(default_factory=list)  # in every step's batch
+    joining: list[Sequence] = field(default_factory=list)  # arrived by transfer, join next step
+    kv_used: int = 0  # KV tokens held by resident sequences (computed + generated)
+    kv_reserved: int = 0  # tokens promised to incoming KV transfers
+    kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
+    step_index: int = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
+        self.waiting.append(seq)
+
+    def reserve_kv(self, tokens: int) -> bool:
+        """Reserve room for an incoming KV transfer; False when the node is too full now."""
+        if self.free_kv_tokens < tokens:
+            return False
+        self.kv_reserved += tokens
+        return True
+
+    def accept_transferred(self, seq: Sequence, reserved_tokens: int) -> None:
+        """A request whose prompt KV arrived by transfer: it decodes from the next step."""
+        self.kv_reserved -= reserved_tokens
+        seq.computed = seq.prompt_tokens
+        self.kv_used += seq.kv_tokens
+        self.joining.append(seq)
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return self.config.kv_capacity_tokens - self.kv_used - self.kv_reserved - self.kv_prefill_pending
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding or self.joining)
+
+    def _admit(self) -> None:
+        resident = len(self.prefilling) + len(self.decoding)
+        while self.waiting and resident < self.config.max_running:
+            head = self.waiting[0]
+            if self.free_kv_tokens < head.prefill_remaining + 1:
+                break  # FIFO: later requests wait behind the head (vLLM's default)
+            self.waiting.popleft()
+            self.kv_used += head.computed
+            self.kv_prefill_pending += head.prefill_remaining
+            self.prefilling.append(head)
+            resident += 1
+
+    # -- the step loop ---------------------------------------------------------------------
+    def plan_step(self, now: float) -> StepPlan | None:
+        """Compose the next step, or None when there is nothing to run."""
+        if self.joining:
+            self.decoding.extend(self.joining)
+            self.joining.clear()
+        self._admit()
+        b = len(self.decoding)
+        budget = self.config.max_step_tokens - b
+        chunks: list[Chunk] = []
+        scheduled_taken = False
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            if seq.schedule:
+                if scheduled_taken:
+                    continue  # one deflected prefill at a time
+                scheduled_taken = True
+            n = min(seq.next_chunk(), budget)
+            chunks.append(Chunk(seq, n, seq.computed))
+            budget -= n
+        if b == 0 and not chunks:
+            return None
+        new = sum(1 for s in self.decoding if s.generated == 0) if b else 0
+        return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), new)
+
+    def step_duration(self, plan: StepPlan) -> float:
+        return self.timer(self.config.role, plan)
+
+    def finish_step(self, plan: StepPlan, now: float, duration: float) -> StepOutcome:
+        """Apply a planned step that ended at ``now``. Sequences that joined while it ran
+        (``joining``) are not part of it."""
+        first: list[Sequence] = []
+        done: list[Sequence] = []
+        emitted: list[Sequence] = []
+        if plan.decode_tokens:
+            self.kv_used += plan.decode_tokens
+            for seq in self.decoding:
+                if seq.generated == 0:
+                    seq.first_token_at = now
+                    seq.first_decode_step = plan.index
+                    first.append(seq)
+                seq.generated += 1
+                if seq.generated >= seq.output_tokens:
+                    done.append(seq)
+            if self.track_tokens:
+                emitted.extend(self.decoding)
+            if done:
+                for seq in done:
+                    seq.finished_at = now
+                    self.kv_used -= seq.kv_tokens
+                self.decoding = [s for s in self.decoding if s.finished_at is None]
+        # Prefill chunks: the step that completes a prompt also samples its first token.
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.first_chunk_at is None:
+                seq.first_chunk_at = plan.start
+            seq.computed += chunk.tokens
+            seq.schedule_index += 1
+            self.kv_used += chunk.tokens
+            self.kv_prefill_pending -= chunk.tokens
+            if seq.prefill_remaining == 0:
+                self.prefilling.remove(seq)
+                seq.generated = 1
+                seq.first_token_at = now
+                seq.first_decode_step = plan.index
+                self.kv_used += 1
+                first.append(seq)
+                if self.track_tokens:
+                    emitted.append(seq)
+                if seq.output_tokens <= 1:
+                    seq.finished_at = now
+                    done.append(seq)
+                    if not seq.hold_kv:
+                        self.kv_used -= seq.kv_tokens
+                else:
+                    self.decoding.append(seq)
+        self.step_index += 1
+        return StepOutcome(plan, duration, tuple(first), tuple(done), tuple(emitted))
+
+    def release(self, seq: Sequence) -> None:
+        """Free a finished sequence's KV that the engine kept (a prefill node holds a prefilled
+        request's KV until its transfer to the decode node completes)."""
+        self.kv_used -= seq.kv_tokens
+
+    # -- reporting -------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        queued: list[int] = []
+        scheduled: list[int] = []
+        for seq in (*self.prefilling, *self.waiting):
+            (scheduled if seq.schedule else queued).append(seq.prefill_remaining)
+        return EngineSnapshot(
+            node_id=self.config.node_id,
+            role=self.config.role,
+            decode_tokens=len(self.decoding) + len(self.joining),
+            kv_tokens=self.kv_used,
+            kv_capacity_tokens=self.config.kv_capacity_tokens,
+            queued_prefill_tokens=tuple(queued),
+            scheduled_prefill_tokens=tuple(scheduled),
+            max_step_tokens=self.config.max_step_tokens,
+        )
