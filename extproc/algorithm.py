@@ -33,6 +33,9 @@ class DeciderConfig:
     # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
     # deflection is then scheduled behind the node's backlog.
     max_pending_deflections: int | None = 1
+    # Send beta x tau with each schedule so the decode node shrinks a chunk whose step would
+    # overrun it with the batch it actually has then (decodes join between heartbeats).
+    node_step_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.alpha < 1.0:
@@ -303,4 +306,5 @@ def decide(
         predicted_ttft_prefill_s=ttft_pf,
         predicted_ttft_decode_s=ttft_dec,
         prompt_tokens=prompt_tokens,
+        step_budget_s=config.step_budget_s if config.node_step_guard else None,
     )

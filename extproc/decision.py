@@ -46,6 +46,9 @@ class Decision:
     predicted_ttft_prefill_s: float | None  # Eq. 1 on the chosen/best prefill node
     predicted_ttft_decode_s: float | None  # Eq. 6 on the best feasible decode node, if any
     prompt_tokens: int
+    # On deflect: the step-time budget (beta x tau) the decode node enforces on each chunk with
+    # its own model and the batch it has at that step; None leaves the schedule unguarded.
+    step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.route is Route.DEFLECT and (not self.schedule or self.prefill_node is not None):

@@ -130,7 +130,9 @@ class KairosPolicy:
     @property
     def label(self) -> str:
         name = "oracle" if self.fresh_state else "kairos"
-        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g})"
+        guard = "" if self.config.node_step_guard else ",guard=off"
+        pending = "" if self.config.max_pending_deflections == 1 or self.fresh_state else ",pending=none"
+        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         return alg.decide(prompt_tokens, view, now, self.models, self.config)
@@ -141,8 +143,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending"),
-    "oracle": ("alpha", "beta"),
+    "kairos": ("alpha", "beta", "pending", "guard"),
+    "oracle": ("alpha", "beta", "guard"),
 }
 
 
@@ -187,6 +189,10 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
             raise UnknownPolicyError(f"policy {name!r}: threshold={threshold} must be >= 0, chunk={chunk} >= 2")
         return StaticPolicy(models, cfg, name, threshold, chunk)
     changes: dict[str, object] = {"alpha": number("alpha", cfg.alpha), "beta": number("beta", cfg.beta)}
+    if "guard" in params:
+        if params["guard"].lower() not in ("on", "off"):
+            raise UnknownPolicyError(f"policy {name!r}: guard={params['guard']!r} must be 'on' or 'off'")
+        changes["node_step_guard"] = params["guard"].lower() == "on"
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:
@@ -194,3 +200,21 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
             None if params["pending"].lower() == "none" else int(number("pending", 1, int))
         )
     return KairosPolicy(models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"))
+
+
+def split_policy_list(text: str) -> list[str]:
+    """Split ``"pd,kairos:alpha=1.3,beta=0.9,sq:theta=4"`` into policy specs: a ``key=value``
+    item without a policy name belongs to the spec before it. ``;`` also separates specs."""
+    specs: list[str] = []
+    for part in (p.strip() for chunk in text.split(";") for p in chunk.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += ("," if ":" in specs[-1] else ":") + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise UnknownPolicyError(f"no policy in {text!r}; known policies: {list(POLICY_NAMES)}")
+    for spec in specs:
+        parse_policy_spec(spec)  # fail fast, before any simulation runs
+    return specs

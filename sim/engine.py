@@ -57,6 +57,9 @@ class Sequence:
     prompt_tokens: int
     output_tokens: int  # tokens to generate on this engine (1 for a prefill-only hop)
     schedule: tuple[int, ...] = ()  # prefill tokens per step for a deflected prefill; () = budget
+    # With a schedule: the longest step it may cause. The node shrinks (or defers) a chunk
+    # whose step its own latency model predicts over this, given the batch it actually has.
+    step_budget_s: float | None = None
     computed: int = 0  # prompt tokens prefilled so far (or received by KV transfer)
     generated: int = 0  # output tokens produced on this engine
     schedule_index: int = 0
@@ -159,6 +162,7 @@ class Engine:
 
     config: EngineConfig
     timer: StepTimer
+    guard: LatencyModels | None = None  # the node's latency model, enforcing chunk step budgets
     track_tokens: bool = False  # report every token emission (the HTTP server streams them)
     waiting: deque[Sequence] = field(default_factory=deque)  # not yet admitted, FIFO
     prefilling: list[Sequence] = field(default_factory=list)  # admitted, prompt not done, FIFO
@@ -227,12 +231,37 @@ class Engine:
                     continue  # one deflected prefill at a time
                 scheduled_taken = True
             n = min(seq.next_chunk(), budget)
+            if seq.step_budget_s is not None and self.guard is not None:
+                n = self._fit_chunk(n, seq, b)
+                if n == 0:
+                    continue  # not even one token fits this step: wait for the batch to shrink
             chunks.append(Chunk(seq, n, seq.computed))
             budget -= n
         if b == 0 and not chunks:
             return None
         new = sum(1 for s in self.decoding if s.generated == 0) if b else 0
         return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), new)
+
+    def _fit_chunk(self, tokens: int, seq: Sequence, decode_tokens: int) -> int:
+        """The largest chunk <= ``tokens`` whose step the node's model keeps within the
+        sequence's step budget, with the batch as it is now (the dispatcher planned on a
+        heartbeat; decodes may have joined since)."""
+        assert self.guard is not None and seq.step_budget_s is not None
+        limit, k, cached = seq.step_budget_s, self.kv_used, seq.computed
+
+        def fits(n: int) -> bool:
+            return self.guard.mixed_step_s(decode_tokens + n, cached, decode_tokens, k) <= limit  # type: ignore[union-attr]
+
+        if fits(tokens):
+            return tokens
+        lo, hi = 0, tokens  # fits(lo) or lo == 0; not fits(hi); step time grows with the chunk
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo if lo > 0 and fits(lo) else 0
 
     def step_duration(self, plan: StepPlan) -> float:
         return self.timer(self.config.role, plan)

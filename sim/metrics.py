@@ -1,0 +1,143 @@
+"""Per-request and per-step measurements of a simulation, and their summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from extproc.decision import Route
+from sim.engine import Sequence, StepPlan
+from sim.requests import RequestSpec
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """The life of one request; times in seconds since the run started."""
+
+    spec: RequestSpec
+    route: Route
+    decode_node: str
+    prefill_node: str | None
+    predicted_ttft_s: float | None  # the dispatcher's prediction for the path it chose
+    seq: Sequence | None = None  # the engine sequence on the decode node (or prefill, until transfer)
+    prefill_seq: Sequence | None = None  # the prefill hop's sequence (keep path)
+    prefill_start: float | None = None  # first prefill chunk starts
+    prefill_end: float | None = None  # last prefill chunk ends
+    transfer_start: float | None = None  # KV transfer starts (link free and decode KV reserved)
+    transfer_end: float | None = None
+    first_token: float | None = None  # first output token leaves the decode node
+    first_token_step: int = -1  # decode-node step that produced it
+    finished: float | None = None
+    last_step: int = -1  # decode-node step that produced the last token
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token is not None
+        return self.first_token - self.spec.arrival_s
+
+    def ttft_parts(self) -> tuple[float, float, float, float]:
+        """(prefill queue, prefill execution, KV transfer incl. its queueing, decode queue)."""
+        assert self.prefill_start is not None and self.prefill_end is not None and self.first_token is not None
+        queue = self.prefill_start - self.spec.arrival_s
+        execution = self.prefill_end - self.prefill_start
+        if self.route is Route.DEFLECT:
+            return queue, execution, 0.0, 0.0
+        assert self.transfer_end is not None
+        return queue, execution, self.transfer_end - self.prefill_end, self.first_token - self.transfer_end
+
+
+@dataclass
+class _NodeSteps:
+    durations: list[float] = field(default_factory=list)
+    decodes: list[int] = field(default_factory=list)  # decodes that had a previous token (TBT samples)
+    violations_before: list[int] = field(default_factory=lambda: [0])  # prefix counts of steps > tau
+
+
+@dataclass
+class SimMetrics:
+    """Raw measurements; ``summary`` is filled in at the end of a run."""
+
+    decode_nodes: list[str]
+    tbt_slo_s: float
+    deflections: int = 0
+    steps: dict[str, _NodeSteps] = field(default_factory=dict)
+    records: list[RequestRecord] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.steps = {n: _NodeSteps() for n in self.decode_nodes}
+
+    def record_decode_step(self, node_id: str, plan: StepPlan, duration: float) -> None:
+        s = self.steps[node_id]
+        s.durations.append(duration)
+        s.decodes.append(plan.decode_tokens - plan.new_decoders)
+        s.violations_before.append(s.violations_before[-1] + (duration > self.tbt_slo_s))
+
+    def request_tbt_violations(self, rec: RequestRecord) -> tuple[int, int]:
+        """(steps over tau, TBT samples) for one request: it was in every step of its decode
+        node between its first and its last token."""
+        if rec.last_step <= rec.first_token_step:
+            return 0, 0
+        prefix = self.steps[rec.decode_node].violations_before
+        return prefix[rec.last_step + 1] - prefix[rec.first_token_step + 1], rec.last_step - rec.first_token_step
+
+
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    """Percentiles of ``values`` where each value counts ``weights`` times."""
+    if values.size == 0 or weights.sum() == 0:
+        return [0.0 for _ in qs]
+    order = np.argsort(values)
+    v, w = values[order], np.cumsum(weights[order])
+    return [float(v[min(np.searchsorted(w, q / 100 * w[-1]), v.size - 1)]) for q in qs]
+
+
+def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: float, ttft_slo_s: float) -> dict[str, Any]:
+    """The figures a run reports (times in seconds unless the key says ms)."""
+    metrics.records = records
+    ttft = np.array([r.ttft for r in records])
+    parts = np.array([r.ttft_parts() for r in records]) if records else np.zeros((0, 4))
+    deflected = np.array([r.route is Route.DEFLECT for r in records], dtype=bool)
+    durations = np.concatenate([np.asarray(s.durations) for s in metrics.steps.values()] or [np.zeros(0)])
+    weights = np.concatenate([np.asarray(s.decodes) for s in metrics.steps.values()] or [np.zeros(0)])
+    decode_steps = weights > 0
+    tbt50, tbt95, tbt99 = weighted_percentiles(durations, weights, (50, 95, 99))
+    meets = 0
+    for r, t in zip(records, ttft, strict=True):
+        bad, samples = metrics.request_tbt_violations(r)
+        if t <= ttft_slo_s and bad <= 0.05 * samples:  # the request's own P95 TBT <= tau
+            meets += 1
+    start = min((r.spec.arrival_s for r in records), default=0.0)
+    end = max((r.finished or 0.0 for r in records), default=0.0)
+    span = max(end - start, 1e-9)
+    out_tokens = sum(r.spec.output_tokens for r in records)
+    all_tokens = out_tokens + sum(r.spec.prompt_tokens for r in records)
+
+    def pct(a: np.ndarray, q: float) -> float:
+        return float(np.percentile(a, q)) if a.size else 0.0
+
+    predicted = np.array([np.nan if r.predicted_ttft_s is None else r.predicted_ttft_s for r in records])
+    ok = ~np.isnan(predicted) & (ttft > 0)
+    return {
+        "requests": len(records),
+        "deflections": int(deflected.sum()),
+        "p50_ttft_s": pct(ttft, 50),
+        "p95_ttft_s": pct(ttft, 95),
+        "p99_ttft_s": pct(ttft, 99),
+        "p95_ttft_keep_s": pct(ttft[~deflected], 95),
+        "p95_ttft_deflect_s": pct(ttft[deflected], 95),
+        "p95_prefill_queue_s": pct(parts[~deflected, 0], 95),
+        "p95_prefill_exec_s": pct(parts[~deflected, 1], 95),
+        "p95_kv_transfer_s": pct(parts[~deflected, 2], 95),
+        "p95_decode_queue_s": pct(parts[~deflected, 3], 95),
+        "p50_tbt_ms": tbt50 * 1e3,
+        "p95_tbt_ms": tbt95 * 1e3,
+        "p99_tbt_ms": tbt99 * 1e3,
+        "max_tbt_ms": float(durations[decode_steps].max() * 1e3) if decode_steps.any() else 0.0,
+        "tbt_violation_rate": float((durations[decode_steps] > tbt_slo_s).mean()) if decode_steps.any() else 0.0,
+        "slo_attainment": meets / len(records) if records else 0.0,
+        "output_tokens_per_s": out_tokens / span,
+        "total_tokens_per_s": all_tokens / span,
+        "ttft_prediction_mape": float(np.mean(np.abs(predicted[ok] - ttft[ok]) / ttft[ok])) if ok.any() else 0.0,
+    }

@@ -1,0 +1,298 @@
+"""The discrete-event simulator of a disaggregated cluster under a routing policy.
+
+An event loop of ``(time, seq, kind, payload)``: arrivals, engine step ends, KV transfer ends
+and heartbeats. Nodes run the shared :class:`~sim.engine.Engine`; the dispatcher is the same
+policy code the gateway runs, reading heartbeats that are up to one period old (the Oracle
+reads the engines directly).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from extproc.decision import Route
+from extproc.latency import LatencyModels
+from extproc.policies import Policy
+from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from extproc.view import ClusterTracker
+from sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
+from sim.engine import Sequence as EngineSeq
+from sim.metrics import RequestRecord, SimMetrics, summarize
+from sim.requests import RequestSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Topology and node limits of the simulated cluster."""
+
+    prefill_nodes: int = 2
+    decode_nodes: int = 2
+    prefill_step_tokens: int = 2048  # chi_p: the prefill nodes' token budget per step
+    decode_step_tokens: int = 4096  # decode nodes' budget per step (>= B + the largest chunk)
+    kv_capacity_tokens: int = 1_300_000  # per node
+    heartbeat_s: float = 0.1  # Delta_h
+    error: float = 0.0  # mean absolute relative error of the true step time vs the model
+    seed: int = 0  # seeds the ground-truth error
+
+    def __post_init__(self) -> None:
+        if self.prefill_nodes < 1 or self.decode_nodes < 1:
+            raise ValueError(f"need >= 1 prefill and >= 1 decode node, got {self.prefill_nodes}P{self.decode_nodes}D")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if not 0.0 <= self.error < 1.0:
+            raise ValueError(f"error must be in [0, 1), got {self.error}")
+
+
+class _Ev(IntEnum):
+    # Order matters for simultaneous events: finish work before new arrivals see the state.
+    STEP_END = 0
+    TRANSFER_END = 1
+    HEARTBEAT = 2
+    ARRIVAL = 3
+
+
+def noisy_timer(base: StepTimer, error: float, seed: int) -> StepTimer:
+    """Ground truth = model x a seeded random factor with E|factor - 1| = ``error``
+    (a normal with sigma = error x sqrt(pi/2), floored so no step is shorter than 10% of
+    the model's)."""
+    if error == 0:
+        return base
+    rng = np.random.default_rng(seed)
+    sigma = error * math.sqrt(math.pi / 2)
+    block: list[float] = []
+
+    def timer(role: Role, plan: StepPlan) -> float:
+        if not block:
+            block.extend(np.maximum(0.1, 1.0 + rng.normal(0.0, sigma, 4096)).tolist())
+        return base(role, plan) * block.pop()
+
+    return timer
+
+
+@dataclass
+class _Link:
+    """The inbound KV link of one decode node: FIFO, one transfer at a time, and a transfer
+    starts only once the decode node can hold the KV."""
+
+    queue: deque[RequestRecord] = field(default_factory=deque)
+    busy: bool = False
+
+
+class Simulator:
+    """One run of one policy over one list of requests."""
+
+    def __init__(
+        self,
+        requests: Sequence[RequestSpec],
+        policy: Policy,
+        models: LatencyModels,
+        cluster: ClusterConfig | None = None,
+        tbt_slo_s: float = 0.070,
+        ttft_slo_s: float = 4.0,
+    ) -> None:
+        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+        self.policy = policy
+        self.models = models
+        self.cluster = cluster or ClusterConfig()
+        self.tbt_slo_s = tbt_slo_s
+        self.ttft_slo_s = ttft_slo_s
+        c = self.cluster
+        timer = noisy_timer(model_step_time(models), c.error, c.seed)
+        self.prefill = [
+            Engine(EngineConfig(f"p{i}", Role.PREFILL, c.prefill_step_tokens, c.kv_capacity_tokens), timer)
+            for i in range(c.prefill_nodes)
+        ]
+        self.decode = [
+            Engine(EngineConfig(f"d{i}", Role.DECODE, c.decode_step_tokens, c.kv_capacity_tokens), timer, models)
+            for i in range(c.decode_nodes)
+        ]
+        self.engines: dict[str, Engine] = {e.config.node_id: e for e in (*self.prefill, *self.decode)}
+        self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
+        self.tracker = ClusterTracker()
+        self.metrics = SimMetrics(decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._inflight: dict[str, StepPlan] = {}
+        self._records: list[RequestRecord] = []
+
+    # -- event plumbing ----------------------------------------------------------------------
+    def _push(self, t: float, kind: _Ev, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, int(kind), self._seq, payload))
+
+    def run(self, progress: Callable[[float], None] | None = None) -> SimMetrics:
+        for spec in self.requests:
+            self._push(spec.arrival_s, _Ev.ARRIVAL, spec)
+        n = len(self.engines)
+        for i, node_id in enumerate(self.engines):
+            self._report(node_id, 0.0)  # nodes register before traffic starts
+            # Stagger heartbeats across the period, as independent node agents would be.
+            self._push(self.cluster.heartbeat_s * (i + 1) / n, _Ev.HEARTBEAT, node_id)
+        pending = len(self.requests)
+        done_reported = 0
+        while self._events and (pending > 0 or self._busy()):
+            t, kind, _, payload = heapq.heappop(self._events)
+            if kind == _Ev.ARRIVAL:
+                self._on_arrival(t, payload)  # type: ignore[arg-type]
+            elif kind == _Ev.STEP_END:
+                pending -= self._on_step_end(t, payload)  # type: ignore[arg-type]
+            elif kind == _Ev.TRANSFER_END:
+                self._on_transfer_end(t, payload)  # type: ignore[arg-type]
+            else:
+                self._on_heartbeat(t, payload)  # type: ignore[arg-type]
+            if progress is not None and len(self.requests) - pending - done_reported >= 500:
+                done_reported = len(self.requests) - pending
+                progress(done_reported / max(1, len(self.requests)))
+        if pending:
+            raise RuntimeError(f"simulation ended with {pending} unfinished requests")
+        summary = summarize(self._records, self.metrics, self.tbt_slo_s, self.ttft_slo_s)
+        self.metrics.summary = summary
+        return self.metrics
+
+    def _busy(self) -> bool:
+        return bool(self._inflight) or any(link.busy or link.queue for link in self.links.values())
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def _fresh_view(self, now: float) -> ClusterView:
+        return ClusterView(
+            prefill=tuple(_prefill_state(e.snapshot(), now) for e in self.prefill),
+            decode=tuple(_decode_state(e.snapshot(), now) for e in self.decode),
+        )
+
+    def _on_arrival(self, now: float, spec: RequestSpec) -> None:
+        view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
+        decision = self.policy.decide(spec.prompt_tokens, view, now)
+        self.tracker.record(decision, now)
+        rec = RequestRecord(
+            spec=spec,
+            route=decision.route,
+            decode_node=decision.decode_node,
+            prefill_node=decision.prefill_node,
+            predicted_ttft_s=(
+                decision.predicted_ttft_decode_s
+                if decision.route is Route.DEFLECT
+                else decision.predicted_ttft_prefill_s
+            ),
+        )
+        self._records.append(rec)
+        if decision.route is Route.DEFLECT:
+            self.metrics.deflections += 1
+            engine = self.engines[decision.decode_node]
+            seq = EngineSeq(
+                spec.request_id,
+                spec.prompt_tokens,
+                spec.output_tokens,
+                schedule=decision.chunk_sizes,
+                step_budget_s=decision.step_budget_s,
+                tag=rec,
+            )
+        else:
+            assert decision.prefill_node is not None
+            engine = self.engines[decision.prefill_node]
+            seq = EngineSeq(spec.request_id, spec.prompt_tokens, 1, hold_kv=True, tag=rec)
+        rec.seq = seq
+        engine.submit(seq)
+        self._kick(engine, now)
+
+    # -- engines -----------------------------------------------------------------------------
+    def _kick(self, engine: Engine, now: float) -> None:
+        node_id = engine.config.node_id
+        if node_id in self._inflight:
+            return
+        plan = engine.plan_step(now)
+        if plan is None:
+            return
+        self._inflight[node_id] = plan
+        self._push(now + engine.step_duration(plan), _Ev.STEP_END, node_id)
+
+    def _on_step_end(self, now: float, node_id: str) -> int:
+        engine = self.engines[node_id]
+        plan = self._inflight.pop(node_id)
+        outcome = engine.finish_step(plan, now, now - plan.start)
+        finished = 0
+        if engine.config.role is Role.PREFILL:
+            for seq in outcome.first_tokens:
+                rec: RequestRecord = seq.tag  # type: ignore[assignment]
+                rec.prefill_start = seq.first_chunk_at
+                rec.prefill_end = now
+                rec.prefill_seq = seq
+                self.links[rec.decode_node].queue.append(rec)
+                self._start_transfer(rec.decode_node, now)
+        else:
+            self.metrics.record_decode_step(node_id, plan, now - plan.start)
+            for seq in outcome.first_tokens:
+                rec = seq.tag  # type: ignore[assignment]
+                rec.first_token = now
+                if rec.route is Route.DEFLECT:
+                    rec.prefill_start = seq.first_chunk_at
+                    rec.prefill_end = now
+                rec.first_token_step = seq.first_decode_step
+            for seq in outcome.finished:
+                rec = seq.tag  # type: ignore[assignment]
+                rec.finished = now
+                rec.last_step = plan.index
+                finished += 1
+            if outcome.finished and self.links[node_id].queue:
+                self._start_transfer(node_id, now)  # KV freed: a waiting transfer may fit now
+        self._kick(engine, now)
+        return finished
+
+    # -- KV transfer -------------------------------------------------------------------------
+    def _start_transfer(self, decode_id: str, now: float) -> None:
+        link = self.links[decode_id]
+        if link.busy or not link.queue:
+            return
+        rec = link.queue[0]
+        if not self.engines[decode_id].reserve_kv(rec.spec.prompt_tokens):
+            return  # decode-side memory pressure: wait until a decode finishes
+        link.queue.popleft()
+        link.busy = True
+        rec.transfer_start = now
+        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _Ev.TRANSFER_END, rec)
+
+    def _on_transfer_end(self, now: float, rec: RequestRecord) -> None:
+        rec.transfer_end = now
+        assert rec.prefill_node is not None and rec.prefill_seq is not None
+        self.engines[rec.prefill_node].release(rec.prefill_seq)
+        decode = self.engines[rec.decode_node]
+        seq = EngineSeq(rec.spec.request_id, rec.spec.prompt_tokens, rec.spec.output_tokens, tag=rec)
+        rec.seq = seq
+        decode.accept_transferred(seq, reserved_tokens=rec.spec.prompt_tokens)
+        self.links[rec.decode_node].busy = False
+        self._start_transfer(rec.decode_node, now)
+        self._kick(decode, now)
+        self._kick(self.engines[rec.prefill_node], now)  # freed KV may admit a waiting prompt
+
+    # -- heartbeats --------------------------------------------------------------------------
+    def _on_heartbeat(self, now: float, node_id: str) -> None:
+        self._report(node_id, now)
+        self._push(now + self.cluster.heartbeat_s, _Ev.HEARTBEAT, node_id)
+
+    def _report(self, node_id: str, now: float) -> None:
+        snap = self.engines[node_id].snapshot()
+        if snap.role is Role.PREFILL:
+            self.tracker.update_prefill(_prefill_state(snap, now))
+        else:
+            self.tracker.update_decode(_decode_state(snap, now))
+
+
+def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
+    return PrefillNodeState(snap.node_id, snap.queued_prefill_tokens, snap.max_step_tokens, now)
+
+
+def _decode_state(snap: EngineSnapshot, now: float) -> DecodeNodeState:
+    return DecodeNodeState(
+        node_id=snap.node_id,
+        decode_tokens=snap.decode_tokens,
+        kv_tokens=snap.kv_tokens,
+        kv_capacity_tokens=snap.kv_capacity_tokens,
+        reported_at=now,
+        prefill_backlog_tokens=snap.scheduled_prefill_tokens,
+    )

@@ -1,0 +1,83 @@
+"""The discrete-event simulator: exact timings on tiny scenarios, and properties of short runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.latency import load_profile
+from extproc.policies import make_policy
+from sim.requests import RequestSpec
+from sim.simulator import ClusterConfig, Simulator
+from sim.workloads import make_workload
+
+MODELS = load_profile()
+
+
+def simulate(requests: list[RequestSpec], spec: str, **cluster: object) -> Simulator:
+    sim = Simulator(requests, make_policy(spec, MODELS), MODELS, ClusterConfig(**cluster))  # type: ignore[arg-type]
+    sim.run()
+    return sim
+
+
+def test_keep_path_ttft_is_prefill_plus_transfer_plus_first_decode_step() -> None:
+    sim = simulate([RequestSpec("r", 0.0, 1000, 3)], "pd")
+    (rec,) = sim.metrics.records
+    prefill = 0.040 + 1e-5 * 1000  # one 1000-token step on an idle prefill node
+    transfer = 0.005 + 1000 * 31104 / 1e9
+    first_decode = 0.046 + 1.5e-4 * 1 + 1.55e-8 * 1000  # B = 1, K = the transferred prompt
+    assert rec.ttft == pytest.approx(prefill + transfer + first_decode)
+    assert rec.ttft_parts() == pytest.approx((0.0, prefill, transfer, first_decode))
+    assert rec.prefill_node == "p0" and rec.decode_node == "d0"
+    assert sim.metrics.summary["deflections"] == 0
+
+
+def test_a_deflected_request_prefills_in_place_with_its_schedule() -> None:
+    # Four 30K-token prompts fill both prefill queues (too long to deflect within the TTFT SLO);
+    # the short probe behind them is faster on an idle decode node.
+    burst = [RequestSpec(f"b{i}", 0.0, 30000, 2) for i in range(4)]
+    probe = RequestSpec("probe", 0.01, 600, 4)
+    sim = simulate([*burst, probe], "kairos")
+    rec = next(r for r in sim.metrics.records if r.spec.request_id == "probe")
+    assert rec.route.value == "deflect" and rec.prefill_node is None
+    assert rec.transfer_start is None  # no KV transfer on the deflect path
+    # An idle decode node (B = 0, K = 0): the whole 600-token prompt fits one 2048-token step.
+    assert rec.seq is not None and rec.seq.first_decode_step == 0
+    assert rec.ttft == pytest.approx(MODELS.mixed_step_s(600, 0, 0, 0))
+
+
+def test_pd_never_deflects_and_every_request_finishes() -> None:
+    reqs = make_workload("bursty", rps=4, duration_s=60, seed=3)
+    sim = simulate(reqs, "pd")
+    s = sim.metrics.summary
+    assert s["requests"] == len(reqs) and s["deflections"] == 0
+    assert all(r.finished is not None and r.first_token is not None for r in sim.metrics.records)
+
+
+def test_kairos_keeps_every_step_within_tau_when_truth_equals_the_model() -> None:
+    reqs = make_workload("bursty", rps=8, duration_s=120, seed=5)
+    s = simulate(reqs, "kairos:alpha=1.3").metrics.summary
+    assert s["deflections"] > 0
+    assert s["tbt_violation_rate"] == 0.0 and s["max_tbt_ms"] <= 70.0 + 1e-9
+
+
+def test_without_the_node_guard_stale_state_can_break_tbt() -> None:
+    reqs = make_workload("bursty", rps=8, duration_s=120, seed=5)
+    s = simulate(reqs, "kairos:alpha=1.3,guard=off").metrics.summary
+    assert s["max_tbt_ms"] > 70.0
+
+
+def test_runs_are_deterministic_for_a_seed_and_the_error_option_changes_them() -> None:
+    reqs = make_workload("bursty", rps=6, duration_s=60, seed=7)
+    a = simulate(reqs, "kairos").metrics.summary
+    b = simulate(reqs, "kairos").metrics.summary
+    noisy = simulate(reqs, "kairos", error=0.1, seed=1).metrics.summary
+    assert a == b
+    assert noisy["p50_tbt_ms"] != a["p50_tbt_ms"]
+
+
+def test_oracle_and_lifted_limit_deflect_at_least_as_often_as_the_paper_rule() -> None:
+    reqs = make_workload("bursty", rps=6, duration_s=120, seed=2)
+    one = simulate(reqs, "kairos").metrics.summary["deflections"]
+    lifted = simulate(reqs, "kairos:pending=none").metrics.summary["deflections"]
+    oracle = simulate(reqs, "oracle").metrics.summary["deflections"]
+    assert lifted > one and oracle > one
