@@ -11,7 +11,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from extproc.decision import ChunkStep, Decision, Reason, Route
+from extproc.decision import Decision, Reason, Route
 from extproc.latency import LatencyModels
 from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
@@ -92,9 +92,24 @@ def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens:
 # ---------------------------------------------------------------------------------------------
 # Decode-node feasibility checker (§4.3)
 # ---------------------------------------------------------------------------------------------
+# A run of equal steps: (prefill tokens per step, steps, first step's time, time added per step).
+Run = tuple[int, int, float, float]
+
+
+def expand_runs(runs: list[Run] | tuple[Run, ...]) -> tuple[list[int], list[float]]:
+    """Per-step prefill tokens and predicted times of a schedule kept as runs."""
+    sizes: list[int] = []
+    times: list[float] = []
+    for p, n, first, inc in runs:
+        sizes.extend([p] * n)
+        times.extend(first + j * inc for j in range(n))
+    return sizes, times
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    steps: tuple[ChunkStep, ...]
+    decode_tokens: int  # B the request's own steps run beside (after any backlog finished)
+    runs: tuple[Run, ...]  # the request's schedule
     ttft_s: float  # includes the wait behind the node's backlog, if any
 
 
@@ -111,52 +126,93 @@ def greedy_schedule(
     step_budget_s: float,
     give_up_after_s: float = math.inf,
     start_s: float = 0.0,
-) -> tuple[tuple[ChunkStep, ...], float] | str:
+) -> tuple[list[Run], float] | str:
     """Eq. 5 and 6: at each step take the largest candidate chi whose step stays within
-    ``step_budget_s``; a step of chi tokens carries chi - B prefill tokens (§3.2).
+    ``step_budget_s``; a step of chi tokens carries chi - B prefill tokens (§3.2), and the KV
+    the request has built so far adds to the node's K.
 
-    The final step carries only the tokens left, and is costed with them. Returns the steps and
-    the finishing time (``start_s`` + sum of step times), or ``_INFEASIBLE`` / ``_TOO_SLOW``.
+    The final step carries only the tokens left, and is costed with them. Returns the schedule
+    as runs of equal steps and the finishing time (``start_s`` + the step times), or
+    ``_INFEASIBLE`` / ``_TOO_SLOW``.
+
+    This runs for every decode node on every request, so Eq. 4 is unrolled: with B and K
+    fixed, a step of chi tokens over c cached ones costs ``base[chi] + slope[chi] * c``, and
+    the greedy keeps one chi for as many steps as that stays within budget, a count and a time
+    sum that are closed-form. The result is the step-by-step greedy's, in O(candidates).
     """
     b = decode_tokens
-    steps: list[ChunkStep] = []
+    a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(b, kv_tokens)
+    n_cand = len(candidates)
+    full = [x - b for x in candidates]
+    base = [a0 + p * b0 + (k_coef * (x - knee) if x > knee else 0.0) for x, p in zip(candidates, full, strict=True)]
+    slope = [a_c + p * b1 for p in full]
+    largest = full[0]
+    monotone = models.mixed_monotone
+    runs: list[Run] = []
     t = start_s
     cached = 0
     remaining = prompt_tokens
     idx = 0  # candidates above idx were unsafe as full chunks; they only get costlier as c grows
-    monotone = models.mixed_monotone
-    n_cand = len(candidates)
     while remaining > 0:
         if not monotone:
             idx = 0
-        step_s = -1.0
-        p = 0
         # Finish in one step if the largest candidate can hold the rest and that step is safe.
-        if candidates[0] - b >= remaining:
-            s = models.mixed_step_s(b + remaining, cached, b, kv_tokens + cached)
+        if remaining <= largest:
+            x = b + remaining
+            s = a0 + a_c * cached + remaining * (b0 + b1 * cached) + (k_coef * (x - knee) if x > knee else 0.0)
             if s <= step_budget_s:
-                step_s, p = s, remaining
-        if step_s < 0:
-            while idx < n_cand:
-                full = candidates[idx] - b
-                if full <= 0:  # this and every smaller candidate carry no prefill token
-                    idx = n_cand
+                t += s
+                if t > give_up_after_s:
+                    return _TOO_SLOW
+                runs.append((remaining, 1, s, 0.0))
+                return runs, t
+        while idx < n_cand:
+            f = full[idx]
+            if f <= 0:  # this and every smaller candidate carry no prefill token
+                idx = n_cand
+                break
+            if f < remaining and base[idx] + slope[idx] * cached <= step_budget_s:
+                break
+            idx += 1
+        if idx >= n_cand:
+            return _INFEASIBLE
+        p = full[idx]
+        first = base[idx] + slope[idx] * cached
+        inc = slope[idx] * p
+        # Steps of p tokens: while each stays within budget, while a full chunk is still less
+        # than what remains, and (once the rest fits the largest candidate) one at a time so the
+        # finishing check above runs.
+        if not monotone:
+            n = 1
+        elif remaining <= largest:
+            # In the tail, walk the run just until the rest could finish in one safe step.
+            n, c_j, r_j = 1, cached + p, remaining - p
+            while r_j > p and first + n * inc <= step_budget_s:
+                x = b + r_j
+                fin = a0 + a_c * c_j + r_j * (b0 + b1 * c_j) + (k_coef * (x - knee) if x > knee else 0.0)
+                if fin <= step_budget_s:
                     break
-                if full < remaining:
-                    s = models.mixed_step_s(candidates[idx], cached, b, kv_tokens + cached)
-                    if s <= step_budget_s:
-                        step_s, p = s, full
-                        break
-                idx += 1
-            if step_s < 0:
-                return _INFEASIBLE
-        t += step_s
+                n, c_j, r_j = n + 1, c_j + p, r_j - p
+        else:
+            n = (remaining - 1) // p
+            n_tail = (remaining - largest + p - 1) // p
+            if n_tail < n:
+                n = n_tail
+            if inc > 0:
+                n_safe = int((step_budget_s - first) / inc) + 1
+                while n_safe > 1 and first + (n_safe - 1) * inc > step_budget_s:  # float rounding
+                    n_safe -= 1
+                if n_safe < n:
+                    n = n_safe
+            if n < 1:
+                n = 1
+        t += n * first + inc * n * (n - 1) / 2
         if t > give_up_after_s:
             return _TOO_SLOW
-        steps.append(ChunkStep(step_tokens=b + p, prefill_tokens=p, cached_tokens=cached, predicted_s=step_s))
-        cached += p
-        remaining -= p
-    return tuple(steps), t
+        runs.append((p, n, first, inc))
+        cached += p * n
+        remaining -= p * n
+    return runs, t
 
 
 def plan_on_decode_node(
@@ -169,18 +225,17 @@ def plan_on_decode_node(
     """Schedule the request on one decode node, behind any deflected prefills already there
     (possible only when the pending-deflection limit is lifted)."""
     b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+    cands, budget = config.chunk_candidates, config.step_budget_s
     for backlog in node.prefill_backlog_tokens:
-        done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, give_up_after_s, t)
+        done = greedy_schedule(models, backlog, b, k, cands, budget, give_up_after_s, t)
         if isinstance(done, str):
             return done
         t = done[1]
         b, k = b + 1, k + backlog  # the backlog request decodes on the node from then on
-    done = greedy_schedule(
-        models, prompt_tokens, b, k, config.chunk_candidates, config.step_budget_s, give_up_after_s, t
-    )
+    done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t)
     if isinstance(done, str):
         return done
-    return _Plan(steps=done[0], ttft_s=done[1])
+    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +313,7 @@ def decide(
             reason=reason,
             decode_node=keep_decode.node_id,
             prefill_node=prefill_node.node_id,
-            schedule=(),
+            chunk_sizes=(),
             predicted_ttft_prefill_s=ttft_pf,
             predicted_ttft_decode_s=ttft_dec,
             prompt_tokens=prompt_tokens,
@@ -297,14 +352,17 @@ def decide(
         return keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
     if ttft_dec > config.ttft_slo_s:
         return keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
+    sizes, times = expand_runs(plan.runs)
     return Decision(
         route=Route.DEFLECT,
         reason=Reason.DEFLECT_WITHIN_MARGIN,
         decode_node=node_id,
         prefill_node=None,
-        schedule=plan.steps,
+        chunk_sizes=tuple(sizes),
         predicted_ttft_prefill_s=ttft_pf,
         predicted_ttft_decode_s=ttft_dec,
         prompt_tokens=prompt_tokens,
         step_budget_s=config.step_budget_s if config.node_step_guard else None,
+        predicted_step_s=tuple(times),
+        planned_decode_tokens=plan.decode_tokens,
     )

@@ -42,26 +42,33 @@ class Decision:
     reason: Reason
     decode_node: str  # serves the decode phase (and the prefill, on deflect)
     prefill_node: str | None  # the prefill node on keep, None on deflect
-    schedule: tuple[ChunkStep, ...]  # the chunk schedule on deflect, () on keep
+    # On deflect: prompt tokens per step (chi - B), what the decode node executes; () on keep.
+    chunk_sizes: tuple[int, ...]
     predicted_ttft_prefill_s: float | None  # Eq. 1 on the chosen/best prefill node
     predicted_ttft_decode_s: float | None  # Eq. 6 on the best feasible decode node, if any
     prompt_tokens: int
     # On deflect: the step-time budget (beta x tau) the decode node enforces on each chunk with
     # its own model and the batch it has at that step; None leaves the schedule unguarded.
     step_budget_s: float | None = None
+    predicted_step_s: tuple[float, ...] = ()  # Eq. 4 for each scheduled step
+    planned_decode_tokens: int = 0  # the B the schedule was planned beside
 
     def __post_init__(self) -> None:
-        if self.route is Route.DEFLECT and (not self.schedule or self.prefill_node is not None):
+        if self.route is Route.DEFLECT and (not self.chunk_sizes or self.prefill_node is not None):
             raise ValueError("a deflect decision needs a schedule and no prefill node")
-        if self.route is Route.KEEP and (self.schedule or self.prefill_node is None):
+        if self.route is Route.KEEP and (self.chunk_sizes or self.prefill_node is None):
             raise ValueError("a keep decision needs a prefill node and no schedule")
-        if self.route is Route.DEFLECT and sum(s.prefill_tokens for s in self.schedule) != self.prompt_tokens:
-            raise ValueError(
-                f"schedule covers {sum(s.prefill_tokens for s in self.schedule)} tokens, "
-                f"prompt has {self.prompt_tokens}"
-            )
+        if self.route is Route.DEFLECT and sum(self.chunk_sizes) != self.prompt_tokens:
+            raise ValueError(f"schedule covers {sum(self.chunk_sizes)} tokens, prompt has {self.prompt_tokens}")
+        if self.predicted_step_s and len(self.predicted_step_s) != len(self.chunk_sizes):
+            raise ValueError(f"{len(self.predicted_step_s)} step times for {len(self.chunk_sizes)} chunks")
 
     @property
-    def chunk_sizes(self) -> tuple[int, ...]:
-        """Prefill tokens per step: what the decode node's scheduler executes."""
-        return tuple(s.prefill_tokens for s in self.schedule)
+    def schedule(self) -> tuple[ChunkStep, ...]:
+        """The schedule step by step, with each step's size, cached tokens and predicted time."""
+        steps, cached = [], 0
+        times = self.predicted_step_s or (float("nan"),) * len(self.chunk_sizes)
+        for p, t in zip(self.chunk_sizes, times, strict=True):
+            steps.append(ChunkStep(self.planned_decode_tokens + p, p, cached, t))
+            cached += p
+        return tuple(steps)

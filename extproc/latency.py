@@ -130,6 +130,28 @@ class LatencyModels:
             step_tokens, cached, decode_tokens, kv_tokens
         )
 
+    def mixed_step_coefficients(
+        self, decode_tokens: float, kv_tokens: float
+    ) -> tuple[float, float, float, float, float, float]:
+        """Eq. 4 with B and K fixed, as a function of the step size chi and the deflected
+        request's cached tokens c (whose KV adds to K):
+
+            T = a0 + a_c * c + (chi - B) * (b0 + b1 * c) + k_coef * max(0, chi - knee)
+
+        Returns ``(a0, a_c, b0, b1, k_coef, knee)``; the schedule search evaluates this form
+        directly (the same numbers as ``mixed_step_s(chi, c, B, K + c)`` for chi > B).
+        """
+        d0, d_b, d_k = self._d
+        m0, m_p, m_pb, m_pk, m_pc, m_knee, knee = self._m
+        return (
+            d0 + d_b * decode_tokens + d_k * kv_tokens + m0,
+            d_k,
+            m_p + m_pb * decode_tokens + m_pk * kv_tokens,
+            m_pk + m_pc,
+            m_knee,
+            knee,
+        )
+
     def kv_transfer_s(self, tokens: int) -> float:
         return self.transfer.seconds(tokens)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc import algorithm as alg
-from extproc.decision import ChunkStep, Decision, Reason, Route
+from extproc.decision import Decision, Reason, Route
 from extproc.latency import LatencyModels
 from extproc.state import ClusterView
 from kairos.errors import UnknownPolicyError
@@ -99,12 +99,13 @@ class StaticPolicy:
             return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_NO_ELIGIBLE_DECODE)
         node = min(fresh, key=lambda n: (alg.decode_load_s(self.models, n), n.node_id))
         b, k = node.decode_tokens, node.kv_tokens
-        steps: list[ChunkStep] = []
+        sizes: list[int] = []
+        times: list[float] = []
         cached = 0
         while cached < prompt_tokens:
             p = min(self.chunk_tokens - b, prompt_tokens - cached)
-            s = self.models.mixed_step_s(b + p, cached, b, k + cached)
-            steps.append(ChunkStep(b + p, p, cached, s))
+            sizes.append(p)
+            times.append(self.models.mixed_step_s(b + p, cached, b, k + cached))
             cached += p
         _, ttft_pf = alg.best_prefill_node(self.models, view, now, self.config, prompt_tokens)
         return Decision(
@@ -112,10 +113,12 @@ class StaticPolicy:
             Reason.DEFLECT_STATIC_RULE,
             node.node_id,
             None,
-            tuple(steps),
+            tuple(sizes),
             ttft_pf,
-            sum(s.predicted_s for s in steps),
+            sum(times),
             prompt_tokens,
+            predicted_step_s=tuple(times),
+            planned_decode_tokens=b,
         )
 
 

@@ -172,11 +172,16 @@ class Engine:
     kv_reserved: int = 0  # tokens promised to incoming KV transfers
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
     step_index: int = 0
+    # Prompt lengths of waiting sequences, kept beside ``waiting`` so a heartbeat of a long
+    # queue costs one C-level copy, not a Python loop.
+    _waiting_tokens: deque[int] = field(default_factory=deque)
+    _waiting_scheduled: deque[int] = field(default_factory=deque)
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
         self.waiting.append(seq)
+        (self._waiting_scheduled if seq.schedule else self._waiting_tokens).append(seq.prefill_remaining)
 
     def reserve_kv(self, tokens: int) -> bool:
         """Reserve room for an incoming KV transfer; False when the node is too full now."""
@@ -207,6 +212,7 @@ class Engine:
             if self.free_kv_tokens < head.prefill_remaining + 1:
                 break  # FIFO: later requests wait behind the head (vLLM's default)
             self.waiting.popleft()
+            (self._waiting_scheduled if head.schedule else self._waiting_tokens).popleft()
             self.kv_used += head.computed
             self.kv_prefill_pending += head.prefill_remaining
             self.prefilling.append(head)
@@ -326,8 +332,10 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         queued: list[int] = []
         scheduled: list[int] = []
-        for seq in (*self.prefilling, *self.waiting):
+        for seq in self.prefilling:
             (scheduled if seq.schedule else queued).append(seq.prefill_remaining)
+        queued.extend(self._waiting_tokens)
+        scheduled.extend(self._waiting_scheduled)
         return EngineSnapshot(
             node_id=self.config.node_id,
             role=self.config.role,

@@ -1,0 +1,123 @@
+"""The ``kairos`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kairos.config import load_config
+from kairos.errors import KairosError
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_sim(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="simulate policies on a workload or trace (one run or a sweep)",
+        description="Simulate routing policies on a disaggregated cluster. Settings come from "
+        "defaults < --config YAML (section 'sim') < KAIROS_SIM_* environment < flags.",
+    )
+    p.add_argument("--config", type=Path, help="YAML file with a 'sim' section")
+    p.add_argument("--workload", help="bursty, lpld, lphd, hpld or hphd (default bursty)")
+    p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL; rescaled to each --rps")
+    p.add_argument(
+        "--policies",
+        help="comma-separated specs: pd, sq:theta=N, sl:l=N, kairos:alpha=A,beta=B[,pending=none], "
+        "oracle:alpha=A,beta=B (default pd,kairos)",
+    )
+    p.add_argument("--rps", type=_floats, help="request rates, e.g. 6,7,8 (default 8)")
+    p.add_argument("--duration", dest="duration_s", type=float, help="simulated seconds of arrivals per point")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--cv", type=float, help="inter-arrival coefficient of variation")
+    p.add_argument("--error", type=float, help="ground-truth step-time error, e.g. 0.1 = 10%% MAE")
+    p.add_argument("--profile", help="latency profile: packaged name or JSON path")
+    p.add_argument("--prefill-nodes", type=int)
+    p.add_argument("--decode-nodes", type=int)
+    p.add_argument("--heartbeat-ms", type=float, help="heartbeat period (default 100)")
+    p.add_argument("--tbt-slo-ms", type=float, help="TBT SLO tau (default 70)")
+    p.add_argument("--ttft-slo-s", type=float, help="TTFT SLO (default 4)")
+    p.add_argument("--chunks", type=_ints, help="chunk-size candidates, e.g. 2048,1024,512,256,128")
+    p.add_argument("--jobs", type=int, help="parallel simulations (default: one per core)")
+    p.add_argument("--json", type=Path, help="write the records as a JSON list here")
+    p.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(handler=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from sim.experiment import SimSettings, print_progress, run_sweep
+    from sim.plots import format_table, write_plots
+
+    overrides: dict[str, Any] = {
+        "workload": args.workload,
+        "trace": args.trace,
+        "policies": args.policies,
+        "rps": args.rps,
+        "duration_s": args.duration_s,
+        "seed": args.seed,
+        "cv": args.cv,
+        "error": args.error,
+        "profile": args.profile,
+        "prefill_nodes": args.prefill_nodes,
+        "decode_nodes": args.decode_nodes,
+        "heartbeat_s": None if args.heartbeat_ms is None else args.heartbeat_ms / 1e3,
+        "tbt_slo_s": None if args.tbt_slo_ms is None else args.tbt_slo_ms / 1e3,
+        "ttft_slo_s": args.ttft_slo_s,
+        "chunk_candidates": args.chunks,
+        "jobs": args.jobs,
+    }
+    settings = load_config(SimSettings, args.config, section="sim", env_prefix="KAIROS_SIM_", overrides=overrides)
+    records = run_sweep(settings, None if args.quiet else print_progress)
+    print(format_table(records))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plots:
+        for path in write_plots(records, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kairos", description="Kairos: load-aware prefill deflection")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_sim(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args))
+    except (KairosError, ValueError) as exc:  # bad settings or inputs: say what, not a traceback
+        message = exc.message if isinstance(exc, KairosError) else str(exc)
+        print(f"kairos {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
