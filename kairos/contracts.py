@@ -38,3 +38,81 @@ LINEAR_MODEL_FEATURES: dict[str, tuple[str, ...]] = {
 
 # Models whose features include a "*_over_knee" term carry the knee (tokens) beside them.
 KNEE_MODELS = (PREFILL_STEP, MIXED_INCREMENT)
+
+# ---------------------------------------------------------------------------------------------
+# HTTP headers the dispatcher sets on a request it routes (read by the decode-node sidecar)
+# ---------------------------------------------------------------------------------------------
+HEADER_PREFIX = "x-kairos-"  # every client-sent header with this prefix is removed at the edge
+H_REQUEST_ID = "x-request-id"  # one id for the whole request, on both sidecar hops
+H_ROUTE = "x-kairos-route"  # "keep" or "deflect"
+H_REASON = "x-kairos-reason"  # the Decision's reason (extproc.decision.Reason value)
+H_DECODE_NODE = "x-kairos-decode-node"  # node id of the decode node chosen
+H_PREFILL_HOST = "x-kairos-prefill-host"  # keep: host:port of the prefill node's vLLM server
+# deflect: prompt tokens per step, comma-separated, e.g. "1020,508,508,252"
+H_CHUNK_SCHEDULE = "x-kairos-chunk-schedule"
+H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"  # deflect: beta x tau the node enforces per chunk step
+H_PRED_TTFT_PREFILL_MS = "x-kairos-predicted-ttft-prefill-ms"
+H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"  # absent when not computed
+H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token count
+
+# Envoy's override_host load balancing reads the upstream from this dynamic metadata.
+ENVOY_LB_NAMESPACE = "envoy.lb"
+ENVOY_DESTINATION_KEY = "x-gateway-destination-endpoint"  # value: "primary,fallback" host:port list
+
+# ---------------------------------------------------------------------------------------------
+# vLLM request extensions
+# ---------------------------------------------------------------------------------------------
+# The sidecar passes a deflected request's schedule to the decode node's vLLM in the body's
+# ``vllm_xargs`` (vLLM copies it into sampling_params.extra_args, where the scheduler plugin
+# reads it). Chunks are prompt tokens per step; the last size repeats if the prompt outlasts
+# the schedule. At most one scheduled prefill advances per step on a node.
+XARG_CHUNK_SCHEDULE = "kairos_chunk_schedule"  # list[int]
+XARG_STEP_BUDGET_MS = "kairos_step_budget_ms"  # float, optional: enforce per-step budget
+KV_TRANSFER_PARAMS = "kv_transfer_params"  # vLLM's P/D hand-off field, request and response
+
+# ---------------------------------------------------------------------------------------------
+# Redis: heartbeats and deflection reservations
+# ---------------------------------------------------------------------------------------------
+REDIS_NODE_KEY = "kairos:node:{node_id}"  # JSON heartbeat, SET with PX expiry (dead node vanishes)
+REDIS_NODE_PATTERN = "kairos:node:*"
+REDIS_HEARTBEAT_CHANNEL = "kairos:heartbeats"  # the same JSON is PUBLISHed here on every beat
+# A dispatcher that deflects to a node first takes this key with SET NX PX; a second dispatcher
+# replica then sees the node as taken until the key expires (about one heartbeat period).
+REDIS_RESERVATION_KEY = "kairos:reserve:{node_id}"
+
+HEARTBEAT_PERIOD_S = 0.1  # Delta_h
+HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
+
+
+class HeartbeatField:
+    """Fields of the heartbeat JSON object (all required unless noted)."""
+
+    NODE_ID = "node_id"  # str, unique in the cluster
+    ROLE = "role"  # "prefill" or "decode"
+    URL = "url"  # host:port of the node's vLLM (or emulated vLLM) OpenAI server
+    SIDECAR = "sidecar"  # host:port of the decode sidecar ("" on prefill nodes)
+    SEQ = "seq"  # int, +1 per beat from one publisher process (detects fresh beats)
+    SENT_AT = "sent_at"  # float unix seconds when published (informational; ages use receipt time)
+    DECODE_TOKENS = "decode_tokens"  # B
+    KV_TOKENS = "kv_tokens"  # K
+    KV_CAPACITY_TOKENS = "kv_capacity_tokens"
+    QUEUED_PREFILL_TOKENS = "queued_prefill_tokens"  # list[int], remaining per queued/prefilling request
+    SCHEDULED_PREFILL_TOKENS = "scheduled_prefill_tokens"  # list[int], deflected prefills in progress
+    MAX_STEP_TOKENS = "max_step_tokens"  # the node's token budget per step (chi_p on prefill nodes)
+    MODEL = "model"  # served model name
+
+    ALL = (
+        NODE_ID,
+        ROLE,
+        URL,
+        SIDECAR,
+        SEQ,
+        SENT_AT,
+        DECODE_TOKENS,
+        KV_TOKENS,
+        KV_CAPACITY_TOKENS,
+        QUEUED_PREFILL_TOKENS,
+        SCHEDULED_PREFILL_TOKENS,
+        MAX_STEP_TOKENS,
+        MODEL,
+    )
