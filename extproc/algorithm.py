@@ -38,16 +38,17 @@ class DeciderConfig:
     node_step_guard: bool = True
 
     def __post_init__(self) -> None:
-        if self.alpha < 1.0:
-            raise ConfigError(f"alpha must be >= 1, got {self.alpha}")
-        if not 0.0 < self.beta <= 2.0:
+        # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
+        if not (1.0 <= self.alpha < math.inf):
+            raise ConfigError(f"alpha must be a finite number >= 1, got {self.alpha}")
+        if not (0.0 < self.beta <= 2.0):
             raise ConfigError(f"beta must be in (0, 2], got {self.beta}")
-        if self.tbt_slo_s <= 0 or self.ttft_slo_s <= 0:
-            raise ConfigError(f"tbt_slo_s={self.tbt_slo_s} and ttft_slo_s={self.ttft_slo_s} must be > 0")
+        if not (0 < self.tbt_slo_s < math.inf and 0 < self.ttft_slo_s < math.inf):
+            raise ConfigError(f"tbt_slo_s={self.tbt_slo_s} and ttft_slo_s={self.ttft_slo_s} must be finite and > 0")
         cands = self.chunk_candidates
         if not cands or any(x < 1 for x in cands) or any(a <= b for a, b in itertools.pairwise(cands)):
             raise ConfigError(f"chunk_candidates must be positive and strictly decreasing, got {list(cands)}")
-        if self.stale_after_s <= 0:
+        if not (self.stale_after_s > 0):
             raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
         if self.max_pending_deflections is not None and self.max_pending_deflections < 1:
             raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")

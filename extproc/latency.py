@@ -196,7 +196,7 @@ class LatencyModels:
             version = data["schema_version"]
             if version != c.PROFILE_SCHEMA_VERSION:
                 raise ProfileError(
-                    f"{source}: schema_version {version} is not supported (expected {c.PROFILE_SCHEMA_VERSION})"
+                    f"{source}: schema_version {version!r} is not supported (expected {c.PROFILE_SCHEMA_VERSION})"
                 )
             missing = [k for k in c.PROFILE_KEYS if k not in data]
             if missing:
@@ -231,8 +231,10 @@ class LatencyModels:
                     mape=None if t.get("mape") is None else float(t["mape"]),
                 ),
             )
-        except ProfileError:
-            raise
+        except ProfileError as exc:
+            if exc.message.startswith(source):
+                raise
+            raise ProfileError(f"{source}: {exc.message}") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from exc
 

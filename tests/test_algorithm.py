@@ -1,0 +1,745 @@
+"""Algorithm 1 (Eqs. 1-7) with hand-computed expectations.
+
+Unless a case says otherwise the models are the builders' round ones:
+prefill step 0.010 + 1e-4 n; T0(B, K) = 0.040 + 0.001 B; a chunk of p prefill tokens over c
+cached ones adds 1e-4 p + 1e-7 p c (``make_models``) or 1e-4 p (``flat_models``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import pytest
+
+from extproc import algorithm as alg
+from extproc.algorithm import (
+    DeciderConfig,
+    decide,
+    greedy_schedule,
+    prefill_exec_s,
+    prefill_queue_wait_s,
+    prefill_ttft_s,
+)
+from extproc.decision import ChunkStep, Decision, Reason, Route
+from extproc.state import DecodeNodeState, PrefillNodeState
+from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+from tests.builders import decode_node, flat_models, make_models, prefill_node, view
+
+# ---------------------------------------------------------------------------------------------
+# Eq. 2: queue wait = (sum l_i / chi_p) x T_step(chi_p, sum l_i / 2)
+# ---------------------------------------------------------------------------------------------
+CACHED_PREFILL = make_models(prefill_x_cached=1e-8)  # prefill step 0.010 + 1e-4 n + 1e-8 n c
+
+
+@pytest.mark.parametrize(
+    ("queue", "chunk", "expected"),
+    [
+        pytest.param((), 512, 0.0, id="empty-queue-waits-nothing"),
+        # 2048/512 = 4 steps x (0.010 + 0.0512 + 1e-8*512*1024) = 4 x 0.06644288
+        pytest.param((2048,), 512, 0.26577152, id="one-2048-request: 4 steps at half cached"),
+        pytest.param((1024, 1024), 512, 0.26577152, id="two-1024-requests-wait-the-same-as-one-2048"),
+        # 300/1000 = 0.3 steps x (0.010 + 0.1 + 1e-8*1000*150) = 0.3 x 0.1115
+        pytest.param((300,), 1000, 0.03345, id="fractional-step-count"),
+    ],
+)
+def test_prefill_queue_wait_eq2(queue: tuple[int, ...], chunk: int, expected: float) -> None:
+    node = prefill_node(queue=queue, chunk=chunk)
+    assert prefill_queue_wait_s(CACHED_PREFILL, node) == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eq. 3: ceil(l / chi_p) steps, chunk i over i x chi_p cached, the last one trimmed
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("prompt", "chunk", "expected"),
+    [
+        pytest.param(0, 512, 0.0, id="no-prompt-no-steps"),
+        pytest.param(1, 512, 0.0101, id="one-token: 0.010+1e-4"),
+        pytest.param(300, 512, 0.040, id="shorter-than-a-chunk: one trimmed step"),
+        # 0.0612 (c=0) + 0.0612 + 1e-8*512*512 (c=512) = 0.0612 + 0.06382144
+        pytest.param(1024, 512, 0.12502144, id="two-full-chunks-no-extra-step"),
+        # + last chunk of 176 over 1024 cached: 0.010 + 0.0176 + 1e-8*176*1024 = 0.02940224
+        pytest.param(1200, 512, 0.15442368, id="two-full-chunks-and-a-trimmed-176"),
+    ],
+)
+def test_prefill_exec_eq3(prompt: int, chunk: int, expected: float) -> None:
+    assert prefill_exec_s(CACHED_PREFILL, prompt, chunk) == pytest.approx(expected)
+
+
+def test_prefill_ttft_eq1_is_queue_wait_plus_exec() -> None:
+    # 0.26577152 (Eq. 2, queue (2048,)) + 0.15442368 (Eq. 3, prompt 1200), chi_p = 512
+    node = prefill_node(queue=(2048,), chunk=512)
+    assert prefill_ttft_s(CACHED_PREFILL, node, 1200) == pytest.approx(0.4201952)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eqs. 5-6: the greedy chunk schedule
+# ---------------------------------------------------------------------------------------------
+Step = tuple[int, float]  # (prefill tokens chi - B, predicted step seconds)
+
+
+def _per_step(got: object) -> tuple[list[int], list[float], float]:
+    """greedy_schedule's result as per-step prefill tokens, per-step times and finishing time."""
+    assert not isinstance(got, str), got
+    runs, finish = got  # type: ignore[misc]
+    sizes, times = alg.expand_runs(runs)
+    return sizes, times, finish
+
+
+@dataclass(frozen=True)
+class GreedyCase:
+    prompt: int
+    b: int
+    k: int
+    candidates: tuple[int, ...]
+    budget: float
+    steps: tuple[Step, ...] | str  # expected steps, or alg._INFEASIBLE
+    ttft: float = 0.0
+    models: dict[str, float] = field(default_factory=dict)
+    flat: bool = False
+
+
+GREEDY_CASES = [
+    # T0(20) = 0.060; p tokens over c cost 0.060 + 1e-4 p + 1e-7 p c <= 0.105
+    pytest.param(
+        GreedyCase(
+            prompt=2000,
+            b=20,
+            k=0,
+            candidates=(420, 220, 120),
+            budget=0.105,
+            steps=(
+                (400, 0.100),  # 0.060 + 0.040; at c=400 the 400 chunk would be 0.116
+                (200, 0.088),  # 0.060 + 0.020 + 0.008
+                (200, 0.092),
+                (200, 0.096),
+                (200, 0.100),
+                (200, 0.104),  # at c=1400 the 200 chunk would be 0.108
+                (100, 0.084),  # 0.060 + 0.010 + 0.014
+                (100, 0.085),
+                (100, 0.086),
+                (100, 0.087),
+                (100, 0.088),
+                (100, 0.089),
+            ),
+            ttft=1.099,  # 0.580 for the first six steps + 0.519 for the last six
+        ),
+        id="B20-2000-tokens: chunks shrink 400-200-100 as cached prefill grows",
+    ),
+    pytest.param(
+        GreedyCase(
+            prompt=1000,
+            b=20,
+            k=0,
+            candidates=(420, 220, 120),
+            budget=0.105,
+            # last 400 in one step would be 0.060 + 0.040 + 0.024 = 0.124, so 200 + a trimmed 200
+            steps=((400, 0.100), (200, 0.088), (200, 0.092), (200, 0.096)),
+            ttft=0.376,
+        ),
+        id="B20-1000-tokens: 400-200-200-200",
+    ),
+    pytest.param(
+        GreedyCase(300, 20, 0, (420, 220, 120), 0.105, ((300, 0.090),), 0.090),
+        id="B20-300-tokens: one trimmed step 0.060+0.030",
+    ),
+    pytest.param(
+        GreedyCase(1, 20, 0, (420, 220, 120), 0.105, ((1, 0.0601),), 0.0601),
+        id="one-token-prompt: one step of B+1",
+    ),
+    # T0 = 0.040 + 0.010 + 1e-6 (K + c); a p chunk adds 1e-4 p
+    pytest.param(
+        GreedyCase(
+            prompt=1000,
+            b=10,
+            k=10_000,
+            candidates=(410, 210, 110),
+            budget=0.102,
+            steps=((400, 0.100), (400, 0.1004), (200, 0.0808)),
+            ttft=0.2812,
+            models={"decode_per_k": 1e-6},
+            flat=True,
+        ),
+        id="K10000: 400-chunks fit, and the cached prefill counts as KV (0.1004)",
+    ),
+    pytest.param(
+        GreedyCase(
+            prompt=600,
+            b=10,
+            k=30_000,
+            candidates=(410, 210, 110),
+            budget=0.102,
+            # T0 = 0.080 + 1e-6 c: a 400 chunk is 0.120, a 200 chunk 0.100 + 1e-6 c
+            steps=((200, 0.100), (200, 0.1002), (200, 0.1004)),
+            ttft=0.3006,
+            models={"decode_per_k": 1e-6},
+            flat=True,
+        ),
+        id="K30000: the same node with more KV only fits 200-chunks",
+    ),
+    # T0(150) = 0.190; candidate 120 <= B carries no prefill token
+    pytest.param(
+        GreedyCase(
+            prompt=140,
+            b=150,
+            k=0,
+            candidates=(420, 220, 120),
+            budget=0.200,
+            # 140 in one step: 0.204 > 0.200; 220 -> 70 tokens: 0.197; then 70 over 70: 0.197 + 0.00049
+            steps=((70, 0.197), (70, 0.19749)),
+            ttft=0.39449,
+        ),
+        id="B150: candidate 120 <= B never used, 220 carries 70",
+    ),
+    pytest.param(
+        # 420 -> 270 tokens: 0.217, 220 -> 70: 0.197, both > 0.195; 120 carries -30: skipped (T0 alone fits)
+        GreedyCase(300, 150, 0, (420, 220, 120), 0.195, alg._INFEASIBLE),
+        id="B150: candidates <= B skipped, so infeasible",
+    ),
+    pytest.param(
+        # T0(120) = 0.160; 420 -> 300: 0.190, 220 -> 100: 0.170 > 0.165; candidate 120 == B carries 0
+        GreedyCase(500, 120, 0, (420, 220, 120), 0.165, alg._INFEASIBLE),
+        id="B120: candidate equal to B skipped, so infeasible",
+    ),
+    pytest.param(
+        GreedyCase(100, 40, 0, alg.DEFAULT_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        id="B40: T0 0.080 over the 0.070 budget, infeasible",
+    ),
+    pytest.param(
+        # T0(10) = 0.050; only 128 fits: 0.0618 + 1e-7*118*c <= 0.070 while c <= 694
+        GreedyCase(1000, 10, 0, alg.DEFAULT_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        id="B10-1000-tokens: infeasible once 708 tokens are cached (0.0701544)",
+    ),
+    pytest.param(
+        GreedyCase(
+            prompt=700,
+            b=10,
+            k=0,
+            candidates=alg.DEFAULT_CHUNK_CANDIDATES,
+            budget=0.070,
+            steps=(
+                (118, 0.0618),  # 0.050 + 0.0118
+                (118, 0.0631924),  # + 1e-7*118*118
+                (118, 0.0645848),
+                (118, 0.0659772),
+                (118, 0.0673696),
+                (110, 0.06749),  # 0.050 + 0.011 + 1e-7*110*590
+            ),
+            ttft=0.390414,
+        ),
+        id="B10-700-tokens: five 118-chunks and a trimmed 110 just fit",
+    ),
+    # flat, knee at 300 step tokens, 1e-4 per token over it: 420 -> 400 costs 0.100 + 0.012 = 0.112;
+    # 220 -> 200 is under the knee (0.080); the last 300 ride a 320-token step: 0.090 + 0.002
+    pytest.param(
+        GreedyCase(
+            prompt=500,
+            b=20,
+            k=0,
+            candidates=(420, 220, 120),
+            budget=0.105,
+            steps=((200, 0.080), (300, 0.092)),
+            ttft=0.172,
+            models={"mixed_over_knee": 1e-4, "mixed_knee": 300},
+            flat=True,
+        ),
+        id="knee at 300 step tokens (B counted): 200 then a trimmed 300 instead of 400 + 100",
+    ),
+    # mixed_p_x_cached < 0: later chunks get cheaper, so the search restarts from the top each step
+    pytest.param(
+        GreedyCase(
+            prompt=1000,
+            b=10,
+            k=0,
+            candidates=(410, 210, 110),
+            budget=0.075,
+            # a p chunk over c: 0.050 + p*(1e-4 - 1e-7 c)
+            steps=((200, 0.070), (200, 0.066), (400, 0.074), (200, 0.054)),
+            ttft=0.264,
+            models={"mixed_p_x_cached": -1e-7},
+        ),
+        id="not-monotone: chunk grows back to 400 once it is cheap enough",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES)
+def test_greedy_schedule(case: GreedyCase) -> None:
+    models = flat_models(**case.models) if case.flat else make_models(**case.models)
+    got = greedy_schedule(models, case.prompt, case.b, case.k, case.candidates, case.budget)
+    if isinstance(case.steps, str):
+        assert got == case.steps
+        return
+    sizes, times, ttft = _per_step(got)
+    assert sizes == [p for p, _ in case.steps]
+    assert times == pytest.approx([t for _, t in case.steps])
+    assert ttft == pytest.approx(case.ttft)
+    assert sum(sizes) == case.prompt
+    assert all(t <= case.budget for t in times)
+
+
+@pytest.mark.parametrize(
+    ("beta", "budget", "expected"),
+    [
+        # T0(10) = 0.050, flat: a p chunk costs 0.050 + 1e-4 p. Budget 0.070: 400 in one step is
+        # 0.090, 256 -> 246 is 0.0746, 128 -> 118 is 0.0618; the last 164 (256 trimmed) is 0.0664
+        pytest.param(1.0, 0.070, ((118, 0.0618), (118, 0.0618), (164, 0.0664)), id="beta1: 118-118-164"),
+        pytest.param(1.5, 0.105, ((400, 0.090),), id="beta1.5: the whole 400 in one step"),
+        pytest.param(0.5, 0.035, alg._INFEASIBLE, id="beta0.5: below T0, infeasible"),
+    ],
+)
+def test_beta_scales_the_step_budget(beta: float, budget: float, expected: tuple[tuple[int, float], ...] | str) -> None:
+    cfg = DeciderConfig(beta=beta, tbt_slo_s=0.070)
+    assert cfg.step_budget_s == pytest.approx(budget)
+    got = greedy_schedule(flat_models(), 400, 10, 0, cfg.chunk_candidates, cfg.step_budget_s)
+    if isinstance(expected, str):
+        assert got == expected
+        return
+    sizes, times, _ = _per_step(got)
+    assert sizes == [p for p, _ in expected]
+    assert times == pytest.approx([t for _, t in expected])
+
+
+def test_greedy_start_time_and_give_up() -> None:
+    models = make_models()
+    # steps 0.100, 0.088, 0.092, 0.096: cumulative 0.100, 0.188, 0.280, 0.376
+    done = greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, start_s=1.0)
+    sizes, times, finish = _per_step(done)
+    assert sizes == [400, 200, 200, 200]
+    assert times == pytest.approx([0.100, 0.088, 0.092, 0.096])
+    assert finish == pytest.approx(1.376)
+    assert greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.3) == alg._TOO_SLOW
+    assert not isinstance(greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.38), str)
+
+
+# ---------------------------------------------------------------------------------------------
+# decide(): Algorithm 1
+# ---------------------------------------------------------------------------------------------
+# Flat models, candidates (420, 220, 120), tau = 0.105. For a 1000-token prompt:
+#   decode B=10: 410 + 410 + 180 -> 0.091 + 0.091 + 0.068 = 0.250
+#   decode B=20: 400 + 400 + 200 -> 0.100 + 0.100 + 0.080 = 0.280
+#   decode B=40: 180 x 5 + 100  -> 0.098 x 5 + 0.090     = 0.580
+#   decode B=70: T0 = 0.110 > 0.105                       -> no safe schedule
+#   prefill chi_p=1000, queue Q: Eq. 1 = Q/1000 x 0.110 + 0.110
+CFG = DeciderConfig(
+    alpha=1.3,
+    beta=1.0,
+    tbt_slo_s=0.105,
+    ttft_slo_s=4.0,
+    chunk_candidates=(420, 220, 120),
+    stale_after_s=0.35,
+    max_pending_deflections=1,
+)
+FLAT = flat_models()
+
+
+@dataclass(frozen=True)
+class DecideCase:
+    prefill: tuple[PrefillNodeState, ...]
+    decode: tuple[DecodeNodeState, ...]
+    route: Route
+    reason: Reason
+    decode_node: str
+    prefill_node: str | None
+    ttft_pf: float
+    ttft_dec: float | None
+    chunks: tuple[int, ...] = ()
+    step_tokens: tuple[int, ...] = ()
+    config: dict[str, object] = field(default_factory=dict)
+    prompt: int = 1000
+
+
+def _deflect(
+    q: int,
+    decode: tuple[DecodeNodeState, ...],
+    node: str,
+    ttft_pf: float,
+    ttft_dec: float,
+    chunks: tuple[int, ...],
+    **config: object,
+) -> DecideCase:
+    return DecideCase(
+        prefill=(prefill_node(queue=(q,)),),
+        decode=decode,
+        route=Route.DEFLECT,
+        reason=Reason.DEFLECT_WITHIN_MARGIN,
+        decode_node=node,
+        prefill_node=None,
+        ttft_pf=ttft_pf,
+        ttft_dec=ttft_dec,
+        chunks=chunks,
+        config=config,
+    )
+
+
+def _keep(
+    q: int, decode: tuple[DecodeNodeState, ...], reason: Reason, node: str, ttft_pf: float, **config: object
+) -> DecideCase:
+    return DecideCase(
+        prefill=(prefill_node(queue=(q,)),),
+        decode=decode,
+        route=Route.KEEP,
+        reason=reason,
+        decode_node=node,
+        prefill_node="p1",
+        ttft_pf=ttft_pf,
+        ttft_dec=None,
+        config=config,
+    )
+
+
+B20 = (decode_node("d1", b=20),)
+DECIDE_CASES = [
+    # Q=960: Eq. 1 = 0.1056 + 0.110 = 0.2156; x1.3 = 0.28028 >= 0.280
+    pytest.param(
+        DecideCase(
+            prefill=(prefill_node(queue=(960,)),),
+            decode=B20,
+            route=Route.DEFLECT,
+            reason=Reason.DEFLECT_WITHIN_MARGIN,
+            decode_node="d1",
+            prefill_node=None,
+            ttft_pf=0.2156,
+            ttft_dec=0.280,
+            chunks=(400, 400, 200),
+            step_tokens=(420, 420, 220),
+        ),
+        id="B20 decode 0.280 just inside 1.3 x 0.2156: deflects",
+    ),
+    # Q=950: 0.1045 + 0.110 = 0.2145; x1.3 = 0.27885 < 0.280 (the search gives up: no decode TTFT)
+    pytest.param(_keep(950, B20, Reason.KEEP_DECODE_SLOWER, "d1", 0.2145), id="0.280 just outside 1.3 x 0.2145: keeps"),
+    pytest.param(
+        _keep(960, B20, Reason.KEEP_DECODE_SLOWER, "d1", 0.2156, alpha=1.0),
+        id="alpha 1: 0.280 > 0.2156 keeps",
+    ),
+    # Q=2000: 0.220 + 0.110 = 0.330 >= 0.280
+    pytest.param(
+        _deflect(2000, B20, "d1", 0.330, 0.280, (400, 400, 200), alpha=1.0),
+        id="alpha 1: 0.280 <= 0.330 deflects",
+    ),
+    pytest.param(
+        _keep(960, B20, Reason.KEEP_DECODE_OVER_SLO, "d1", 0.2156, alpha=2.0, ttft_slo_s=0.25),
+        id="within 2 x 0.2156 but over the 0.25 TTFT SLO: keeps",
+    ),
+    pytest.param(
+        _deflect(960, B20, "d1", 0.2156, 0.280, (400, 400, 200), alpha=2.0, ttft_slo_s=0.30),
+        id="within 2 x 0.2156 and under the 0.30 TTFT SLO: deflects",
+    ),
+    pytest.param(
+        _keep(950, (decode_node("d1", b=20), decode_node("d3", b=70)), Reason.KEEP_DECODE_SLOWER, "d1", 0.2145),
+        id="one node too slow, the other infeasible: keeps as decode slower on the lower-T0 node",
+    ),
+    # Q=5000: 0.550 + 0.110 = 0.660, bound 0.858; ids sorted: d1 0.580, d2 0.250, d3 infeasible, d4 0.280
+    pytest.param(
+        _deflect(
+            5000,
+            (decode_node("d1", b=40), decode_node("d2", b=10), decode_node("d3", b=70), decode_node("d4", b=20)),
+            "d2",
+            0.660,
+            0.250,
+            (410, 410, 180),
+        ),
+        id="fastest feasible node B10 (0.250) beats B20, B40 and an infeasible B70",
+    ),
+    pytest.param(
+        _deflect(5000, (decode_node("d2", b=20), decode_node("d1", b=20)), "d1", 0.660, 0.280, (400, 400, 200)),
+        id="two identical nodes: the lower id wins",
+    ),
+    pytest.param(
+        _keep(5000, (decode_node("d3", b=70),), Reason.KEEP_NO_SAFE_SCHEDULE, "d3", 0.660),
+        id="only B70 (T0 0.110 > tau): no safe schedule, keeps",
+    ),
+    pytest.param(
+        _keep(5000, (decode_node("d1", b=20, reported_at=-0.36),), Reason.KEEP_NO_ELIGIBLE_DECODE, "d1", 0.660),
+        id="decode heartbeat 0.36 s old (stale): no eligible node, keeps on it anyway",
+    ),
+    pytest.param(
+        _deflect(5000, (decode_node("d1", b=20, reported_at=-0.35),), "d1", 0.660, 0.280, (400, 400, 200)),
+        id="decode heartbeat exactly 0.35 s old is still fresh: deflects",
+    ),
+    pytest.param(
+        _keep(5000, (decode_node("d1", b=20, backlog=(300,)),), Reason.KEEP_NO_ELIGIBLE_DECODE, "d1", 0.660),
+        id="backlog of one deflection under max_pending 1: no eligible node",
+    ),
+    # Q=1700: 0.187 + 0.110 = 0.297, bound 0.3861. Backlog 300 first: 0.060 + 0.030 = 0.090; then
+    # B=21 (399-token chunks): 0.061 + 0.0399 = 0.1009 twice, 0.061 + 0.0202 = 0.0812 -> 0.373
+    pytest.param(
+        DecideCase(
+            prefill=(prefill_node(queue=(1700,)),),
+            decode=(decode_node("d1", b=20, backlog=(300,)),),
+            route=Route.DEFLECT,
+            reason=Reason.DEFLECT_WITHIN_MARGIN,
+            decode_node="d1",
+            prefill_node=None,
+            ttft_pf=0.297,
+            ttft_dec=0.373,
+            chunks=(399, 399, 202),
+            step_tokens=(420, 420, 223),
+            config={"max_pending_deflections": None},
+        ),
+        id="backlog of one under max_pending None: deflects behind it, TTFT includes its 0.090",
+    ),
+    pytest.param(
+        _keep(
+            960,
+            (decode_node("d1", b=20, backlog=(300,)),),
+            Reason.KEEP_DECODE_SLOWER,
+            "d1",
+            0.2156,
+            max_pending_deflections=None,
+        ),
+        id="backlog pushes the same node (0.373) past 1.3 x 0.2156: keeps",
+    ),
+    pytest.param(
+        _keep(5000, (decode_node("d1", b=20, k=9500, capacity=10_000),), Reason.KEEP_NO_ELIGIBLE_DECODE, "d1", 0.660),
+        id="500 free KV tokens for a 1000-token prompt: no eligible node",
+    ),
+    pytest.param(
+        _deflect(5000, (decode_node("d1", b=20, k=9000, capacity=10_000),), "d1", 0.660, 0.280, (400, 400, 200)),
+        id="exactly 1000 free KV tokens: deflects",
+    ),
+    pytest.param(
+        _keep(
+            5000,
+            (decode_node("d1", b=20, k=8500, capacity=10_000, backlog=(600,)),),
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+            "d1",
+            0.660,
+            max_pending_deflections=None,
+        ),
+        id="backlog's KV counts: 10000 - 8500 - 600 = 900 free, no eligible node",
+    ),
+    # Eq. 1 on the prefill side: p1 3 short requests 0.3 x 0.110 + 0.110 = 0.143; p2 one long
+    # request 2.0 x 0.110 + 0.110 = 0.330; p3 idle but chi_p 100: 10 x 0.020 = 0.200
+    pytest.param(
+        DecideCase(
+            prefill=(
+                prefill_node("p3", (), chunk=100),
+                prefill_node("p2", (2000,)),
+                prefill_node("p1", (100, 100, 100)),
+            ),
+            decode=B20,
+            route=Route.KEEP,
+            reason=Reason.KEEP_DECODE_SLOWER,
+            decode_node="d1",
+            prefill_node="p1",
+            ttft_pf=0.143,
+            ttft_dec=None,
+        ),
+        id="keep on the lowest Eq.1 prefill node (3 short requests beat 1 long and an idle small-chunk node)",
+    ),
+    pytest.param(
+        DecideCase(
+            prefill=(prefill_node("p2"), prefill_node("p1")),
+            decode=B20,
+            route=Route.KEEP,
+            reason=Reason.KEEP_DECODE_SLOWER,
+            decode_node="d1",
+            prefill_node="p1",
+            ttft_pf=0.110,
+            ttft_dec=None,
+        ),
+        id="equal prefill nodes: the lower id keeps",
+    ),
+    pytest.param(
+        DecideCase(
+            prefill=(prefill_node("p1", reported_at=-1.0), prefill_node("p2", (2000,))),
+            decode=(decode_node("d3", b=70),),
+            route=Route.KEEP,
+            reason=Reason.KEEP_NO_SAFE_SCHEDULE,
+            decode_node="d3",
+            prefill_node="p2",
+            ttft_pf=0.330,
+            ttft_dec=None,
+        ),
+        id="stale idle prefill node skipped for a fresh busy one",
+    ),
+    pytest.param(
+        DecideCase(
+            prefill=(prefill_node("p2", (2000,), reported_at=-1.0), prefill_node("p1", reported_at=-1.0)),
+            decode=(decode_node("d3", b=70),),
+            route=Route.KEEP,
+            reason=Reason.KEEP_NO_SAFE_SCHEDULE,
+            decode_node="d3",
+            prefill_node="p1",
+            ttft_pf=0.110,
+            ttft_dec=None,
+        ),
+        id="all prefill nodes stale: falls back to all of them",
+    ),
+]
+
+
+def test_decide_cases_cover_every_algorithm_1_reason() -> None:
+    reasons = {p.values[0].reason for p in DECIDE_CASES}
+    assert reasons == {
+        Reason.DEFLECT_WITHIN_MARGIN,
+        Reason.KEEP_DECODE_SLOWER,
+        Reason.KEEP_DECODE_OVER_SLO,
+        Reason.KEEP_NO_SAFE_SCHEDULE,
+        Reason.KEEP_NO_ELIGIBLE_DECODE,
+    }
+
+
+@pytest.mark.parametrize("case", DECIDE_CASES)
+def test_decide(case: DecideCase) -> None:
+    cfg = dataclasses.replace(CFG, **case.config)  # type: ignore[arg-type]
+    d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
+    assert (d.route, d.reason, d.decode_node, d.prefill_node) == (
+        case.route,
+        case.reason,
+        case.decode_node,
+        case.prefill_node,
+    )
+    assert d.predicted_ttft_prefill_s == pytest.approx(case.ttft_pf)
+    assert d.predicted_ttft_decode_s == pytest.approx(case.ttft_dec)
+    assert d.chunk_sizes == case.chunks
+    if case.step_tokens:
+        assert tuple(s.step_tokens for s in d.schedule) == case.step_tokens
+    assert d.prompt_tokens == case.prompt
+    if d.route is Route.DEFLECT:
+        assert sum(d.chunk_sizes) == case.prompt
+        assert all(s.predicted_s <= cfg.step_budget_s for s in d.schedule)  # Eq. 5 on every step
+
+
+# Keep-path decode node: the lowest T0(B + backlog count, K + backlog tokens), ties by id. With
+# T0 = 0.040 + 0.001 B + 1e-6 K and an idle prefill node (0.110, bound 0.143) every decode path
+# (>= 3 steps of >= 0.05 s) is too slow, so these all keep.
+KEEP_DECODE_CASES = [
+    # d1: 0.040 + 0.010 + 0.050 = 0.100; d2: 0.040 + 0.030 + 0.010 = 0.080
+    pytest.param(
+        (decode_node("d1", b=10, k=50_000), decode_node("d2", b=30, k=10_000)), "d2", id="lower T0 beats lower B"
+    ),
+    # d1: B 21, K 30000 -> 0.091; d2: 0.040 + 0.025 + 0.010 = 0.075 (d1 alone would be 0.060)
+    pytest.param(
+        (decode_node("d1", b=20, backlog=(30_000,)), decode_node("d2", b=25, k=10_000)),
+        "d2",
+        id="backlog counts into T0",
+    ),
+    pytest.param((decode_node("d2", b=20), decode_node("d1", b=20)), "d1", id="equal T0: lower id"),
+    pytest.param(
+        (decode_node("d1", b=0, reported_at=-1.0), decode_node("d2", b=30)), "d2", id="stale idle node skipped"
+    ),
+    pytest.param(
+        (decode_node("d1", b=0, capacity=500), decode_node("d2", b=30)), "d2", id="node without room for the KV skipped"
+    ),
+    pytest.param(
+        (decode_node("d1", b=0, capacity=500), decode_node("d2", b=30, capacity=500)),
+        "d1",
+        id="no node has room: least loaded of all fresh",
+    ),
+]
+
+
+@pytest.mark.parametrize(("decode", "expected"), KEEP_DECODE_CASES)
+def test_keep_path_decode_node(decode: tuple[DecodeNodeState, ...], expected: str) -> None:
+    d = decide(1000, view((prefill_node(),), decode), 0.0, flat_models(decode_per_k=1e-6), CFG)
+    assert d.route is Route.KEEP
+    assert d.decode_node == expected
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "message"),
+    [
+        pytest.param((prefill_node(),), (), "no decode node", id="no-decode-nodes"),
+        pytest.param((), (decode_node(),), "no prefill node", id="no-prefill-nodes"),
+    ],
+)
+def test_decide_without_nodes_raises(
+    prefill: tuple[PrefillNodeState, ...], decode: tuple[DecodeNodeState, ...], message: str
+) -> None:
+    with pytest.raises(NoHealthyNodeError, match=message):
+        decide(1000, view(prefill, decode), 0.0, FLAT, CFG)
+
+
+@pytest.mark.parametrize("prompt", [0, -5])
+def test_decide_rejects_empty_prompt(prompt: int) -> None:
+    with pytest.raises(InvalidRequestError, match="at least 1"):
+        decide(prompt, view((prefill_node(),), (decode_node(),)), 0.0, FLAT, CFG)
+
+
+def test_decision_is_immutable_and_its_schedule_sums_to_the_prompt() -> None:
+    d = decide(1000, view((prefill_node(queue=(960,)),), B20), 0.0, FLAT, CFG)
+    assert d.route is Route.DEFLECT
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.route = Route.KEEP  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.schedule[0].prefill_tokens = 1  # type: ignore[misc]
+    assert isinstance(d.chunk_sizes, tuple)
+    assert sum(d.chunk_sizes) == d.prompt_tokens == 1000
+    # step by step: B=20 beside each chunk, cached tokens accumulate, Eq. 6 is the sum of the steps
+    assert d.schedule == (
+        ChunkStep(420, 400, 0, pytest.approx(0.100)),  # type: ignore[arg-type]
+        ChunkStep(420, 400, 400, pytest.approx(0.100)),  # type: ignore[arg-type]
+        ChunkStep(220, 200, 800, pytest.approx(0.080)),  # type: ignore[arg-type]
+    )
+    assert d.planned_decode_tokens == 20
+    assert d.step_budget_s == pytest.approx(0.105)  # beta x tau goes with the schedule (node_step_guard)
+    assert d.predicted_ttft_decode_s == pytest.approx(sum(s.predicted_s for s in d.schedule))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"route": Route.DEFLECT, "prefill_node": None, "chunk_sizes": ()}, id="deflect-without-schedule"),
+        pytest.param(
+            {"route": Route.DEFLECT, "prefill_node": "p1", "chunk_sizes": (100,)},
+            id="deflect-with-prefill-node",
+        ),
+        pytest.param(
+            {"route": Route.DEFLECT, "prefill_node": None, "chunk_sizes": (99,)},
+            id="deflect-schedule-short-of-prompt",
+        ),
+        pytest.param({"route": Route.KEEP, "prefill_node": None, "chunk_sizes": ()}, id="keep-without-prefill-node"),
+        pytest.param(
+            {"route": Route.KEEP, "prefill_node": "p1", "chunk_sizes": (100,)},
+            id="keep-with-schedule",
+        ),
+        pytest.param(
+            {"route": Route.DEFLECT, "prefill_node": None, "chunk_sizes": (60, 40), "predicted_step_s": (0.07,)},
+            id="deflect-one-step-time-for-two-chunks",
+        ),
+    ],
+)
+def test_inconsistent_decision_rejected(kwargs: dict[str, object]) -> None:
+    base: dict[str, object] = {
+        "reason": Reason.KEEP_POLICY,
+        "decode_node": "d1",
+        "predicted_ttft_prefill_s": 0.1,
+        "predicted_ttft_decode_s": None,
+        "prompt_tokens": 100,
+    }
+    with pytest.raises(ValueError):
+        Decision(**base, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"alpha": 0.99}, id="alpha-below-1"),
+        pytest.param({"alpha": math.nan}, id="alpha-nan"),
+        pytest.param({"beta": 0.0}, id="beta-0"),
+        pytest.param({"beta": 2.01}, id="beta-over-2"),
+        pytest.param({"tbt_slo_s": 0.0}, id="tbt-slo-0"),
+        pytest.param({"ttft_slo_s": -1.0}, id="ttft-slo-negative"),
+        pytest.param({"chunk_candidates": ()}, id="no-candidates"),
+        pytest.param({"chunk_candidates": (128, 256)}, id="candidates-increasing"),
+        pytest.param({"chunk_candidates": (256, 256)}, id="candidates-repeated"),
+        pytest.param({"chunk_candidates": (256, 0)}, id="candidate-0"),
+        pytest.param({"stale_after_s": 0.0}, id="stale-after-0"),
+        pytest.param({"max_pending_deflections": 0}, id="pending-0"),
+    ],
+)
+def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        DeciderConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_config_is_the_papers() -> None:
+    cfg = DeciderConfig()
+    assert (cfg.alpha, cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s) == (1.3, 1.0, 0.070, 4.0)
+    assert cfg.chunk_candidates == (2048, 1024, 512, 256, 128)
+    assert cfg.max_pending_deflections == 1
+    assert cfg.step_budget_s == pytest.approx(0.070)

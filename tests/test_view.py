@@ -1,0 +1,165 @@
+"""ClusterTracker: last heartbeats plus the dispatcher's own dispatches since them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.algorithm import DeciderConfig, decide
+from extproc.decision import Decision, Reason, Route
+from extproc.state import ClusterView
+from extproc.view import ClusterTracker
+from tests.builders import decode_node, flat_models, prefill_node
+
+
+def keep_to(prefill: str, tokens: int, decode: str = "d1") -> Decision:
+    return Decision(Route.KEEP, Reason.KEEP_POLICY, decode, prefill, (), 0.1, None, tokens)
+
+
+def deflect_to(decode: str, tokens: int) -> Decision:
+    return Decision(Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, decode, None, (tokens,), 0.1, 0.1, tokens)
+
+
+def test_empty_tracker_has_an_empty_view() -> None:
+    tracker = ClusterTracker()
+    assert tracker.view() == ClusterView()
+    assert tracker.node_ids == ()
+
+
+def test_heartbeats_without_dispatches_pass_through() -> None:
+    tracker = ClusterTracker()
+    p1, d1 = prefill_node("p1", (500,), reported_at=1.0), decode_node("d1", b=3, backlog=(200,), reported_at=1.0)
+    tracker.update_prefill(p1)
+    tracker.update_decode(d1)
+    assert tracker.view() == ClusterView(prefill=(p1,), decode=(d1,))
+    assert tracker.node_ids == ("p1", "d1")
+
+
+@dataclass(frozen=True)
+class OverlayCase:
+    grace: float
+    dispatches: tuple[tuple[Decision, float], ...]  # (decision, dispatched at)
+    heartbeat_at: float | None  # a second heartbeat (same reported queues) at this time, if any
+    prefill_queue: tuple[int, ...]  # p1's queue in the view
+    decode_backlog: tuple[int, ...]  # d1's backlog in the view
+
+
+# First heartbeats at t=1.0: p1 queue (500,), d1 backlog (200,).
+OVERLAY_CASES = [
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2),), None, (500, 300), (200,)),
+        id="keep dispatch joins the prefill queue, decode backlog untouched",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((deflect_to("d1", 700), 1.2),), None, (500,), (200, 700)),
+        id="deflect dispatch joins the decode backlog",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 1.3)), None, (500, 300, 40), (200,)),
+        id="two keeps queue FIFO behind the reported queue",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.5, (500,), (200,)),
+        id="heartbeat at 1.5 newer than dispatches at 1.2 clears them",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.1, (500, 300), (200, 700)),
+        id="heartbeat at 1.1 older than dispatches at 1.2 keeps them",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 2.0)), 1.5, (500, 40), (200,)),
+        id="heartbeat at 1.5 clears the 1.2 dispatch but not the 2.0 one",
+    ),
+    pytest.param(
+        OverlayCase(0.5, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.5, (500, 300), (200, 700)),
+        id="grace 0.5: heartbeat at 1.5 (horizon 1.0) keeps dispatches at 1.2",
+    ),
+    pytest.param(
+        OverlayCase(0.5, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.8, (500,), (200,)),
+        id="grace 0.5: heartbeat at 1.8 (horizon 1.3) clears dispatches at 1.2",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p2", 300), 1.2), (deflect_to("d2", 700), 1.2)), None, (500,), (200,)),
+        id="dispatches to other nodes do not show on p1 or d1",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", OVERLAY_CASES)
+def test_overlay(case: OverlayCase) -> None:
+    tracker = ClusterTracker(dispatch_grace_s=case.grace)
+    tracker.update_prefill(prefill_node("p1", (500,), reported_at=1.0))
+    tracker.update_decode(decode_node("d1", b=3, backlog=(200,), reported_at=1.0))
+    for decision, at in case.dispatches:
+        tracker.record(decision, at)
+    if case.heartbeat_at is not None:
+        tracker.update_prefill(prefill_node("p1", (500,), reported_at=case.heartbeat_at))
+        tracker.update_decode(decode_node("d1", b=3, backlog=(200,), reported_at=case.heartbeat_at))
+    v = tracker.view()
+    assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
+    assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
+    # everything the heartbeat said is kept as is
+    assert v.prefill[0].reported_at == v.decode[0].reported_at == (case.heartbeat_at or 1.0)
+    assert v.decode[0].decode_tokens == 3
+
+
+def test_heartbeat_of_one_node_does_not_clear_another_nodes_dispatches() -> None:
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=1.0))
+    tracker.update_prefill(prefill_node("p2", reported_at=1.0))
+    tracker.record(keep_to("p1", 300), 1.2)
+    tracker.update_prefill(prefill_node("p2", reported_at=2.0))
+    assert {n.node_id: n.queued_prefill_tokens for n in tracker.view().prefill} == {"p1": (300,), "p2": ()}
+
+
+def test_remove_forgets_the_node_and_its_dispatches() -> None:
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=1.0))
+    tracker.update_decode(decode_node("d1", reported_at=1.0))
+    tracker.record(deflect_to("d1", 700), 1.2)
+    tracker.remove("d1")
+    assert tracker.node_ids == ("p1",)
+    assert tracker.view().decode == ()
+    # the node comes back with a heartbeat older than the old dispatch: that dispatch is gone
+    tracker.update_decode(decode_node("d1", reported_at=1.1))
+    assert tracker.view().decode[0].prefill_backlog_tokens == ()
+    tracker.remove("nobody")  # unknown ids are ignored
+    assert tracker.node_ids == ("p1", "d1")
+
+
+def test_view_is_cached_until_something_changes() -> None:
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=1.0))
+    first = tracker.view()
+    assert tracker.view() is first
+    tracker.record(keep_to("p1", 300), 1.2)
+    second = tracker.view()
+    assert second is not first
+    assert second.prefill[0].queued_prefill_tokens == (300,)
+    assert first.prefill[0].queued_prefill_tokens == ()  # earlier views are not mutated
+
+
+def test_overlay_feeds_the_pending_deflection_limit() -> None:
+    # Flat models, tau 0.105, candidates (420, 220, 120): a 1000-token prompt on B=20 takes
+    # 0.280; p1 queue 5000 -> Eq. 1 = 0.660, so the first request deflects to d1.
+    models = flat_models()
+    cfg = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120))
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", (5000,), reported_at=0.0))
+    tracker.update_decode(decode_node("d1", b=20, reported_at=0.0))
+
+    first = decide(1000, tracker.view(), 0.1, models, cfg)
+    assert (first.route, first.decode_node) == (Route.DEFLECT, "d1")
+    tracker.record(first, 0.1)
+
+    # d1 now shows one deflection in flight: under max_pending_deflections=1 it is not eligible
+    second = decide(1000, tracker.view(), 0.2, models, cfg)
+    assert (second.route, second.reason) == (Route.KEEP, Reason.KEEP_NO_ELIGIBLE_DECODE)
+    tracker.record(second, 0.2)
+    assert tracker.view().prefill[0].queued_prefill_tokens == (5000, 1000)
+
+    # d1's next heartbeat (taken after the dispatch, prefill done) clears it: eligible again
+    tracker.update_decode(decode_node("d1", b=21, k=1000, reported_at=0.3))
+    third = decide(1000, tracker.view(), 0.3, models, cfg)
+    assert (third.route, third.decode_node) == (Route.DEFLECT, "d1")
