@@ -216,7 +216,14 @@ def _line_figure(
             lo = min(y for pts in series.values() for _, y in pts)
             ax.set_ylim(max(0.0, min(lo, 100.0) - 5.0), 102.0)
         else:
-            ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
+            positive = [y for pts in series.values() for _, y in pts if y > 0]
+            if positive and top / min(positive) > 50:
+                # An overloaded policy's queue blows up by orders of magnitude: a log axis keeps
+                # the others (and the SLO line) readable.
+                ax.set_yscale("log")
+                ax.set_ylim(min(positive) * 0.8, top * 1.5)
+            else:
+                ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
         if len(rates) == 1:
             ax.set_xlim(rates[0] - 1.0, rates[0] + 1.0)
         _set_rate_ticks(ax, rates)
