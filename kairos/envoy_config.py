@@ -1,0 +1,57 @@
+"""Renders the Envoy configuration (``envoy/envoy.yaml.j2``) for a topology."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from kairos.errors import ConfigError
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"expected host:port, got {endpoint!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class EnvoySettings:
+    """What differs between deployments of the gateway's Envoy."""
+
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8000
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9901
+    dispatchers: tuple[str, ...] = ("127.0.0.1:9000",)  # ext_proc gRPC endpoints (host:port)
+    sidecars: tuple[str, ...] = field(default_factory=tuple)  # decode-node sidecars (host:port)
+    buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own body limit (8 MiB)
+    message_timeout: str = "2s"  # a slower dispatcher answer gives 504
+    stream_idle_timeout: str = "300s"
+
+    def __post_init__(self) -> None:
+        if not self.dispatchers:
+            raise ConfigError("Envoy needs at least one dispatcher endpoint")
+        if not self.sidecars:
+            raise ConfigError("Envoy needs at least one decode sidecar endpoint")
+        for e in (*self.dispatchers, *self.sidecars):
+            _split(e)
+
+
+def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> str:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(template.read_text()).render(
+        listen_host=settings.listen_host,
+        listen_port=settings.listen_port,
+        admin_host=settings.admin_host,
+        admin_port=settings.admin_port,
+        dispatchers=[_split(e) for e in settings.dispatchers],
+        sidecars=[_split(e) for e in settings.sidecars],
+        buffer_limit_bytes=settings.buffer_limit_bytes,
+        message_timeout=settings.message_timeout,
+        stream_idle_timeout=settings.stream_idle_timeout,
+    )
