@@ -55,6 +55,10 @@ H_PRED_TTFT_PREFILL_MS = "x-kairos-predicted-ttft-prefill-ms"
 H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"  # absent when not computed
 H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token count
 
+# The sidecar echoes these on the response, so a client or an operator can see which path a
+# request took (curl -i shows them).
+ECHOED_RESPONSE_HEADERS = (H_ROUTE, H_REASON, H_DECODE_NODE, H_CHUNK_SCHEDULE, H_PROMPT_TOKENS)
+
 # Envoy's override_host load balancing reads the upstream from this dynamic metadata.
 ENVOY_LB_NAMESPACE = "envoy.lb"
 ENVOY_DESTINATION_KEY = "x-gateway-destination-endpoint"  # value: "primary,fallback" host:port list

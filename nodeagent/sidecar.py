@@ -1,0 +1,826 @@
+"""The decode-node sidecar: carries out the dispatcher's decision beside one decode node's vLLM.
+
+Envoy sends every request for this decode node here, with the decision in ``x-kairos-*`` headers:
+
+  keep     hop 1: the prefill node's vLLM runs the prompt with ``max_tokens=1`` and
+           ``do_remote_decode`` and answers with ``kv_transfer_params``; hop 2: the local vLLM
+           gets the client's original body plus those params and pulls the KV (NixlConnector).
+           This is the two-hop protocol of vLLM's ``toy_proxy_server.py`` and llm-d's sidecar.
+  deflect  one hop to the local vLLM, the chunk schedule in ``vllm_xargs`` (read by the Kairos
+           scheduler plugin).
+  (none)   the request reached the sidecar directly: plain aggregated serving on the local vLLM.
+
+Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLLM unchanged.
+Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
+calls hosts on its allowlist (static hosts plus those the live cluster view knows).
+
+Run: ``python -m nodeagent.sidecar --port 8201 --local-vllm 127.0.0.1:8101 --allow-prefill 127.0.0.1:8001``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from yarl import URL
+
+from kairos import contracts as c
+from kairos.config import load_config
+from kairos.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+
+log = logging.getLogger(__name__)
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTE_KEEP = "keep"
+ROUTE_DEFLECT = "deflect"
+PATH_LOCAL = "local"  # metrics label of requests served without a routing decision
+PATHS = (ROUTE_KEEP, ROUTE_DEFLECT, PATH_LOCAL)
+
+# What hop 1 asks of the prefill node (vLLM's NixlConnector convention): keep the KV blocks for
+# a remote decoder to pull, and say where they are in the reply's kv_transfer_params.
+HOP1_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus those the sidecar sets itself per hop.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "expect", "accept-encoding", c.H_REQUEST_ID}
+_RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+
+# host:port, nothing else; underscores allowed for docker-compose service names.
+_HOSTPORT = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?):([0-9]{1,5})")
+# TTFT-scale buckets (seconds) around the 4 s TTFT SLO; hop 1 and TTFB share them.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
+_HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
+_SHUTDOWN_GRACE_S = 30.0  # in-flight streams get this long to finish on SIGTERM
+_ERROR_SNIPPET = 300  # characters of an upstream error body quoted in our own error message
+
+
+def normalize_hostport(value: str) -> str | None:
+    """``value`` as a canonical lowercase ``host:port``, or None if it is anything else (a
+    scheme, a path, user info, a bad port): a header must not smuggle a URL into hop 1."""
+    text = value.strip().lower()
+    m = _HOSTPORT.fullmatch(text)
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        return None
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Settings of one decode node's sidecar."""
+
+    host: str = "127.0.0.1"  # listen address (0.0.0.0 to take Envoy's traffic from other machines)
+    port: int = 8201  # listen port (0: any free port)
+    local_vllm: str = "127.0.0.1:8101"  # host:port of this decode node's vLLM OpenAI server
+    # host:port of prefill vLLMs hop 1 may always call; the live cluster view adds more at run time
+    allowed_prefill_hosts: tuple[str, ...] = field(default_factory=tuple)
+    hop1_connect_timeout_s: float = 1.0  # TCP connect to a prefill node
+    hop1_timeout_s: float = 30.0  # all of hop 1 (connect, prefill queue + execution, reply); then 504
+    # The local vLLM: bound on connect, on waiting for response headers, and on the silence
+    # between two body chunks. Not a total: a long generation may stream for minutes.
+    hop2_timeout_s: float = 300.0
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are answered 413
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        local = normalize_hostport(self.local_vllm)
+        if local is None:
+            raise ConfigError(f"local_vllm must be host:port, got {self.local_vllm!r}")
+        object.__setattr__(self, "local_vllm", local)
+        allowed = []
+        for entry in self.allowed_prefill_hosts:
+            norm = normalize_hostport(entry)
+            if norm is None:
+                raise ConfigError(f"allowed_prefill_hosts: expected host:port, got {entry!r}")
+            allowed.append(norm)
+        object.__setattr__(self, "allowed_prefill_hosts", tuple(dict.fromkeys(allowed)))
+        for name in ("hop1_connect_timeout_s", "hop1_timeout_s", "hop2_timeout_s"):
+            value = getattr(self, name)
+            if not (0 < value < math.inf):
+                raise ConfigError(f"{name} must be finite and > 0, got {value}")
+        if self.hop1_connect_timeout_s > self.hop1_timeout_s:
+            raise ConfigError(
+                f"hop1_connect_timeout_s ({self.hop1_connect_timeout_s}) must not exceed "
+                f"hop1_timeout_s ({self.hop1_timeout_s})"
+            )
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+
+
+class SidecarMetrics:
+    """Prometheus metrics of one sidecar app, in their own registry (served on /kairos/metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.hop1_seconds = Histogram(
+            "kairos_sidecar_hop1_seconds",
+            "Hop 1 duration: the prefill node's queueing and execution, as seen from the sidecar",
+            ["path"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttfb_seconds = Histogram(
+            "kairos_sidecar_ttfb_seconds",
+            "Time to the first body byte of the local vLLM hop (keep: KV transfer + decode queue)",
+            ["path"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft_seconds = Histogram(
+            "kairos_sidecar_ttft_seconds",
+            "Request arrival to the first body byte relayed: the TTFT the sidecar accounts for",
+            ["path"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.hop_errors = Counter(
+            "kairos_sidecar_hop_errors",
+            "Failed hops; hop 1 = prefill node, hop 2 = local vLLM (every path)",
+            ["hop", "kind"],
+            registry=self.registry,
+        )
+        for path in PATHS:  # series exist from the start, so rates work before the first request
+            self.ttfb_seconds.labels(path)
+            self.ttft_seconds.labels(path)
+        self.hop1_seconds.labels(ROUTE_KEEP)
+
+
+@dataclass
+class _State:
+    config: SidecarConfig
+    allowlist: Callable[[], Collection[str]] | None
+    metrics: SidecarMetrics
+    session: aiohttp.ClientSession | None = None
+    logged_unrouted: bool = False
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "the client session is created on app startup"
+        return self.session
+
+
+STATE: web.AppKey[_State] = web.AppKey("kairos_sidecar_state", _State)
+METRICS: web.AppKey[SidecarMetrics] = web.AppKey("kairos_sidecar_metrics", SidecarMetrics)
+
+
+class _PrefillHostNotAllowedError(UpstreamError):
+    """The routing header named a prefill host that is on no allowlist (answered 502)."""
+
+
+@dataclass
+class _Timing:
+    """TTFT parts of one request, for the metrics and the per-request DEBUG line."""
+
+    path: str
+    started: float = field(default_factory=time.perf_counter)
+    hop1_s: float | None = None
+    ttfb_s: float | None = None
+    ttft_s: float | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------
+def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | None = None) -> web.Application:
+    """The sidecar's aiohttp app. ``allowlist`` returns the prefill hosts (host:port) the live
+    cluster view knows; a prefill host is allowed if it is in ``config.allowed_prefill_hosts``
+    or in that callable's current result."""
+    # Bodies are read by _read_body with our own bound; this is only aiohttp's backstop.
+    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    state = _State(config=config, allowlist=allowlist, metrics=SidecarMetrics())
+    app[STATE] = state
+    app[METRICS] = state.metrics
+
+    async def client_session(app: web.Application) -> AsyncIterator[None]:
+        # One pooled session for every hop. No connection limit: vLLM bounds its own
+        # concurrency, and a stream holds its connection for the whole generation.
+        # auto_decompress=False: bodies are relayed byte for byte, Content-Encoding included.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
+        state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
+        yield
+        await state.session.close()
+
+    app.cleanup_ctx.append(client_session)
+    for path in COMPLETION_PATHS:
+        app.router.add_post(path, _completion)
+    app.router.add_get("/kairos/metrics", _metrics)
+    app.router.add_get("/health", _health)
+    app.router.add_route("*", "/{tail:.*}", _pass_through)
+    return app
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+    route = request.headers.get(c.H_ROUTE)
+    timing = _Timing(PATH_LOCAL if route is None else route.strip().lower())
+    status = 0
+    try:
+        raw = await _read_body(request, state.config.max_body_bytes)
+        body = _parse_object(raw)
+        scrubbed = _scrub_xargs(body, rid)
+        clean = body if scrubbed is None else scrubbed
+        headers = _forward_headers(request.headers, rid)
+        if route is None:
+            if not state.logged_unrouted:
+                state.logged_unrouted = True
+                log.info(
+                    "request %s has no %s header (it did not come through the gateway): serving it on "
+                    "the local vLLM as plain aggregated serving; logged once",
+                    rid,
+                    c.H_ROUTE,
+                )
+            data = raw if scrubbed is None else _dumps(scrubbed)
+        elif timing.path == ROUTE_KEEP:
+            prefill_host = _prefill_host(state, request.headers, rid)
+            prefilled = await _hop1(state, request.path, prefill_host, clean, headers, rid, timing)
+            if isinstance(prefilled, web.Response):
+                status = prefilled.status
+                return prefilled
+            data = _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
+        elif timing.path == ROUTE_DEFLECT:
+            data = _dumps(_deflect_body(state, clean, request.headers, rid))
+        else:
+            _count(state, "2", "bad_routing_headers")
+            raise _bad_routing(rid, f"{c.H_ROUTE}={route!r} is neither {ROUTE_KEEP!r} nor {ROUTE_DEFLECT!r}")
+        if data is not raw:
+            headers[hdrs.CONTENT_TYPE] = "application/json"  # we wrote this body
+        response = await _relay(request, state, data, headers, rid, timing)
+        status = response.status
+        return response
+    except KairosError as exc:
+        status = error_status(exc)
+        return _error_response(exc, rid)
+    except Exception as exc:
+        # A bug of ours: a JSON 500 with a generic message (http_errors), the traceback in the log.
+        log.exception("request %s: internal error", rid)
+        status = error_status(exc)
+        return _error_response(exc, rid)
+    finally:
+        _observe(state, timing, rid, status)
+
+
+async def _pass_through(request: web.Request) -> web.StreamResponse:
+    """Everything but the completion routes (``/v1/models``, ``/metrics``, ``/tokenize``, ...):
+    the local vLLM's answer, unchanged."""
+    state = request.app[STATE]
+    rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+    try:
+        data = await _read_body(request, state.config.max_body_bytes) if request.body_exists else None
+        return await _relay(request, state, data, _forward_headers(request.headers, rid), rid, None)
+    except KairosError as exc:
+        return _error_response(exc, rid)
+    except Exception as exc:
+        log.exception("request %s: internal error", rid)
+        return _error_response(exc, rid)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 when the local vLLM's /health answers 200, else 503 (Envoy's health check)."""
+    state = request.app[STATE]
+    url = f"http://{state.config.local_vllm}/health"
+    try:
+        async with state.http.get(url, timeout=aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)) as resp:
+            if resp.status == 200:
+                return web.json_response({"status": "ok", "local_vllm": state.config.local_vllm})
+            detail = f"local vLLM /health answered {resp.status}"
+    except TimeoutError:
+        detail = f"local vLLM /health did not answer within {_HEALTH_TIMEOUT_S:g}s"
+    except (aiohttp.ClientError, OSError) as exc:
+        detail = f"local vLLM unreachable: {exc}"
+    log.warning("health check failed: %s", detail)
+    return web.json_response(
+        {"status": "unhealthy", "local_vllm": state.config.local_vllm, "detail": detail}, status=503
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE_LATEST})
+
+
+# --------------------------------------------------------------------------------------------
+# Request side
+# --------------------------------------------------------------------------------------------
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body exceeds ``SidecarConfig.max_body_bytes`` (413, by kairos.http_errors' table)."""
+
+    code = "payload_too_large"
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, read up to ``limit`` bytes: a chunked upload cannot get past the bound either."""
+    message = f"request body exceeds the sidecar's limit of {limit} bytes"
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLargeError(message)
+    buf = bytearray()
+    async for chunk in request.content.iter_any():
+        buf += chunk
+        if len(buf) > limit:
+            raise PayloadTooLargeError(message)
+    return bytes(buf)
+
+
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _forward_headers(incoming: CIMultiDictProxy[str], rid: str) -> CIMultiDict[str]:
+    """The client's headers for a hop: no hop-by-hop headers (nor those named in Connection), no
+    ``x-kairos-*`` (routing is ours, not vLLM's), and the request id that every hop shares."""
+    named_in_connection = {
+        token.strip().lower() for value in incoming.getall(hdrs.CONNECTION, ()) for token in value.split(",")
+    }
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower in _REQUEST_DROP or lower in named_in_connection or lower.startswith(c.HEADER_PREFIX):
+            continue
+        out.add(name, value)
+    out["X-Request-Id"] = rid
+    # Identity unless the client asked otherwise: hop 2 is relayed byte for byte anyway.
+    out[hdrs.ACCEPT_ENCODING] = incoming.get(hdrs.ACCEPT_ENCODING, "identity")
+    return out
+
+
+def _scrub_xargs(body: dict[str, Any], rid: str) -> dict[str, Any] | None:
+    """A copy of ``body`` without client-sent ``kairos_*`` vllm_xargs, or None when it has none:
+    a chunk schedule is the dispatcher's to set, as the edge strips ``x-kairos-*`` headers."""
+    xargs = body.get("vllm_xargs")
+    if not isinstance(xargs, dict) or not any(str(k).startswith("kairos_") for k in xargs):
+        return None
+    kept = {k: v for k, v in xargs.items() if not str(k).startswith("kairos_")}
+    log.warning("request %s: removed client-sent vllm_xargs %s", rid, sorted(set(xargs) - set(kept)))
+    out = dict(body)
+    if kept:
+        out["vllm_xargs"] = kept
+    else:
+        del out["vllm_xargs"]
+    return out
+
+
+def _bad_routing(rid: str, detail: str) -> UpstreamError:
+    # The routing headers come from our own dispatcher, so a bad one is a gateway fault (502),
+    # never the client's (400).
+    log.error("request %s: bad routing headers from the dispatcher: %s", rid, detail)
+    return UpstreamError(f"bad routing headers: {detail}")
+
+
+def _prefill_host(state: _State, headers: CIMultiDictProxy[str], rid: str) -> str:
+    value = headers.get(c.H_PREFILL_HOST)
+    if value is None:
+        _count(state, "1", "bad_routing_headers")
+        raise _bad_routing(rid, f"{c.H_ROUTE}=keep without {c.H_PREFILL_HOST}")
+    host = normalize_hostport(value)
+    if host is None:
+        _count(state, "1", "bad_routing_headers")
+        raise _bad_routing(rid, f"{c.H_PREFILL_HOST}={value!r} is not host:port")
+    if host in state.config.allowed_prefill_hosts:
+        return host
+    live: Collection[str] = ()
+    if state.allowlist is not None:
+        try:
+            live = state.allowlist()
+        except Exception as exc:  # the live view failing must not take the static allowlist down too
+            log.warning("request %s: the live prefill allowlist failed (%s); using the static one", rid, exc)
+    if host in {normalize_hostport(h) for h in live}:
+        return host
+    _count(state, "1", "not_allowed")
+    log.warning(
+        "request %s: refused to call prefill host %s: it is neither in allowed_prefill_hosts %s nor in the "
+        "live cluster view",
+        rid,
+        host,
+        list(state.config.allowed_prefill_hosts),
+    )
+    raise _PrefillHostNotAllowedError(f"prefill host {host} is not on this sidecar's allowlist")
+
+
+def _deflect_body(state: _State, body: dict[str, Any], headers: CIMultiDictProxy[str], rid: str) -> dict[str, Any]:
+    raw_schedule = headers.get(c.H_CHUNK_SCHEDULE)
+    if raw_schedule is None:
+        _count(state, "2", "bad_routing_headers")
+        raise _bad_routing(rid, f"{c.H_ROUTE}=deflect without {c.H_CHUNK_SCHEDULE}")
+    try:
+        schedule = [int(x) for x in raw_schedule.split(",")]
+    except ValueError:
+        schedule = []
+    if not schedule or min(schedule) < 1:
+        _count(state, "2", "bad_routing_headers")
+        raise _bad_routing(rid, f"{c.H_CHUNK_SCHEDULE}={raw_schedule!r} is not a list of positive integers")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise InvalidRequestError(f"vllm_xargs must be an object, got {type(xargs).__name__}")
+    merged = dict(xargs or {})  # the client's own xargs, kairos_* already scrubbed
+    merged[c.XARG_CHUNK_SCHEDULE] = schedule
+    raw_budget = headers.get(c.H_STEP_BUDGET_MS)
+    if raw_budget is not None:
+        try:
+            budget = float(raw_budget)
+        except ValueError:
+            budget = math.nan
+        if not (0 < budget < math.inf):
+            _count(state, "2", "bad_routing_headers")
+            raise _bad_routing(rid, f"{c.H_STEP_BUDGET_MS}={raw_budget!r} is not a positive number")
+        merged[c.XARG_STEP_BUDGET_MS] = budget
+    return {**body, "vllm_xargs": merged}
+
+
+def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    # min_tokens > 1 would make vLLM reject max_tokens=1 (a 400 that is not the client's fault).
+    out.pop("min_tokens", None)
+    out[c.KV_TRANSFER_PARAMS] = dict(HOP1_KV_TRANSFER_PARAMS)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hops
+# --------------------------------------------------------------------------------------------
+async def _hop1(
+    state: _State,
+    api_path: str,
+    prefill_host: str,
+    body: dict[str, Any],
+    headers: CIMultiDict[str],
+    rid: str,
+    timing: _Timing,
+) -> dict[str, Any] | web.Response:
+    """Prefill on ``prefill_host``: its ``kv_transfer_params``, or the response to relay (4xx)."""
+    cfg = state.config
+    url = f"http://{prefill_host}{api_path}"
+    hop_headers = CIMultiDict(headers)
+    hop_headers[hdrs.CONTENT_TYPE] = "application/json"
+    hop_headers[hdrs.ACCEPT_ENCODING] = "identity"  # we parse this reply
+    started = time.perf_counter()
+    # The deadline bounds the whole hop (a prefill that accepts and then hangs included);
+    # sock_connect fails fast on an unreachable host.
+    deadline = asyncio.timeout(cfg.hop1_timeout_s)
+    try:
+        async with (
+            deadline,
+            state.http.post(
+                url,
+                data=_dumps(_hop1_body(body)),
+                headers=hop_headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.hop1_connect_timeout_s),
+            ) as resp,
+        ):
+            raw = await resp.read()
+            status, content_type = resp.status, resp.headers.get(hdrs.CONTENT_TYPE, "application/json")
+    except TimeoutError:
+        _count(state, "1", "timeout")
+        elapsed = time.perf_counter() - started
+        # aiohttp's connect timeout is a TimeoutError too: say which bound ran out.
+        what = "gave no answer" if deadline.expired() else "could not be connected to"
+        log.warning("request %s: prefill node %s %s in %.2fs", rid, prefill_host, what, elapsed)
+        raise UpstreamTimeoutError(f"prefill node {prefill_host} {what} within {elapsed:.1f}s") from None
+    except aiohttp.ClientConnectorError as exc:
+        _count(state, "1", "connect")
+        log.warning("request %s: cannot connect to prefill node %s: %s", rid, prefill_host, exc.os_error)
+        raise UpstreamError(f"cannot connect to prefill node {prefill_host}: {exc.os_error}") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        _count(state, "1", "connection")
+        log.warning("request %s: prefill node %s: connection failed: %r", rid, prefill_host, exc)
+        raise UpstreamError(f"prefill node {prefill_host}: connection failed ({type(exc).__name__})") from None
+    elapsed = time.perf_counter() - started
+    if 400 <= status < 500:
+        # The prefill vLLM validated the client's own request (prompt too long, bad parameter):
+        # its answer is the client's to see, as it would be without disaggregation.
+        _count(state, "1", "status_4xx")
+        log.info("request %s: prefill node %s answered %d; relayed to the client", rid, prefill_host, status)
+        return web.Response(status=status, body=raw, headers={hdrs.CONTENT_TYPE: content_type, "X-Request-Id": rid})
+    if status >= 300:
+        _count(state, "1", f"status_{status // 100}xx")
+        snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
+        log.warning("request %s: prefill node %s answered %d: %s", rid, prefill_host, status, snippet)
+        raise UpstreamError(f"prefill node {prefill_host} answered {status}: {snippet}")
+    try:
+        reply = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = None
+    params = reply.get(c.KV_TRANSFER_PARAMS) if isinstance(reply, dict) else None
+    if not isinstance(params, dict):
+        _count(state, "1", "no_kv_transfer_params")
+        log.error(
+            "request %s: prefill node %s replied without %s: is its vLLM running with a KV connector "
+            "(kv_producer or kv_both)?",
+            rid,
+            prefill_host,
+            c.KV_TRANSFER_PARAMS,
+        )
+        raise UpstreamError(f"prefill node {prefill_host} returned no {c.KV_TRANSFER_PARAMS}")
+    timing.hop1_s = elapsed
+    return params
+
+
+async def _relay(
+    request: web.Request,
+    state: _State,
+    data: bytes | None,
+    headers: CIMultiDict[str],
+    rid: str,
+    timing: _Timing | None,
+) -> web.StreamResponse:
+    """Send the request to the local vLLM and relay its answer: JSON whole, anything else (SSE)
+    chunk by chunk as it arrives. 5xx and connection failures become our 502/504."""
+    cfg = state.config
+    target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
+    url = URL(f"http://{cfg.local_vllm}{target}", encoded=True)
+    t = cfg.hop2_timeout_s
+    started = time.perf_counter()
+    try:
+        resp = await state.http.request(
+            request.method,
+            url,
+            data=data,
+            headers=headers,
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t),
+        )
+    except TimeoutError:
+        _count(state, "2", "timeout")
+        log.warning("request %s: the local vLLM %s gave no answer in %gs", rid, cfg.local_vllm, t)
+        raise UpstreamTimeoutError(f"the local vLLM did not answer within {t:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        _count(state, "2", "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "connection")
+        log.warning("request %s: the local vLLM %s failed: %r", rid, cfg.local_vllm, exc)
+        raise UpstreamError(f"the local vLLM failed: {type(exc).__name__}") from None
+
+    try:
+        if resp.status >= 500:
+            _count(state, "2", "status_5xx")
+            snippet = await _snippet(resp)
+            log.warning("request %s: the local vLLM answered %d: %s", rid, resp.status, snippet)
+            raise UpstreamError(f"the local vLLM answered {resp.status}: {snippet}")
+        ok = resp.status < 400
+        out_headers = CIMultiDict(
+            (k, v)
+            for k, v in resp.headers.items()
+            if k.lower() not in _RESPONSE_DROP and k.lower() not in _named_in_connection(resp.headers)
+        )
+        out_headers.setdefault("X-Request-Id", rid)
+        for name in c.ECHOED_RESPONSE_HEADERS:  # the dispatcher's decision, for the client to see
+            if name in request.headers:
+                out_headers[name] = request.headers[name]
+
+        def first_byte() -> None:
+            if timing is not None and ok:
+                now = time.perf_counter()
+                timing.ttfb_s = now - started
+                timing.ttft_s = now - timing.started
+
+        chunks = resp.content.iter_any()
+        if resp.content_type == "application/json" or request.method == "HEAD":
+            # Small and complete by nature: relay as one response with its Content-Length.
+            parts = []
+            try:
+                async for chunk in chunks:
+                    if not parts:
+                        first_byte()
+                    parts.append(chunk)
+            except TimeoutError:
+                _count(state, "2", "timeout")
+                raise UpstreamTimeoutError(f"the local vLLM stalled for {t:g}s mid-response") from None
+            except aiohttp.ClientError as exc:
+                _count(state, "2", "broken")
+                raise UpstreamError(f"the local vLLM broke off its response: {type(exc).__name__}") from None
+            return web.Response(status=resp.status, body=b"".join(parts), headers=out_headers)
+        return await _stream(request, state, resp, out_headers, chunks, first_byte, rid)
+    finally:
+        resp.close()  # before EOF this drops the connection, so vLLM aborts the request
+
+
+async def _stream(
+    request: web.Request,
+    state: _State,
+    resp: aiohttp.ClientResponse,
+    out_headers: CIMultiDict[str],
+    chunks: AsyncIterator[bytes],
+    first_byte: Callable[[], None],
+    rid: str,
+) -> web.StreamResponse:
+    """Relay a streaming body (SSE) chunk by chunk: each chunk is written to the client's socket as
+    soon as it arrives (aiohttp writes straight to the transport; TCP_NODELAY is on)."""
+    out = web.StreamResponse(status=resp.status, headers=out_headers)
+    await out.prepare(request)  # headers go out now: the client sees the stream open at once
+    first = True
+    last = b""
+    failure: KairosError | None = None
+    try:
+        async for chunk in chunks:
+            if first:
+                first_byte()
+                first = False
+            await out.write(chunk)
+            last = chunk
+    except ConnectionResetError:
+        # The client went away (aiohttp's ClientConnectionResetError also lands here). Leaving
+        # lets _relay close the upstream connection, which makes vLLM abort the generation.
+        log.info("request %s: the client disconnected mid-stream; aborting the upstream request", rid)
+        return out
+    except TimeoutError:
+        _count(state, "2", "timeout")
+        failure = UpstreamTimeoutError(f"the local vLLM stalled for {state.config.hop2_timeout_s:g}s mid-stream")
+    except aiohttp.ClientError as exc:
+        _count(state, "2", "broken")
+        failure = UpstreamError(f"the local vLLM broke off the stream: {type(exc).__name__}")
+    if failure is not None:
+        log.warning("request %s: %s", rid, failure.message)
+        if resp.content_type == "text/event-stream":
+            # The status is already sent: say it in the stream, as vLLM does for its own errors
+            # (the openai SDK raises APIError on a data event carrying "error"). No [DONE].
+            sep = b"" if last.endswith(b"\n\n") else b"\n\n"
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(sep + b"data: " + _dumps(error_body(failure)) + b"\n\n")
+        else:
+            # No way to signal it in-band: cut the connection so the body reads as truncated.
+            if request.transport is not None:
+                request.transport.close()
+            return out
+    with contextlib.suppress(ConnectionResetError):
+        await out.write_eof()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+def _named_in_connection(headers: Mapping[str, str]) -> set[str]:
+    value = headers.get(hdrs.CONNECTION, "")
+    return {token.strip().lower() for token in value.split(",") if token.strip()}
+
+
+async def _snippet(resp: aiohttp.ClientResponse) -> str:
+    try:
+        raw = await resp.content.read(_ERROR_SNIPPET)
+    except (aiohttp.ClientError, TimeoutError):
+        return "(no body)"
+    return raw.decode("utf-8", "replace")
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _count(state: _State, hop: str, kind: str) -> None:
+    state.metrics.hop_errors.labels(hop, kind).inc()
+
+
+def _error_response(exc: BaseException, rid: str) -> web.Response:
+    return web.Response(
+        status=error_status(exc),
+        body=error_json(exc),
+        headers={hdrs.CONTENT_TYPE: "application/json", "X-Request-Id": rid},
+    )
+
+
+def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
+    m = state.metrics
+    path = timing.path if timing.path in PATHS else PATH_LOCAL
+    if timing.hop1_s is not None:
+        m.hop1_seconds.labels(path).observe(timing.hop1_s)
+    if timing.ttfb_s is not None:
+        m.ttfb_seconds.labels(path).observe(timing.ttfb_s)
+    if timing.ttft_s is not None:
+        m.ttft_seconds.labels(path).observe(timing.ttft_s)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",
+            rid,
+            timing.path,
+            status,
+            _ms(timing.hop1_s),
+            _ms(timing.ttfb_s),
+            _ms(timing.ttft_s),
+            _ms(time.perf_counter() - timing.started),
+        )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}ms"
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nodeagent.sidecar", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="YAML file; its 'sidecar' section holds SidecarConfig fields")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8201; 0 for any free port)")
+    p.add_argument("--local-vllm", help="host:port of this decode node's vLLM (default 127.0.0.1:8101)")
+    p.add_argument("--allow-prefill", help="comma-separated host:port of prefill vLLMs hop 1 may call")
+    p.add_argument("--hop1-connect-timeout-s", type=float)
+    p.add_argument("--hop1-timeout-s", type=float)
+    p.add_argument("--hop2-timeout-s", type=float)
+    p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a sidecar until SIGTERM or SIGINT. Settings: defaults < YAML < KAIROS_SIDECAR_* env < flags."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "local_vllm": args.local_vllm,
+        "allowed_prefill_hosts": args.allow_prefill,
+        "hop1_connect_timeout_s": args.hop1_connect_timeout_s,
+        "hop1_timeout_s": args.hop1_timeout_s,
+        "hop2_timeout_s": args.hop2_timeout_s,
+        "max_body_bytes": args.max_body_bytes,
+    }
+    try:
+        config = load_config(
+            SidecarConfig, args.config, section="sidecar", env_prefix="KAIROS_SIDECAR_", overrides=overrides
+        )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(config))
+    except OSError as exc:  # the port is taken, the address is not ours
+        print(f"error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(config: SidecarConfig) -> None:
+    # Handlers first: a supervisor may signal as soon as it reads "listening on".
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # The access log would add an INFO line per request; the DEBUG timing line covers it.
+    runner = web.AppRunner(build_app(config), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(f"listening on {host}:{port}", flush=True)
+        log.info(
+            "sidecar for local vLLM %s; static prefill allowlist %s",
+            config.local_vllm,
+            list(config.allowed_prefill_hosts) or "(none)",
+        )
+        await stop.wait()
+        log.info("stopping: finishing in-flight requests (up to %gs)", _SHUTDOWN_GRACE_S)
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""parse_request: OpenAI completions/chat bodies validated and counted the way vLLM would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from extproc.openai_request import (
+    NotFoundError,
+    ParsedRequest,
+    PayloadTooLargeError,
+    RequestLimits,
+    parse_request,
+)
+from extproc.tokenizer import PromptTokenizer
+from kairos.config import load_config
+from kairos.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.http_errors import error_body, error_status
+from kairos.tinymodel import build_tiny_model
+
+LIMITS = RequestLimits()
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PROMPT = "The gateway routes each request to a prefill node."
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a token?"}]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "kairos-tinymodel")
+
+
+@pytest.fixture(scope="session")
+def tok(model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
+def raw(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def parse(tok: PromptTokenizer, path: str, payload: bytes | dict, limits: RequestLimits = LIMITS) -> ParsedRequest:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return parse_request(path, data, tok, limits)
+
+
+# -- completions -------------------------------------------------------------------------------
+def test_string_prompt_counts_bos_and_defaults_to_16_tokens(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    payload = {"model": "tiny", "prompt": PROMPT}
+    parsed = parse(tok, COMPLETIONS, payload)
+    assert parsed == ParsedRequest(
+        kind="completion",
+        model="tiny",
+        prompt_tokens=len(raw.encode(PROMPT, add_special_tokens=True).ids),
+        max_tokens=16,
+        stream=False,
+        include_usage=False,
+        body=payload,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parsed.max_tokens = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [
+        ([5, 6, 7], 3),
+        ([[5, 6, 7, 8]], 4),
+        ([0, 4095], 2),
+    ],
+)
+def test_token_id_prompts_count_as_given(tok: PromptTokenizer, prompt: list, tokens: int) -> None:
+    assert parse(tok, COMPLETIONS, {"prompt": prompt}).prompt_tokens == tokens
+
+
+def test_single_string_list_and_query_string(tok: PromptTokenizer) -> None:
+    plain = parse(tok, COMPLETIONS, {"prompt": PROMPT})
+    listed = parse(tok, COMPLETIONS + "?api-version=1", {"prompt": [PROMPT]})
+    assert listed.prompt_tokens == plain.prompt_tokens
+    assert listed.model is None
+
+
+def test_completion_max_tokens_explicit_null_and_exact_fit(tok: PromptTokenizer) -> None:
+    p = parse(tok, COMPLETIONS, {"prompt": PROMPT}).prompt_tokens
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 100}).max_tokens == 100
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": None}).max_tokens == LIMITS.max_model_len - p
+    tight = RequestLimits(max_model_len=p + 5, default_max_tokens=5)
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT}, tight).max_tokens == 5
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 5}, tight).max_tokens == 5
+
+
+def test_stream_and_usage(tok: PromptTokenizer) -> None:
+    streamed = parse(tok, COMPLETIONS, {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}})
+    assert (streamed.stream, streamed.include_usage) == (True, True)
+    plain = parse(tok, COMPLETIONS, {"prompt": PROMPT, "stream": True, "stream_options": {}})
+    assert (plain.stream, plain.include_usage) == (True, False)
+
+
+# -- chat --------------------------------------------------------------------------------------
+def test_chat_counts_the_rendered_template(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    parsed = parse(tok, CHAT, {"model": "tiny", "messages": MESSAGES})
+    rendered = tok.render_chat(MESSAGES)
+    expected = len(raw.encode(rendered, add_special_tokens=False).ids)
+    assert parsed.kind == "chat"
+    assert parsed.prompt_tokens == expected == tok.count_chat_prompt(MESSAGES)
+    assert parsed.max_tokens == LIMITS.max_model_len - expected  # vLLM's chat default: the rest of the context
+
+
+def test_chat_max_completion_tokens_wins(tok: PromptTokenizer) -> None:
+    assert parse(tok, CHAT, {"messages": MESSAGES, "max_tokens": 7}).max_tokens == 7
+    assert parse(tok, CHAT, {"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 9}).max_tokens == 9
+    assert parse(tok, CHAT, {"messages": MESSAGES, "max_completion_tokens": None, "max_tokens": 7}).max_tokens == 7
+
+
+def test_chat_prompt_shaping_fields(tok: PromptTokenizer) -> None:
+    def count(**extra: Any) -> int:
+        return parse(tok, CHAT, {"messages": MESSAGES, **extra}).prompt_tokens
+
+    with_prompt = tok.count_chat_prompt(MESSAGES, add_generation_prompt=True)
+    without = tok.count_chat_prompt(MESSAGES, add_generation_prompt=False)
+    assert with_prompt > without
+    assert count() == with_prompt
+    assert count(add_generation_prompt=False) == without
+    assert count(chat_template_kwargs={"add_generation_prompt": False}) == without
+    assert count(add_special_tokens=True) == with_prompt + 1
+    assert count(tools=[{"type": "function", "function": {"name": "f"}}]) == with_prompt  # this template ignores tools
+    partial = [*MESSAGES, {"role": "assistant", "content": "A token is"}]
+    assert parse(
+        tok, CHAT, {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    ).prompt_tokens == tok.count_chat_prompt(partial, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_chat_accepts_parts_and_tool_call_turns(tok: PromptTokenizer) -> None:
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "a token?"}]},
+    ]
+    assert parse(tok, CHAT, {"messages": parts}).prompt_tokens == parse(tok, CHAT, {"messages": MESSAGES}).prompt_tokens
+    tool_turn = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert parse(tok, CHAT, {"messages": tool_turn}).prompt_tokens == tok.count_chat_prompt(tool_turn)
+
+
+# -- errors (table) ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    path: str
+    payload: bytes | dict
+    exc: type[KairosError]
+    status: int
+    param: str | None
+    fragment: str
+    limits: RequestLimits = LIMITS
+
+
+TINY_BODY = RequestLimits(max_body_bytes=64)
+SHORT = RequestLimits(max_model_len=20, default_max_tokens=4)
+C, M = COMPLETIONS, CHAT
+BAD = [
+    Bad("unknown path", "/v1/embeddings", {"input": "x"}, NotFoundError, 404, None, "no such endpoint"),
+    Bad("trailing slash", "/v1/completions/", {"prompt": "x"}, NotFoundError, 404, None, "/v1/completions/"),
+    Bad(
+        "too large",
+        C,
+        {"prompt": "x" * 100},
+        PayloadTooLargeError,
+        413,
+        None,
+        "over the gateway's limit of 64 bytes",
+        TINY_BODY,
+    ),
+    Bad("malformed json", C, b'{"prompt": ', InvalidRequestError, 400, None, "not valid JSON"),
+    Bad("not utf-8", C, b"\xff\xfe", InvalidRequestError, 400, None, "not valid JSON"),
+    Bad("too deep", C, b"[" * 100_000, InvalidRequestError, 400, None, "not valid JSON"),
+    Bad("not an object", C, b"[1, 2]", InvalidRequestError, 400, None, "must be a JSON object, got an array"),
+    Bad(
+        "model not a string",
+        C,
+        {"prompt": "x", "model": 3},
+        InvalidRequestError,
+        400,
+        "model",
+        "model must be a string",
+    ),
+    Bad("missing prompt", C, {"model": "m"}, InvalidRequestError, 400, "prompt", "prompt is required"),
+    Bad("null prompt", C, {"prompt": None}, InvalidRequestError, 400, "prompt", "prompt is required"),
+    Bad("number prompt", C, {"prompt": 42}, InvalidRequestError, 400, "prompt", "got a number"),
+    Bad("object prompt", C, {"prompt": {"a": 1}}, InvalidRequestError, 400, "prompt", "prompt must be"),
+    Bad("empty string", C, {"prompt": ""}, InvalidRequestError, 400, "prompt", "prompt is empty"),
+    Bad("empty list", C, {"prompt": []}, InvalidRequestError, 400, "prompt", "prompt is empty"),
+    Bad("list of empty string", C, {"prompt": [""]}, InvalidRequestError, 400, "prompt", "prompt is empty"),
+    Bad("list of empty ids", C, {"prompt": [[]]}, InvalidRequestError, 400, "prompt", "prompt is empty"),
+    Bad("batch of strings", C, {"prompt": ["a", "b"]}, InvalidRequestError, 400, "prompt", "one prompt per request"),
+    Bad("batch of ids", C, {"prompt": [[1], [2]]}, InvalidRequestError, 400, "prompt", "one prompt per request"),
+    Bad("mixed list", C, {"prompt": ["a", 1]}, InvalidRequestError, 400, "prompt", "prompt must be"),
+    Bad("bad inner ids", C, {"prompt": [[1, "a"]]}, InvalidRequestError, 400, "prompt", "prompt must be"),
+    Bad("booleans", C, {"prompt": [True]}, InvalidRequestError, 400, "prompt", "prompt must be"),
+    Bad("id past vocab", C, {"prompt": [1, 4096]}, InvalidRequestError, 400, "prompt", "token id 4096 is out of vocab"),
+    Bad("negative id", C, {"prompt": [-1]}, InvalidRequestError, 400, "prompt", "token id -1 is out of vocab"),
+    Bad("prompt_embeds", C, {"prompt_embeds": "AAAA"}, InvalidRequestError, 400, "prompt_embeds", "not supported"),
+    Bad(
+        "max_tokens 0", C, {"prompt": "x", "max_tokens": 0}, InvalidRequestError, 400, "max_tokens", "at least 1, got 0"
+    ),
+    Bad("max_tokens str", C, {"prompt": "x", "max_tokens": "9"}, InvalidRequestError, 400, "max_tokens", "an integer"),
+    Bad("max_tokens float", C, {"prompt": "x", "max_tokens": 1.5}, InvalidRequestError, 400, "max_tokens", "integer"),
+    Bad("max_tokens bool", C, {"prompt": "x", "max_tokens": True}, InvalidRequestError, 400, "max_tokens", "integer"),
+    Bad("stream not bool", C, {"prompt": "x", "stream": "yes"}, InvalidRequestError, 400, "stream", "boolean"),
+    Bad(
+        "stream_options without stream",
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        InvalidRequestError,
+        400,
+        "stream_options",
+        "only be set when stream is true",
+    ),
+    Bad(
+        "stream_options not object",
+        C,
+        {"prompt": "x", "stream": True, "stream_options": 1},
+        InvalidRequestError,
+        400,
+        "stream_options",
+        "must be an object",
+    ),
+    Bad(
+        "include_usage not bool",
+        C,
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+        InvalidRequestError,
+        400,
+        "stream_options.include_usage",
+        "boolean",
+    ),
+    Bad("chat missing messages", M, {"model": "m"}, InvalidRequestError, 400, "messages", "messages is required"),
+    Bad("messages a string", M, {"messages": "hi"}, InvalidRequestError, 400, "messages", "must be an array"),
+    Bad("messages empty", M, {"messages": []}, InvalidRequestError, 400, "messages", "messages is empty"),
+    Bad("message a string", M, {"messages": ["hi"]}, InvalidRequestError, 400, "messages[0]", "must be an object"),
+    Bad(
+        "message without role",
+        M,
+        {"messages": [{"content": "hi"}]},
+        InvalidRequestError,
+        400,
+        "messages[0].role",
+        "role is required",
+    ),
+    Bad(
+        "message without content",
+        M,
+        {"messages": [{"role": "user"}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content",
+        "content is required",
+    ),
+    Bad(
+        "assistant null content, no tools",
+        M,
+        {"messages": [{"role": "assistant", "content": None}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content",
+        "content is required",
+    ),
+    Bad(
+        "content a number",
+        M,
+        {"messages": [{"role": "user", "content": 5}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content",
+        "string or an array of content parts",
+    ),
+    Bad(
+        "part not object",
+        M,
+        {"messages": [{"role": "user", "content": ["hi"]}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content[0]",
+        "must be an object",
+    ),
+    Bad(
+        "unknown part type",
+        M,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content[0].type",
+        "'image_url' is not supported",
+    ),
+    Bad(
+        "part without text",
+        M,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        InvalidRequestError,
+        400,
+        "messages[0].content[0].text",
+        "must be a string",
+    ),
+    Bad(
+        "generation prompt not bool",
+        M,
+        {"messages": MESSAGES, "add_generation_prompt": "no"},
+        InvalidRequestError,
+        400,
+        "add_generation_prompt",
+        "boolean",
+    ),
+    Bad(
+        "both prompt-end flags",
+        M,
+        {"messages": MESSAGES, "continue_final_message": True},
+        InvalidRequestError,
+        400,
+        "continue_final_message",
+        "cannot both be true",
+    ),
+    Bad(
+        "request template",
+        M,
+        {"messages": MESSAGES, "chat_template": "{{ 1 }}"},
+        InvalidRequestError,
+        400,
+        "chat_template",
+        "not supported",
+    ),
+    Bad(
+        "template kwargs list",
+        M,
+        {"messages": MESSAGES, "chat_template_kwargs": []},
+        InvalidRequestError,
+        400,
+        "chat_template_kwargs",
+        "must be an object",
+    ),
+    Bad(
+        "template kwargs flag",
+        M,
+        {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": 0}},
+        InvalidRequestError,
+        400,
+        "chat_template_kwargs.add_generation_prompt",
+        "boolean",
+    ),
+    Bad(
+        "tools not list", M, {"messages": MESSAGES, "tools": {}}, InvalidRequestError, 400, "tools", "must be an array"
+    ),
+    Bad(
+        "max_completion_tokens 0",
+        M,
+        {"messages": MESSAGES, "max_completion_tokens": 0},
+        InvalidRequestError,
+        400,
+        "max_completion_tokens",
+        "at least 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c.name for c in BAD])
+def test_rejections(tok: PromptTokenizer, case: Bad) -> None:
+    with pytest.raises(case.exc) as info:
+        parse(tok, case.path, case.payload, case.limits)
+    assert case.fragment in info.value.message
+    assert getattr(info.value, "param", None) == case.param
+    assert error_status(info.value) == case.status
+    assert error_body(info.value)["error"]["param"] == case.param
+
+
+def test_completion_over_context_names_both_numbers(tok: PromptTokenizer) -> None:
+    prompt = "one two three four five six seven eight nine ten"
+    p = tok.count_completion_prompt(prompt)
+    assert 4 < p < 20
+    with pytest.raises(InvalidRequestError) as info:
+        parse(tok, COMPLETIONS, {"prompt": prompt, "max_tokens": 20 - p + 1}, SHORT)
+    assert info.value.message == (
+        f"This model's maximum context length is 20 tokens. However, you requested 21 tokens ({p} in the prompt, "
+        f"{21 - p} in the completion). Please reduce the length of the prompt or completion."
+    )
+    assert info.value.param == "max_tokens"
+    # the default output cap counts too: p + 4 does not fit in p + 3
+    with pytest.raises(InvalidRequestError, match=f"you requested {p + 4} tokens") as info:
+        parse(tok, COMPLETIONS, {"prompt": prompt}, RequestLimits(max_model_len=p + 3, default_max_tokens=4))
+    assert info.value.param == "max_tokens"
+
+
+def test_chat_prompt_filling_the_context_is_rejected(tok: PromptTokenizer) -> None:
+    p = tok.count_chat_prompt(MESSAGES)
+    exact = RequestLimits(max_model_len=p, default_max_tokens=1)
+    with pytest.raises(InvalidRequestError) as info:
+        parse(tok, CHAT, {"messages": MESSAGES}, exact)
+    assert f"maximum context length is {p} tokens" in info.value.message
+    assert f"has {p} input tokens" in info.value.message
+    assert info.value.param == "messages"
+    roomy = RequestLimits(max_model_len=p + 1, default_max_tokens=1)
+    assert parse(tok, CHAT, {"messages": MESSAGES}, roomy).max_tokens == 1
+    with pytest.raises(InvalidRequestError, match=f"you requested {p + 2} tokens") as info:
+        parse(tok, CHAT, {"messages": MESSAGES, "max_tokens": 2}, roomy)
+    assert info.value.param == "max_tokens"
+
+
+# -- limits ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields",
+    [{"max_body_bytes": 0}, {"max_model_len": True}, {"default_max_tokens": -1}, {"max_model_len": 16}],
+)
+def test_limits_are_checked(fields: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="RequestLimits"):
+        RequestLimits(**fields)
+
+
+def test_limits_load_from_the_environment() -> None:
+    limits = load_config(RequestLimits, env_prefix="KAIROS_GATEWAY_", environ={"KAIROS_GATEWAY_MAX_MODEL_LEN": "4096"})
+    assert limits == RequestLimits(max_model_len=4096)

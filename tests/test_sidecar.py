@@ -1,0 +1,633 @@
+"""Component tests of the decode-node sidecar: real HTTP on 127.0.0.1 against fake vLLM servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kairos import contracts as c
+from kairos.errors import ConfigError
+from nodeagent.sidecar import HOP1_KV_TRANSFER_PARAMS, SidecarConfig, build_app
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a NixlConnector prefill node puts in its reply (the shape vLLM returns).
+PREFILL_KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "engine-p0",
+    "remote_block_ids": [3, 4, 5],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hello"}],
+    "max_tokens": 20,
+    "max_completion_tokens": 20,
+    "min_tokens": 5,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake vLLM servers
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]  # lower-cased names
+    raw: bytes
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.raw)
+
+
+@dataclass
+class FakeVLLM:
+    """A vLLM OpenAI server stand-in that records every request it receives."""
+
+    role: str  # "prefill" or "decode"
+    seen: list[Seen] = field(default_factory=list)
+    status: int = 200  # status of completion replies (errors carry vLLM's error JSON)
+    hang: bool = False  # prefill: accept the request and never answer
+    with_kv: bool = True  # prefill: put kv_transfer_params in the reply
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # decode: holds the stream's tail
+    use_gate: bool = False
+    sent_last: bool = False
+    break_stream: bool = False  # decode: drop the connection after the first chunk
+    reader_gone: asyncio.Event = field(default_factory=asyncio.Event)  # decode: a stream write failed
+    health_status: int = 200
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # set at teardown: ends hangs
+    url: str = ""  # host:port once started
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _record(self, request: web.Request) -> Seen:
+        seen = Seen(
+            request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()}, await request.read()
+        )
+        self.seen.append(seen)
+        return seen
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = (await self._record(request)).json
+        if self.hang:
+            await self.release.wait()
+        if self.status != 200:
+            error = {
+                "object": "error",
+                "message": f"fake {self.role} error",
+                "type": "BadRequestError",
+                "param": None,
+                "code": self.status,
+            }
+            return web.json_response(error, status=self.status)
+        if self.role == "prefill":
+            reply: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}]}
+            if self.with_kv:
+                reply["kv_transfer_params"] = PREFILL_KV
+            return web.json_response(reply)
+        # decode: a keep request must carry the prefill node's params, as a real decode vLLM needs
+        route_keep = body.get("kv_transfer_params") is not None
+        if route_keep and body["kv_transfer_params"] != PREFILL_KV:
+            return web.json_response({"error": "wrong kv_transfer_params"}, status=400)
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-d", "choices": [{"index": 0, "text": "hi there"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"n": 1}\n\n')
+        if self.break_stream:
+            assert request.transport is not None
+            request.transport.close()
+            return out
+        if self.use_gate:
+            await asyncio.wait_for(self.gate.wait(), 5)
+        try:
+            for n in (2, 3):
+                await asyncio.sleep(0.02)
+                await out.write(f'data: {{"n": {n}}}\n\n'.encode())
+            await out.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # vLLM aborts the request here
+            self.reader_gone.set()
+            return out
+        self.sent_last = True
+        await out.write_eof()
+        return out
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"{host}:{port}"
+
+
+def _dead_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@dataclass
+class Rig:
+    prefill: FakeVLLM
+    decode: FakeVLLM
+    start_sidecar: Callable[..., Awaitable[str]]  # (**config overrides) -> sidecar base URL
+    http: aiohttp.ClientSession
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
+    runners = []
+    for fake in (prefill, decode):
+        runner, fake.url = await _serve(fake.app())
+        runners.append(runner)
+
+    async def start_sidecar(allowlist: Callable[[], Any] | None = None, **overrides: Any) -> str:
+        settings: dict[str, Any] = {
+            "port": 0,
+            "local_vllm": decode.url,
+            "allowed_prefill_hosts": (prefill.url,),
+            "hop1_connect_timeout_s": 0.5,
+            "hop1_timeout_s": 2.0,
+            "hop2_timeout_s": 2.0,
+            "max_body_bytes": 64 * 1024,
+        }
+        settings.update(overrides)
+        runner, url = await _serve(build_app(SidecarConfig(**settings), allowlist))
+        runners.append(runner)
+        return f"http://{url}"
+
+    async with aiohttp.ClientSession() as http:
+        yield Rig(prefill, decode, start_sidecar, http)
+    for fake in (prefill, decode):
+        fake.release.set()
+        fake.gate.set()
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
+def _keep(rig: Rig, **extra: str) -> dict[str, str]:
+    return {c.H_ROUTE: "keep", c.H_PREFILL_HOST: rig.prefill.url, **extra}
+
+
+async def _error(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    """The OpenAI error object of ``resp``, checked for shape."""
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    prefix = f"{name}{{{want}}} " if labels else f"{name} "
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    raise AssertionError(f"{prefix!r} not in metrics")
+
+
+# ---------------------------------------------------------------------------------------------
+# keep: two hops
+# ---------------------------------------------------------------------------------------------
+async def test_keep_runs_both_hops_and_streams_unbuffered(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.decode.use_gate = True
+    headers = _keep(
+        rig,
+        **{
+            "X-Request-Id": "req-keep-1",
+            "Authorization": "Bearer sk-test",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "x-kairos-spoofed": "evil",
+            "Connection": "keep-alive, x-private",
+            "x-private": "hop-by-hop",
+        },
+    )
+    async with rig.http.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        assert resp.headers["X-Request-Id"] == "req-keep-1"
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2)
+        assert first == b'data: {"n": 1}\n\n'
+        # The fake holds the rest of the stream until we say so: the first event got here alone.
+        assert not rig.decode.sent_last
+        rig.decode.gate.set()
+        rest = await resp.content.read()
+    assert rest == b'data: {"n": 2}\n\ndata: {"n": 3}\n\ndata: [DONE]\n\n'
+
+    (hop1,) = rig.prefill.seen
+    (hop2,) = rig.decode.seen
+    assert hop1.path == hop2.path == "/v1/chat/completions"
+    want_hop1 = {k: v for k, v in CHAT.items() if k not in ("stream_options", "min_tokens")}
+    want_hop1.update(max_tokens=1, max_completion_tokens=1, stream=False, kv_transfer_params=HOP1_KV_TRANSFER_PARAMS)
+    assert hop1.json == want_hop1
+    assert hop2.json == {**CHAT, "kv_transfer_params": PREFILL_KV}
+    for seen in (hop1, hop2):
+        assert seen.headers["x-request-id"] == "req-keep-1"
+        assert seen.headers["authorization"] == "Bearer sk-test"
+        assert seen.headers["traceparent"] == headers["traceparent"]
+        assert not [h for h in seen.headers if h.startswith(c.HEADER_PREFIX)]
+        assert "x-private" not in seen.headers
+
+
+async def test_client_disconnect_closes_the_upstream_stream(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.decode.use_gate = True
+    body = {**COMPLETION, "stream": True}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_keep(rig)) as resp:
+        assert await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 2) == b'data: {"n": 1}\n\n'
+        resp.close()  # the client goes away mid-stream
+    rig.decode.gate.set()
+    # The sidecar notices on its next write and drops hop 2, so the decode vLLM stops generating.
+    await asyncio.wait_for(rig.decode.reader_gone.wait(), 2)
+    assert not rig.decode.sent_last
+
+
+async def test_keep_generates_one_request_id_for_both_hops(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"id": "cmpl-d", "choices": [{"index": 0, "text": "hi there"}]}
+        rid = resp.headers["X-Request-Id"]
+    assert rid
+    assert rig.prefill.seen[0].headers["x-request-id"] == rid == rig.decode.seen[0].headers["x-request-id"]
+    assert rig.prefill.seen[0].json["max_tokens"] == 1
+    assert "max_completion_tokens" not in rig.prefill.seen[0].json
+
+
+async def test_hung_prefill_gives_504_within_the_hop1_bound(rig: Rig) -> None:
+    url = await rig.start_sidecar(hop1_timeout_s=0.5)
+    rig.prefill.hang = True
+    started = time.monotonic()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 504
+        error = await _error(resp)
+    assert time.monotonic() - started < 0.5 + 0.5
+    assert error["code"] == "upstream_timeout"
+    assert rig.prefill.url in error["message"]
+    assert rig.decode.seen == []
+
+
+async def test_dead_prefill_gives_502_quickly(rig: Rig) -> None:
+    dead = _dead_port()
+    url = await rig.start_sidecar(allowed_prefill_hosts=(dead,))
+    started = time.monotonic()
+    headers = {c.H_ROUTE: "keep", c.H_PREFILL_HOST: dead}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 502
+        error = await _error(resp)
+    assert time.monotonic() - started < 0.5
+    assert error["code"] == "upstream_error"
+    assert dead in error["message"]
+    assert rig.decode.seen == []
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1:1",  # well formed, not on the allowlist
+        "evil.example.com:80",
+        "{prefill}/v1/x",  # an allowed host with a path smuggled in
+        "http://{prefill}",
+        "user@{prefill}",
+    ],
+)
+async def test_prefill_host_off_the_allowlist_is_never_called(rig: Rig, host: str) -> None:
+    url = await rig.start_sidecar()
+    headers = {c.H_ROUTE: "keep", c.H_PREFILL_HOST: host.format(prefill=rig.prefill.url)}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 502
+        error = await _error(resp)
+    assert "allowlist" in error["message"] or "bad routing headers" in error["message"]
+    assert rig.prefill.seen == [] and rig.decode.seen == []
+
+
+async def test_live_allowlist_admits_a_host_the_static_one_lacks(rig: Rig) -> None:
+    live: set[str] = set()
+    url = await rig.start_sidecar(allowlist=lambda: live, allowed_prefill_hosts=())
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 502
+    live.add(rig.prefill.url.upper())  # case does not matter
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+    assert len(rig.prefill.seen) == 1
+
+
+async def test_failing_live_allowlist_falls_back_to_the_static_one(rig: Rig) -> None:
+    def broken() -> set[str]:
+        raise ConnectionError("redis down")
+
+    url = await rig.start_sidecar(allowlist=broken)
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+
+
+async def test_prefill_4xx_is_relayed_and_5xx_becomes_502(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.prefill.status = 400
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["message"] == "fake prefill error"
+    rig.prefill.status = 500
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 502
+        error = await _error(resp)
+    assert "answered 500" in error["message"]
+    assert rig.decode.seen == []
+
+
+async def test_prefill_reply_without_kv_transfer_params_gives_502(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.prefill.with_kv = False
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 502
+        error = await _error(resp)
+    assert "kv_transfer_params" in error["message"]
+    assert rig.decode.seen == []
+
+
+async def test_keep_without_prefill_host_is_a_bad_routing_header(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers={c.H_ROUTE: "keep"}) as resp:
+        assert resp.status == 502
+        assert "bad routing headers" in (await _error(resp))["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# deflect and unrouted requests
+# ---------------------------------------------------------------------------------------------
+async def test_deflect_puts_the_schedule_in_vllm_xargs(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    body = {**COMPLETION, "vllm_xargs": {"foo": 1, c.XARG_CHUNK_SCHEDULE: [9]}}
+    headers = {
+        c.H_ROUTE: "deflect",
+        c.H_CHUNK_SCHEDULE: "1020,508,252",
+        c.H_STEP_BUDGET_MS: "70.000",
+        c.H_PREFILL_HOST: rig.prefill.url,
+    }
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200
+    (seen,) = rig.decode.seen
+    assert seen.json == {
+        **COMPLETION,
+        "vllm_xargs": {"foo": 1, c.XARG_CHUNK_SCHEDULE: [1020, 508, 252], c.XARG_STEP_BUDGET_MS: 70.0},
+    }
+    assert rig.prefill.seen == []
+
+
+async def test_deflect_without_step_budget_omits_it(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    headers = {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 200
+    assert rig.decode.seen[0].json["vllm_xargs"] == {c.XARG_CHUNK_SCHEDULE: [256]}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {c.H_ROUTE: "deflect"},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "1020,abc"},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512,0"},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: ""},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_STEP_BUDGET_MS: "nan"},
+        {c.H_ROUTE: "sideways"},
+    ],
+)
+async def test_bad_routing_headers_give_502(rig: Rig, headers: dict[str, str]) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 502
+        error = await _error(resp)
+    assert error["message"].startswith("bad routing headers")
+    assert rig.decode.seen == [] and rig.prefill.seen == []
+
+
+async def test_unrouted_request_goes_to_the_local_vllm_unchanged(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    raw = b'{"model": "tiny",  "prompt": "byte for byte", "max_tokens": 3}'
+    headers = {"Content-Type": "application/json", "X-Request-Id": "direct-1", "x-kairos-chunk-schedule": "1"}
+    async with rig.http.post(f"{url}/v1/completions?trace=1", data=raw, headers=headers) as resp:
+        assert resp.status == 200
+    (seen,) = rig.decode.seen
+    assert seen.raw == raw
+    assert seen.path == "/v1/completions?trace=1"
+    assert seen.headers["x-request-id"] == "direct-1"
+    assert not [h for h in seen.headers if h.startswith(c.HEADER_PREFIX)]
+    assert rig.prefill.seen == []
+
+
+async def test_client_sent_kairos_xargs_never_reach_vllm(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    body = {**COMPLETION, "vllm_xargs": {c.XARG_CHUNK_SCHEDULE: [1], c.XARG_STEP_BUDGET_MS: 1.0, "foo": "bar"}}
+    async with rig.http.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+    # the client's other xargs stay, on both hops
+    assert [s.json["vllm_xargs"] for s in rig.decode.seen] == [{"foo": "bar"}, {"foo": "bar"}]
+    assert rig.prefill.seen[0].json["vllm_xargs"] == {"foo": "bar"}
+
+
+# ---------------------------------------------------------------------------------------------
+# hop 2 failures, client errors
+# ---------------------------------------------------------------------------------------------
+async def test_local_vllm_errors_relay_4xx_and_map_5xx_and_dead_to_502(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.decode.status = 400
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["message"] == "fake decode error"
+    rig.decode.status = 503
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 502
+        assert "answered 503" in (await _error(resp))["message"]
+    dead_url = await rig.start_sidecar(local_vllm=_dead_port())
+    async with rig.http.post(f"{dead_url}/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 502
+        assert (await _error(resp))["code"] == "upstream_error"
+
+
+async def test_stream_broken_mid_way_ends_with_an_error_event(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.decode.break_stream = True
+    async with rig.http.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}) as resp:
+        assert resp.status == 200
+        text = (await resp.content.read()).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert events[0] == 'data: {"n": 1}'
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "upstream_error"
+
+
+async def test_too_large_and_malformed_bodies_get_openai_errors(rig: Rig) -> None:
+    url = await rig.start_sidecar(max_body_bytes=1000)
+    big = {**COMPLETION, "prompt": "x" * 2000}
+    async with rig.http.post(f"{url}/v1/completions", json=big, headers=_keep(rig)) as resp:
+        assert resp.status == 413
+        assert "1000 bytes" in (await _error(resp))["message"]
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit holds while reading
+        for _ in range(3):
+            yield b"x" * 600
+
+    async with rig.http.post(f"{url}/v1/completions", data=chunked()) as resp:
+        assert resp.status == 413
+        await _error(resp)
+    async with rig.http.post(f"{url}/v1/completions", data=b"{not json", headers=_keep(rig)) as resp:
+        assert resp.status == 400
+        assert (await _error(resp))["code"] == "invalid_request"
+    async with rig.http.post(f"{url}/v1/chat/completions", data=b"[1, 2]") as resp:
+        assert resp.status == 400
+        await _error(resp)
+    assert rig.prefill.seen == [] and rig.decode.seen == []
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics, health, pass-through
+# ---------------------------------------------------------------------------------------------
+async def test_metrics_count_each_path(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+    deflect = {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512"}
+    for _ in range(2):
+        async with rig.http.post(f"{url}/v1/completions", json={**COMPLETION, "stream": True}, headers=deflect) as resp:
+            await resp.read()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+        await resp.read()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers={c.H_ROUTE: "keep"}) as resp:
+        assert resp.status == 502
+    async with rig.http.get(f"{url}/kairos/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    assert _metric(text, "kairos_sidecar_hop1_seconds_count", path="keep") == 1
+    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="keep") == 1
+    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="deflect") == 2
+    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="local") == 1
+    assert _metric(text, "kairos_sidecar_ttft_seconds_count", path="keep") == 1
+    assert _metric(text, "kairos_sidecar_hop1_seconds_sum", path="keep") > 0
+    assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind="bad_routing_headers") == 1
+
+
+async def test_health_reflects_the_local_vllm(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.get(f"{url}/health") as resp:
+        assert resp.status == 200
+    rig.decode.health_status = 500
+    async with rig.http.get(f"{url}/health") as resp:
+        assert resp.status == 503
+    dead_url = await rig.start_sidecar(local_vllm=_dead_port())
+    async with rig.http.get(f"{dead_url}/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["status"] == "unhealthy"
+
+
+async def test_other_gets_are_proxied_to_the_local_vllm(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.get(f"{url}/v1/models", headers={"x-kairos-route": "keep"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["data"][0]["id"] == "tiny"
+    async with rig.http.get(f"{url}/metrics") as resp:
+        assert await resp.text() == "vllm:num_requests_running 0\n"
+    assert [s.path for s in rig.decode.seen] == ["/v1/models", "/metrics"]
+    assert not [h for h in rig.decode.seen[0].headers if h.startswith(c.HEADER_PREFIX)]
+    async with rig.http.get(f"{url}/nothing-here") as resp:
+        assert resp.status == 404  # the local vLLM's answer, relayed
+
+
+# ---------------------------------------------------------------------------------------------
+# config and CLI
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"local_vllm": "http://127.0.0.1:8101"}, "local_vllm"),
+        ({"allowed_prefill_hosts": ("127.0.0.1",)}, "allowed_prefill_hosts"),
+        ({"port": 70000}, "port"),
+        ({"hop1_timeout_s": 0.0}, "hop1_timeout_s"),
+        ({"hop1_connect_timeout_s": 5.0, "hop1_timeout_s": 2.0}, "must not exceed"),
+        ({"hop2_timeout_s": float("nan")}, "hop2_timeout_s"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+    ],
+)
+def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SidecarConfig(**overrides)
+
+
+def test_config_normalises_hosts() -> None:
+    cfg = SidecarConfig(local_vllm=" LocalHost:8101", allowed_prefill_hosts=("A.example:1", "a.example:1"))
+    assert cfg.local_vllm == "localhost:8101"
+    assert cfg.allowed_prefill_hosts == ("a.example:1",)
+
+
+def test_cli_listens_and_stops_cleanly_on_sigterm() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "nodeagent.sidecar",
+        "--port",
+        "0",
+        "--local-vllm",
+        "127.0.0.1:8101",
+        "--allow-prefill",
+        "127.0.0.1:8001,127.0.0.1:8002",
+    ]
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("listening on 127.0.0.1:"), proc.stderr.read()
+            port = int(line.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                pass
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+            assert "stopping" in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -1,0 +1,281 @@
+"""PromptTokenizer: counts equal to vLLM's (checked against tokenizers directly) and HF-style chat rendering."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from extproc.tokenizer import (
+    GIL_RELEASE_CHARS,
+    ChatTemplateError,
+    NoChatTemplateError,
+    PromptTokenizer,
+    detect_content_format,
+)
+from kairos.errors import ConfigError, InvalidRequestError
+from kairos.tinymodel import CHAT_TEMPLATE, build_tiny_model
+
+# A Llama-3-style template: content used as a string, never iterated (vLLM's "string" format).
+STRING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '[' + message['role'] + '] ' + message['content'] | trim + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+TWO_TURNS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "How are you?"},
+]
+TWO_TURNS_RENDERED = (
+    "<s><|system|>\nYou are terse.</s>\n"
+    "<|user|>\nHello</s>\n"
+    "<|assistant|>\nHi!</s>\n"
+    "<|user|>\nHow are you?</s>\n"
+    "<|assistant|>\n"
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "kairos-tinymodel")
+
+
+@pytest.fixture(scope="session")
+def tok(model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
+def raw(model_dir: Path) -> Tokenizer:
+    """The same tokenizer loaded independently, as the reference for every count."""
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and trailing spaces  ",
+    "Numbers 1024, 2048 and 3.14159; symbols {}[]<>@#$%^&*",
+    "Ünïcödé ✓ 日本語 🙂",
+    "literal special tokens <s> and </s> inside text",
+    "line one\nline two\n\n\ttabbed",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_completion_count_is_the_encoding_with_bos(tok: PromptTokenizer, raw: Tokenizer, text: str) -> None:
+    ids = raw.encode(text, add_special_tokens=True).ids
+    assert tok.count_completion_prompt(text) == len(ids)
+    assert tok.encode(text) == ids
+    assert ids[0] == tok.bos_token_id == 1
+
+
+def test_long_text_path_counts_the_same(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    text = " ".join(TEXTS) * (GIL_RELEASE_CHARS // 100)
+    assert len(text) > GIL_RELEASE_CHARS
+    assert tok.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
+    assert tok.count_completion_prompt(text) == len(raw.encode(text).ids)
+
+
+def test_token_ids_are_counted_as_given(tok: PromptTokenizer) -> None:
+    assert tok.count_completion_prompt([5, 6, 7]) == 3
+    assert tok.count_completion_prompt([]) == 0
+    with pytest.raises(TypeError):
+        tok.count_completion_prompt([1, "a"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        tok.count_completion_prompt(3)  # type: ignore[arg-type]
+
+
+def test_batch_forms_give_one_count_per_prompt(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    counts = [len(raw.encode(t).ids) for t in TEXTS[:3]]
+    assert tok.count_completion_prompts(TEXTS[:3]) == counts
+    assert tok.count_completion_prompts(TEXTS[0]) == counts[:1]
+    assert tok.count_completion_prompts([1, 2, 3]) == [3]
+    assert tok.count_completion_prompts([[1, 2], [3], [4, 5, 6]]) == [2, 1, 3]
+
+
+def test_decode_round_trips(tok: PromptTokenizer) -> None:
+    text = TEXTS[4]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.decode(tok.encode(text)) == "<s>" + text
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_loads_specials_and_template_from_the_directory(tok: PromptTokenizer) -> None:
+    assert (tok.bos_token, tok.eos_token, tok.bos_token_id, tok.eos_token_id) == ("<s>", "</s>", 1, 2)
+    assert tok.vocab_size == 4096
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.content_format == "openai"
+
+
+# -- chat ------------------------------------------------------------------------------------
+def test_two_turn_chat_renders_as_written_by_hand(tok: PromptTokenizer) -> None:
+    assert tok.render_chat(TWO_TURNS) == TWO_TURNS_RENDERED
+    assert tok.render_chat(TWO_TURNS, add_generation_prompt=False) == TWO_TURNS_RENDERED.removesuffix("<|assistant|>\n")
+
+
+def test_chat_count_is_the_rendered_text_without_added_bos(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    ids = raw.encode(TWO_TURNS_RENDERED, add_special_tokens=False).ids
+    assert tok.count_chat_prompt(TWO_TURNS) == len(ids)
+    assert ids[0] == 1 and ids[1] != 1  # exactly one BOS: the template's
+    assert ids.count(2) == 4  # each turn closed by EOS, recognised as the special token
+    assert tok.count_chat_prompt(TWO_TURNS, add_special_tokens=True) == len(ids) + 1
+
+
+def test_content_part_lists_render_like_the_string(tok: PromptTokenizer) -> None:
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": [{"type": "input_text", "text": "How are you?"}]},
+    ]
+    assert tok.render_chat(as_parts) == TWO_TURNS_RENDERED
+    assert tok.count_chat_prompt(as_parts) == tok.count_chat_prompt(TWO_TURNS)
+
+
+def test_string_format_templates_get_parts_joined_by_newlines_like_vllm(model_dir: Path) -> None:
+    tok = PromptTokenizer.from_dir(model_dir, chat_template=STRING_TEMPLATE)
+    assert tok.content_format == "string"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": " b"}]}]
+    assert tok.render_chat(messages) == "<s>[user] a \n b</s>[assistant] "
+
+
+def test_assistant_tool_call_without_content_renders_empty(tok: PromptTokenizer) -> None:
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    assert tok.render_chat(messages, add_generation_prompt=False) == "<s><|user|>\nx</s>\n<|assistant|>\n</s>\n"
+
+
+def test_continue_final_message_cuts_after_its_text(tok: PromptTokenizer) -> None:
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One, two,"}]
+    rendered = tok.render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert rendered == "<s><|user|>\nCount</s>\n<|assistant|>\nOne, two,"
+    # transformers >= 4.57 semantics (checked against it): spacing the template keeps is kept
+    spaced = [messages[0], {"role": "assistant", "content": [{"type": "text", "text": " One, two,  "}]}]
+    assert tok.render_chat(spaced, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|assistant|>\n One, two,  "
+    )
+    assert spaced[1]["content"][0]["text"] == " One, two,  "  # the caller's messages are not modified
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        tok.render_chat(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_missing_template_raises_a_clear_error(model_dir: Path, raw: Tokenizer) -> None:
+    tok = PromptTokenizer.from_files(model_dir / "tokenizer.json")
+    assert tok.chat_template is None
+    with pytest.raises(NoChatTemplateError, match="no chat template") as info:
+        tok.render_chat(TWO_TURNS)
+    assert isinstance(info.value, InvalidRequestError)  # a 400, as vLLM answers
+    assert tok.count_completion_prompt("Hello") == len(raw.encode("Hello").ids)  # completions still work
+
+
+def test_unsupported_content_part_is_a_request_error(tok: PromptTokenizer) -> None:
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ChatTemplateError, match="image_url") as info:
+        tok.render_chat(messages)
+    assert info.value.param == "messages[0].content[0].type"
+
+
+def test_hf_environment_features(model_dir: Path) -> None:
+    template = (
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{% generation %}{{ m | tojson }}{% endgeneration %}{% endfor %}"
+        "{{ tools | tojson }}|{{ flavour }}|{{ unk_token }}"
+        "{% if messages | length > 2 %}{{ raise_exception('too many: ' ~ messages | length) }}{% endif %}"
+    )
+    tok = PromptTokenizer.from_dir(model_dir, chat_template=template)
+    messages = [{"role": "user", "content": "é"}, {"role": "user", "content": "second"}]
+    rendered = tok.render_chat(messages, tools=[{"type": "function"}], template_kwargs={"flavour": "mint"})
+    assert rendered == '{"role": "user", "content": "é"}[{"type": "function"}]|mint|<unk>'
+    with pytest.raises(ChatTemplateError, match="too many: 3"):
+        tok.render_chat([*messages, messages[0]])
+
+
+def test_sandbox_blocks_unsafe_attribute_access(model_dir: Path) -> None:
+    tok = PromptTokenizer.from_dir(model_dir, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError):
+        tok.render_chat(TWO_TURNS)
+
+
+def test_counting_is_safe_across_threads(tok: PromptTokenizer) -> None:
+    texts = [t * k for k in range(1, 40) for t in TEXTS]
+    expected = [tok.count_completion_prompt(t) for t in texts]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert list(pool.map(tok.count_completion_prompt, texts)) == expected
+        assert (
+            list(pool.map(lambda _: tok.count_chat_prompt(TWO_TURNS), range(50)))
+            == [tok.count_chat_prompt(TWO_TURNS)] * 50
+        )
+
+
+# -- content-format detection -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (CHAT_TEMPLATE, "openai"),
+        (STRING_TEMPLATE, "string"),
+        ("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
+        (
+            "{% set rest = messages[1:] %}{% for m in rest %}{% for c in m['content'] %}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{% for c in m['content'] | reverse %}{% endfor %}{% endfor %}", "openai"),
+        ("{% for m in messages %}{% for c in other['content'] %}{% endfor %}{% endfor %}", "string"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %", "string"),  # does not parse: vLLM's default
+    ],
+)
+def test_detect_content_format(template: str, expected: str) -> None:
+    assert detect_content_format(template) == expected
+
+
+def test_content_format_can_be_forced(model_dir: Path) -> None:
+    tok = PromptTokenizer.from_dir(model_dir, content_format="string")
+    assert tok.content_format == "string"
+    with pytest.raises(ConfigError, match="content_format"):
+        PromptTokenizer.from_dir(model_dir, content_format="json")  # type: ignore[arg-type]
+
+
+# -- loading ---------------------------------------------------------------------------------
+def test_from_dir_without_tokenizer_json_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
+        PromptTokenizer.from_dir(tmp_path)
+
+
+def test_malformed_files_are_config_errors(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot load tokenizer"):
+        PromptTokenizer.from_dir(tmp_path)
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        PromptTokenizer.from_dir(tmp_path)
+    with pytest.raises(ConfigError, match="does not compile"):
+        PromptTokenizer.from_files(tmp_path / "tokenizer.json", chat_template="{% for %}")
+
+
+def test_template_sources_and_added_token_specials(model_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {
+        "bos_token": {"content": "<s>", "__type": "AddedToken", "special": True},
+        "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<unk>"}))
+    tok = PromptTokenizer.from_dir(tmp_path)
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")  # the config wins, the map fills gaps
+    assert tok.render_chat(TWO_TURNS) == "D<s>"
+    (tmp_path / "chat_template.jinja").write_text("J{{ eos_token }}")
+    assert PromptTokenizer.from_dir(tmp_path).render_chat(TWO_TURNS) == "J</s>"
+    assert PromptTokenizer.from_dir(tmp_path, chat_template="X").render_chat(TWO_TURNS) == "X"
+
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="none named 'default'"):
+        PromptTokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
