@@ -1,0 +1,544 @@
+"""The heartbeat publisher: every Δh, read the local engine's state and write it to Redis.
+
+One publisher runs beside each vLLM (or emulated vLLM) server. Every period it reads an
+:class:`EngineState` from an :class:`EngineStateSource` and, in one pipelined round trip,
+
+* ``SET kairos:node:{node_id} <json> PX <ttl>``: the dispatcher polls these keys; the expiry makes
+  a node whose publisher or engine died vanish by itself after the TTL;
+* ``PUBLISH kairos:heartbeats <json>``: the same JSON for subscribers (monitoring, replays).
+
+Failure policy:
+
+* the state source fails (engine down, hung, malformed answer): nothing is published, so the key
+  expires and the node leaves the cluster; one WARNING per outage, one INFO on recovery;
+* Redis fails (refused, timeout): one WARNING per outage, the publisher keeps trying every period
+  and resumes by itself (redis-py reconnects on the next command); it never crashes on either.
+
+Beats are scheduled on a monotonic grid (start + k x period), so slow reads do not accumulate
+drift: a beat that overruns its slot skips the slots it missed instead of bunching up.
+
+Run it as ``python -m nodeagent.heartbeat --node-id d0 --role decode --url 127.0.0.1:8101
+--sidecar 127.0.0.1:8201 --redis redis://127.0.0.1:6379/0``; SIGTERM or SIGINT stops it
+cleanly and removes the node's key (if it still holds this publisher's last beat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kairos.config import load_config
+from kairos.contracts import (
+    HEARTBEAT_PERIOD_S,
+    HEARTBEAT_TTL_S,
+    REDIS_HEARTBEAT_CHANNEL,
+    REDIS_NODE_KEY,
+    HeartbeatField,
+)
+from kairos.errors import ConfigError, KairosError
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+STATE_PATH = "/kairos/state"  # where the (emulated) vLLM server serves its EngineState JSON
+
+# Compare-and-delete: remove the node's key only if it still holds this publisher's last beat
+# (a newer publisher for the same node id may already have taken it over).
+_DELETE_IF_OURS = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class EngineStateError(KairosError):
+    """The engine's state could not be read or is malformed."""
+
+    code = "engine_state_unavailable"
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine state
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the engine reports each beat (the heartbeat's load fields, by the same names)."""
+
+    decode_tokens: int  # B: running decodes, one token each per step
+    kv_tokens: int  # K: KV-cache tokens in use
+    kv_capacity_tokens: int  # KV-cache tokens the engine can hold
+    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
+    scheduled_prefill_tokens: tuple[int, ...]  # remaining tokens of deflected (scheduled) prefills
+    max_step_tokens: int  # the engine's token budget per step (max_num_batched_tokens)
+    model: str  # served model name
+
+    def __post_init__(self) -> None:
+        for name in ("decode_tokens", "kv_tokens", "kv_capacity_tokens", "max_step_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        if self.max_step_tokens < 1:
+            raise EngineStateError(f"engine state: max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        for name in ("queued_prefill_tokens", "scheduled_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(_is_int(x) and x >= 0 for x in value):
+                raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
+        if not isinstance(self.model, str):
+            raise EngineStateError(f"engine state: model must be a string, got {self.model!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> EngineState:
+        """Build from decoded JSON (lists become tuples); unknown keys are ignored."""
+        if not isinstance(data, Mapping):
+            raise EngineStateError(f"engine state: expected a JSON object, got {type(data).__name__}")
+        names = (
+            "decode_tokens",
+            "kv_tokens",
+            "kv_capacity_tokens",
+            "queued_prefill_tokens",
+            "scheduled_prefill_tokens",
+            "max_step_tokens",
+            "model",
+        )
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise EngineStateError(f"engine state: missing fields {missing}")
+        values = {n: data[n] for n in names}
+        for name in ("queued_prefill_tokens", "scheduled_prefill_tokens"):
+            if not isinstance(values[name], list | tuple):
+                raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
+            values[name] = tuple(values[name])
+        return cls(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@runtime_checkable
+class EngineStateSource(Protocol):
+    """Where a publisher reads the engine's state; any exception means "engine unavailable"."""
+
+    async def read(self) -> EngineState: ...
+
+
+def state_endpoint(address: str) -> str:
+    """``host:port`` -> ``http://host:port/kairos/state``; a full http(s) URL keeps its path
+    (``/kairos/state`` is added when it has none)."""
+    text = address.strip()
+    if "://" not in text:
+        _check_hostport("state url", text)
+        return f"http://{text}{STATE_PATH}"
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"state url: expected host:port or an http(s) URL, got {address!r}")
+    path = parts.path if parts.path not in ("", "/") else STATE_PATH
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+class HttpStateSource:
+    """Reads ``GET http://host:port/kairos/state`` through one reused aiohttp session.
+
+    The session is created on the first read (inside the running loop); ``aclose()`` closes it.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 0.25) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"HttpStateSource: timeout_s must be > 0, got {timeout_s}")
+        self.endpoint = state_endpoint(url)
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        return self._session
+
+    async def read(self) -> EngineState:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            async with self._session.get(self.endpoint) as resp:
+                if resp.status != 200:
+                    body = (await resp.text())[:200]
+                    raise EngineStateError(f"GET {self.endpoint}: HTTP {resp.status}: {body}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise EngineStateError(f"GET {self.endpoint}: {_describe(exc)}") from exc
+        return EngineState.from_mapping(data)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+def _check_hostport(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: expected host:port, got {value!r}")
+
+
+def _check_redis_url(name: str, value: str) -> None:
+    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {value!r}")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """One node's heartbeat publisher."""
+
+    node_id: str  # unique in the cluster; the Redis key is kairos:node:{node_id}
+    role: str  # "prefill" or "decode"
+    url: str  # host:port of the node's vLLM (or emulated vLLM) OpenAI server
+    sidecar: str = ""  # host:port of the decode sidecar; required on decode nodes, "" on prefill nodes
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    period_s: float = HEARTBEAT_PERIOD_S  # Δh: one beat per period, on a monotonic grid
+    ttl_s: float = HEARTBEAT_TTL_S  # key expiry: a node that stops beating vanishes after this
+    state_url: str = ""  # where to read the engine state (host:port or URL); "" = url
+    state_timeout_s: float = 0.25  # a state read slower than this counts as a failure (no beat)
+    redis_timeout_s: float = 0.25  # connect and command timeout of each Redis round trip
+    deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
+
+    def __post_init__(self) -> None:
+        if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
+            raise ConfigError(f"node_id must be non-empty without spaces or glob characters, got {self.node_id!r}")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        _check_hostport("url", self.url)
+        if self.role == "decode":
+            if not self.sidecar:
+                raise ConfigError(f"decode node {self.node_id}: sidecar (host:port) is required")
+            _check_hostport("sidecar", self.sidecar)
+        elif self.sidecar:
+            raise ConfigError(f"prefill node {self.node_id}: sidecar must be empty, got {self.sidecar!r}")
+        _check_redis_url("redis_url", self.redis_url)
+        if not self.period_s > 0:
+            raise ConfigError(f"period_s must be > 0, got {self.period_s}")
+        if not self.ttl_s > self.period_s:
+            raise ConfigError(
+                f"ttl_s={self.ttl_s} must be > period_s={self.period_s}, else the key expires between beats"
+            )
+        if not self.state_timeout_s > 0 or not self.redis_timeout_s > 0:
+            raise ConfigError(
+                f"state_timeout_s={self.state_timeout_s} and redis_timeout_s={self.redis_timeout_s} must be > 0"
+            )
+        state_endpoint(self.state_url or self.url)  # raises ConfigError when malformed
+
+    @property
+    def key(self) -> str:
+        return REDIS_NODE_KEY.format(node_id=self.node_id)
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl_s * 1000))
+
+    @property
+    def state_endpoint(self) -> str:
+        return state_endpoint(self.state_url or self.url)
+
+
+def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_at: float) -> dict[str, Any]:
+    """The heartbeat object (every :class:`HeartbeatField`), ready for ``json.dumps``."""
+    f = HeartbeatField
+    return {
+        f.NODE_ID: config.node_id,
+        f.ROLE: config.role,
+        f.URL: config.url,
+        f.SIDECAR: config.sidecar,
+        f.SEQ: seq,
+        f.SENT_AT: sent_at,
+        f.DECODE_TOKENS: state.decode_tokens,
+        f.KV_TOKENS: state.kv_tokens,
+        f.KV_CAPACITY_TOKENS: state.kv_capacity_tokens,
+        f.QUEUED_PREFILL_TOKENS: list(state.queued_prefill_tokens),
+        f.SCHEDULED_PREFILL_TOKENS: list(state.scheduled_prefill_tokens),
+        f.MAX_STEP_TOKENS: state.max_step_tokens,
+        f.MODEL: state.model,
+    }
+
+
+def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A fail-fast client: bounded connect/command time, no hidden retries (the caller's loop
+    retries every period; redis-py reconnects on the next command after an error)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().rstrip(".")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _Outage:
+    """Logs the first failure of an outage at WARNING and its end at INFO, nothing in between."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self.since: float | None = None  # monotonic start of the current outage
+        self.failures = 0  # failures in the current outage
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def fail(self, message: str, *args: Any) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            self._log.warning(message, *args)
+
+    def ok(self, message: str, **fields: Any) -> None:
+        """End the outage, if any: ``message`` may use %(after).1f (seconds) and %(failures)d."""
+        if self.since is not None:
+            self._log.info(message, {"after": time.monotonic() - self.since, "failures": self.failures, **fields})
+            self.since, self.failures = None, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The publisher
+# ---------------------------------------------------------------------------------------------
+class HeartbeatPublisher:
+    """Publishes one node's heartbeat every period until :meth:`stop` (or cancellation).
+
+    ``stop()`` ends the loop after the current beat and, with ``deregister_on_stop``, deletes the
+    key if it still holds this publisher's last beat. Cancelling ``run()`` (a crash, in effect)
+    leaves the key to expire after ``ttl_s``. The caller owns ``source`` and closes it.
+    """
+
+    def __init__(self, config: PublisherConfig, source: EngineStateSource) -> None:
+        self.config = config
+        self.source = source
+        self.seq = 0  # seq of the last beat sent to Redis (+1 per beat, never reused)
+        self.published = 0  # beats Redis acknowledged
+        self._stop = asyncio.Event()
+        self._running = False
+        self._last_payload: str | None = None  # the last JSON Redis acknowledged
+        self._state_outage = _Outage(log)
+        self._redis_outage = _Outage(log)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def stop(self) -> None:
+        """Ask ``run()`` to return after the current beat (safe from a signal handler). Also
+        honoured when called before ``run()`` starts; a stopped publisher stays stopped."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        if self._running:
+            raise RuntimeError(f"heartbeat publisher for {self.config.node_id} is already running")
+        self._running = True
+        cfg = self.config
+        client = redis_client(cfg.redis_url, cfg.redis_timeout_s)
+        loop = asyncio.get_running_loop()
+        log.info(
+            "heartbeat for %s node %s (%s%s) to %s every %.0f ms, key %s expires after %.0f ms; state from %s",
+            cfg.role,
+            cfg.node_id,
+            cfg.url,
+            f", sidecar {cfg.sidecar}" if cfg.sidecar else "",
+            redact_url(cfg.redis_url),
+            cfg.period_s * 1000,
+            cfg.key,
+            cfg.ttl_s * 1000,
+            cfg.state_endpoint,
+        )
+        start = loop.time()
+        slot = 0
+        try:
+            while not self._stop.is_set():
+                await self.beat(client)
+                # Next slot on the grid start + k * period; skip the slots a slow beat overran.
+                slot = max(slot + 1, math.floor((loop.time() - start) / cfg.period_s) + 1)
+                delay = start + slot * cfg.period_s - loop.time()
+                if delay > 0:
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+                    # cancellation that lands as its timeout fires, and the task never ends.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self._stop.wait()
+            if cfg.deregister_on_stop:
+                await self._deregister(client)
+        finally:
+            self._running = False
+            await client.aclose()
+
+    async def beat(self, client: aioredis.Redis) -> bool:
+        """One beat: read the state, then SET + PUBLISH in one pipeline. True if Redis took it."""
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.state_timeout_s):
+                state = await self.source.read()
+        except Exception as exc:  # any failure of the engine side means: do not publish
+            self._state_outage.fail(
+                "engine state unavailable for node %s at %s: %s; not publishing, so %s expires within %.0f ms",
+                cfg.node_id,
+                cfg.state_endpoint,
+                _describe(exc) if not isinstance(exc, TimeoutError) else f"no answer in {cfg.state_timeout_s} s",
+                cfg.key,
+                cfg.ttl_s * 1000,
+            )
+            return False
+        self._state_outage.ok(
+            "engine state of node %(node)s readable again after %(after).2f s (%(failures)d failed reads)",
+            node=cfg.node_id,
+        )
+        self.seq += 1
+        payload = json.dumps(build_heartbeat(cfg, state, self.seq, time.time()), separators=(",", ":"))
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.set(cfg.key, payload, px=cfg.ttl_ms)
+                pipe.publish(REDIS_HEARTBEAT_CHANNEL, payload)
+                await pipe.execute()
+        except Exception as exc:  # never crash on Redis: log once per outage and retry next period
+            self._redis_outage.fail(
+                "redis unreachable at %s: %s; heartbeats of node %s are not published, retrying every %.0f ms",
+                redact_url(cfg.redis_url),
+                _describe(exc),
+                cfg.node_id,
+                cfg.period_s * 1000,
+            )
+            return False
+        self._redis_outage.ok(
+            "redis at %(url)s answers again after %(after).2f s (%(failures)d failed beats): node %(node)s published",
+            url=redact_url(cfg.redis_url),
+            node=cfg.node_id,
+        )
+        self.published += 1
+        self._last_payload = payload
+        return True
+
+    async def _deregister(self, client: aioredis.Redis) -> None:
+        if self._last_payload is None:
+            return
+        try:
+            deleted = await client.eval(_DELETE_IF_OURS, 1, self.config.key, self._last_payload)
+        except Exception as exc:  # best effort: the key expires anyway
+            log.warning(
+                "node %s: could not delete %s on shutdown (%s); it expires within %.0f ms",
+                self.config.node_id,
+                self.config.key,
+                _describe(exc),
+                self.config.ttl_s * 1000,
+            )
+            return
+        if deleted:
+            log.info("node %s: heartbeat stopped, %s deleted", self.config.node_id, self.config.key)
+        else:
+            log.info(
+                "node %s: heartbeat stopped; %s no longer held this publisher's beat",
+                self.config.node_id,
+                self.config.key,
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m nodeagent.heartbeat",
+        description="Publish this node's engine state to Redis every heartbeat period. Settings come from "
+        "defaults < --config YAML (section 'heartbeat') < KAIROS_HEARTBEAT_* environment < flags.",
+    )
+    p.add_argument("--config", type=Path, help="YAML file with a 'heartbeat' section")
+    p.add_argument("--node-id", dest="node_id", help="node id, unique in the cluster")
+    p.add_argument("--role", choices=ROLES)
+    p.add_argument("--url", help="host:port of this node's vLLM server")
+    p.add_argument("--sidecar", help="host:port of the decode sidecar (decode nodes only)")
+    p.add_argument("--redis", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
+    p.add_argument("--state-url", dest="state_url", help="where /kairos/state is served (default: --url)")
+    period = p.add_mutually_exclusive_group()
+    period.add_argument(
+        "--period-s", dest="period_s", type=float, help=f"heartbeat period (default {HEARTBEAT_PERIOD_S})"
+    )
+    period.add_argument("--period-ms", dest="period_ms", type=float, help="heartbeat period in milliseconds")
+    ttl = p.add_mutually_exclusive_group()
+    ttl.add_argument("--ttl-s", dest="ttl_s", type=float, help=f"key expiry (default {HEARTBEAT_TTL_S})")
+    ttl.add_argument("--ttl-ms", dest="ttl_ms", type=float, help="key expiry in milliseconds")
+    p.add_argument("--state-timeout-s", dest="state_timeout_s", type=float, help="state read timeout (default 0.25)")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+async def _serve(config: PublisherConfig) -> None:
+    source = HttpStateSource(config.state_url or config.url, timeout_s=config.state_timeout_s)
+    publisher = HeartbeatPublisher(config, source)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, publisher.stop)
+    try:
+        await publisher.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await source.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "node_id",
+            "role",
+            "url",
+            "sidecar",
+            "redis_url",
+            "state_url",
+            "period_s",
+            "ttl_s",
+            "state_timeout_s",
+        )
+    }
+    if args.period_ms is not None:
+        overrides["period_s"] = args.period_ms / 1000
+    if args.ttl_ms is not None:
+        overrides["ttl_s"] = args.ttl_ms / 1000
+    try:
+        config = load_config(
+            PublisherConfig, args.config, section="heartbeat", env_prefix="KAIROS_HEARTBEAT_", overrides=overrides
+        )
+    except ConfigError as exc:
+        print(f"heartbeat: {exc.message}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,964 @@
+"""An emulated vLLM node: vLLM's OpenAI-compatible HTTP API over the clock-free engine model.
+
+Machines without GPUs run the whole gateway against these nodes; swapping in real vLLM changes
+nothing else. What the node does:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: the prompt is counted with the model's
+  tokenizer (exactly vLLM's ``usage.prompt_tokens``), the engine model runs it in wall time
+  (:mod:`sim.realtime`) and exactly ``max_tokens`` dummy tokens come back (vLLM with
+  ``ignore_eos``), as JSON or as vLLM's SSE chunks, each token written when its step ends.
+- The P/D two-hop protocol of vLLM's NixlConnector (``toy_proxy_server.py``): a prefill node
+  asked for ``kv_transfer_params.do_remote_decode`` prefills, holds the KV and answers with
+  ``kv_transfer_params`` saying where it is; a decode node given ``do_remote_prefill`` reserves KV
+  room, pulls from the prefill node (``POST /kairos/kv/pull``), waits the modelled transfer time
+  and decodes.
+- Deflected prefills: ``vllm_xargs.kairos_chunk_schedule`` (and ``kairos_step_budget_ms``) make
+  the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does.
+- ``GET /v1/models``, ``/health``, ``/metrics`` (vLLM's metric names), ``/kairos/state`` (what the
+  heartbeat publisher reads) and ``/kairos/steps?since=N`` (the step log).
+
+    python -m sim.emulated_vllm --node-id d0 --role decode --port 8101 --model-dir DIR --time-scale 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from extproc.latency import DEFAULT_PROFILE, LatencyModels, load_profile
+from extproc.openai_request import (
+    NotFoundError,
+    ParsedRequest,
+    PayloadTooLargeError,
+    RequestError,
+    RequestLimits,
+    parse_request,
+)
+from extproc.tokenizer import PromptTokenizer
+from kairos import contracts as c
+from kairos.config import load_config
+from kairos.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
+from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from sim.engine import Engine, EngineConfig, Role, model_step_time
+from sim.engine import Sequence as EngineSeq
+from sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
+
+log = logging.getLogger("sim.emulated_vllm")
+
+NODE_KEY = web.AppKey("node", "EmulatedNode")  # the application's EmulatedNode (tests reach into it)
+KV_PULL_PATH = "/kairos/kv/pull"
+KV_BLOCK_TOKENS = 16  # vLLM's default block size: remote_block_ids has one id per 16 prompt tokens
+TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
+PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
+# One short word per output token: the text is noise, the token accounting is what matters.
+_WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna", " aliqua", " enim")
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
+# fmt: off
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+# fmt: on
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EmulatedNodeConfig:
+    """One emulated vLLM node. Durations are model seconds (divided by ``time_scale`` on the wall)."""
+
+    node_id: str  # unique in the cluster, e.g. "d0"
+    role: Role  # prefill: serves hop 1 and holds KV for pulls; decode: pulls KV, runs deflected prefills
+    model_dir: str  # Hugging Face model directory with tokenizer.json (and a chat template)
+    host: str = "127.0.0.1"  # bind address
+    port: int = 0  # 0 = any free port (printed at start-up)
+    model: str = ""  # served model id (vLLM's --served-model-name); empty = model_dir, as vLLM does
+    profile: str = DEFAULT_PROFILE  # latency profile, packaged name or JSON path
+    max_model_len: int = 32768  # prompt + output tokens per request (vLLM's --max-model-len)
+    max_step_tokens: int = 2048  # tokens per engine step (vLLM's --max-num-batched-tokens)
+    kv_capacity_tokens: int = 1_300_000  # KV cache size in tokens
+    max_running: int = 256  # resident sequences (vLLM's --max-num-seqs)
+    time_scale: float = 1.0  # 10 = ten times faster than real time
+    kv_hold_timeout_s: float = 120.0  # prefill node: model seconds it keeps KV nobody has pulled
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    step_log_size: int = 10_000  # engine steps kept for /kairos/steps
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ConfigError("EmulatedNodeConfig.node_id must not be empty")
+        if not self.model_dir:
+            raise ConfigError("EmulatedNodeConfig.model_dir must not be empty")
+        object.__setattr__(self, "role", Role(self.role))
+        if not self.model:
+            object.__setattr__(self, "model", self.model_dir)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ConfigError(f"time_scale must be a positive number, got {self.time_scale}")
+        if not (self.kv_hold_timeout_s > 0 and math.isfinite(self.kv_hold_timeout_s)):
+            raise ConfigError(f"kv_hold_timeout_s must be a positive number, got {self.kv_hold_timeout_s}")
+        for name in (
+            "max_model_len",
+            "max_step_tokens",
+            "kv_capacity_tokens",
+            "max_running",
+            "max_body_bytes",
+            "step_log_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
+        # The engine admits a prompt only when it and its first token fit, and never preempts:
+        # a request the context allows must always fit an empty cache.
+        if self.kv_capacity_tokens < self.max_model_len:
+            raise ConfigError(
+                f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= max_model_len={self.max_model_len}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Node state
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _HeldKV:
+    """A prefill hop's KV, kept until the decode node pulls it or the hold times out."""
+
+    seq: EngineSeq
+    block_ids: list[int]
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class _Metrics:
+    registry: CollectorRegistry
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    ttft: Histogram
+    itl: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    prompt_by_source: Counter
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, model: str) -> _Metrics:
+        reg = CollectorRegistry(auto_describe=True)
+        names = ("model_name", "engine")
+        m = cls(
+            registry=reg,
+            running=Gauge("vllm:num_requests_running", "Requests in model execution batches.", names, registry=reg),
+            waiting=Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", names, registry=reg),
+            kv_usage=Gauge(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", names, registry=reg
+            ),
+            ttft=Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                names,
+                buckets=_TTFT_BUCKETS,
+                registry=reg,
+            ),
+            itl=Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                names,
+                buckets=_ITL_BUCKETS,
+                registry=reg,
+            ),
+            prompt_tokens=Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=reg),
+            generation_tokens=Counter(
+                "vllm:generation_tokens", "Number of generation tokens processed.", names, registry=reg
+            ),
+            prompt_by_source=Counter(
+                "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", (*names, "source"), registry=reg
+            ),
+        )
+        m.labels = {"model_name": model, "engine": "0"}
+        # Both sources exist from the start, so a scrape shows zeros rather than nothing.
+        for source in ("local_compute", "external_kv_transfer"):
+            m.prompt_by_source.labels(**m.labels, source=source)
+        for metric in (m.running, m.waiting, m.kv_usage, m.ttft, m.itl, m.prompt_tokens, m.generation_tokens):
+            metric.labels(**m.labels)
+        return m
+
+    def add_prompt(self, tokens: int, source: str) -> None:
+        self.prompt_tokens.labels(**self.labels).inc(tokens)
+        self.prompt_by_source.labels(**self.labels, source=source).inc(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How one inference request runs on this node."""
+
+    mode: Literal["plain", "deflect", "remote_decode", "remote_prefill"]  # remote_decode = prefill hop 1
+    schedule: tuple[int, ...] = ()
+    step_budget_s: float | None = None
+    kv_params: dict[str, Any] | None = None
+
+
+class EmulatedNode:
+    """The node's state and HTTP handlers; one per aiohttp application."""
+
+    def __init__(self, config: EmulatedNodeConfig, tokenizer: PromptTokenizer, models: LatencyModels) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.models = models
+        self.limits = RequestLimits(
+            max_body_bytes=config.max_body_bytes,
+            max_model_len=config.max_model_len,
+            default_max_tokens=min(16, config.max_model_len - 1),
+        )
+        self.engine_id = f"{config.node_id}-{uuid.uuid4().hex[:12]}"  # vLLM's per-engine id, new per start
+        self.metrics = _Metrics.create(config.model)
+        self.created = int(time.time())
+        self.rt: RealtimeEngine | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.node_id}-tokenize")
+        self._held: dict[int, _HeldKV] = {}  # by first block id (unique per node run)
+        self._block_ids = itertools.count()
+        self._transferring = 0  # decode node: pulls in their transfer wait (vLLM counts them as waiting)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        engine = Engine(
+            EngineConfig(cfg.node_id, cfg.role, cfg.max_step_tokens, cfg.kv_capacity_tokens, cfg.max_running),
+            model_step_time(self.models),
+            guard=self.models,
+            track_tokens=True,
+        )
+        self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size)
+        self.rt.start()
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
+        log.info(
+            "node %s (%s) up: model=%s profile=%s time_scale=%g max_step_tokens=%d kv_capacity=%d engine_id=%s",
+            cfg.node_id,
+            cfg.role.value,
+            cfg.model,
+            self.models.name,
+            cfg.time_scale,
+            cfg.max_step_tokens,
+            cfg.kv_capacity_tokens,
+            self.engine_id,
+        )
+
+    async def stop(self) -> None:
+        for held in self._held.values():
+            if held.expiry is not None:
+                held.expiry.cancel()
+        self._held.clear()
+        if self.rt is not None:
+            await self.rt.stop()
+        if self.http is not None:
+            await self.http.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        log.info("node %s stopped", self.config.node_id)
+
+    @property
+    def engine(self) -> RealtimeEngine:
+        if self.rt is None or not self.rt.running:
+            raise NoHealthyNodeError(f"the engine of node {self.config.node_id} is not running")
+        return self.rt
+
+    # -- inference ---------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions and /v1/chat/completions, in all four modes (see ``_plan``)."""
+        rt = self.engine
+        arrival = rt.now()
+        body = await request.read()
+        parsed = await self._parse(request.path, body)
+        if parsed.model is not None and parsed.model != self.config.model:
+            raise NotFoundError(f"The model `{parsed.model}` does not exist.")
+        n = parsed.body.get("n")
+        if n is not None and n != 1:
+            raise RequestError(f"n must be 1 on this emulated node (one choice per request), got {_dumps(n)}", "n")
+        plan = self._plan(parsed)
+        rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+        log.debug(
+            "request %s: %s %s prompt=%d max_tokens=%d",
+            rid,
+            parsed.kind,
+            plan.mode,
+            parsed.prompt_tokens,
+            parsed.max_tokens,
+        )
+
+        if plan.mode == "remote_prefill":
+            seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens)
+            stream = await self._pull_kv(seq, plan.kv_params or {}, rid)
+            self.metrics.add_prompt(parsed.prompt_tokens, "external_kv_transfer")
+        else:
+            seq = EngineSeq(
+                rid,
+                parsed.prompt_tokens,
+                parsed.max_tokens,
+                schedule=plan.schedule,
+                step_budget_s=plan.step_budget_s,
+                hold_kv=plan.mode == "remote_decode",
+            )
+            stream = rt.submit(seq)
+            self.metrics.add_prompt(parsed.prompt_tokens, "local_compute")
+
+        out = _Output(parsed, rid, self.config.model, int(time.time()))
+        try:
+            if parsed.stream:
+                return await self._stream(request, out, stream, arrival)
+            await self._drain(out, stream, arrival)
+        finally:
+            if seq.finished_at is None:
+                rt.abort(seq)  # the client went away (or the handler was cancelled)
+        kv_params = self._hold(seq, request) if plan.mode == "remote_decode" else None
+        log.debug("request %s: done, %d tokens", rid, out.tokens)
+        return web.json_response(out.response(kv_params), headers={"X-Request-Id": rid}, dumps=_dumps)
+
+    async def _parse(self, path: str, body: bytes) -> ParsedRequest:
+        if len(body) <= TOKENIZE_INLINE_BYTES:
+            return parse_request(path, body, self.tokenizer, self.limits)
+        # Tokenizing a long prompt takes milliseconds: never stall the engine's step loop for it.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, self.limits)
+
+    def _plan(self, parsed: ParsedRequest) -> _Plan:
+        """Which of the four ways the request runs here; every malformed extension is a 400."""
+        body, role = parsed.body, self.config.role
+        params = body.get(c.KV_TRANSFER_PARAMS)
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"{c.KV_TRANSFER_PARAMS} must be an object", c.KV_TRANSFER_PARAMS)
+        params = params or {}
+        remote_decode, remote_prefill = params.get("do_remote_decode") is True, params.get("do_remote_prefill") is True
+        xargs = body.get("vllm_xargs")
+        if xargs is not None and not isinstance(xargs, dict):
+            raise RequestError("vllm_xargs must be an object", "vllm_xargs")
+        xargs = xargs or {}
+        deflect = xargs.get(c.XARG_CHUNK_SCHEDULE) is not None
+        if not deflect and xargs.get(c.XARG_STEP_BUDGET_MS) is not None:
+            raise RequestError(
+                f"vllm_xargs.{c.XARG_STEP_BUDGET_MS} needs vllm_xargs.{c.XARG_CHUNK_SCHEDULE}",
+                f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}",
+            )
+        if sum((remote_decode, remote_prefill, deflect)) > 1:
+            raise RequestError(
+                "a request is either a prefill hop (do_remote_decode), a decode hop (do_remote_prefill) or a "
+                f"deflected prefill ({c.XARG_CHUNK_SCHEDULE}), not several",
+                c.KV_TRANSFER_PARAMS,
+            )
+        if remote_decode:
+            if role is not Role.PREFILL:
+                raise RequestError(
+                    f"node {self.config.node_id} is a {role.value} node: do_remote_decode needs a prefill node",
+                    c.KV_TRANSFER_PARAMS,
+                )
+            if parsed.stream or parsed.max_tokens != 1:
+                raise RequestError(
+                    f"a prefill hop (do_remote_decode) must have max_tokens 1 and stream false, got "
+                    f"max_tokens {parsed.max_tokens} and stream {str(parsed.stream).lower()}",
+                    "max_tokens",
+                )
+            return _Plan("remote_decode")
+        if remote_prefill:
+            if role is not Role.DECODE:
+                raise RequestError(
+                    f"node {self.config.node_id} is a {role.value} node: do_remote_prefill needs a decode node",
+                    c.KV_TRANSFER_PARAMS,
+                )
+            _check_pull_params(params, parsed.prompt_tokens)
+            return _Plan("remote_prefill", kv_params=params)
+        if deflect:
+            schedule = _parse_schedule(xargs.get(c.XARG_CHUNK_SCHEDULE), self.config.max_step_tokens)
+            budget_ms = xargs.get(c.XARG_STEP_BUDGET_MS)
+            budget_s = None if budget_ms is None else _parse_budget_ms(budget_ms) / 1e3
+            if budget_s is not None:
+                # The engine defers a chunk whose step would exceed the budget; if even a one-token
+                # step on an otherwise empty node exceeds it, the request (and every deflected
+                # prefill queued behind it) would wait forever.
+                p = parsed.prompt_tokens
+                floor_s = self.models.mixed_step_s(1, p - 1, 0, p - 1)
+                if budget_s < floor_s:
+                    raise RequestError(
+                        f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}={budget_ms} is below the {floor_s * 1e3:.2f} ms "
+                        f"this node needs for a one-token step of a {p}-token prompt: it could never run",
+                        f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}",
+                    )
+            return _Plan("deflect", schedule=schedule, step_budget_s=budget_s)
+        return _Plan("plain")
+
+    async def _drain(self, out: _Output, stream: TokenStream, arrival: float) -> None:
+        async for event in stream:
+            self._observe(event, out, arrival)
+
+    async def _stream(
+        self, request: web.Request, out: _Output, stream: TokenStream, arrival: float
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": out.rid,
+            }
+        )
+        try:
+            await resp.prepare(request)
+            if out.parsed.kind == "chat":
+                await resp.write(_sse(out.role_chunk()))
+            async for event in stream:
+                self._observe(event, out, arrival)
+                await resp.write(_sse(out.token_chunk(event)))
+            if out.parsed.include_usage:
+                await resp.write(_sse(out.usage_chunk()))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except EngineStoppedError as exc:
+            # Headers are gone: end the stream the way vLLM does, with an error event.
+            log.warning("request %s: engine stopped mid-stream: %s", out.rid, exc)
+            with contextlib.suppress(ConnectionError):
+                err = NoHealthyNodeError(f"node {self.config.node_id}: {exc}")
+                await resp.write(_sse(error_body(err)) + b"data: [DONE]\n\n")
+                await resp.write_eof()
+        except ConnectionError:
+            log.info(
+                "request %s: client disconnected after %d of %d tokens", out.rid, out.tokens, out.parsed.max_tokens
+            )
+        return resp
+
+    def _observe(self, event: TokenEvent, out: _Output, arrival: float) -> None:
+        labels = self.metrics.labels
+        if out.last_at is None:
+            self.metrics.ttft.labels(**labels).observe(max(0.0, event.at - arrival))
+        else:
+            self.metrics.itl.labels(**labels).observe(event.at - out.last_at)
+        self.metrics.generation_tokens.labels(**labels).inc()
+        out.tokens = event.index
+        out.last_at = event.at
+
+    # -- P/D: prefill side -------------------------------------------------------------------
+    def _hold(self, seq: EngineSeq, request: web.Request) -> dict[str, Any]:
+        """Keep a finished prefill hop's KV for the decode node and say where it is."""
+        rt = self.engine
+        n_blocks = max(1, -(-seq.prompt_tokens // KV_BLOCK_TOKENS))
+        block_ids = [next(self._block_ids) for _ in range(n_blocks)]
+        held = _HeldKV(seq, block_ids)
+        held.expiry = asyncio.get_running_loop().call_later(
+            rt.wall_delay(self.config.kv_hold_timeout_s), self._expire, block_ids[0]
+        )
+        self._held[block_ids[0]] = held
+        # Where the decode side reaches us: the address this request came in on (right for
+        # port 0 and for 0.0.0.0 binds alike).
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        host, port = (sock[0], sock[1]) if sock else (self.config.host, self.config.port)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": block_ids,
+            "remote_host": host,
+            "remote_port": port,
+            "remote_request_id": seq.request_id,
+            "tp_size": 1,
+            "kairos_prompt_tokens": seq.prompt_tokens,
+        }
+
+    def _expire(self, key: int) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        log.warning(
+            "node %s: KV of request %s (%d tokens) not pulled within %gs (model time): released",
+            self.config.node_id,
+            held.seq.request_id,
+            held.seq.prompt_tokens,
+            self.config.kv_hold_timeout_s,
+        )
+        if self.rt is not None:
+            self.rt.release(held.seq)
+
+    async def kv_pull(self, request: web.Request) -> web.Response:
+        """A decode node takes a held KV: validate, then free it when the modelled transfer ends."""
+        rt = self.engine
+        try:
+            data = json.loads(await request.read())
+        except ValueError:
+            raise RequestError("the KV pull body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise RequestError("the KV pull body must be a JSON object")
+        engine_id, block_ids, rid = data.get("remote_engine_id"), data.get("remote_block_ids"), data.get("request_id")
+        held = None
+        if engine_id == self.engine_id and isinstance(block_ids, list) and block_ids:
+            candidate = self._held.get(block_ids[0]) if isinstance(block_ids[0], int) else None
+            if candidate is not None and candidate.block_ids == block_ids and rid in (None, candidate.seq.request_id):
+                held = candidate
+        if held is None:
+            reason = (
+                f"this node's engine id is {self.engine_id}, not {engine_id}"
+                if engine_id != self.engine_id
+                else "no KV is held for these block ids (never prefilled here, already pulled, or expired)"
+            )
+            log.info("node %s: KV pull for request %s refused: %s", self.config.node_id, rid or "-", reason)
+            raise NotFoundError(f"node {self.config.node_id}: unknown KV transfer: {reason}")
+        del self._held[block_ids[0]]
+        if held.expiry is not None:
+            held.expiry.cancel()
+        tokens = held.seq.prompt_tokens
+        # The prefill node keeps the KV until the transfer has been read, as in the simulator.
+        asyncio.get_running_loop().call_later(rt.wall_delay(self.models.kv_transfer_s(tokens)), rt.release, held.seq)
+        log.debug("node %s: KV of request %s (%d tokens) pulled", self.config.node_id, held.seq.request_id, tokens)
+        return web.json_response({"prompt_tokens": tokens, "request_id": held.seq.request_id})
+
+    # -- P/D: decode side --------------------------------------------------------------------
+    async def _pull_kv(self, seq: EngineSeq, params: dict[str, Any], rid: str) -> TokenStream:
+        """Reserve room, claim the KV from the prefill node, wait the transfer, join the batch."""
+        rt = self.engine
+        tokens = seq.prompt_tokens
+        host = params["remote_host"]
+        prefill = f"[{host}]:{params['remote_port']}" if ":" in host else f"{host}:{params['remote_port']}"
+        wait_s = rt.wall_delay(self.config.kv_hold_timeout_s)
+        try:
+            await asyncio.wait_for(rt.reserve_kv(tokens), wait_s)
+        except TimeoutError:
+            raise NoHealthyNodeError(
+                f"node {self.config.node_id}: no KV room for {tokens} tokens within "
+                f"{self.config.kv_hold_timeout_s:g}s (model time)"
+            ) from None
+        self._transferring += 1
+        try:
+            await self._claim(prefill, params, tokens, rid)
+            await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
+        except BaseException:
+            rt.unreserve_kv(tokens)
+            raise
+        finally:
+            self._transferring -= 1
+        return rt.accept_transferred(seq, tokens)
+
+    async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, rid: str) -> None:
+        assert self.http is not None
+        payload = {
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_block_ids": params["remote_block_ids"],
+            "request_id": params.get("remote_request_id"),
+        }
+        url = f"http://{prefill}{KV_PULL_PATH}"
+        try:
+            async with self.http.post(url, json=payload, headers={"X-Request-Id": rid}) as resp:
+                status, raw = resp.status, await resp.read()
+        except TimeoutError:
+            raise UpstreamTimeoutError(f"prefill node {prefill} did not answer the KV pull in time") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            reason = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else repr(exc)
+            log.warning("request %s: KV pull from prefill node %s failed: %s", rid, prefill, reason)
+            raise UpstreamError(f"cannot pull KV from prefill node {prefill}: {type(exc).__name__}") from None
+        if status == 404:
+            detail = _error_message(raw)
+            log.info("request %s: prefill node %s does not hold the KV: %s", rid, prefill, detail)
+            raise RequestError(
+                f"{c.KV_TRANSFER_PARAMS} refer to KV that prefill node {prefill} does not hold ({detail})",
+                c.KV_TRANSFER_PARAMS,
+            )
+        if status != 200:
+            raise UpstreamError(f"prefill node {prefill} answered the KV pull with {status}: {_error_message(raw)}")
+        try:
+            pulled = json.loads(raw)["prompt_tokens"]
+        except (ValueError, KeyError, TypeError):
+            raise UpstreamError(f"prefill node {prefill} sent a malformed KV pull reply") from None
+        if pulled != tokens:
+            # The KV is claimed and will be freed on the prefill side; this request cannot use it.
+            raise RequestError(
+                f"the transferred KV holds {pulled} prompt tokens but this request's prompt has {tokens}",
+                c.KV_TRANSFER_PARAMS,
+            )
+
+    # -- other endpoints ---------------------------------------------------------------------
+    async def models_list(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.model,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "vllm",
+                        "root": cfg.model_dir,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                        "permission": [
+                            {
+                                "id": f"modelperm-{uuid.uuid4().hex}",
+                                "object": "model_permission",
+                                "created": self.created,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        _ = self.engine  # 503 when the step loop is not running
+        return web.Response(status=200)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        rt = self.engine
+        e, labels = rt.engine, self.metrics.labels
+        self.metrics.running.labels(**labels).set(len(e.prefilling) + len(e.decoding) + len(e.joining))
+        self.metrics.waiting.labels(**labels).set(len(e.waiting) + rt.pending_transfers + self._transferring)
+        self.metrics.kv_usage.labels(**labels).set(e.kv_used / e.config.kv_capacity_tokens)
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def state(self, request: web.Request) -> web.Response:
+        snap = self.engine.engine.snapshot()
+        return web.json_response(
+            {
+                "decode_tokens": snap.decode_tokens,
+                "kv_tokens": snap.kv_tokens,
+                "kv_capacity_tokens": snap.kv_capacity_tokens,
+                "queued_prefill_tokens": list(snap.queued_prefill_tokens),
+                "scheduled_prefill_tokens": list(snap.scheduled_prefill_tokens),
+                "max_step_tokens": snap.max_step_tokens,
+                "model": self.config.model,
+            }
+        )
+
+    async def steps(self, request: web.Request) -> web.Response:
+        raw = request.query.get("since", "0")
+        try:
+            since = int(raw)
+        except ValueError:
+            since = -1
+        if since < 0:
+            raise RequestError(f"since must be a non-negative integer, got {raw!r}", "since")
+        rt = self.engine
+        return web.json_response(
+            {"node_id": self.config.node_id, "next_index": rt.engine.step_index, "steps": rt.steps_since(since)}
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Response bodies (vLLM's shapes)
+# ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Output:
+    parsed: ParsedRequest
+    rid: str
+    model: str
+    created: int
+    tokens: int = 0  # output tokens produced so far
+    last_at: float | None = None  # model time of the latest token
+
+    @property
+    def chat(self) -> bool:
+        return self.parsed.kind == "chat"
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.rid}"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, Any]:
+        p = self.parsed.prompt_tokens
+        return {
+            "prompt_tokens": p,
+            "total_tokens": p + self.tokens,
+            "completion_tokens": self.tokens,
+            "prompt_tokens_details": None,
+        }
+
+    def _finish(self) -> str:
+        return "length" if self.tokens >= self.parsed.max_tokens else "abort"
+
+    def response(self, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+        text = "".join(_word(i) for i in range(1, self.tokens + 1))
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": self._finish(),
+                "stop_reason": None,
+            }
+            head = self._head("chat.completion")
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": self._finish(),
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+            head = self._head("text_completion")
+        return {
+            **head,
+            "choices": [choice],
+            "usage": self.usage(),
+            "prompt_logprobs": None,
+            c.KV_TRANSFER_PARAMS: kv_params,
+        }
+
+    def role_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any]:
+        finish = "length" if event.last else None
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": _word(event.index)},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if finish:
+                choice["stop_reason"] = None
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {
+            "index": 0,
+            "text": _word(event.index),
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+
+def _word(index: int) -> str:
+    return _WORDS[(index - 1) % len(_WORDS)]
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# Request extensions
+# ---------------------------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_schedule(value: Any, max_step_tokens: int) -> tuple[int, ...]:
+    param = f"vllm_xargs.{c.XARG_CHUNK_SCHEDULE}"
+    if not isinstance(value, list) or not value or not all(_is_int(x) and x > 0 for x in value):
+        raise RequestError(f"{param} must be a non-empty array of positive integers, got {_dumps(value)}", param)
+    too_big = [x for x in value if x > max_step_tokens]
+    if too_big:
+        # The engine would silently cap such a chunk: say so instead of running another schedule.
+        raise RequestError(f"{param} has chunks {too_big} over this node's max_step_tokens of {max_step_tokens}", param)
+    return tuple(value)
+
+
+def _parse_budget_ms(value: Any) -> float:
+    param = f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+        raise RequestError(f"{param} must be a positive number of milliseconds, got {_dumps(value)}", param)
+    return float(value)
+
+
+def _check_pull_params(params: dict[str, Any], prompt_tokens: int) -> None:
+    """A decode hop's kv_transfer_params must say where the KV is, for this very prompt."""
+
+    def bad(name: str, what: str) -> RequestError:
+        return RequestError(f"{c.KV_TRANSFER_PARAMS}.{name} {what}", f"{c.KV_TRANSFER_PARAMS}.{name}")
+
+    if not isinstance(params.get("remote_engine_id"), str) or not params["remote_engine_id"]:
+        raise bad("remote_engine_id", "must be a non-empty string")
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, list) or not ids or not all(_is_int(x) for x in ids):
+        raise bad("remote_block_ids", "must be a non-empty array of integers")
+    if not isinstance(params.get("remote_host"), str) or not params["remote_host"]:
+        raise bad("remote_host", "must be a non-empty string")
+    port = params.get("remote_port")
+    if not _is_int(port) or not 0 < port < 65536:
+        raise bad("remote_port", "must be a port number")
+    rid = params.get("remote_request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise bad("remote_request_id", "must be a string")
+    claimed = params.get("kairos_prompt_tokens")
+    if claimed is not None and claimed != prompt_tokens:
+        raise bad(
+            "kairos_prompt_tokens",
+            f"is {claimed} but this request's prompt has {prompt_tokens} tokens: the prefill ran another prompt",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Application
+# ---------------------------------------------------------------------------------------------
+def _http_error(request: web.Request, exc: web.HTTPException) -> KairosError:
+    if exc.status == 404:
+        return NotFoundError(f"no such endpoint: {request.method} {request.path}")
+    if exc.status == 413:
+        return PayloadTooLargeError(f"request body is over the limit: {exc.text or exc.reason}")
+    return InvalidRequestError(exc.text or exc.reason)
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error is answered with the OpenAI error JSON of kairos.http_errors."""
+    try:
+        try:
+            return await handler(request)
+        except EngineStoppedError as exc:
+            raise NoHealthyNodeError(str(exc)) from None
+    except KairosError as exc:
+        status = error_status(exc)
+        level = logging.WARNING if status >= 500 else logging.DEBUG
+        log.log(level, "%s %s -> %d %s: %s", request.method, request.path, status, exc.code, exc.message)
+        return web.Response(status=status, body=error_json(exc), content_type="application/json")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            # No error code maps to 405: keep the status, give the body OpenAI's shape.
+            body = error_body(InvalidRequestError(f"method {request.method} is not allowed on {request.path}"))
+            return web.json_response(body, status=405, headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
+        err = _http_error(request, exc)
+        return web.Response(status=error_status(err), body=error_json(err), content_type="application/json")
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:
+        log.exception("%s %s: internal error", request.method, request.path)
+        return web.Response(status=500, body=error_json(exc), content_type="application/json")
+
+
+def build_app(config: EmulatedNodeConfig) -> web.Application:
+    """The node's aiohttp application. Loads the tokenizer and profile now; the engine loop
+    starts with the application (it needs the running event loop)."""
+    node = EmulatedNode(config, PromptTokenizer.from_dir(config.model_dir), load_profile(config.profile))
+    # aiohttp itself refuses larger bodies with 413 before reading them.
+    app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
+    app[NODE_KEY] = node
+
+    async def lifecycle(_: web.Application) -> AsyncIterator[None]:
+        await node.start()
+        yield
+        await node.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", node.completions)
+    app.router.add_post("/v1/chat/completions", node.completions)
+    app.router.add_get("/v1/models", node.models_list)
+    app.router.add_get("/health", node.health)
+    app.router.add_get("/metrics", node.metrics_text)
+    app.router.add_get("/kairos/state", node.state)
+    app.router.add_get("/kairos/steps", node.steps)
+    app.router.add_post(KV_PULL_PATH, node.kv_pull)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+ENV_PREFIX = "KAIROS_EMU_"
+
+
+def _arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sim.emulated_vllm",
+        description="An emulated vLLM node: vLLM's OpenAI API over the Kairos engine model, in wall time.",
+    )
+    p.add_argument("--config", type=Path, help="YAML file with EmulatedNodeConfig fields")
+    p.add_argument("--node-id", dest="node_id")
+    p.add_argument("--role", choices=[r.value for r in Role])
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model-dir", dest="model_dir", help="model directory holding tokenizer.json")
+    p.add_argument("--model", "--served-model-name", dest="model", help="served model id (default: --model-dir)")
+    p.add_argument("--profile", help=f"latency profile name or JSON path (default {DEFAULT_PROFILE})")
+    p.add_argument("--max-model-len", dest="max_model_len", type=int)
+    p.add_argument("--max-step-tokens", "--max-num-batched-tokens", dest="max_step_tokens", type=int)
+    p.add_argument("--kv-capacity-tokens", dest="kv_capacity_tokens", type=int)
+    p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int)
+    p.add_argument("--time-scale", dest="time_scale", type=float, help="10 = ten times faster than real time")
+    p.add_argument("--kv-hold-timeout-s", dest="kv_hold_timeout_s", type=float)
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+async def _serve_forever(config: EmulatedNodeConfig) -> None:
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = runner.addresses[0][1]  # the bound port (port 0 picks one)
+        print(f"listening on {config.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("node %s: signal received, shutting down", config.node_id)
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _arg_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level") and v is not None}
+    try:
+        config = load_config(EmulatedNodeConfig, args.config, env_prefix=ENV_PREFIX, overrides=overrides)
+        asyncio.run(_serve_forever(config))
+    except KairosError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

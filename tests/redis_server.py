@@ -1,0 +1,167 @@
+"""A real redis-server for tests, on a free loopback port, that a test can stop and restart.
+
+    with RedisServer() as server:          # started on a free 127.0.0.1 port
+        client = redis.Redis.from_url(server.url)
+        server.stop()                      # an outage, mid-test
+        server.start()                     # back on the SAME port (empty: no persistence)
+
+Each server runs in its own temporary directory with persistence off (``--save ''``,
+``--appendonly no``), is stopped by its PID (SIGTERM, then SIGKILL after a grace period) and
+never outlives the test: ``stop()`` runs on context exit and at interpreter exit.
+
+To use the fixture ``redis_server`` in a test module without defining one, add
+``pytest_plugins = ["tests.redis_server"]`` to a conftest.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+_live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(port: int, timeout_s: float = 0.2) -> bool:
+    """True if a Redis server on the port answers PING (raw RESP, no client library)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1; ``port`` stays the same across stop()/start()."""
+
+    def __init__(self, port: int | None = None, *, start_timeout_s: float = 10.0) -> None:
+        self._fixed_port = port is not None
+        self.port = port if port is not None else free_port()
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="kairos-redis-"))
+        _live.add(self)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> RedisServer:
+        """Start the server (again) on ``self.port`` and wait until it answers PING."""
+        if self.running:
+            return self
+        for _attempt in range(5):
+            if self._launch():
+                self._fixed_port = True  # a restart must come back on the same port
+                return self
+            if self._fixed_port:
+                break
+            self.port = free_port()  # someone took the port between the probe and the bind
+        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}; log: {self._log_tail()}")
+
+    def _launch(self) -> bool:
+        log = open(self._dir / "redis.log", "ab")  # noqa: SIM115 - the child owns it
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    REDIS_SERVER,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self._dir),
+                    "--daemonize",
+                    "no",
+                    "--protected-mode",
+                    "yes",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:  # exited: port in use, bad flag
+                self._proc = None
+                return False
+            if _ping(self.port):
+                return True
+            time.sleep(0.01)
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        """Stop the server by its PID: SIGTERM, then SIGKILL after 5 s. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
+
+    def close(self) -> None:
+        """Stop the server and remove its directory."""
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self._dir / "redis.log").read_text(errors="replace")[-500:]
+        return "(no log)"
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_live):
+        server.close()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A started :class:`RedisServer`, closed after the test."""
+    with RedisServer() as server:
+        yield server

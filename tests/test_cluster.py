@@ -1,0 +1,705 @@
+"""RedisClusterView against a real redis-server: heartbeats to view, expiry, degraded mode, static
+fallback, local receipt time, and reservations raced by two OS processes.
+
+Tests that need exact ages drive ``poll_once()`` by hand with a fake clock; the others run the
+background poller with 10 ms polls beside real publishers beating every 20 ms."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from extproc.algorithm import DeciderConfig, can_take_deflection, is_fresh
+from extproc.cluster import (
+    ClusterViewConfig,
+    MalformedHeartbeat,
+    NodeAddress,
+    RedisClusterView,
+    StaticNode,
+    parse_heartbeat,
+    redis_error_counter,
+)
+from extproc.decision import Decision, Reason, Route
+from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from extproc.view import ClusterTracker
+from kairos.contracts import HeartbeatField
+from kairos.errors import ConfigError, NoHealthyNodeError
+from nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
+from tests.redis_server import RedisServer
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+LOGGER = "extproc.cluster"
+ERRORS = "kairos_dispatcher_redis_errors_total"
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(redis.url)
+    yield c
+    await c.aclose()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+async def eventually(probe: Callable[[], Awaitable[T] | T], timeout_s: float = 2.0, what: str = "condition") -> T:
+    """Call (and await) ``probe()`` every 5 ms until it returns something truthy; fail after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(0.005)
+
+
+def messages(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
+
+
+def errors(registry: CollectorRegistry, operation: str) -> float:
+    return registry.get_sample_value(ERRORS, {"operation": operation}) or 0.0
+
+
+async def cancel(task: asyncio.Task[None]) -> None:
+    """Cancel until done: Python 3.11's wait_for (used inside redis-py) can swallow one cancel."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    assert task.cancelled()
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---------------------------------------------------------------------------------------------
+# Publishers with in-process engines
+# ---------------------------------------------------------------------------------------------
+def engine(
+    b: int = 0, k: int = 0, queue: tuple[int, ...] = (), scheduled: tuple[int, ...] = (), chunk: int = 2048
+) -> EngineState:
+    return EngineState(b, k, 100_000, queue, scheduled, chunk, "tiny-llama")
+
+
+class Source:
+    def __init__(self, state: EngineState) -> None:
+        self.state = state
+
+    async def read(self) -> EngineState:
+        return self.state
+
+
+@dataclass
+class Node:
+    publisher: HeartbeatPublisher
+    source: Source
+    task: asyncio.Task[None]
+
+    async def crash(self) -> None:
+        await cancel(self.task)
+
+
+PUBLISHED = {
+    "p0": ("prefill", "127.0.0.1:8001", "", engine(queue=(3000, 500), chunk=2048)),
+    "p1": ("prefill", "127.0.0.1:8002", "", engine(queue=(), chunk=1024)),
+    "d0": ("decode", "127.0.0.1:8101", "127.0.0.1:8201", engine(b=7, k=21_000, scheduled=(900,))),
+    "d1": ("decode", "127.0.0.1:8102", "127.0.0.1:8202", engine(b=3, k=5_000)),
+}
+
+
+@pytest.fixture
+async def nodes(redis: RedisServer) -> AsyncIterator[dict[str, Node]]:
+    """Two prefill and two decode publishers beating every 20 ms (TTL 100 ms)."""
+    out: dict[str, Node] = {}
+    for node_id, (role, url, sidecar, state) in PUBLISHED.items():
+        cfg = PublisherConfig(node_id, role, url, sidecar, redis.url, period_s=0.02, ttl_s=0.1, redis_timeout_s=0.1)
+        source = Source(state)
+        publisher = HeartbeatPublisher(cfg, source)
+        out[node_id] = Node(publisher, source, asyncio.create_task(publisher.run()))
+    yield out
+    for node in out.values():
+        if not node.task.done():
+            await node.crash()
+
+
+def view_config(redis: RedisServer, **kw: Any) -> ClusterViewConfig:
+    base: dict[str, Any] = {
+        "redis_url": redis.url,
+        "poll_s": 0.01,
+        "stale_after_s": 0.06,
+        "scan_every_polls": 2,
+        "redis_timeout_s": 0.1,
+        "recovery_grace_s": 0.3,
+        "reservation_ttl_s": 0.05,
+    }
+    return ClusterViewConfig(**{**base, **kw})
+
+
+@pytest.fixture
+async def live(redis: RedisServer, registry: CollectorRegistry) -> AsyncIterator[RedisClusterView]:
+    view = RedisClusterView(view_config(redis), registry=registry)
+    await view.start()
+    yield view
+    await view.stop()
+
+
+def ids(view: ClusterView) -> tuple[list[str], list[str]]:
+    return sorted(n.node_id for n in view.prefill), sorted(n.node_id for n in view.decode)
+
+
+def by_id(view: ClusterView) -> dict[str, PrefillNodeState | DecodeNodeState]:
+    return {n.node_id: n for n in (*view.prefill, *view.decode)}
+
+
+def prefill_queue(view: RedisClusterView, node_id: str) -> tuple[int, ...]:
+    (node,) = [n for n in view.view().prefill if n.node_id == node_id]
+    return node.queued_prefill_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Heartbeats to view
+# ---------------------------------------------------------------------------------------------
+async def test_view_shows_every_published_node_with_its_reported_load(
+    nodes: dict[str, Node], live: RedisClusterView
+) -> None:
+    await live.wait_ready(2.0)
+    await eventually(lambda: ids(live.view()) == (["p0", "p1"], ["d0", "d1"]), what="four nodes")
+    now = live.now()
+    got = by_id(live.view())
+    p0, p1, d0, d1 = got["p0"], got["p1"], got["d0"], got["d1"]
+    assert isinstance(p0, PrefillNodeState) and isinstance(p1, PrefillNodeState)
+    assert isinstance(d0, DecodeNodeState) and isinstance(d1, DecodeNodeState)
+    assert (p0.queued_prefill_tokens, p0.chunk_tokens) == ((3000, 500), 2048)
+    assert (p1.queued_prefill_tokens, p1.chunk_tokens) == ((), 1024)
+    assert (d0.decode_tokens, d0.kv_tokens, d0.kv_capacity_tokens, d0.prefill_backlog_tokens) == (
+        7,
+        21_000,
+        100_000,
+        (900,),
+    )
+    assert (d1.decode_tokens, d1.kv_tokens, d1.prefill_backlog_tokens) == (3, 5_000, ())
+    assert all(0 <= now - n.reported_at < 0.5 for n in got.values())
+    assert dict(live.addresses()) == {
+        "p0": NodeAddress("prefill", "127.0.0.1:8001", "", "tiny-llama"),
+        "p1": NodeAddress("prefill", "127.0.0.1:8002", "", "tiny-llama"),
+        "d0": NodeAddress("decode", "127.0.0.1:8101", "127.0.0.1:8201", "tiny-llama"),
+        "d1": NodeAddress("decode", "127.0.0.1:8102", "127.0.0.1:8202", "tiny-llama"),
+    }
+    assert not live.degraded and not live.static_fallback
+
+    # A change of load shows up within a few polls; so do the heartbeats' new reported_at.
+    nodes["d1"].source.state = engine(b=9, k=6_000, scheduled=(100, 200))
+    nodes["p1"].source.state = engine(queue=(64,), chunk=1024)
+
+    def updated() -> bool:
+        v = by_id(live.view())
+        d1, p1 = v["d1"], v["p1"]
+        assert isinstance(d1, DecodeNodeState) and isinstance(p1, PrefillNodeState)
+        return (d1.decode_tokens, d1.kv_tokens, d1.prefill_backlog_tokens, p1.queued_prefill_tokens) == (
+            9,
+            6_000,
+            (100, 200),
+            (64,),
+        )
+
+    await eventually(updated, what="new load in the view")
+    await eventually(lambda: live.stale_node_ids() == (), what="no stale node")
+
+
+async def test_view_overlays_own_dispatches_until_the_next_heartbeat(
+    nodes: dict[str, Node], live: RedisClusterView
+) -> None:
+    await eventually(lambda: len(live.addresses()) == 4, what="four nodes")
+    keep = Decision(Route.KEEP, Reason.KEEP_POLICY, "d1", "p1", (), 0.1, None, 333)
+    live.record(keep, live.now())
+    assert prefill_queue(live, "p1") == (333,)  # no await since record(): no poll in between
+    # The next heartbeat of p1 (reported_at later than the dispatch) replaces the overlay.
+    await eventually(lambda: prefill_queue(live, "p1") == (), what="overlay expiry")
+
+
+async def test_a_node_that_stops_beating_leaves_the_view_after_its_ttl(
+    nodes: dict[str, Node], live: RedisClusterView, client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await eventually(lambda: len(live.addresses()) == 4, what="four nodes")
+    await nodes["p1"].crash()
+    crashed_at = time.monotonic()
+    expires_in = await client.pttl("kairos:node:p1") / 1000
+    assert 0 < expires_in <= 0.1
+    assert "p1" in live.addresses()  # its key lives on until it expires
+    await eventually(lambda: "p1" not in live.addresses(), what="p1 gone")
+    gone_after = time.monotonic() - crashed_at
+    assert gone_after >= expires_in - 0.001  # not before the key expired
+    assert ids(live.view()) == (["p0"], ["d0", "d1"])
+    assert len(messages(caplog, "node p1 (prefill) left the view: its heartbeat key expired")) == 1
+
+    # A clean stop deletes the key: the node leaves without waiting for the TTL.
+    nodes["d1"].publisher.stop()
+    await nodes["d1"].task
+    await eventually(lambda: "d1" not in live.addresses(), what="d1 gone")
+    assert ids(live.view()) == (["p0"], ["d0"])
+
+
+async def test_degraded_mode_keeps_the_last_view_and_heals_when_redis_returns(
+    redis: RedisServer,
+    nodes: dict[str, Node],
+    live: RedisClusterView,
+    registry: CollectorRegistry,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await eventually(lambda: len(live.addresses()) == 4 and not live.stale_node_ids(), what="four fresh nodes")
+    sizes: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            sizes.append(len(live.addresses()))
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        redis.stop()
+        await eventually(lambda: live.degraded, what="degraded")
+        assert errors(registry, "poll") >= 1
+        # The last good view stays; its nodes age into staleness (keep routing only).
+        await eventually(lambda: len(live.stale_node_ids()) == 4, what="all nodes stale")
+        assert ids(live.view()) == (["p0", "p1"], ["d0", "d1"])
+        assert not live.static_fallback
+        assert await live.try_reserve("d0", "me") is False  # never deflect on a guess
+        failures = errors(registry, "poll")
+        await eventually(lambda: errors(registry, "poll") >= failures + 3, what="more failed polls")
+        warnings = messages(caplog, "redis unreachable at redis://127.0.0.1:")
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        assert "falling back to last view of 4 nodes (2 prefill, 2 decode)" in warnings[0].getMessage()
+
+        redis.start()
+        await eventually(lambda: not live.degraded, what="recovered")
+        await eventually(lambda: not live.stale_node_ids(), what="fresh heartbeats after the restart")
+        assert ids(live.view()) == (["p0", "p1"], ["d0", "d1"])
+        assert len(messages(caplog, "answers again")) == 1
+        assert len(messages(caplog, "redis unreachable")) == 1
+        assert await live.try_reserve("d0", "me") is True
+    finally:
+        watcher.cancel()
+    assert min(sizes) == 4  # the view never lost a node, not even while Redis restarted empty
+
+
+async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_next_poll(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    clock = FakeClock()
+    view = RedisClusterView(view_config(redis, scan_every_polls=3), clock=clock, registry=registry)
+    try:
+        await view.poll_once()  # poll 1 scans: nothing there
+        await client.set("kairos:node:p0", beat("p0", seq=1))
+        await view.poll_once()  # polls 2 and 3 only MGET the keys already known
+        await view.poll_once()
+        assert "p0" not in view.addresses()
+        await view.poll_once()  # poll 4 scans again
+        assert "p0" in view.addresses()
+        await client.delete("kairos:node:p0")
+        await view.poll_once()  # no scan, but MGET shows the key is gone
+        assert view.view() == ClusterView()
+    finally:
+        await view.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Local receipt time, malformed heartbeats, role changes
+# ---------------------------------------------------------------------------------------------
+def beat(node_id: str, seq: int, *, role: str = "prefill", sent_at: float | None = None, **fields: Any) -> str:
+    data = {
+        HeartbeatField.NODE_ID: node_id,
+        HeartbeatField.ROLE: role,
+        HeartbeatField.URL: "127.0.0.1:8001",
+        HeartbeatField.SIDECAR: "127.0.0.1:8201" if role == "decode" else "",
+        HeartbeatField.SEQ: seq,
+        HeartbeatField.SENT_AT: time.time() if sent_at is None else sent_at,
+        HeartbeatField.DECODE_TOKENS: 0,
+        HeartbeatField.KV_TOKENS: 0,
+        HeartbeatField.KV_CAPACITY_TOKENS: 50_000,
+        HeartbeatField.QUEUED_PREFILL_TOKENS: [],
+        HeartbeatField.SCHEDULED_PREFILL_TOKENS: [],
+        HeartbeatField.MAX_STEP_TOKENS: 512,
+        HeartbeatField.MODEL: "m",
+    }
+    data.update(fields)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0], ids=["sent_at 1 h ahead", "sent_at 1 h behind"])
+async def test_ages_use_local_receipt_time_of_each_new_seq_not_the_publishers_clock(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, skew_s: float
+) -> None:
+    clock = FakeClock(50.0)
+    view = RedisClusterView(view_config(redis), clock=clock, registry=registry)
+    decider = DeciderConfig(stale_after_s=0.35)
+    try:
+        await client.set("kairos:node:d0", beat("d0", 1, role="decode", sent_at=time.time() + skew_s), px=500)
+        await view.poll_once()
+        (d0,) = view.view().decode
+        assert d0.reported_at == 50.0
+        assert is_fresh(d0.reported_at, 50.0, decider) and can_take_deflection(d0, 50.0, decider, 1000)
+
+        clock.t = 50.2  # the same beat again: not new, so its age grows
+        await view.poll_once()
+        assert view.view().decode[0].reported_at == 50.0
+        clock.t = 50.4
+        await view.poll_once()
+        assert not is_fresh(view.view().decode[0].reported_at, 50.4, decider)
+        assert view.stale_node_ids() == ("d0",)
+
+        await client.set("kairos:node:d0", beat("d0", 2, role="decode", sent_at=time.time() + skew_s), px=500)
+        clock.t = 51.0
+        await view.poll_once()
+        assert view.view().decode[0].reported_at == 51.0
+        assert view.stale_node_ids() == ()
+    finally:
+        await view.stop()
+
+
+async def test_a_restarted_publisher_counts_as_new_even_if_its_seq_repeats(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    clock = FakeClock(10.0)
+    view = RedisClusterView(view_config(redis), clock=clock, registry=registry)
+    try:
+        await client.set("kairos:node:p0", beat("p0", 1, sent_at=1000.0))
+        await view.poll_once()
+        await client.set("kairos:node:p0", beat("p0", 1, sent_at=1001.0))  # seq restarts at 1
+        clock.t = 11.0
+        await view.poll_once()
+        assert view.view().prefill[0].reported_at == 11.0
+    finally:
+        await view.stop()
+
+
+async def test_malformed_heartbeats_are_ignored_and_logged_once(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    clock = FakeClock(0.0)
+    view = RedisClusterView(view_config(redis, forget_malformed_after_s=0.5), clock=clock, registry=registry)
+    try:
+        await client.set("kairos:node:bad1", "not json")
+        await client.set("kairos:node:bad2", json.dumps({"node_id": "bad2"}))
+        await client.set("kairos:node:bad3", beat("someone-else", 1))
+        await client.set("kairos:node:bad4", beat("bad4", 1, role="decode", sidecar=""))
+        await client.set("kairos:node:p0", beat("p0", 1))
+        for _ in range(3):
+            await view.poll_once()
+        assert view.view() == ClusterView(prefill=(PrefillNodeState("p0", (), 512, 0.0),))
+        for key in ("bad1", "bad2", "bad3", "bad4"):
+            assert len(messages(caplog, f"ignoring malformed heartbeat in kairos:node:{key}")) == 1
+
+        # A known node that turns malformed keeps its last good state (aging), then is forgotten.
+        await client.set("kairos:node:p0", beat("p0", 2, max_step_tokens=0))
+        clock.t = 0.3
+        await view.poll_once()
+        assert view.view().prefill == (PrefillNodeState("p0", (), 512, 0.0),)
+        clock.t = 0.5
+        await view.poll_once()
+        assert view.view() == ClusterView()
+        assert len(messages(caplog, "node p0 (prefill) left the view: no valid heartbeat for 0.50 s")) == 1
+
+        await client.set("kairos:node:p0", beat("p0", 3))
+        clock.t = 0.6
+        await view.poll_once()
+        assert view.view() == ClusterView(prefill=(PrefillNodeState("p0", (), 512, 0.6),))
+        assert len(messages(caplog, "node p0: valid heartbeat again (seq 3)")) == 1
+    finally:
+        await view.stop()
+
+
+async def test_a_node_that_changes_role_moves_between_the_lists(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    clock = FakeClock(1.0)
+    view = RedisClusterView(view_config(redis), clock=clock, registry=registry)
+    try:
+        await client.set("kairos:node:n0", beat("n0", 1))
+        await view.poll_once()
+        assert ids(view.view()) == (["n0"], [])
+        await client.set("kairos:node:n0", beat("n0", 2, role="decode", decode_tokens=4))
+        clock.t = 2.0
+        await view.poll_once()
+        assert view.view() == ClusterView(decode=(DecodeNodeState("n0", 4, 0, 50_000, 2.0),))
+        assert view.address("n0") == NodeAddress("decode", "127.0.0.1:8001", "127.0.0.1:8201", "m")
+    finally:
+        await view.stop()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("[]", "expected a JSON object"),
+        (beat("p0", -1), "seq must be an int >= 0"),
+        (beat("p0", 1, sent_at=float("nan")), "sent_at must be a number"),
+        (beat("p0", 1, queued_prefill_tokens=[1, True]), "queued_prefill_tokens must be a list of ints"),
+        (beat("p0", 1, role="router"), "role must be 'prefill' or 'decode'"),
+        (beat("p0", 1, url=""), "url is empty"),
+        (beat("p0", 1, model=None), "model must be a string"),
+    ],
+)
+def test_parse_heartbeat_rejects_contract_violations(raw: str, message: str) -> None:
+    with pytest.raises(MalformedHeartbeat) as info:
+        parse_heartbeat(raw, "p0")
+    assert message in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static fallback
+# ---------------------------------------------------------------------------------------------
+async def test_static_fallback_when_redis_was_never_up_is_plain_pd_routing(
+    registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    server = RedisServer()  # a free port, not started yet
+    clock = FakeClock(100.0)
+    cfg = view_config(
+        server,
+        fallback_prefill=("p0=127.0.0.1:8001", "p1=127.0.0.1:8002"),
+        fallback_decode=("d0=127.0.0.1:8101+127.0.0.1:8201",),
+        recovery_grace_s=0.5,
+    )
+    view = RedisClusterView(cfg, clock=clock, registry=registry)
+    try:
+        await view.poll_once()
+        assert view.degraded and view.static_fallback
+        static = ClusterView(
+            prefill=(PrefillNodeState("p0", (), 1, 100.0), PrefillNodeState("p1", (), 1, 100.0)),
+            decode=(DecodeNodeState("d0", 0, 0, 0, 100.0),),
+        )
+        assert view.view() == static
+        assert view.address("d0") == NodeAddress("decode", "127.0.0.1:8101", "127.0.0.1:8201", "")
+        assert view.address("p1") == NodeAddress("prefill", "127.0.0.1:8002", "", "")
+        decider = DeciderConfig()
+        assert not can_take_deflection(view.view().decode[0], 100.0, decider, 1)  # never a deflection target
+        assert await view.try_reserve("d0", "me") is False
+
+        clock.t = 101.0  # each poll refreshes reported_at so the keep path treats them as live
+        await view.poll_once()
+        assert all(n.reported_at == 101.0 for n in (*view.view().prefill, *view.view().decode))
+        assert errors(registry, "poll") == 2
+        (warning,) = messages(caplog, "redis unreachable")
+        assert "using the static node lists, 3 nodes (2 prefill, 1 decode): plain P/D routing" in warning.getMessage()
+
+        # Redis comes up with heartbeats for p0 and d9: they replace the static lists; the static
+        # nodes missing from Redis stay (aging) for the recovery grace, then leave.
+        server.start()
+        async with aioredis.Redis.from_url(server.url) as c:
+            await c.set("kairos:node:p0", beat("p0", 1, queued_prefill_tokens=[40]))
+            await c.set("kairos:node:d9", beat("d9", 1, role="decode"))
+        clock.t = 102.0
+        await view.poll_once()
+        assert not view.degraded and not view.static_fallback
+        got = by_id(view.view())
+        assert got["p0"] == PrefillNodeState("p0", (40,), 512, 102.0)
+        assert got["d9"] == DecodeNodeState("d9", 0, 0, 50_000, 102.0)
+        assert got["p1"].reported_at == 101.0 and got["d0"].reported_at == 101.0
+        clock.t = 102.5
+        await view.poll_once()
+        assert ids(view.view()) == (["p0"], ["d9"])
+        assert len(messages(caplog, "left the view: it is a static node and redis now answers")) == 2
+    finally:
+        await view.stop()
+        server.close()
+
+
+async def test_without_static_nodes_or_redis_the_view_is_empty_and_not_ready(registry: CollectorRegistry) -> None:
+    server = RedisServer()  # never started
+    view = RedisClusterView(view_config(server), registry=registry)
+    try:
+        await view.start()
+        assert view.degraded and not view.static_fallback and view.view() == ClusterView()
+        with pytest.raises(NoHealthyNodeError, match="0 prefill and 0 decode nodes known"):
+            await view.wait_ready(0.05)
+    finally:
+        await view.stop()
+        server.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and metrics
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"poll_s": 0.0}, "poll_s must be > 0"),
+        ({"poll_s": 0.4, "stale_after_s": 0.35}, "stale_after_s=0.35 must exceed poll_s=0.4"),
+        ({"scan_every_polls": 0}, "scan_every_polls must be >= 1"),
+        ({"redis_url": "127.0.0.1:6379"}, "redis_url: expected"),
+        ({"reservation_ttl_s": 0.0}, "reservation_ttl_s must be >= 0.001"),
+        ({"recovery_grace_s": -1.0}, "recovery_grace_s=-1.0"),
+        ({"fallback_prefill": ("127.0.0.1:8001",)}, "expected id=host:port"),
+        ({"fallback_prefill": ("p0=127.0.0.1",)}, "fallback prefill node p0 url: expected host:port"),
+        ({"fallback_decode": ("d0=127.0.0.1:8101+sidecar",)}, "d0 sidecar: expected host:port"),
+        ({"fallback_decode": ("d0=vllm+127.0.0.1:8201",)}, "d0 url: expected host:port"),
+        ({"fallback_prefill": ("n=h:1",), "fallback_decode": ("n=h:2+h:3",)}, "repeated: ['n']"),
+    ],
+)
+def test_invalid_view_configs_are_rejected(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        ClusterViewConfig(**changes)
+    assert message in info.value.message
+
+
+def test_static_nodes_parse() -> None:
+    cfg = ClusterViewConfig(
+        fallback_prefill=(" p0 = 10.0.0.1:8001 ",), fallback_decode=("d0=10.0.0.2:8101+10.0.0.2:8201",)
+    )
+    assert cfg.static_nodes() == (
+        StaticNode("p0", "prefill", "10.0.0.1:8001", ""),
+        StaticNode("d0", "decode", "10.0.0.2:8101", "10.0.0.2:8201"),
+    )
+    assert ClusterViewConfig().reservation_ttl_ms == 200
+
+
+def test_views_sharing_a_registry_share_one_counter(registry: CollectorRegistry) -> None:
+    a = RedisClusterView(ClusterViewConfig(), registry=registry)
+    b = RedisClusterView(ClusterViewConfig(), ClusterTracker(), registry=registry)
+    assert a._errors is b._errors is redis_error_counter(registry)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reservations
+# ---------------------------------------------------------------------------------------------
+async def test_a_reservation_excludes_other_owners_until_its_ttl(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.05), registry=registry)
+    try:
+        assert await view.try_reserve("d0", "dispatcher-a") is True
+        assert await client.get("kairos:reserve:d0") == b"dispatcher-a"
+        assert 0 < await client.pttl("kairos:reserve:d0") <= 50
+        assert await view.try_reserve("d0", "dispatcher-b") is False
+        assert await view.try_reserve("d0", "dispatcher-a") is False  # not re-entrant either
+        assert await view.try_reserve("d1", "dispatcher-b") is True  # other nodes are independent
+        await asyncio.sleep(0.06)
+        assert await view.try_reserve("d0", "dispatcher-b") is True
+    finally:
+        await view.stop()
+
+
+async def test_a_reservation_fails_closed_when_redis_is_down(
+    redis: RedisServer, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    view = RedisClusterView(view_config(redis), registry=registry)
+    try:
+        assert await view.try_reserve("d0", "me") is True
+        redis.stop()
+        assert await view.try_reserve("d1", "me") is False
+        assert await view.try_reserve("d2", "me") is False
+        assert errors(registry, "reserve") == 2
+        assert len(messages(caplog, "for reservations")) == 1
+        redis.start()
+        assert await view.try_reserve("d3", "me") is True
+        assert len(messages(caplog, "takes reservations again")) == 1
+    finally:
+        await view.stop()
+
+
+WORKER = r"""
+import asyncio, json, random, sys, time
+from prometheus_client import CollectorRegistry
+from extproc.cluster import ClusterViewConfig, RedisClusterView
+
+async def main(url, owner, seed, ttl):
+    view = RedisClusterView(ClusterViewConfig(redis_url=url, reservation_ttl_s=ttl), registry=CollectorRegistry())
+    rng = random.Random(seed)
+    await view.try_reserve("warm-up-" + owner, owner)  # connect before the race
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    attempts = []
+    for _ in range(200):
+        await asyncio.sleep(rng.uniform(0.0, 0.002))
+        sent = time.monotonic()
+        won = await view.try_reserve("d0", owner)
+        attempts.append((sent, time.monotonic(), won))
+    await view.stop()
+    print(json.dumps(attempts), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+"""
+
+
+async def test_two_dispatcher_processes_never_hold_the_same_node_at_once(redis: RedisServer) -> None:
+    ttl = 0.05
+    seeds = {"dispatcher-a": 1, "dispatcher-b": 2}
+    for seed in seeds.values():  # each process sleeps at least this long in total: many TTL windows
+        rng = random.Random(seed)
+        assert sum(rng.uniform(0.0, 0.002) for _ in range(200)) > 3 * ttl
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            WORKER,
+            redis.url,
+            owner,
+            str(seed),
+            str(ttl),
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for owner, seed in seeds.items()
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            assert await asyncio.wait_for(proc.stdout.readline(), 15.0) == b"ready\n"
+        for proc in procs:  # start both races together
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+        outputs = [await asyncio.wait_for(p.communicate(), 15.0) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert [p.returncode for p in procs] == [0, 0]
+    attempts = {owner: json.loads(out) for owner, (out, _) in zip(seeds, outputs, strict=True)}
+    spans = [(a[0][0], a[-1][1]) for a in attempts.values()]
+    assert max(s for s, _ in spans) < min(e for _, e in spans)  # the two races overlapped in time
+
+    wins = sorted((sent, got, owner) for owner, tries in attempts.items() for sent, got, won in tries if won)
+    assert len(wins) >= 2  # the node could be reserved again after each TTL
+    for (sent_a, _, owner_a), (_, got_b, owner_b) in itertools.pairwise(wins):
+        # Redis ran win B's SET no later than got_b and win A's no earlier than sent_a; B could
+        # only succeed once A's key had expired, so the two are at least a TTL apart.
+        assert got_b - sent_a > ttl - 0.001, f"{owner_a} and {owner_b} both held d0 within {got_b - sent_a:.4f} s"

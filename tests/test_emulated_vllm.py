@@ -1,0 +1,597 @@
+"""The emulated vLLM node over real HTTP on 127.0.0.1: vLLM's OpenAI API (through the openai SDK),
+the P/D two-hop protocol, deflected chunk schedules, state/metrics, errors and the time scale."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from extproc.tokenizer import PromptTokenizer
+from kairos.config import load_config
+from kairos.errors import ConfigError
+from kairos.tinymodel import build_tiny_model
+from sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
+from sim.engine import Engine, EngineConfig, Role
+from sim.engine import Sequence as Seq
+from sim.realtime import EngineStoppedError, RealtimeEngine
+
+MODEL = "tiny-llama"
+SCALE = 20.0  # model seconds per wall second: a ~50 ms decode step takes ~2.5 ms
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "kairos-tinymodel")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer.from_dir(model_dir)
+
+
+@dataclass
+class Node:
+    url: str
+    node: EmulatedNode
+
+    @property
+    def host_port(self) -> str:
+        return self.url.removeprefix("http://")
+
+
+@asynccontextmanager
+async def running(model_dir: Path, node_id: str, role: Role, **overrides: Any) -> AsyncIterator[Node]:
+    settings: dict[str, Any] = {"model": MODEL, "time_scale": SCALE, **overrides}
+    app = build_app(EmulatedNodeConfig(node_id=node_id, role=role, model_dir=str(model_dir), **settings))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield Node(f"http://127.0.0.1:{runner.addresses[0][1]}", app[NODE_KEY])
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+@pytest.fixture
+async def decode(model_dir: Path) -> AsyncIterator[Node]:
+    async with running(model_dir, "d0", Role.DECODE) as node:
+        yield node
+
+
+@pytest.fixture
+async def prefill(model_dir: Path) -> AsyncIterator[Node]:
+    async with running(model_dir, "p0", Role.PREFILL) as node:
+        yield node
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with http.post(url, data=data, headers={"Content-Type": "application/json", **headers}) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Prometheus samples by full name with labels, e.g. 'vllm:num_requests_running{...}'."""
+    async with http.get(f"{url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def sample(samples: dict[str, float], name: str, **labels: str) -> float:
+    want = {"engine": "0", "model_name": MODEL, **labels}
+    key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(want.items())) + "}"
+    return samples[key]
+
+
+async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def ids(n: int) -> list[int]:
+    """A prompt of exactly ``n`` tokens (token ids are counted as given)."""
+    return [10 + i % 2000 for i in range(n)]
+
+
+def assert_openai_error(status: int, body: Any, expected_status: int) -> str:
+    assert status == expected_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    return body["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI API through the SDK
+# ---------------------------------------------------------------------------------------------
+async def test_completions_and_chat_through_the_openai_sdk(decode: Node, tokenizer: PromptTokenizer) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{decode.url}/v1", api_key="unused", max_retries=0)
+    prompt = "The gateway routes each request to a node that can serve it."
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which node serves me?"}]
+    prompt_n, chat_n = tokenizer.count_completion_prompt(prompt), tokenizer.count_chat_prompt(messages)
+    try:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+        done = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=7)
+        assert done.id.startswith("cmpl-") and done.model == MODEL and done.object == "text_completion"
+        assert done.usage is not None
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_n, 7)
+        assert done.usage.total_tokens == prompt_n + 7
+        assert done.choices[0].finish_reason == "length" and len(done.choices[0].text.split()) == 7
+
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert len(texts) == 5 and all(t.strip() for t in texts)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices] == [None] * 4 + ["length"]
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_n, 5)
+
+        chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        assert chat.id.startswith("chatcmpl-") and chat.choices[0].message.role == "assistant"
+        assert chat.usage is not None and (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (chat_n, 4)
+        assert len((chat.choices[0].message.content or "").split()) == 4
+
+        chat_stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_completion_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        deltas = [chunk async for chunk in chat_stream]
+        assert deltas[0].choices[0].delta.role == "assistant" and deltas[0].choices[0].delta.content == ""
+        contents = [d.choices[0].delta.content for d in deltas[1:] if d.choices]
+        assert len(contents) == 6 and all(contents)
+        assert [d.choices[0].finish_reason for d in deltas if d.choices][-1] == "length"
+        usage = deltas[-1].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (chat_n, 6)
+
+        # The SDK surfaces the node's OpenAI error JSON as its typed exception.
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32768)
+    finally:
+        await client.close()
+
+
+async def test_x_request_id_names_the_sequence_and_the_response(decode: Node, http: aiohttp.ClientSession) -> None:
+    status, body = await post(
+        http,
+        f"{decode.url}/v1/completions",
+        {"model": MODEL, "prompt": ids(20), "max_tokens": 2},
+        **{"X-Request-Id": "r-1"},
+    )
+    assert status == 200 and body["id"] == "cmpl-r-1"
+    steps = (await get_json(http, f"{decode.url}/kairos/steps?since=0"))["steps"]
+    assert steps[0]["chunks"] == [{"request_id": "r-1", "tokens": 20, "cached": 0}]
+
+
+# ---------------------------------------------------------------------------------------------
+# P/D two-hop protocol
+# ---------------------------------------------------------------------------------------------
+async def test_two_hop_prefill_then_decode_pulls_the_kv(
+    prefill: Node, decode: Node, http: aiohttp.ClientSession, tokenizer: PromptTokenizer
+) -> None:
+    prompt = "Disaggregated serving moves the KV cache from the prefill node to the decode node. " * 20
+    n = tokenizer.count_completion_prompt(prompt)
+    client_body = {"model": MODEL, "prompt": prompt, "max_tokens": 12}
+    rid = {"X-Request-Id": "two-hop-1"}
+    hop1 = {
+        **client_body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None},
+    }
+    status, reply = await post(http, f"{prefill.url}/v1/completions", hop1, **rid)
+    assert status == 200, reply
+    assert reply["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 1,
+        "total_tokens": n + 1,
+        "prompt_tokens_details": None,
+    }
+    kv = reply["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["tp_size"] == 1
+    assert kv["remote_engine_id"] == prefill.node.engine_id and kv["kairos_prompt_tokens"] == n
+    assert f"{kv['remote_host']}:{kv['remote_port']}" == prefill.host_port
+    assert len(kv["remote_block_ids"]) == -(-n // 16)
+    # The prefill node holds the prompt's KV (and its one sampled token) until it is pulled.
+    held = await get_json(http, f"{prefill.url}/kairos/state")
+    assert held["kv_tokens"] == n + 1 and held["decode_tokens"] == 0
+
+    status, done = await post(http, f"{decode.url}/v1/completions", {**client_body, "kv_transfer_params": kv}, **rid)
+    assert status == 200, done
+    assert done["usage"]["prompt_tokens"] == n and done["usage"]["completion_tokens"] == 12
+    assert done["kv_transfer_params"] is None
+    m = await metrics(http, decode.url)
+    assert sample(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == n
+    assert sample(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+    assert sample(m, "vllm:generation_tokens_total") == 12
+    # The decode node never prefilled: every one of its steps is a decode step.
+    steps = (await get_json(http, f"{decode.url}/kairos/steps"))["steps"]
+    assert len(steps) == 12 and all(s["chunks"] == [] and s["decode_tokens"] == 1 for s in steps)
+    pm = await metrics(http, prefill.url)
+    assert sample(pm, "vllm:prompt_tokens_by_source_total", source="local_compute") == n
+
+    async def released() -> bool:
+        return (await get_json(http, f"{prefill.url}/kairos/state"))["kv_tokens"] == 0
+
+    await until(released)  # freed once the modelled transfer has been read
+    # The same parameters again: the KV is gone, the client gets a clear 400 at once.
+    status, again = await post(http, f"{decode.url}/v1/completions", {**client_body, "kv_transfer_params": kv})
+    assert "does not hold" in assert_openai_error(status, again, 400)
+
+
+async def test_two_hop_chat_streams_from_the_decode_node(
+    prefill: Node, decode: Node, http: aiohttp.ClientSession
+) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "stream it"}], "max_completion_tokens": 3}
+    hop1 = {**chat, "max_completion_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    status, reply = await post(http, f"{prefill.url}/v1/chat/completions", hop1)
+    assert status == 200
+    hop2 = {**chat, "stream": True, "kv_transfer_params": reply["kv_transfer_params"]}
+    async with http.post(f"{decode.url}/v1/chat/completions", json=hop2) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in (await resp.text()).split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", " lorem", " ipsum", " dolor"]
+
+
+async def test_unknown_or_malformed_kv_transfer_params_fail_fast(
+    prefill: Node, decode: Node, http: aiohttp.ClientSession
+) -> None:
+    host, port = prefill.host_port.split(":")
+    base = {"model": MODEL, "prompt": ids(40), "max_tokens": 4}
+    forged = {
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.node.engine_id,
+        "remote_block_ids": [7, 8, 9],
+        "remote_host": host,
+        "remote_port": int(port),
+    }
+    started = time.monotonic()
+    status, body = await post(http, f"{decode.url}/v1/completions", {**base, "kv_transfer_params": forged})
+    assert "does not hold" in assert_openai_error(status, body, 400)
+    wrong_engine = {**forged, "remote_engine_id": "someone-else"}
+    status, body = await post(http, f"{decode.url}/v1/completions", {**base, "kv_transfer_params": wrong_engine})
+    assert "engine id" in assert_openai_error(status, body, 400)
+    assert time.monotonic() - started < 2.0
+    # The reservation made for the failed pulls is given back.
+    assert decode.node.engine.engine.kv_reserved == 0
+    state = await get_json(http, f"{decode.url}/kairos/state")
+    assert state["kv_tokens"] == 0 and state["decode_tokens"] == 0
+
+    for params, fragment in [
+        ({**forged, "remote_host": None}, "remote_host"),
+        ({**forged, "remote_block_ids": []}, "remote_block_ids"),
+        ({**forged, "kairos_prompt_tokens": 41}, "kairos_prompt_tokens"),
+        ("not an object", "kv_transfer_params"),
+    ]:
+        status, body = await post(http, f"{decode.url}/v1/completions", {**base, "kv_transfer_params": params})
+        assert fragment in assert_openai_error(status, body, 400)
+    # Each role serves only its own hop.
+    status, body = await post(http, f"{prefill.url}/v1/completions", {**base, "kv_transfer_params": forged})
+    assert "decode node" in assert_openai_error(status, body, 400)
+    hop1 = {**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    status, body = await post(http, f"{decode.url}/v1/completions", hop1)
+    assert "prefill node" in assert_openai_error(status, body, 400)
+    status, body = await post(http, f"{prefill.url}/v1/completions", {**hop1, "max_tokens": 5})
+    assert "max_tokens 1" in assert_openai_error(status, body, 400)
+    # Nobody listening where the parameters point: 502, not a hang.
+    dead = {**forged, "remote_port": 1}
+    status, body = await post(http, f"{decode.url}/v1/completions", {**base, "kv_transfer_params": dead})
+    assert_openai_error(status, body, 502)
+
+
+async def test_unpulled_kv_is_released_after_the_hold_timeout(
+    model_dir: Path, decode: Node, http: aiohttp.ClientSession
+) -> None:
+    # 2 model seconds at 20x: held for 0.1 s of wall time.
+    async with running(model_dir, "p1", Role.PREFILL, kv_hold_timeout_s=2.0) as p:
+        body = {"model": MODEL, "prompt": ids(64), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, reply = await post(http, f"{p.url}/v1/completions", body)
+        assert status == 200
+        assert (await get_json(http, f"{p.url}/kairos/state"))["kv_tokens"] == 65
+
+        async def released() -> bool:
+            return (await get_json(http, f"{p.url}/kairos/state"))["kv_tokens"] == 0
+
+        await until(released, timeout=2.0)
+        hop2 = {"model": MODEL, "prompt": ids(64), "max_tokens": 3, "kv_transfer_params": reply["kv_transfer_params"]}
+        status, err = await post(http, f"{decode.url}/v1/completions", hop2)
+        assert "expired" in assert_openai_error(status, err, 400)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deflected prefills
+# ---------------------------------------------------------------------------------------------
+async def test_deflected_request_runs_exactly_its_chunk_schedule(decode: Node, http: aiohttp.ClientSession) -> None:
+    since = (await get_json(http, f"{decode.url}/kairos/steps"))["next_index"]
+    body = {
+        "model": MODEL,
+        "prompt": ids(700),
+        "max_tokens": 3,
+        "vllm_xargs": {"kairos_chunk_schedule": [300, 200], "kairos_step_budget_ms": 5000.0},
+    }
+    status, done = await post(http, f"{decode.url}/v1/completions", body, **{"X-Request-Id": "deflected-1"})
+    assert status == 200 and done["usage"]["prompt_tokens"] == 700 and done["usage"]["completion_tokens"] == 3
+    steps = (await get_json(http, f"{decode.url}/kairos/steps?since={since}"))["steps"]
+    chunks = [(c["tokens"], c["cached"]) for s in steps for c in s["chunks"] if c["request_id"] == "deflected-1"]
+    assert chunks == [(300, 0), (200, 300), (200, 500)]
+    assert [s["index"] for s in steps] == list(range(since, since + 5))  # 3 chunk steps + 2 decode steps
+    assert steps[3]["decode_tokens"] == 1 and steps[3]["chunks"] == []
+
+
+@pytest.mark.parametrize(
+    ("xargs", "fragment"),
+    [
+        ({"kairos_chunk_schedule": []}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [300, 0]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": "300,200"}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [300.5]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [True]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [4096]}, "max_step_tokens"),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 0}, "positive number of milliseconds"),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": "70"}, "positive number of milliseconds"),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 1.0}, "could never run"),
+        ({"kairos_step_budget_ms": 70.0}, "needs vllm_xargs.kairos_chunk_schedule"),
+        ("schedule", "vllm_xargs must be an object"),
+    ],
+)
+async def test_malformed_chunk_schedule_is_a_400(
+    decode: Node, http: aiohttp.ClientSession, xargs: Any, fragment: str
+) -> None:
+    body = {"model": MODEL, "prompt": ids(100), "max_tokens": 2, "vllm_xargs": xargs}
+    status, err = await post(http, f"{decode.url}/v1/completions", body)
+    assert fragment in assert_openai_error(status, err, 400)
+    assert (await get_json(http, f"{decode.url}/kairos/steps"))["steps"] == []  # nothing ran
+
+
+# ---------------------------------------------------------------------------------------------
+# State and metrics
+# ---------------------------------------------------------------------------------------------
+async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    # Two sequences resident at most: of five concurrent requests, three wait.
+    async with running(model_dir, "d1", Role.DECODE, max_running=2, max_step_tokens=1024) as d:
+        body = {"model": MODEL, "prompt": ids(200), "max_tokens": 120}
+        tasks = [asyncio.create_task(post(http, f"{d.url}/v1/completions", body)) for _ in range(5)]
+
+        async def two_running_three_waiting() -> bool:
+            m = await metrics(http, d.url)
+            return (
+                sample(m, "vllm:num_requests_running") == 2
+                and sample(m, "vllm:num_requests_waiting") == 3
+                and sample(m, "vllm:kv_cache_usage_perc") > 0
+            )
+
+        async def state_shows_it() -> bool:
+            s = await get_json(http, f"{d.url}/kairos/state")
+            return s["decode_tokens"] == 2 and s["queued_prefill_tokens"] == [200, 200, 200]
+
+        await until(two_running_three_waiting)
+        await until(state_shows_it)
+        state = await get_json(http, f"{d.url}/kairos/state")
+        assert set(state) == {
+            "decode_tokens",
+            "kv_tokens",
+            "kv_capacity_tokens",
+            "queued_prefill_tokens",
+            "scheduled_prefill_tokens",
+            "max_step_tokens",
+            "model",
+        }
+        assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
+        assert state["scheduled_prefill_tokens"] == []
+
+        results = await asyncio.gather(*tasks)
+        assert all(status == 200 and body["usage"]["completion_tokens"] == 120 for status, body in results)
+        m = await metrics(http, d.url)
+        assert sample(m, "vllm:num_requests_running") == 0 and sample(m, "vllm:num_requests_waiting") == 0
+        assert sample(m, "vllm:kv_cache_usage_perc") == 0
+        assert sample(m, "vllm:prompt_tokens_total") == 1000
+        assert sample(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == 1000
+        assert sample(m, "vllm:generation_tokens_total") == 600
+        assert sample(m, "vllm:time_to_first_token_seconds_count") == 5
+        assert sample(m, "vllm:inter_token_latency_seconds_count") == 5 * 119
+        state = await get_json(http, f"{d.url}/kairos/state")
+        assert (state["decode_tokens"], state["kv_tokens"], state["queued_prefill_tokens"]) == (0, 0, [])
+
+
+async def test_client_disconnect_mid_stream_stops_the_sequence(decode: Node, http: aiohttp.ClientSession) -> None:
+    body = {"model": MODEL, "prompt": ids(50), "max_tokens": 5000, "stream": True}  # ~12 s of wall time
+    resp = await http.post(f"{decode.url}/v1/completions", json=body)
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    await resp.content.readuntil(b"\n\n")
+    resp.close()  # drop the connection
+
+    async def idle() -> bool:
+        s = await get_json(http, f"{decode.url}/kairos/state")
+        return s["decode_tokens"] == 0 and s["kv_tokens"] == 0
+
+    await until(idle, timeout=3.0)
+    assert sample(await metrics(http, decode.url), "vllm:generation_tokens_total") < 5000
+    status, ok = await post(
+        http, f"{decode.url}/v1/completions", {"model": MODEL, "prompt": "still fine", "max_tokens": 2}
+    )
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+async def test_bad_input_gets_openai_style_4xx(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    async with running(model_dir, "d2", Role.DECODE, max_model_len=512, max_body_bytes=4096) as d:
+        url = f"{d.url}/v1/completions"
+        cases: list[tuple[Any, int, str]] = [
+            (b"{not json", 400, "not valid JSON"),
+            (b"[1, 2]", 400, "JSON object"),
+            ({"model": MODEL, "max_tokens": 3}, 400, "prompt is required"),
+            ({"model": MODEL, "prompt": "", "max_tokens": 3}, 400, "prompt is empty"),
+            ({"model": MODEL, "prompt": ids(500), "max_tokens": 20}, 400, "maximum context length is 512"),
+            ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+            ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+            ({"model": MODEL, "prompt": "x" * 5000}, 413, "limit"),
+        ]
+        for body, status_expected, fragment in cases:
+            status, err = await post(http, url, body)
+            assert fragment in assert_openai_error(status, err, status_expected), (body, err)
+        status, err = await post(http, f"{d.url}/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert "messages is empty" in assert_openai_error(status, err, 400)
+        status, err = await post(http, f"{d.url}/v1/embeddings", {"model": MODEL, "input": "x"})
+        assert_openai_error(status, err, 404)
+        async with http.get(url) as resp:
+            assert_openai_error(resp.status, await resp.json(), 405)
+        async with http.get(f"{d.url}/kairos/steps?since=-3") as resp:
+            assert_openai_error(resp.status, await resp.json(), 400)
+        async with http.get(f"{d.url}/health") as resp:
+            assert resp.status == 200 and await resp.read() == b""
+        assert (await get_json(http, f"{d.url}/kairos/steps"))["steps"] == []  # nothing reached the engine
+
+
+def test_config_validation(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="kv_capacity_tokens=1000 must be >= max_model_len=4096"):
+        EmulatedNodeConfig("d0", Role.DECODE, str(model_dir), max_model_len=4096, kv_capacity_tokens=1000)
+    with pytest.raises(ConfigError, match="time_scale"):
+        load_config(
+            EmulatedNodeConfig, overrides={"node_id": "d0", "role": "decode", "model_dir": "m", "time_scale": 0}
+        )
+    with pytest.raises(ConfigError, match="role"):
+        load_config(EmulatedNodeConfig, overrides={"node_id": "d0", "role": "both", "model_dir": "m"})
+    cfg = load_config(EmulatedNodeConfig, overrides={"node_id": "p0", "role": "prefill", "model_dir": "/models/x"})
+    assert cfg.role is Role.PREFILL and cfg.model == "/models/x"  # vLLM serves the path when no name is given
+
+
+# ---------------------------------------------------------------------------------------------
+# The wall-time driver on its own
+# ---------------------------------------------------------------------------------------------
+async def test_realtime_engine_streams_tokens_and_queues_transfers_for_kv_room() -> None:
+    engine = Engine(
+        EngineConfig("r0", Role.DECODE, 256, kv_capacity_tokens=1000), lambda role, plan: 0.05, track_tokens=True
+    )
+    rt = RealtimeEngine(engine, time_scale=50.0)  # 1 ms of wall time per step
+    rt.start()
+    try:
+        await rt.reserve_kv(600)
+        first = rt.accept_transferred(Seq("first", 600, 4), 600)
+        # 600 + 600 > 1000: the second transfer waits for room, a cancelled third gives up its place.
+        second_room = asyncio.create_task(rt.reserve_kv(600))
+        third_room = asyncio.create_task(rt.reserve_kv(100))
+        await asyncio.sleep(0.002)
+        assert not second_room.done() and rt.pending_transfers == 2
+        third_room.cancel()
+        events = [e async for e in first]
+        assert [(e.index, e.last) for e in events] == [(1, False), (2, False), (3, False), (4, True)]
+        assert [e.at for e in events] == pytest.approx([events[0].at + 0.05 * i for i in range(4)])
+        await asyncio.wait_for(second_room, 1.0)  # granted once the first sequence freed its KV
+        assert engine.kv_reserved == 600 and rt.pending_transfers == 0
+        rt.unreserve_kv(600)
+        plain = rt.submit(Seq("plain", 200, 2))
+        assert [e.step for e in [e async for e in plain]] == [engine.step_index - 2, engine.step_index - 1]
+        assert (engine.kv_used, engine.kv_reserved) == (0, 0)
+        assert [s["chunks"] for s in rt.steps_since(4)] == [[{"request_id": "plain", "tokens": 200, "cached": 0}], []]
+    finally:
+        await rt.stop()
+    with pytest.raises(EngineStoppedError):
+        rt.submit(Seq("late", 10, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Time scale and the CLI
+# ---------------------------------------------------------------------------------------------
+async def test_time_scale_divides_wall_time(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    body = {"model": MODEL, "prompt": ids(1000), "max_tokens": 60}
+    walls, model = {}, {}
+    for scale in (10.0, 40.0):
+        async with running(model_dir, f"t{int(scale)}", Role.DECODE, time_scale=scale) as d:
+            started = time.perf_counter()
+            status, _ = await post(http, f"{d.url}/v1/completions", body)
+            walls[scale] = time.perf_counter() - started
+            assert status == 200
+            steps = (await get_json(http, f"{d.url}/kairos/steps"))["steps"]
+            model[scale] = sum(s["duration"] for s in steps)
+            # Steps chain back to back in model time, whatever the timer overshoot on the wall.
+            assert steps[-1]["start"] + steps[-1]["duration"] - steps[0]["start"] == pytest.approx(model[scale])
+    # Same model time either way (60 steps of ~46 ms: ~2.8 s); each run's wall time is that over
+    # the scale (a step never ends early), plus a loose allowance for HTTP and a busy machine.
+    assert model[10.0] == pytest.approx(model[40.0]) and model[10.0] > 2.0
+    for scale, wall in walls.items():
+        assert model[scale] / scale <= wall <= model[scale] / scale * 2 + 0.3, (scale, wall, model[scale])
+    assert walls[40.0] < walls[10.0] / 2
+
+
+async def test_cli_listens_and_stops_on_sigterm(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "sim.emulated_vllm",
+        "--node-id",
+        "c0",
+        "--role",
+        "decode",
+        "--port",
+        "0",
+        "--model-dir",
+        str(model_dir),
+        "--model",
+        MODEL,
+        "--time-scale",
+        "50",
+        "--log-level",
+        "WARNING",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().strip()
+        assert line.startswith("listening on 127.0.0.1:"), line
+        url = f"http://{line.removeprefix('listening on ')}"
+        status, body = await post(http, f"{url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,508 @@
+"""The heartbeat publisher against a real redis-server, and HttpStateSource against a real
+aiohttp server. Periods are 20 ms so the whole file runs in a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from kairos.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField
+from kairos.errors import ConfigError
+from nodeagent.heartbeat import (
+    EngineState,
+    EngineStateError,
+    HeartbeatPublisher,
+    HttpStateSource,
+    PublisherConfig,
+    build_heartbeat,
+    main,
+    state_endpoint,
+)
+from tests.redis_server import RedisServer, free_port
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+LOGGER = "nodeagent.heartbeat"
+
+STATE = EngineState(
+    decode_tokens=12,
+    kv_tokens=34_000,
+    kv_capacity_tokens=100_000,
+    queued_prefill_tokens=(2048, 512),
+    scheduled_prefill_tokens=(700,),
+    max_step_tokens=2048,
+    model="tiny-llama",
+)
+
+
+class FakeSource:
+    """An in-process engine: returns ``state``, or raises while ``fail`` is set."""
+
+    def __init__(self, state: EngineState = STATE, delay_s: float = 0.0) -> None:
+        self.state = state
+        self.fail = False
+        self.delay_s = delay_s
+        self.reads: list[float] = []  # monotonic time of each read
+
+    async def read(self) -> EngineState:
+        self.reads.append(time.monotonic())
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionRefusedError("engine down")
+        return self.state
+
+
+def config(redis: str, **kw: Any) -> PublisherConfig:
+    base = {
+        "node_id": "d0",
+        "role": "decode",
+        "url": "127.0.0.1:8101",
+        "sidecar": "127.0.0.1:8201",
+        "redis_url": redis,
+        "period_s": 0.02,
+        "ttl_s": 0.1,
+        "state_timeout_s": 0.05,
+        "redis_timeout_s": 0.1,
+    }
+    return PublisherConfig(**{**base, **kw})
+
+
+async def eventually(probe: Callable[[], Awaitable[T] | T], timeout_s: float = 2.0, what: str = "condition") -> T:
+    """Call (and await) ``probe()`` every 5 ms until it returns something truthy; fail after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(redis: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(redis.url)
+    yield c
+    await c.aclose()
+
+
+async def running(publisher: HeartbeatPublisher) -> asyncio.Task[None]:
+    return asyncio.create_task(publisher.run())
+
+
+async def finish(task: asyncio.Task[None]) -> None:
+    """Cancel until done: Python 3.11's wait_for (used inside redis-py) can swallow one cancel."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    assert task.cancelled()
+
+
+def messages(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------
+async def test_beat_sets_the_key_with_every_field_and_an_expiry_and_publishes_it(
+    redis: RedisServer, client: aioredis.Redis
+) -> None:
+    cfg = config(redis.url)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(REDIS_HEARTBEAT_CHANNEL)
+    publisher = HeartbeatPublisher(cfg, FakeSource())
+    task = await running(publisher)
+    try:
+        raw = await eventually(lambda: client.get("kairos:node:d0"), what="key kairos:node:d0")
+        pttl = await client.pttl("kairos:node:d0")
+        first = json.loads(raw)
+        assert set(first) == set(HeartbeatField.ALL)
+        expected = build_heartbeat(cfg, STATE, first["seq"], first["sent_at"])
+        assert first == expected
+        assert first["queued_prefill_tokens"] == [2048, 512] and first["scheduled_prefill_tokens"] == [700]
+        assert 0 < pttl <= 100
+        assert abs(first["sent_at"] - time.time()) < 1.0
+
+        async def newer() -> dict[str, Any] | None:
+            beat = json.loads(await client.get("kairos:node:d0"))
+            return beat if beat["seq"] > first["seq"] else None
+
+        second = await eventually(newer, what="a later seq")
+        assert second["sent_at"] >= first["sent_at"]
+
+        async def on_channel() -> dict[str, Any] | None:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+            return json.loads(msg["data"]) if msg else None
+
+        published = await eventually(on_channel, what="a message on kairos:heartbeats")
+        assert set(published) == set(HeartbeatField.ALL)
+        assert published["node_id"] == "d0" and published["sidecar"] == "127.0.0.1:8201"
+        assert publisher.seq >= second["seq"] and publisher.published >= 2
+    finally:
+        await finish(task)
+        await pubsub.aclose()
+
+
+async def test_a_failing_engine_stops_the_beats_so_the_key_expires_and_they_resume_when_it_recovers(
+    redis: RedisServer, client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    cfg = config(redis.url)
+    source = FakeSource()
+    publisher = HeartbeatPublisher(cfg, source)
+    task = await running(publisher)
+    try:
+        await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
+        source.fail = True
+        failed_at = time.monotonic()
+
+        async def gone() -> bool:
+            return not await client.exists("kairos:node:d0")
+
+        await eventually(gone, timeout_s=cfg.ttl_s + 0.5, what="key expiry")
+        assert time.monotonic() - failed_at <= cfg.ttl_s + 0.5
+        published = publisher.published
+        reads = len(source.reads)
+        await eventually(lambda: len(source.reads) >= reads + 3, what="three more failed reads")
+        assert publisher.published == published  # nothing published while the engine is down
+        assert not task.done()
+        assert len(messages(caplog, "engine state unavailable for node d0")) == 1  # once per outage
+
+        source.fail = False
+        await eventually(lambda: client.exists("kairos:node:d0"), what="beats resume")
+        assert len(messages(caplog, "engine state of node d0 readable again")) == 1
+        assert len(messages(caplog, "engine state unavailable")) == 1
+    finally:
+        await finish(task)
+
+
+async def test_publisher_rides_out_a_redis_restart_on_the_same_port(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    cfg = config(redis.url)
+    source = FakeSource()
+    publisher = HeartbeatPublisher(cfg, source)
+    task = await running(publisher)
+    try:
+        await eventually(lambda: publisher.published >= 2, what="two beats")
+        port = redis.port
+        redis.stop()
+        reads = len(source.reads)
+        await eventually(lambda: len(source.reads) >= reads + 5, what="five beats into the outage")
+        assert not task.done()
+        outage = messages(caplog, "redis unreachable at redis://127.0.0.1:")
+        assert len(outage) == 1 and outage[0].levelno == logging.WARNING
+        published = publisher.published
+
+        redis.start()
+        assert redis.port == port
+        async with aioredis.Redis.from_url(redis.url) as c:
+            raw = await eventually(lambda: c.get("kairos:node:d0"), what="key after restart")
+        assert json.loads(raw)["seq"] > published
+        assert publisher.published > published
+        assert len(messages(caplog, "answers again")) == 1
+        assert len(messages(caplog, "redis unreachable")) == 1
+    finally:
+        await finish(task)
+
+
+async def test_stop_deletes_the_key_but_a_crash_leaves_it_to_expire(redis: RedisServer, client: aioredis.Redis) -> None:
+    cfg = config(redis.url)
+    publisher = HeartbeatPublisher(cfg, FakeSource())
+    task = await running(publisher)
+    await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
+    publisher.stop()
+    async with asyncio.timeout(1.0):
+        await task
+    assert await client.exists("kairos:node:d0") == 0
+    assert not publisher.running
+
+    crashing = HeartbeatPublisher(replace(cfg, node_id="d1"), FakeSource())
+    task = await running(crashing)
+    await eventually(lambda: client.exists("kairos:node:d1"), what="first beat of d1")
+    await finish(task)  # cancelled: no clean shutdown
+    assert 0 < await client.pttl("kairos:node:d1") <= 100  # still there, expiring by itself
+
+
+async def test_stop_leaves_a_key_that_a_newer_publisher_took_over(redis: RedisServer, client: aioredis.Redis) -> None:
+    cfg = config(redis.url)
+    publisher = HeartbeatPublisher(cfg, FakeSource())
+    task = await running(publisher)
+    await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
+    publisher.stop()
+    await client.set("kairos:node:d0", "{newer publisher}", px=1000)  # before the loop notices stop()
+    async with asyncio.timeout(1.0):
+        await task
+    assert await client.get("kairos:node:d0") == b"{newer publisher}"
+
+
+async def test_beats_stay_on_the_period_grid_when_reads_are_slow(redis: RedisServer) -> None:
+    """A read that takes half a period must not push every later beat back by that much."""
+    cfg = config(redis.url, period_s=0.02)
+    source = FakeSource(delay_s=0.01)
+    task = await running(HeartbeatPublisher(cfg, source))
+    try:
+        await eventually(lambda: len(source.reads) >= 21, what="21 reads")
+    finally:
+        await finish(task)
+    span = source.reads[20] - source.reads[0]
+    # On the grid: 20 periods = 0.40 s. Sleeping a full period after each beat: 20 x 0.03 = 0.60 s.
+    assert span < 0.5, f"20 beats took {span:.3f} s"
+
+
+async def test_a_hung_engine_counts_as_down(redis: RedisServer, client: aioredis.Redis) -> None:
+    cfg = config(redis.url, state_timeout_s=0.03)
+    source = FakeSource(delay_s=10.0)  # never answers in time
+    publisher = HeartbeatPublisher(cfg, source)
+    task = await running(publisher)
+    try:
+        await eventually(lambda: len(source.reads) >= 3, what="three reads")
+        assert publisher.published == 0 and await client.exists("kairos:node:d0") == 0
+    finally:
+        await finish(task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        pytest.param({"role": "mixed"}, "role must be one of", id="unknown role"),
+        pytest.param({"node_id": ""}, "node_id must be non-empty", id="empty node id"),
+        pytest.param({"node_id": "d*"}, "glob characters", id="glob in node id"),
+        pytest.param({"sidecar": ""}, "sidecar (host:port) is required", id="decode without sidecar"),
+        pytest.param({"role": "prefill"}, "sidecar must be empty", id="prefill with sidecar"),
+        pytest.param({"url": "localhost"}, "url: expected host:port", id="url without port"),
+        pytest.param({"sidecar": "h:99999"}, "sidecar: expected host:port", id="sidecar port out of range"),
+        pytest.param({"redis_url": "http://x:1"}, "redis_url: expected", id="not a redis url"),
+        pytest.param({"period_s": 0.0}, "period_s must be > 0", id="zero period"),
+        pytest.param({"ttl_s": 0.02}, "ttl_s=0.02 must be > period_s=0.02", id="ttl not above period"),
+        pytest.param({"state_timeout_s": 0.0}, "state_timeout_s=0.0", id="zero state timeout"),
+        pytest.param({"state_url": "ftp://x:1"}, "state url: expected", id="bad state url"),
+    ],
+)
+def test_invalid_publisher_configs_are_rejected(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config("redis://127.0.0.1:6379/0", **changes)
+    assert message in info.value.message
+
+
+def test_a_prefill_config_needs_no_sidecar_and_state_url_defaults_to_url() -> None:
+    cfg = config("redis://127.0.0.1:6379/0", node_id="p0", role="prefill", url="10.0.0.1:8001", sidecar="")
+    assert cfg.key == "kairos:node:p0" and cfg.ttl_ms == 100
+    assert cfg.state_endpoint == "http://10.0.0.1:8001/kairos/state"
+
+
+@pytest.mark.parametrize(
+    ("address", "endpoint"),
+    [
+        ("127.0.0.1:8101", "http://127.0.0.1:8101/kairos/state"),
+        ("http://127.0.0.1:8101", "http://127.0.0.1:8101/kairos/state"),
+        ("http://127.0.0.1:8101/", "http://127.0.0.1:8101/kairos/state"),
+        ("https://node:443/custom/state", "https://node:443/custom/state"),
+    ],
+)
+def test_state_endpoint(address: str, endpoint: str) -> None:
+    assert state_endpoint(address) == endpoint
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"decode_tokens": -1}, "decode_tokens must be an int >= 0"),
+        ({"max_step_tokens": 0}, "max_step_tokens must be >= 1"),
+        ({"kv_tokens": 1.5}, "kv_tokens must be an int"),
+        ({"queued_prefill_tokens": (1, -2)}, "queued_prefill_tokens must be a tuple"),
+        ({"model": 7}, "model must be a string"),
+    ],
+)
+def test_invalid_engine_states_are_rejected(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(EngineStateError) as info:
+        replace(STATE, **changes)
+    assert message in info.value.message
+
+
+# ---------------------------------------------------------------------------------------------
+# HttpStateSource
+# ---------------------------------------------------------------------------------------------
+STATE_JSON = {
+    "decode_tokens": 12,
+    "kv_tokens": 34_000,
+    "kv_capacity_tokens": 100_000,
+    "queued_prefill_tokens": [2048, 512],
+    "scheduled_prefill_tokens": [700],
+    "max_step_tokens": 2048,
+    "model": "tiny-llama",
+}
+
+
+class StateServer:
+    """A tiny aiohttp server answering GET /kairos/state with ``body`` and ``status``."""
+
+    def __init__(self) -> None:
+        self.body: Any = STATE_JSON
+        self.status = 200
+        self.delay_s = 0.0
+        self.hits = 0
+        self.peers: set[Any] = set()
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if isinstance(self.body, str):
+            return web.Response(status=self.status, text=self.body)
+        return web.json_response(self.body, status=self.status)
+
+    async def start(self) -> StateServer:
+        app = web.Application()
+        app.router.add_get("/kairos/state", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def state_server() -> AsyncIterator[StateServer]:
+    server = await StateServer().start()
+    yield server
+    await server.stop()
+
+
+async def test_http_state_source_reads_the_engine_state(state_server: StateServer) -> None:
+    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.5)
+    try:
+        assert await source.read() == STATE
+        session = source.session
+        state_server.body = {**STATE_JSON, "decode_tokens": 13, "extra_field": "ignored"}
+        assert await source.read() == replace(STATE, decode_tokens=13)
+        assert source.session is session  # one session, reused
+        assert state_server.hits == 2 and len(state_server.peers) == 1  # one kept-alive connection
+    finally:
+        await source.aclose()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [
+        pytest.param(500, {"error": "boom"}, "HTTP 500", id="server error"),
+        pytest.param(200, "not json", "JSONDecodeError", id="not json"),
+        pytest.param(200, [1, 2], "expected a JSON object", id="not an object"),
+        pytest.param(200, {k: v for k, v in STATE_JSON.items() if k != "kv_tokens"}, "missing fields", id="missing"),
+        pytest.param(200, {**STATE_JSON, "queued_prefill_tokens": 5}, "must be a list", id="queue not a list"),
+    ],
+)
+async def test_http_state_source_rejects_bad_answers(
+    state_server: StateServer, status: int, body: Any, message: str
+) -> None:
+    state_server.status, state_server.body = status, body
+    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.5)
+    try:
+        with pytest.raises(EngineStateError) as info:
+            await source.read()
+        assert message in info.value.message
+    finally:
+        await source.aclose()
+
+
+async def test_http_state_source_times_out_and_reports_a_dead_server(state_server: StateServer) -> None:
+    state_server.delay_s = 0.3
+    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.05)
+    dead = HttpStateSource(f"127.0.0.1:{free_port()}", timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineStateError, match="TimeoutError"):
+            await source.read()
+        assert time.monotonic() - started < 0.5
+        with pytest.raises(EngineStateError, match="Cannot connect"):
+            await dead.read()
+    finally:
+        await source.aclose()
+        await dead.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+async def test_cli_publishes_until_sigterm_then_exits_cleanly_and_deregisters(
+    redis: RedisServer, client: aioredis.Redis, state_server: StateServer
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "nodeagent.heartbeat",
+        "--node-id",
+        "d7",
+        "--role",
+        "decode",
+        "--url",
+        "127.0.0.1:8101",
+        "--sidecar",
+        "127.0.0.1:8201",
+        "--redis",
+        redis.url,
+        "--state-url",
+        f"127.0.0.1:{state_server.port}",
+        "--period-ms",
+        "20",
+        "--ttl-s",
+        "0.2",
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        raw = await eventually(lambda: client.get("kairos:node:d7"), timeout_s=10.0, what="CLI heartbeat")
+        beat = json.loads(raw)
+        assert beat["role"] == "decode" and beat["decode_tokens"] == 12 and beat["model"] == "tiny-llama"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 5.0)
+        assert proc.returncode == 0, stderr.decode()
+        assert await client.exists("kairos:node:d7") == 0
+        assert b"heartbeat stopped, kairos:node:d7 deleted" in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_cli_rejects_an_invalid_config(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--node-id", "d0", "--role", "decode", "--url", "127.0.0.1:8101"])
+    assert rc == 2
+    assert "sidecar (host:port) is required" in capsys.readouterr().err
