@@ -1,0 +1,5 @@
+import sys
+
+from extproc.main import main
+
+sys.exit(main())

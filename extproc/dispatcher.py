@@ -1,0 +1,228 @@
+"""The dispatcher's request handling, independent of the transport (Envoy ext_proc).
+
+``Dispatcher.route(method, path, headers, body)`` parses the OpenAI request, counts its prompt
+tokens, runs the routing policy on the live cluster view, reserves a decode node for a
+deflection, and returns a :class:`Routed` (upstream + header mutations) or a :class:`Rejected`
+(an HTTP error to answer directly). The gRPC server in :mod:`extproc.server` only translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from extproc.decision import Decision, Route
+from extproc.metrics import DispatcherMetrics
+from extproc.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
+from extproc.policies import Policy
+from extproc.state import ClusterView
+from extproc.tokenizer import PromptTokenizer
+from kairos import contracts as c
+from kairos.errors import KairosError, NoHealthyNodeError
+from kairos.http_errors import error_json, error_status
+
+log = logging.getLogger(__name__)
+
+OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class NodeAddressLike(Protocol):
+    role: str
+    url: str
+    sidecar: str
+
+
+class ClusterSource(Protocol):
+    """What the dispatcher needs from the live cluster view (``extproc.cluster``)."""
+
+    @property
+    def degraded(self) -> bool: ...
+
+    def view(self) -> ClusterView: ...
+
+    def record(self, decision: Decision, now: float) -> None: ...
+
+    def addresses(self) -> Mapping[str, NodeAddressLike]: ...
+
+    async def try_reserve(self, node_id: str, owner: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Send the request on, to ``destinations[0]`` (later ones are Envoy's fallbacks)."""
+
+    destinations: tuple[str, ...]  # host:port of decode-node sidecars
+    set_headers: tuple[tuple[str, str], ...]
+    remove_headers: tuple[str, ...]
+    decision: Decision | None  # None for pass-through paths (/v1/models, /health, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Answer the client directly."""
+
+    status: int
+    body: bytes  # OpenAI-style error JSON
+    code: str
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    """Request-level knobs of the dispatcher."""
+
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tokenize_inline_bytes: int = 16_384  # larger bodies are parsed off the event loop
+    reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
+    dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        policy: Policy,
+        keep_policy: Policy,
+        cluster: ClusterSource,
+        metrics: DispatcherMetrics,
+        settings: DispatchSettings = DispatchSettings(),
+        clock: callable = time.monotonic,  # type: ignore[valid-type]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.keep_policy = keep_policy  # the P/D path, when every deflection target is taken
+        self.cluster = cluster
+        self.metrics = metrics
+        self.settings = settings
+        self.owner = settings.dispatcher_id or f"dispatcher-{uuid.uuid4().hex[:8]}"
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kairos-tokenize")
+        self._rr = itertools.count()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- entry point -----------------------------------------------------------------------
+    async def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> Routed | Rejected:
+        started = time.perf_counter()
+        try:
+            spoofed = tuple(h for h in headers if h.lower().startswith(c.HEADER_PREFIX))
+            bare_path = path.split("?", 1)[0]
+            if method == "POST" and bare_path in OPENAI_POST_PATHS:
+                return await self._route_inference(path, headers, body or b"", spoofed, started)
+            if method == "POST":
+                raise NotFoundError(f"{bare_path} is not served by this gateway; use {' or '.join(OPENAI_POST_PATHS)}")
+            return self._pass_through(spoofed)
+        except KairosError as exc:
+            self.metrics.rejections.labels(code=exc.code).inc()
+            return Rejected(error_status(exc), error_json(exc), exc.code)
+        except Exception as exc:  # a bug, not the client's fault: a clean 500, and the traceback in the log
+            log.exception("internal error routing %s %s", method, path)
+            self.metrics.rejections.labels(code="internal_error").inc()
+            return Rejected(error_status(exc), error_json(exc), "internal_error")
+
+    # -- inference requests ----------------------------------------------------------------
+    async def _route_inference(
+        self, path: str, headers: Mapping[str, str], body: bytes, spoofed: tuple[str, ...], started: float
+    ) -> Routed:
+        request = await self._parse(path, body)
+        decision = await self._decide(request.prompt_tokens)
+        addresses = self.cluster.addresses()
+        request_id = headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+        set_headers: list[tuple[str, str]] = [
+            (c.H_REQUEST_ID, request_id),
+            (c.H_ROUTE, decision.route.value),
+            (c.H_REASON, decision.reason.value),
+            (c.H_DECODE_NODE, decision.decode_node),
+            (c.H_PROMPT_TOKENS, str(request.prompt_tokens)),
+        ]
+        if decision.predicted_ttft_prefill_s is not None:
+            set_headers.append((c.H_PRED_TTFT_PREFILL_MS, f"{decision.predicted_ttft_prefill_s * 1e3:.1f}"))
+        if decision.predicted_ttft_decode_s is not None:
+            set_headers.append((c.H_PRED_TTFT_DECODE_MS, f"{decision.predicted_ttft_decode_s * 1e3:.1f}"))
+        if decision.route is Route.KEEP:
+            assert decision.prefill_node is not None
+            set_headers.append((c.H_PREFILL_HOST, addresses[decision.prefill_node].url))
+        else:
+            set_headers.append((c.H_CHUNK_SCHEDULE, ",".join(str(x) for x in decision.chunk_sizes)))
+            if decision.step_budget_s is not None:
+                set_headers.append((c.H_STEP_BUDGET_MS, f"{decision.step_budget_s * 1e3:.3f}"))
+        primary = addresses[decision.decode_node].sidecar
+        destinations = (primary, *self._fallbacks(primary, addresses))
+        overwritten = {name for name, _ in set_headers}
+        elapsed = time.perf_counter() - started
+        self.metrics.observe_decision(decision, elapsed)
+        log.debug(
+            "request %s: %s (%s) prompt=%d decode=%s prefill=%s chunks=%s ttft_pf=%s ttft_dec=%s in %.2f ms",
+            request_id,
+            decision.route.value,
+            decision.reason.value,
+            request.prompt_tokens,
+            decision.decode_node,
+            decision.prefill_node or "-",
+            ",".join(map(str, decision.chunk_sizes)) or "-",
+            _ms(decision.predicted_ttft_prefill_s),
+            _ms(decision.predicted_ttft_decode_s),
+            elapsed * 1e3,
+        )
+        return Routed(
+            destinations=destinations,
+            set_headers=tuple(set_headers),
+            remove_headers=tuple(h for h in spoofed if h.lower() not in overwritten),
+            decision=decision,
+        )
+
+    async def _parse(self, path: str, body: bytes) -> ParsedRequest:
+        limits = self.settings.limits
+        if len(body) <= self.settings.tokenize_inline_bytes:
+            return parse_request(path, body, self.tokenizer, limits)
+        # Tokenizing a long prompt takes milliseconds: keep the event loop serving others.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, limits)
+
+    async def _decide(self, prompt_tokens: int) -> Decision:
+        """Run the policy; a deflection must win its decode node's reservation (so two
+        dispatcher replicas never deflect onto one node within a heartbeat), else the node is
+        taken out and the policy runs again."""
+        view = self.cluster.view()
+        for _ in range(self.settings.reservation_attempts):
+            now = self._clock()
+            decision = self.policy.decide(prompt_tokens, view, now)
+            if decision.route is not Route.DEFLECT:
+                break
+            if await self.cluster.try_reserve(decision.decode_node, self.owner):
+                break
+            self.metrics.reservation_conflicts.inc()
+            view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id != decision.decode_node))
+        else:
+            decision = self.keep_policy.decide(prompt_tokens, view, self._clock())
+        self.cluster.record(decision, self._clock())
+        return decision
+
+    # -- everything else -------------------------------------------------------------------
+    def _pass_through(self, spoofed: tuple[str, ...]) -> Routed:
+        """GET /v1/models, /health, /metrics, ...: any live decode sidecar proxies them to its
+        vLLM unchanged."""
+        addresses = self.cluster.addresses()
+        sidecars = sorted({a.sidecar for a in addresses.values() if a.role == "decode" and a.sidecar})
+        if not sidecars:
+            raise NoHealthyNodeError("no decode node is available")
+        i = next(self._rr) % len(sidecars)
+        ordered = (*sidecars[i:], *sidecars[:i])
+        return Routed(destinations=ordered[:2], set_headers=(), remove_headers=spoofed, decision=None)
+
+    @staticmethod
+    def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
+        others = sorted({a.sidecar for a in addresses.values() if a.role == "decode" and a.sidecar} - {primary})
+        return tuple(others[:1])
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}ms"

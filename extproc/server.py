@@ -1,0 +1,128 @@
+"""The Envoy ext_proc gRPC service: translates between Envoy's processing stream and the
+:class:`~extproc.dispatcher.Dispatcher`.
+
+Per HTTP request Envoy opens one ``Process`` stream and sends the request headers, then (body
+mode BUFFERED) the whole body. We answer the headers message with an empty response and put
+every mutation in the body response: the upstream as ``envoy.lb`` dynamic metadata for the
+override_host load balancer, and the decision headers. Requests without a body (GETs) are
+answered at the headers message. Response processing is skipped, so the stream is ended as
+soon as the last answer is sent (Envoy would otherwise hold it for the whole SSE response).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.dispatcher import Dispatcher, Rejected, Routed
+from kairos import contracts as c
+
+log = logging.getLogger(__name__)
+
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # bodies arrive whole (BUFFERED); grpcio's default is 4 MB
+_OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _routed_response(routed: Routed, phase: str) -> pb.ProcessingResponse:
+    mutation = pb.HeaderMutation(
+        set_headers=[
+            # Values must travel in raw_value: Envoy ignores ``value`` here.
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
+            )
+            for k, v in routed.set_headers
+        ],
+        remove_headers=list(routed.remove_headers),
+    )
+    metadata = struct_pb2.Struct()
+    metadata.update({c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: ",".join(routed.destinations)}})
+    common = pb.CommonResponse(header_mutation=mutation)
+    if phase == "headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
+    headers = pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+                append_action=_OVERWRITE,
+            )
+        ]
+    )
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=rejected.status),
+            headers=headers,
+            body=rejected.body,
+            details=f"kairos_{rejected.code}",
+        )
+    )
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        headers: dict[str, str] = {}
+        method = path = ""
+        body = bytearray()
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("request")
+            if kind == "request_headers":
+                headers = _headers_of(msg.request_headers)
+                method, path = headers.get(":method", ""), headers.get(":path", "")
+                if msg.request_headers.end_of_stream:
+                    yield self._answer(await self.dispatcher.route(method, path, headers, None), "headers")
+                    return
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif kind == "request_body":
+                body += msg.request_body.body
+                if msg.request_body.end_of_stream:
+                    yield self._answer(await self.dispatcher.route(method, path, headers, bytes(body)), "body")
+                    return
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+            else:
+                # Only request headers and body are subscribed; anything else is passed on untouched.
+                log.warning("unexpected ext_proc message %s", kind)
+                return
+
+    @staticmethod
+    def _answer(result: Routed | Rejected, phase: str) -> pb.ProcessingResponse:
+        if isinstance(result, Rejected):
+            return _rejected_response(result)
+        return _routed_response(result, phase)
+
+
+async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the ext_proc service; returns the server and the bound port (``port=0`` picks one)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(dispatcher), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the ext_proc gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound

