@@ -65,7 +65,10 @@ def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
             )
         ]
     )
+    marker = struct_pb2.Struct()
+    marker.update({"kairos": {"own_reply": True}})  # Envoy's JSON error formatter leaves it alone
     return pb.ProcessingResponse(
+        dynamic_metadata=marker,
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=rejected.status),
             headers=headers,
