@@ -117,7 +117,9 @@ class ClusterViewConfig:
     scan_every_polls: int = 4  # SCAN kairos:node:* every this many polls (new nodes join this late at most)
     stale_after_s: float = 0.35  # no new seq for this long: the node is stale (pass the decider the same value)
     redis_timeout_s: float = 0.2  # connect and command timeout of each round trip
-    reservation_ttl_s: float = 2 * HEARTBEAT_PERIOD_S  # a deflection reservation holds a node this long
+    # Long enough for the deflected request to reach its node and show in a heartbeat the
+    # dispatchers have read (hop + one beat + one poll, with slack on a loaded host).
+    reservation_ttl_s: float = 3 * HEARTBEAT_PERIOD_S
     # After Redis answers again (or for the first time), nodes missing from it are kept this long
     # (aging, so stale) before removal: publishers need up to one period to re-publish into a
     # restarted, empty Redis, and the view should not flash empty meanwhile.

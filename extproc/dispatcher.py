@@ -191,18 +191,24 @@ class Dispatcher:
         """Run the policy; a deflection must win its decode node's reservation (so two
         dispatcher replicas never deflect onto one node within a heartbeat), else the node is
         taken out and the policy runs again."""
-        view = self.cluster.view()
+        full_view = view = self.cluster.view()
+        reserved = False
         for _ in range(self.settings.reservation_attempts):
             now = self._clock()
             decision = self.policy.decide(prompt_tokens, view, now)
             if decision.route is not Route.DEFLECT:
                 break
             if await self.cluster.try_reserve(decision.decode_node, self.owner):
+                reserved = True
                 break
             self.metrics.reservation_conflicts.inc()
             view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id != decision.decode_node))
-        else:
-            decision = self.keep_policy.decide(prompt_tokens, view, self._clock())
+            if not view.decode:
+                break
+        if decision.route is Route.DEFLECT and not reserved:
+            # Every deflection target is taken by another dispatcher: the P/D path, where any
+            # decode node (taken ones included) can take the request after its prefill.
+            decision = self.keep_policy.decide(prompt_tokens, full_view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
 

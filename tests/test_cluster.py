@@ -584,7 +584,7 @@ def test_static_nodes_parse() -> None:
         StaticNode("p0", "prefill", "10.0.0.1:8001", ""),
         StaticNode("d0", "decode", "10.0.0.2:8101", "10.0.0.2:8201"),
     )
-    assert ClusterViewConfig().reservation_ttl_ms == 200
+    assert ClusterViewConfig().reservation_ttl_ms == 300
 
 
 def test_views_sharing_a_registry_share_one_counter(registry: CollectorRegistry) -> None:

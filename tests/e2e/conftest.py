@@ -16,7 +16,7 @@ from extproc.tokenizer import PromptTokenizer
 from kairos.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.tinymodel import build_tiny_model
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly".split()
+WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly".split()  # noqa: SIM905
 
 
 @pytest.fixture(scope="session")

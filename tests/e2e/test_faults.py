@@ -1,0 +1,153 @@
+"""Faults through the real stack: Redis gone and back, a decode node dying, two dispatcher
+replicas racing for one decode node, and the dispatcher itself gone."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extproc.tokenizer import PromptTokenizer
+from kairos.local_cluster import LocalCluster
+from tests.e2e.conftest import http, post_json, start_cluster, text_of
+
+MODEL = "kairos-tiny-llama"
+
+
+def dispatcher_health(cluster: LocalCluster, index: int = 0) -> str:
+    _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/health")
+    return json.loads(body)["status"]
+
+
+def redis_errors(cluster: LocalCluster, index: int = 0) -> float:
+    _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/metrics")
+    return sum(float(v) for v in re.findall(r"^kairos_dispatcher_redis_errors_total\{[^}]*\} (\S+)$",
+                                            body.decode(), re.M))
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def complete(cluster: LocalCluster, prompt: str, max_tokens: int = 2) -> tuple[int, dict[str, str]]:
+    status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
+                                      {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+                                      {"x-request-id": f"fault-{uuid.uuid4().hex[:10]}"})
+    assert status == 200, body
+    return status, headers
+
+
+def load_prefill(cluster: LocalCluster, tokenizer: PromptTokenizer, n: int = 4) -> list[threading.Thread]:
+    long_prompt = text_of(tokenizer, 28_000)
+    threads = [threading.Thread(target=complete, args=(cluster, long_prompt, 1), daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    time.sleep(0.4)
+    return threads
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("faults"), model_dir)
+    yield c
+    c.stop()
+
+
+def test_redis_down_keeps_serving_on_the_pd_path_and_deflection_resumes_after(
+    cluster: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    assert cluster.redis is not None
+    cluster.redis.stop()
+    wait_until(lambda: dispatcher_health(cluster) == "degraded")
+    assert redis_errors(cluster) > 0
+    # Degraded: every request is still served, and never deflected on a stale view (on a
+    # healthy idle cluster this short prompt deflects: see the test after the restart).
+    short = text_of(tokenizer, 400)
+    routes = [complete(cluster, short)[1]["x-kairos-route"] for _ in range(4)]
+    assert routes == ["keep"] * 4
+
+    cluster.start_redis()
+    wait_until(lambda: dispatcher_health(cluster) == "ok")
+    time.sleep(0.5)  # publishers beat again
+    assert complete(cluster, short)[1]["x-kairos-route"] == "deflect"
+
+
+def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
+    cluster: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    node = cluster.node("d1")
+    assert node.engine is not None
+    node.engine.kill()
+    time.sleep(1.0)  # > the 0.5 s heartbeat TTL: its key is gone
+    prompt = text_of(tokenizer, 400)
+    used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(12))
+    assert used == Counter({"d0": 12})
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2)
+    yield c
+    c.stop()
+
+
+def test_two_dispatchers_never_deflect_twice_onto_one_decode_node_within_a_heartbeat(
+    replicas: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    threads = load_prefill(replicas, tokenizer)
+    prompt = text_of(tokenizer, 1500)
+    barrier = threading.Barrier(8)
+    results: list[tuple[float, dict[str, str]]] = []
+
+    def send() -> None:
+        barrier.wait()
+        sent = time.monotonic()
+        _, headers = complete(replicas, prompt)
+        results.append((sent, headers))
+
+    burst = [threading.Thread(target=send) for _ in range(8)]
+    for t in burst:
+        t.start()
+    for t in burst:
+        t.join(timeout=120)
+    assert len(results) == 8
+    sent_times = [s for s, _ in results]
+    assert max(sent_times) - min(sent_times) < 0.1  # one burst, inside one heartbeat period
+    deflected = Counter(h["x-kairos-decode-node"] for _, h in results if h["x-kairos-route"] == "deflect")
+    assert deflected, "the burst should have deflected at least once"
+    assert max(deflected.values()) == 1, deflected
+    # Both replicas decided part of the burst (Envoy balances the ext_proc streams).
+    decided = []
+    for i in range(2):
+        _, _, body = http("GET", f"http://127.0.0.1:{replicas.dispatcher_metrics_ports[i]}/metrics")
+        decided.append(sum(float(v) for v in re.findall(r"^kairos_dispatcher_decisions_total\{[^}]*\} (\S+)$",
+                                                        body.decode(), re.M)))
+    assert all(d > 0 for d in decided), decided
+    for t in threads:
+        t.join(timeout=60)
+
+
+def test_dispatcher_gone_gives_a_prompt_503_not_a_hang(replicas: LocalCluster) -> None:
+    for proc in replicas.dispatcher_procs:
+        proc.kill()
+    started = time.monotonic()
+    status, headers, raw = http("POST", f"{replicas.gateway_url}/v1/completions",
+                                json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode(),
+                                {"content-type": "application/json"}, timeout=10)
+    assert status == 503
+    assert time.monotonic() - started < 3.0
+    assert headers["content-type"].startswith("application/json")
+    assert json.loads(raw)["error"]["code"] == 503
