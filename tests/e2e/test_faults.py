@@ -50,7 +50,7 @@ def complete(cluster: LocalCluster, prompt: str, max_tokens: int = 2) -> tuple[i
 
 
 def load_prefill(cluster: LocalCluster, tokenizer: PromptTokenizer, n: int = 4) -> list[threading.Thread]:
-    long_prompt = text_of(tokenizer, 28_000)
+    long_prompt = text_of(tokenizer, 16_000)
     threads = [threading.Thread(target=complete, args=(cluster, long_prompt, 1), daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
