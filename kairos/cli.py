@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kairos import up
 from kairos.config import load_config
 from kairos.errors import KairosError
 
@@ -102,7 +103,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim(sub)
+    up.add_parser(sub)
+    # The cluster's processes, each also runnable as `python -m MODULE`.
+    for name, module, help_text in _COMPONENTS:
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(handler=_component(module))
     return parser
+
+
+_COMPONENTS = (
+    ("dispatcher", "extproc.main", "run the dispatcher (Envoy ext_proc service)"),
+    ("sidecar", "nodeagent.sidecar", "run a decode-node sidecar"),
+    ("heartbeat", "nodeagent.heartbeat", "run a node's heartbeat publisher"),
+    ("emulated-node", "sim.emulated_vllm", "run an emulated vLLM node"),
+    ("tiny-model", "kairos.tinymodel", "build the tiny Llama model directory"),
+)
+
+
+def _component(module: str):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(args.rest))
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The README's main command: set up .venv, then run a short simulator sweep of the P/D baseline
-# against Kairos on the Bursty workload (2P2D, default profile), with a table, JSON and plots
-# in out/. Extra arguments go to `kairos sim`.
+# A short simulator sweep of the P/D baseline against Kairos on the Bursty workload (2P2D,
+# default profile): a table, out/sim.json and plots in out/plots. Extra arguments go to
+# `kairos sim`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KAIROS_EXTRAS=dev bash scripts/bootstrap.sh

@@ -1,0 +1,5 @@
+import sys
+
+from kairos.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""``kairos up``: a whole local cluster (Envoy, Redis, dispatcher, emulated 2P2D nodes with
+their sidecars and heartbeat publishers) until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from kairos.config import load_config
+from kairos.errors import KairosError
+from kairos.local_cluster import LocalCluster, LocalClusterConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run a local cluster: Envoy, Redis, dispatcher and emulated prefill/decode nodes",
+        description="Start a local Kairos cluster and keep it up until Ctrl-C or SIGTERM. Settings: defaults "
+        "< --config YAML (section 'cluster') < KAIROS_CLUSTER_* environment < flags.",
+    )
+    p.add_argument("--config", type=Path, help="YAML file with a 'cluster' section")
+    p.add_argument("--prefill-nodes", type=int)
+    p.add_argument("--decode-nodes", type=int)
+    p.add_argument("--dispatchers", type=int)
+    p.add_argument("--port", dest="gateway_port", type=int, help="gateway port (default 8000)")
+    p.add_argument("--profile", help="latency profile: packaged name or JSON path")
+    p.add_argument("--policy", help="kairos (default) or pd")
+    p.add_argument("--alpha", type=float)
+    p.add_argument("--beta", type=float)
+    p.add_argument("--tbt-slo-ms", type=float)
+    p.add_argument("--ttft-slo-s", type=float)
+    p.add_argument("--time-scale", type=float, help="emulated nodes run this many times faster than real time")
+    p.add_argument("--model-dir", help="served model's tokenizer dir (a tiny Llama is built when omitted)")
+    p.add_argument("--workdir", type=Path, help="logs and generated files (default: a temporary folder)")
+    p.set_defaults(handler=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in (
+            "prefill_nodes",
+            "decode_nodes",
+            "dispatchers",
+            "gateway_port",
+            "profile",
+            "policy",
+            "alpha",
+            "beta",
+            "tbt_slo_ms",
+            "ttft_slo_s",
+            "time_scale",
+            "model_dir",
+        )
+    }
+    config = load_config(
+        LocalClusterConfig, args.config, section="cluster", env_prefix="KAIROS_CLUSTER_", overrides=overrides
+    )
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kairos-up-"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(config, workdir)
+    print(f"starting {config.prefill_nodes}P{config.decode_nodes}D (logs in {workdir / 'logs'}) ...", flush=True)
+    try:
+        cluster.start()
+        if stop.is_set():
+            return 130
+        url = cluster.gateway_url
+        print(f"\nKairos gateway ready at {url}  (policy {config.policy}, profile {config.profile})")
+        print("try:")
+        print(
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{config.model_name}", "prompt": "Hello, Kairos", "max_tokens": 16}}\' -i'
+        )
+        print("Ctrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            dead = [p.name for p in cluster.group.procs if not p.alive()]
+            if dead:
+                print(f"kairos up: {', '.join(dead)} exited; see {workdir / 'logs'}", file=sys.stderr)
+                return 1
+        return 0
+    except KairosError as exc:
+        print(f"kairos up: error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+        print("stopped.", flush=True)
