@@ -26,7 +26,7 @@ from extproc.policies import Policy
 from extproc.state import ClusterView
 from extproc.tokenizer import PromptTokenizer
 from kairos import contracts as c
-from kairos.errors import KairosError, NoHealthyNodeError
+from kairos.errors import ConfigError, KairosError, NoHealthyNodeError
 from kairos.http_errors import error_json, error_status
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ class DispatchSettings:
     tokenize_inline_bytes: int = 16_384  # larger bodies are parsed off the event loop
     reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
     dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
+
+    def __post_init__(self) -> None:
+        if self.reservation_attempts < 1:
+            raise ConfigError(f"reservation_attempts must be >= 1, got {self.reservation_attempts}")
+        if self.tokenize_inline_bytes < 0:
+            raise ConfigError(f"tokenize_inline_bytes must be >= 0, got {self.tokenize_inline_bytes}")
 
 
 class Dispatcher:

@@ -1,0 +1,727 @@
+"""Dispatcher.route: parsing, the policy on the live view, reservations and the answer it builds.
+
+The cluster is an in-memory fake of ``extproc.cluster.RedisClusterView``: a real
+:class:`~extproc.view.ClusterTracker` fed with node states, a dict of addresses, and a
+``try_reserve`` that records its calls and refuses the nodes a test names (and everything while
+degraded, as the real one does). Policies are the real ones on the packaged latency profile, the
+tokenizer is the tiny model's, and the clock is frozen at ``NOW``.
+
+With the packaged profile and the nodes below (d0 lighter than d1, chi_p = 2048):
+
+- an idle cluster keeps a 4000-token prompt (decode-side chunking is slower than an empty
+  prefill node) on p0, decoding on d0;
+- prefill queues of 4 x 8000 tokens make a 1000-token prompt deflect to d0, else to d1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import extproc.dispatcher as dispatcher_module
+from extproc.cluster import NodeAddress
+from extproc.decision import Decision, Reason, Route
+from extproc.dispatcher import Dispatcher, DispatchSettings, Rejected, Routed
+from extproc.latency import LatencyModels, load_profile
+from extproc.metrics import DispatcherMetrics
+from extproc.openai_request import ParsedRequest, RequestLimits
+from extproc.policies import Policy, make_policy
+from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from extproc.tokenizer import PromptTokenizer
+from extproc.view import ClusterTracker
+from kairos import contracts as c
+from kairos.http_errors import INTERNAL_MESSAGE
+from kairos.tinymodel import build_tiny_model
+
+NOW = 100.0
+OWNER = "dispatcher-under-test"
+TOKEN_ID = 7  # any id in the tiny model's vocabulary; token-id prompts are counted as given
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+LOADED_QUEUE = (8000, 8000, 8000, 8000)
+
+ADDRESSES: dict[str, NodeAddress] = {
+    "p0": NodeAddress("prefill", "10.0.0.1:8001", "", "tiny"),
+    "p1": NodeAddress("prefill", "10.0.0.2:8001", "", "tiny"),
+    "d0": NodeAddress("decode", "10.0.1.1:8101", "10.0.1.1:8201", "tiny"),
+    "d1": NodeAddress("decode", "10.0.1.2:8101", "10.0.1.2:8201", "tiny"),
+}
+SIDECAR = {node: a.sidecar for node, a in ADDRESSES.items() if a.role == "decode"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake cluster
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class FakeCluster:
+    """What the dispatcher reads from ``RedisClusterView``, in memory."""
+
+    tracker: ClusterTracker = field(default_factory=ClusterTracker)
+    nodes: dict[str, NodeAddress] = field(default_factory=dict)
+    refuse: set[str] = field(default_factory=set)  # try_reserve answers False for these
+    degraded: bool = False  # as in RedisClusterView: no reservation is granted while degraded
+    reservations: list[tuple[str, str]] = field(default_factory=list)  # (node_id, owner) per call
+    recorded: list[tuple[Decision, float]] = field(default_factory=list)
+
+    def view(self) -> ClusterView:
+        return self.tracker.view()
+
+    def record(self, decision: Decision, now: float) -> None:
+        self.recorded.append((decision, now))
+        self.tracker.record(decision, now)
+
+    def addresses(self) -> Mapping[str, NodeAddress]:
+        return self.nodes
+
+    async def try_reserve(self, node_id: str, owner: str) -> bool:
+        self.reservations.append((node_id, owner))
+        return not self.degraded and node_id not in self.refuse
+
+
+def make_cluster(
+    *,
+    prefill_queue: tuple[int, ...] = (),
+    decode_age_s: float = 0.0,
+    decode: bool = True,
+    refuse: tuple[str, ...] = (),
+    degraded: bool = False,
+) -> FakeCluster:
+    """p0 and p1 with ``prefill_queue`` each; d0 (B=8) and d1 (B=16), both with room for any prompt."""
+    tracker = ClusterTracker()
+    for node_id in ("p0", "p1"):
+        tracker.update_prefill(PrefillNodeState(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW))
+    nodes = {k: v for k, v in ADDRESSES.items() if v.role == "prefill"}
+    if decode:
+        for node_id, b, k in (("d0", 8, 1000), ("d1", 16, 5000)):
+            tracker.update_decode(
+                DecodeNodeState(node_id, b, k, kv_capacity_tokens=100_000, reported_at=NOW - decode_age_s)
+            )
+            nodes[node_id] = ADDRESSES[node_id]
+    return FakeCluster(tracker=tracker, nodes=nodes, refuse=set(refuse), degraded=degraded)
+
+
+class ExplodingPolicy:
+    """A policy with a bug: every decision raises."""
+
+    label = "exploding"
+    fresh_state = False
+
+    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+        raise RuntimeError("secret internal detail: index out of range in node table")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
+    model_dir: Path = build_tiny_model(tmp_path_factory.mktemp("dispatcher-model"))
+    return PromptTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def models() -> LatencyModels:
+    return load_profile()
+
+
+@dataclass
+class Harness:
+    dispatcher: Dispatcher
+    cluster: FakeCluster
+    metrics: DispatcherMetrics
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+HarnessFactory = Callable[..., Harness]
+
+
+@pytest.fixture
+def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[HarnessFactory]:
+    """Builds a dispatcher around a fake cluster; every dispatcher built is closed afterwards."""
+    built: list[Dispatcher] = []
+
+    def build(cluster: FakeCluster, policy: Policy | None = None, settings: DispatchSettings | None = None) -> Harness:
+        metrics = DispatcherMetrics(CollectorRegistry())
+        dispatcher = Dispatcher(
+            tokenizer,
+            policy or make_policy("kairos", models),
+            make_policy("pd", models),
+            cluster,
+            metrics,
+            settings or DispatchSettings(dispatcher_id=OWNER),
+            clock=lambda: NOW,
+        )
+        built.append(dispatcher)
+        return Harness(dispatcher, cluster, metrics)
+
+    yield build
+    for dispatcher in built:
+        dispatcher.close()
+
+
+def completion_body(tokens: int, *, size: int | None = None, **extra: Any) -> bytes:
+    """A completions body whose prompt is ``tokens`` token ids, padded with JSON whitespace to ``size`` bytes."""
+    body = json.dumps({"model": "tiny", "prompt": [TOKEN_ID] * tokens, "max_tokens": 8, **extra}, separators=(",", ":"))
+    raw = body.encode()
+    if size is not None:
+        assert size >= len(raw), f"body is already {len(raw)} bytes"
+        raw = raw[:-1] + b" " * (size - len(raw)) + b"}"
+    return raw
+
+
+def headers_of(routed: Routed) -> dict[str, str]:
+    names = [name for name, _ in routed.set_headers]
+    assert len(names) == len(set(names)), f"a header is set twice: {names}"
+    return dict(routed.set_headers)
+
+
+def error_of(rejected: Rejected) -> dict[str, Any]:
+    body = json.loads(rejected.body)
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing outcomes
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RouteCase:
+    cluster: dict[str, Any]  # make_cluster keywords
+    prompt_tokens: int
+    route: Route
+    reason: Reason
+    decode_node: str
+    prefill_node: str | None
+    reservations: tuple[str, ...]  # nodes try_reserve was asked for, in order
+    conflicts: int  # reservation_conflicts metric afterwards
+
+
+ROUTE_CASES = [
+    pytest.param(
+        RouteCase({}, 4000, Route.KEEP, Reason.KEEP_DECODE_SLOWER, "d0", "p0", (), 0),
+        id="idle cluster, long prompt keeps on p0 and decodes on the lighter d0",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE}, 1000, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, "d0", None, ("d0",), 0
+        ),
+        id="loaded prefill queues, short prompt deflects to d0 after reserving it",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE, "refuse": ("d0",)},
+            1000,
+            Route.DEFLECT,
+            Reason.DEFLECT_WITHIN_MARGIN,
+            "d1",
+            None,
+            ("d0", "d1"),
+            1,
+        ),
+        id="d0 reserved by another dispatcher deflects to d1",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE, "refuse": ("d0", "d1")},
+            1000,
+            Route.KEEP,
+            Reason.KEEP_POLICY,
+            "d0",
+            "p0",
+            ("d0", "d1"),
+            2,
+        ),
+        id="every decode node reserved elsewhere keeps on the P/D path, never 503",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE, "degraded": True},
+            1000,
+            Route.KEEP,
+            Reason.KEEP_POLICY,
+            "d0",
+            "p0",
+            ("d0", "d1"),
+            2,
+        ),
+        id="degraded cluster grants no reservation so a deflection keeps",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE, "decode_age_s": 1.0},
+            1000,
+            Route.KEEP,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+            "d0",
+            "p0",
+            (),
+            0,
+        ),
+        id="stale decode nodes keep with keep_no_eligible_decode",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+async def test_route_outcome(harness: HarnessFactory, case: RouteCase) -> None:
+    h = harness(make_cluster(**case.cluster))
+    routed = await h.dispatcher.route(
+        "POST", COMPLETIONS, {"content-type": "application/json"}, completion_body(case.prompt_tokens)
+    )
+
+    assert isinstance(routed, Routed), routed
+    decision = routed.decision
+    assert decision is not None
+    assert (decision.route, decision.reason) == (case.route, case.reason)
+    assert (decision.decode_node, decision.prefill_node) == (case.decode_node, case.prefill_node)
+    assert decision.prompt_tokens == case.prompt_tokens
+    other = "d1" if case.decode_node == "d0" else "d0"
+    assert routed.destinations == (SIDECAR[case.decode_node], SIDECAR[other])
+    assert routed.remove_headers == ()
+
+    headers = headers_of(routed)
+    assert headers[c.H_ROUTE] == case.route.value
+    assert headers[c.H_REASON] == case.reason.value
+    assert headers[c.H_DECODE_NODE] == case.decode_node
+    assert headers[c.H_PROMPT_TOKENS] == str(case.prompt_tokens)
+    assert len(headers[c.H_REQUEST_ID]) == 32 and int(headers[c.H_REQUEST_ID], 16) >= 0  # a fresh uuid hex
+    assert float(headers[c.H_PRED_TTFT_PREFILL_MS]) == pytest.approx(decision.predicted_ttft_prefill_s * 1e3, abs=0.1)
+    if case.route is Route.KEEP:
+        assert headers[c.H_PREFILL_HOST] == ADDRESSES[case.prefill_node or ""].url
+        assert c.H_CHUNK_SCHEDULE not in headers
+        assert c.H_STEP_BUDGET_MS not in headers
+    else:
+        schedule = [int(x) for x in headers[c.H_CHUNK_SCHEDULE].split(",")]
+        assert sum(schedule) == case.prompt_tokens
+        assert tuple(schedule) == decision.chunk_sizes
+        assert float(headers[c.H_STEP_BUDGET_MS]) == pytest.approx(70.0)  # beta x tau of the defaults
+        assert float(headers[c.H_PRED_TTFT_DECODE_MS]) > 0
+        assert c.H_PREFILL_HOST not in headers
+
+    assert h.cluster.reservations == [(node, OWNER) for node in case.reservations]
+    assert h.dispatcher.owner == OWNER
+    assert h.sample("kairos_dispatcher_reservation_conflicts_total") == case.conflicts
+    assert h.sample("kairos_dispatcher_decisions_total", route=case.route.value, reason=case.reason.value) == 1
+    assert h.sample("kairos_dispatcher_decision_seconds_count") == 1
+    assert h.cluster.recorded == [(decision, NOW)]
+
+
+async def test_chat_request_is_counted_with_the_template_and_routed(
+    harness: HarnessFactory, tokenizer: PromptTokenizer
+) -> None:
+    messages = [
+        {"role": "system", "content": "You answer in one line."},
+        {"role": "user", "content": "tell me about the quick brown fox " * 20},
+    ]
+    h = harness(make_cluster())
+    body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 8}).encode()
+    routed = await h.dispatcher.route("POST", CHAT + "?trace=1", {}, body)
+
+    assert isinstance(routed, Routed)
+    expected = tokenizer.count_chat_prompt(messages, True)
+    assert routed.decision is not None and routed.decision.prompt_tokens == expected
+    assert headers_of(routed)[c.H_PROMPT_TOKENS] == str(expected)
+
+
+async def test_the_first_deflection_fills_d0_so_the_next_one_goes_to_d1(harness: HarnessFactory) -> None:
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
+    first = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    second = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(900))
+
+    assert isinstance(first, Routed) and isinstance(second, Routed)
+    assert first.decision is not None and second.decision is not None
+    assert (first.decision.route, first.decision.decode_node) == (Route.DEFLECT, "d0")
+    assert (second.decision.route, second.decision.decode_node) == (Route.DEFLECT, "d1")
+    assert h.cluster.reservations == [("d0", OWNER), ("d1", OWNER)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions are recorded into the cluster view
+# ---------------------------------------------------------------------------------------------
+async def test_a_keep_joins_the_chosen_prefill_queue_in_the_view(harness: HarnessFactory) -> None:
+    h = harness(make_cluster())
+    assert h.cluster.view().prefill[0].queued_prefill_tokens == ()
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(4000))
+
+    assert isinstance(routed, Routed) and routed.decision is not None
+    assert routed.decision.route is Route.KEEP and routed.decision.prefill_node == "p0"
+    prefill = {n.node_id: n for n in h.cluster.view().prefill}
+    assert prefill["p0"].queued_prefill_tokens == (4000,)
+    assert prefill["p1"].queued_prefill_tokens == ()
+    assert all(n.prefill_backlog_tokens == () for n in h.cluster.view().decode)
+
+
+async def test_a_deflection_joins_the_decode_node_backlog_in_the_view(harness: HarnessFactory) -> None:
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+
+    assert isinstance(routed, Routed) and routed.decision is not None
+    assert routed.decision.route is Route.DEFLECT
+    decode = {n.node_id: n for n in h.cluster.view().decode}
+    assert decode["d0"].prefill_backlog_tokens == (1000,)
+    assert decode["d1"].prefill_backlog_tokens == ()
+    assert all(n.queued_prefill_tokens == LOADED_QUEUE for n in h.cluster.view().prefill)
+
+
+# ---------------------------------------------------------------------------------------------
+# Client-sent x-kairos-* headers and the request id
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpoofCase:
+    prefill_queue: tuple[int, ...]
+    client_headers: dict[str, str]
+    removed: tuple[str, ...]
+    request_id: str | None  # None: a fresh one is generated
+
+
+SPOOF_CASES = [
+    pytest.param(
+        SpoofCase(
+            (),
+            {
+                "x-kairos-route": "deflect",
+                "x-kairos-chunk-schedule": "1,1,1",
+                "x-kairos-debug": "on",
+                "x-request-id": "client-req-42",
+                "content-type": "application/json",
+            },
+            ("x-kairos-chunk-schedule", "x-kairos-debug"),
+            "client-req-42",
+        ),
+        id="keep overwrites the route header, removes a forged schedule and unknown x-kairos header, keeps the id",
+    ),
+    pytest.param(
+        SpoofCase(
+            LOADED_QUEUE,
+            {"x-kairos-chunk-schedule": "1", "x-kairos-prefill-host": "evil:1", "x-kairos-step-budget-ms": "999"},
+            ("x-kairos-prefill-host",),
+            None,
+        ),
+        id="deflect overwrites schedule and budget, removes a forged prefill host",
+    ),
+    pytest.param(
+        SpoofCase((), {"X-Kairos-Route": "deflect", "X-Kairos-Extra": "1"}, ("X-Kairos-Extra",), None),
+        id="header names are matched without case",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SPOOF_CASES)
+async def test_client_kairos_headers_are_overwritten_or_removed(harness: HarnessFactory, case: SpoofCase) -> None:
+    h = harness(make_cluster(prefill_queue=case.prefill_queue))
+    tokens = 4000 if not case.prefill_queue else 1000
+    routed = await h.dispatcher.route("POST", COMPLETIONS, case.client_headers, completion_body(tokens))
+
+    assert isinstance(routed, Routed) and routed.decision is not None
+    headers = headers_of(routed)
+    assert sorted(routed.remove_headers) == sorted(case.removed)
+    set_names = set(headers)
+    assert not set_names & {name.lower() for name in routed.remove_headers}
+    for name, value in case.client_headers.items():
+        if name.lower() in set_names and name.lower() != c.H_REQUEST_ID:
+            assert headers[name.lower()] != value, f"{name} still carries the client's value"
+    assert headers[c.H_ROUTE] == routed.decision.route.value
+    if case.request_id is None:
+        assert len(headers[c.H_REQUEST_ID]) == 32
+    else:
+        assert headers[c.H_REQUEST_ID] == case.request_id
+
+
+async def test_pass_through_removes_every_client_kairos_header(harness: HarnessFactory) -> None:
+    h = harness(make_cluster())
+    routed = await h.dispatcher.route("GET", "/v1/models", {"x-kairos-route": "keep", "accept": "*/*"}, None)
+    assert isinstance(routed, Routed)
+    assert routed.remove_headers == ("x-kairos-route",)
+    assert routed.set_headers == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RejectCase:
+    method: str
+    path: str
+    body: bytes | None
+    status: int
+    code: str
+    error_type: str
+    param: str | None
+    message_has: str
+
+
+REJECT_CASES = [
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
+            b'{"prompt": "hi", ',
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            None,
+            "not valid JSON",
+        ),
+        id="malformed JSON is a 400",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
+            b'{"prompt": ""}',
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            "prompt",
+            "prompt is empty",
+        ),
+        id="empty prompt is a 400 naming prompt",
+    ),
+    pytest.param(
+        RejectCase("POST", COMPLETIONS, None, 400, "invalid_request", "invalid_request_error", None, "not valid JSON"),
+        id="POST without a body is a 400",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
+            completion_body(32_768, max_tokens=None),
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            "prompt",
+            "maximum context length is 32768",
+        ),
+        id="prompt longer than the context is a 400",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
+            completion_body(100, max_tokens=32_700),
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            "max_tokens",
+            "maximum context length",
+        ),
+        id="prompt plus max_tokens over the context is a 400 naming max_tokens",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
+            b"{" + b" " * (8 * 1024 * 1024) + b"}",
+            413,
+            "payload_too_large",
+            "invalid_request_error",
+            None,
+            "over the gateway's limit",
+        ),
+        id="body over the 8 MB limit is a 413",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            "/v1/embeddings",
+            b'{"input": "hi"}',
+            404,
+            "not_found",
+            "invalid_request_error",
+            None,
+            "/v1/embeddings",
+        ),
+        id="unknown POST path is a 404",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", REJECT_CASES)
+async def test_bad_input_is_rejected(harness: HarnessFactory, case: RejectCase) -> None:
+    h = harness(make_cluster())
+    rejected = await h.dispatcher.route(case.method, case.path, {}, case.body)
+
+    assert isinstance(rejected, Rejected), rejected
+    assert (rejected.status, rejected.code) == (case.status, case.code)
+    error = error_of(rejected)
+    assert (error["code"], error["type"], error["param"]) == (case.code, case.error_type, case.param)
+    assert case.message_has in error["message"]
+    assert h.sample("kairos_dispatcher_rejections_total", code=case.code) == 1
+    assert h.cluster.recorded == [] and h.cluster.reservations == []
+    assert h.sample("kairos_dispatcher_decision_seconds_count") == 0
+
+
+async def test_rejections_are_counted_per_code(harness: HarnessFactory) -> None:
+    h = harness(make_cluster())
+    for body in (b"nope", b"[]", b'{"prompt": ""}'):
+        assert isinstance(await h.dispatcher.route("POST", COMPLETIONS, {}, body), Rejected)
+    assert isinstance(await h.dispatcher.route("POST", "/v1/nothing", {}, b"{}"), Rejected)
+    assert h.sample("kairos_dispatcher_rejections_total", code="invalid_request") == 3
+    assert h.sample("kairos_dispatcher_rejections_total", code="not_found") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# No nodes, pass-through paths and internal errors
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        pytest.param("POST", COMPLETIONS, completion_body(100), id="no decode node makes a completion a 503"),
+        pytest.param("GET", "/v1/models", None, id="no decode node makes GET /v1/models a 503"),
+    ],
+)
+async def test_no_decode_node_is_503(harness: HarnessFactory, method: str, path: str, body: bytes | None) -> None:
+    h = harness(make_cluster(decode=False))
+    rejected = await h.dispatcher.route(method, path, {}, body)
+
+    assert isinstance(rejected, Rejected), rejected
+    assert (rejected.status, rejected.code) == (503, "no_healthy_node")
+    error = error_of(rejected)
+    assert (error["code"], error["type"]) == ("no_healthy_node", "service_unavailable")
+    assert h.sample("kairos_dispatcher_rejections_total", code="no_healthy_node") == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        pytest.param("GET", "/v1/models", id="GET /v1/models goes to a decode sidecar"),
+        pytest.param("GET", "/health", id="GET /health goes to a decode sidecar"),
+        pytest.param("DELETE", "/v1/completions", id="non-POST to an inference path passes through"),
+    ],
+)
+async def test_pass_through_goes_to_decode_sidecars_round_robin(
+    harness: HarnessFactory, method: str, path: str
+) -> None:
+    h = harness(make_cluster())
+    first = await h.dispatcher.route(method, path, {}, None)
+    second = await h.dispatcher.route(method, path, {}, None)
+
+    assert isinstance(first, Routed) and isinstance(second, Routed)
+    assert first.decision is None and second.decision is None
+    assert first.destinations == (SIDECAR["d0"], SIDECAR["d1"])
+    assert second.destinations == (SIDECAR["d1"], SIDECAR["d0"])
+    assert first.set_headers == ()
+    assert h.cluster.recorded == [] and h.cluster.reservations == []
+    assert h.sample("kairos_dispatcher_decision_seconds_count") == 0
+
+
+async def test_a_bug_in_the_policy_is_a_generic_500(harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
+    h = harness(make_cluster(), policy=ExplodingPolicy())
+    with caplog.at_level("ERROR", logger="extproc.dispatcher"):
+        rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(100))
+
+    assert isinstance(rejected, Rejected), rejected
+    assert (rejected.status, rejected.code) == (500, "internal_error")
+    error = error_of(rejected)
+    assert error == {"message": INTERNAL_MESSAGE, "type": "internal_error", "param": None, "code": "internal_error"}
+    assert b"secret" not in rejected.body and b"RuntimeError" not in rejected.body
+    assert h.sample("kairos_dispatcher_rejections_total", code="internal_error") == 1
+    assert any(r.exc_info and r.exc_info[0] is RuntimeError for r in caplog.records), "traceback not logged"
+    assert h.cluster.recorded == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Long bodies are parsed off the event loop
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("size", "off_loop"),
+    [
+        pytest.param(2_000, False, id="small body is parsed on the loop"),
+        pytest.param(16_384, False, id="body of exactly 16 KB is parsed on the loop"),
+        pytest.param(16_385, True, id="body one byte over 16 KB is parsed in the pool"),
+        pytest.param(200_000, True, id="200 KB body is parsed in the pool"),
+    ],
+)
+async def test_long_bodies_are_parsed_off_the_event_loop(
+    harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch, size: int, off_loop: bool
+) -> None:
+    original = dispatcher_module.parse_request
+    threads: list[int] = []
+
+    def recording_parse(*args: Any, **kwargs: Any) -> ParsedRequest:
+        threads.append(threading.get_ident())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dispatcher_module, "parse_request", recording_parse)
+    h = harness(make_cluster())
+    body = completion_body(50, size=size)
+    assert len(body) == size
+    loop_thread = threading.get_ident()
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, body)
+
+    assert isinstance(routed, Routed), routed
+    assert routed.decision is not None and routed.decision.prompt_tokens == 50
+    assert len(threads) == 1
+    assert (threads[0] != loop_thread) is off_loop
+
+
+async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
+    harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a slow parse runs in the pool, a small request on the same dispatcher completes."""
+    original = dispatcher_module.parse_request
+    release = threading.Event()
+
+    def slow_for_long_bodies(
+        path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits
+    ) -> ParsedRequest:
+        if len(body) > 16_384:
+            assert release.wait(5), "the small request never finished"
+        return original(path, body, tokenizer, limits)
+
+    monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
+    h = harness(make_cluster())
+    long_task = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(50, size=50_000)))
+    await asyncio.sleep(0)
+    small = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(60))
+    assert not long_task.done()
+    release.set()
+    long = await asyncio.wait_for(long_task, 5)
+
+    assert isinstance(small, Routed) and isinstance(long, Routed)
+    assert small.decision is not None and small.decision.prompt_tokens == 60
+    assert long.decision is not None and long.decision.prompt_tokens == 50
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+async def test_one_reservation_attempt_keeps_after_the_first_conflict(harness: HarnessFactory) -> None:
+    settings = DispatchSettings(reservation_attempts=1, dispatcher_id=OWNER)
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE, refuse=("d0",)), settings=settings)
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+
+    assert isinstance(routed, Routed) and routed.decision is not None
+    assert (routed.decision.route, routed.decision.reason) == (Route.KEEP, Reason.KEEP_POLICY)
+    assert h.cluster.reservations == [("d0", OWNER)]
+    assert h.sample("kairos_dispatcher_reservation_conflicts_total") == 1
+
+
+async def test_an_empty_dispatcher_id_gets_a_unique_owner(harness: HarnessFactory) -> None:
+    a = harness(make_cluster(prefill_queue=LOADED_QUEUE), settings=DispatchSettings())
+    b = harness(make_cluster(prefill_queue=LOADED_QUEUE), settings=DispatchSettings())
+    assert a.dispatcher.owner.startswith("dispatcher-") and a.dispatcher.owner != b.dispatcher.owner
+    await a.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    assert a.cluster.reservations == [("d0", a.dispatcher.owner)]
+
+
+async def test_custom_limits_apply(harness: HarnessFactory) -> None:
+    limits = RequestLimits(max_body_bytes=1024, max_model_len=2048, default_max_tokens=16)
+    h = harness(make_cluster(), settings=DispatchSettings(limits=limits, dispatcher_id=OWNER))
+    too_big = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(10, size=1025))
+    too_long = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(300, max_tokens=2000))
+
+    assert isinstance(too_big, Rejected) and too_big.status == 413
+    assert isinstance(too_long, Rejected) and too_long.status == 400
+    assert "2048" in error_of(too_long)["message"]

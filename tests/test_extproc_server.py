@@ -1,0 +1,379 @@
+"""The ext_proc gRPC service end to end over a real socket: a grpc.aio server from
+``start_grpc_server`` around a Dispatcher on the in-memory fake cluster, and a grpc.aio client
+that speaks to it as Envoy does (request headers, then the BUFFERED body with end_of_stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import json_format
+from prometheus_client import CollectorRegistry
+
+from extproc.dispatcher import Dispatcher, DispatchSettings
+from extproc.latency import LatencyModels, load_profile
+from extproc.metrics import DispatcherMetrics
+from extproc.policies import Policy, make_policy
+from extproc.server import start_grpc_server
+from extproc.tokenizer import PromptTokenizer
+from kairos import contracts as c
+from kairos.tinymodel import build_tiny_model
+from tests.test_dispatcher import (
+    ADDRESSES,
+    LOADED_QUEUE,
+    NOW,
+    OWNER,
+    SIDECAR,
+    ExplodingPolicy,
+    FakeCluster,
+    completion_body,
+    make_cluster,
+)
+
+OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+COMPLETIONS = "/v1/completions"
+GRPC_DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
+    model_dir: Path = build_tiny_model(tmp_path_factory.mktemp("extproc-server-model"))
+    return PromptTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def models() -> LatencyModels:
+    return load_profile()
+
+
+@dataclass
+class Gateway:
+    stub: pb_grpc.ExternalProcessorStub
+    cluster: FakeCluster
+    dispatcher: Dispatcher
+
+
+GatewayStarter = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def gateway(tokenizer: PromptTokenizer, models: LatencyModels) -> AsyncIterator[GatewayStarter]:
+    """Starts ext_proc servers on port 0 around fake clusters; all are stopped afterwards."""
+    servers: list[grpc.aio.Server] = []
+    channels: list[grpc.aio.Channel] = []
+    dispatchers: list[Dispatcher] = []
+
+    async def start(cluster: FakeCluster, policy: Policy | None = None) -> Gateway:
+        dispatcher = Dispatcher(
+            tokenizer,
+            policy or make_policy("kairos", models),
+            make_policy("pd", models),
+            cluster,
+            DispatcherMetrics(CollectorRegistry()),
+            DispatchSettings(dispatcher_id=OWNER),
+            clock=lambda: NOW,
+        )
+        dispatchers.append(dispatcher)
+        server, port = await start_grpc_server(dispatcher, "127.0.0.1", 0)
+        servers.append(server)
+        assert port > 0
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        channels.append(channel)
+        return Gateway(pb_grpc.ExternalProcessorStub(channel), cluster, dispatcher)
+
+    yield start
+    for channel in channels:
+        await channel.close()
+    for server in servers:
+        await server.stop(grace=None)
+    for dispatcher in dispatchers:
+        dispatcher.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Envoy's side of the stream
+# ---------------------------------------------------------------------------------------------
+def request_headers(
+    method: str,
+    path: str,
+    *,
+    end_of_stream: bool = False,
+    extra: Sequence[tuple[str, str]] = (),
+    legacy_value: bool = False,
+) -> pb.ProcessingRequest:
+    """Request headers as Envoy sends them: pseudo-headers first, values in ``raw_value``
+    (``value`` when ``legacy_value``, as Envoy versions before raw_value did)."""
+    pairs = [
+        (":authority", "gateway.local:8080"),
+        (":method", method),
+        (":path", path),
+        (":scheme", "http"),
+        ("content-type", "application/json"),
+        ("x-request-id", "envoy-generated-id-1"),
+        *extra,
+    ]
+    headers = [
+        base_pb2.HeaderValue(key=k, value=v) if legacy_value else base_pb2.HeaderValue(key=k, raw_value=v.encode())
+        for k, v in pairs
+    ]
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers), end_of_stream=end_of_stream)
+    )
+
+
+def request_body(body: bytes, *, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+async def exchange(stub: pb_grpc.ExternalProcessorStub, messages: Sequence[pb.ProcessingRequest]) -> list[Any]:
+    """Send each message and read its answer, as Envoy does; the server must then end the stream
+    by itself (the client never half-closes)."""
+    call = stub.Process()
+    answers: list[Any] = []
+    for message in messages:
+        await call.write(message)
+        answer = await asyncio.wait_for(call.read(), 5)
+        assert answer is not grpc.aio.EOF, f"stream ended before answering {message.WhichOneof('request')}"
+        answers.append(answer)
+    assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF, "the server kept the stream open"
+    assert await call.code() == grpc.StatusCode.OK
+    return answers
+
+
+def metadata_of(answer: pb.ProcessingResponse) -> dict[str, Any]:
+    return json_format.MessageToDict(answer.dynamic_metadata)
+
+
+def set_headers_of(mutation: pb.HeaderMutation) -> dict[str, str]:
+    """The set headers of a mutation, checking Envoy's wire rules on each: value in raw_value
+    (Envoy ignores ``value`` there) and overwrite-or-add."""
+    out: dict[str, str] = {}
+    for option in mutation.set_headers:
+        assert option.header.value == "", f"{option.header.key} carries its value in `value`, which Envoy ignores"
+        assert option.header.raw_value, f"{option.header.key} has no raw_value"
+        assert option.append_action == OVERWRITE, f"{option.header.key} is not OVERWRITE_IF_EXISTS_OR_ADD"
+        assert option.header.key not in out, f"{option.header.key} is set twice"
+        out[option.header.key] = option.header.raw_value.decode()
+    return out
+
+
+def destination(*nodes: str) -> dict[str, Any]:
+    return {c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: ",".join(SIDECAR[n] for n in nodes)}}
+
+
+def assert_empty_headers_answer(answer: pb.ProcessingResponse) -> None:
+    assert answer.WhichOneof("response") == "request_headers"
+    assert answer.request_headers == pb.HeadersResponse()
+    assert not answer.HasField("dynamic_metadata")
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed requests
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutedCase:
+    prefill_queue: tuple[int, ...]
+    prompt_tokens: int
+    route: str
+    nodes: tuple[str, ...]  # primary decode node, then the fallback
+
+
+ROUTED_CASES = [
+    pytest.param(RoutedCase((), 4000, "keep", ("d0", "d1")), id="idle cluster keeps, d0 first and d1 as fallback"),
+    pytest.param(
+        RoutedCase(LOADED_QUEUE, 1000, "deflect", ("d0", "d1")), id="loaded prefill queues deflect to d0 with schedule"
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ROUTED_CASES)
+async def test_body_answer_carries_headers_and_destination(gateway: GatewayStarter, case: RoutedCase) -> None:
+    gw = await gateway(make_cluster(prefill_queue=case.prefill_queue))
+    headers_answer, body_answer = await exchange(
+        gw.stub, [request_headers("POST", COMPLETIONS), request_body(completion_body(case.prompt_tokens))]
+    )
+
+    assert_empty_headers_answer(headers_answer)
+    assert body_answer.WhichOneof("response") == "request_body"
+    common = body_answer.request_body.response
+    assert not common.HasField("body_mutation")
+    headers = set_headers_of(common.header_mutation)
+    assert list(common.header_mutation.remove_headers) == []
+    assert headers[c.H_ROUTE] == case.route
+    assert headers[c.H_DECODE_NODE] == case.nodes[0]
+    assert headers[c.H_PROMPT_TOKENS] == str(case.prompt_tokens)
+    assert headers[c.H_REQUEST_ID] == "envoy-generated-id-1"  # Envoy's id travels on both hops
+    if case.route == "keep":
+        assert headers[c.H_PREFILL_HOST] == ADDRESSES["p0"].url
+        assert c.H_CHUNK_SCHEDULE not in headers
+        assert gw.cluster.reservations == []
+    else:
+        assert sum(int(x) for x in headers[c.H_CHUNK_SCHEDULE].split(",")) == case.prompt_tokens
+        assert c.H_STEP_BUDGET_MS in headers
+        assert gw.cluster.reservations == [(case.nodes[0], OWNER)]
+    assert metadata_of(body_answer) == destination(*case.nodes)
+
+
+async def test_streamed_body_chunks_are_acknowledged_and_joined(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    body = completion_body(4000)
+    cut = len(body) // 3
+    answers = await exchange(
+        gw.stub,
+        [
+            request_headers("POST", COMPLETIONS),
+            request_body(body[:cut], end_of_stream=False),
+            request_body(body[cut : 2 * cut], end_of_stream=False),
+            request_body(body[2 * cut :]),
+        ],
+    )
+
+    assert_empty_headers_answer(answers[0])
+    for partial in answers[1:3]:
+        assert partial.WhichOneof("response") == "request_body"
+        assert partial.request_body == pb.BodyResponse()
+    headers = set_headers_of(answers[3].request_body.response.header_mutation)
+    assert headers[c.H_PROMPT_TOKENS] == "4000"
+    assert metadata_of(answers[3]) == destination("d0", "d1")
+
+
+async def test_client_kairos_headers_are_removed_on_the_wire(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    spoofed = [("x-kairos-route", "deflect"), ("x-kairos-chunk-schedule", "1,2"), ("x-kairos-debug", "1")]
+    _, body_answer = await exchange(
+        gw.stub, [request_headers("POST", COMPLETIONS, extra=spoofed), request_body(completion_body(4000))]
+    )
+
+    mutation = body_answer.request_body.response.header_mutation
+    assert sorted(mutation.remove_headers) == ["x-kairos-chunk-schedule", "x-kairos-debug"]
+    assert set_headers_of(mutation)[c.H_ROUTE] == "keep"
+
+
+async def test_headers_sent_in_the_legacy_value_field_are_read(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    _, body_answer = await exchange(
+        gw.stub, [request_headers("POST", COMPLETIONS, legacy_value=True), request_body(completion_body(4000))]
+    )
+    headers = set_headers_of(body_answer.request_body.response.header_mutation)
+    assert headers[c.H_ROUTE] == "keep"
+    assert headers[c.H_REQUEST_ID] == "envoy-generated-id-1"
+
+
+async def test_a_get_is_answered_at_the_headers_message(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    (answer,) = await exchange(
+        gw.stub, [request_headers("GET", "/v1/models", end_of_stream=True, extra=[("x-kairos-route", "keep")])]
+    )
+
+    assert answer.WhichOneof("response") == "request_headers"
+    mutation = answer.request_headers.response.header_mutation
+    assert list(mutation.remove_headers) == ["x-kairos-route"]
+    assert set_headers_of(mutation) == {}
+    assert metadata_of(answer) == destination("d0", "d1")
+    assert gw.cluster.recorded == []
+
+
+async def test_a_5_mb_body_is_accepted(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    size = 5 * 1024 * 1024
+    assert size > GRPC_DEFAULT_MAX_MESSAGE
+    _, body_answer = await exchange(
+        gw.stub, [request_headers("POST", COMPLETIONS), request_body(completion_body(4000, size=size))]
+    )
+
+    assert body_answer.WhichOneof("response") == "request_body"
+    headers = set_headers_of(body_answer.request_body.response.header_mutation)
+    assert headers[c.H_PROMPT_TOKENS] == "4000"
+    assert metadata_of(body_answer) == destination("d0", "d1")
+
+
+async def test_concurrent_streams_are_each_answered(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    prompts = [3000, 3500, 4000, 4500, 5000]
+    results = await asyncio.gather(
+        *(exchange(gw.stub, [request_headers("POST", COMPLETIONS), request_body(completion_body(n))]) for n in prompts)
+    )
+    counted = [set_headers_of(body.request_body.response.header_mutation)[c.H_PROMPT_TOKENS] for _, body in results]
+    assert counted == [str(n) for n in prompts]
+    assert sorted(d.prompt_tokens for d, _ in gw.cluster.recorded) == prompts
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejected requests: Envoy answers the client directly
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RejectCase:
+    cluster: dict[str, Any]
+    exploding: bool
+    messages: tuple[pb.ProcessingRequest, ...]
+    status: int
+    code: str
+
+
+REJECT_CASES = [
+    pytest.param(
+        RejectCase(
+            {}, False, (request_headers("POST", COMPLETIONS), request_body(b"{not json")), 400, "invalid_request"
+        ),
+        id="malformed JSON body is an immediate 400",
+    ),
+    pytest.param(
+        RejectCase(
+            {}, False, (request_headers("POST", COMPLETIONS), request_body(b'{"prompt": ""}')), 400, "invalid_request"
+        ),
+        id="empty prompt is an immediate 400",
+    ),
+    pytest.param(
+        RejectCase({}, False, (request_headers("POST", "/v1/embeddings"), request_body(b"{}")), 404, "not_found"),
+        id="unknown POST path is an immediate 404",
+    ),
+    pytest.param(
+        RejectCase(
+            {"decode": False},
+            False,
+            (request_headers("GET", "/v1/models", end_of_stream=True),),
+            503,
+            "no_healthy_node",
+        ),
+        id="GET with no decode node is an immediate 503 at the headers message",
+    ),
+    pytest.param(
+        RejectCase(
+            {}, True, (request_headers("POST", COMPLETIONS), request_body(completion_body(100))), 500, "internal_error"
+        ),
+        id="a bug in the policy is an immediate generic 500",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", REJECT_CASES)
+async def test_rejections_are_immediate_json_responses(gateway: GatewayStarter, case: RejectCase) -> None:
+    gw = await gateway(make_cluster(**case.cluster), policy=ExplodingPolicy() if case.exploding else None)
+    answers = await exchange(gw.stub, case.messages)
+
+    for earlier in answers[:-1]:
+        assert_empty_headers_answer(earlier)
+    answer = answers[-1]
+    assert answer.WhichOneof("response") == "immediate_response"
+    reply = answer.immediate_response
+    assert reply.status.code == case.status
+    assert set_headers_of(reply.headers) == {"content-type": "application/json"}
+    error = json.loads(reply.body)["error"]
+    assert error["code"] == case.code
+    assert set(error) == {"message", "type", "param", "code"}
+    assert reply.details == f"kairos_{case.code}"
+    assert metadata_of(answer) == {"kairos": {"own_reply": True}}
+    assert gw.cluster.recorded == []
