@@ -23,7 +23,7 @@ from extproc.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from extproc.cluster import ClusterViewConfig, RedisClusterView
 from extproc.dispatcher import Dispatcher, DispatchSettings
 from extproc.latency import DEFAULT_PROFILE, load_profile
-from extproc.metrics import DispatcherMetrics
+from extproc.metrics import ClusterCollector, DispatcherMetrics
 from extproc.openai_request import RequestLimits
 from extproc.policies import make_policy
 from extproc.server import start_grpc_server
@@ -97,6 +97,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         tracker=ClusterTracker(dispatch_grace_s=0.1),
         registry=metrics.registry,
     )
+    metrics.registry.register(ClusterCollector(cluster))
     decider = config.decider()
     dispatcher = Dispatcher(
         tokenizer=tokenizer,
