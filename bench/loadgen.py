@@ -1,0 +1,265 @@
+"""A small, fast HTTP/1.1 load generator and a fixed-answer upstream, both on raw asyncio.
+
+- :class:`HttpConnection`: one keep-alive connection; requests are pre-encoded bytes, the
+  response is parsed just enough (status, headers, Content-Length or chunked body) to reuse the
+  connection, so the client costs tens of microseconds per request.
+- :func:`sequential`: per-request latencies (``perf_counter_ns``) over one connection.
+- :func:`closed_loop`: ``connections`` clients each sending back to back for ``seconds``.
+- The upstream (``python bench/loadgen.py upstream --port P``) answers every request at once
+  with a small fixed OpenAI-like completion JSON, after reading the whole request body. It
+  echoes ``x-upstream-body-bytes`` (bytes it received) and ``x-upstream-saw-route`` (the
+  ``x-kairos-route`` header the dispatcher set, ``-`` if none), so a benchmark can check which
+  path a request really took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+UPSTREAM_BODY = (
+    b'{"id":"cmpl-bench","object":"text_completion","created":0,"model":"kairos-tiny-llama",'
+    b'"choices":[{"index":0,"text":" the","logprobs":null,"finish_reason":"length"}],'
+    b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
+)
+
+
+class HttpError(Exception):
+    """A malformed response, or a status the caller did not expect."""
+
+
+def build_request(
+    host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
+) -> bytes:
+    """A complete keep-alive HTTP/1.1 POST, encoded once and sent as is."""
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in headers),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection (one request in flight at a time)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> HttpConnection:
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
+        return cls(reader, writer)
+
+    async def send(self, request: bytes) -> Response:
+        self._writer.write(request)
+        head = await self._reader.readuntil(b"\r\n\r\n")
+        lines = head[:-4].decode("latin-1").split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError) as exc:
+            raise HttpError(f"bad status line {lines[0]!r}") from exc
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "content-length" in headers:
+            body = await self._reader.readexactly(int(headers["content-length"]))
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            body = await self._read_chunked()
+        else:
+            raise HttpError("response without Content-Length or chunked encoding: cannot keep the connection")
+        return Response(status, headers, body)
+
+    async def _read_chunked(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            size = int((await self._reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            if size == 0:
+                while (await self._reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
+                    pass
+                return b"".join(parts)
+            parts.append(await self._reader.readexactly(size))
+            await self._reader.readexactly(2)
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError, ConnectionError):
+            await self._writer.wait_closed()
+
+
+async def sequential(conn: HttpConnection, request: bytes, n: int, expect_status: int = 200) -> list[int]:
+    """Latency in ns of ``n`` requests sent one after the other on ``conn``."""
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        t0 = clock()
+        resp = await conn.send(request)
+        samples.append(clock() - t0)
+        if resp.status != expect_status:
+            raise HttpError(f"status {resp.status}: {resp.body[:300]!r}")
+    return samples
+
+
+@dataclass
+class LoadResult:
+    connections: int
+    seconds: float  # measured wall time of the run
+    completed: int  # requests answered with the expected status
+    errors: int  # other statuses, resets, malformed responses
+    latencies_ns: list[int] = field(default_factory=list)
+
+    @property
+    def req_per_s(self) -> float:
+        return self.completed / self.seconds if self.seconds > 0 else 0.0
+
+
+async def closed_loop(
+    host: str, port: int, request: bytes, connections: int, seconds: float, expect_status: int = 200
+) -> LoadResult:
+    """``connections`` keep-alive clients, each sending its next request as soon as the last is
+    answered, for ``seconds``; requests still in flight at the end are waited for, not counted."""
+    conns = [await HttpConnection.open(host, port) for _ in range(connections)]
+    latencies: list[int] = []
+    errors = 0
+    clock = time.perf_counter_ns
+    start = clock()
+    deadline = start + int(seconds * 1e9)
+
+    async def worker(conn: HttpConnection) -> None:
+        nonlocal errors
+        while True:
+            t0 = clock()
+            if t0 >= deadline:
+                return
+            try:
+                resp = await conn.send(request)
+            except (OSError, asyncio.IncompleteReadError, HttpError):
+                errors += 1
+                return
+            t1 = clock()
+            if t1 > deadline:
+                return
+            if resp.status == expect_status:
+                latencies.append(t1 - t0)
+            else:
+                errors += 1
+
+    try:
+        await asyncio.gather(*(worker(c) for c in conns))
+    finally:
+        for c in conns:
+            await c.close()
+    elapsed = (deadline - start) / 1e9
+    return LoadResult(connections, elapsed, len(latencies), errors, latencies)
+
+
+# ---------------------------------------------------------------------------------------------
+# The upstream
+# ---------------------------------------------------------------------------------------------
+class _UpstreamProtocol(asyncio.Protocol):
+    """Reads each whole request (Content-Length or chunked), answers the fixed JSON at once."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        while self._answer_one():
+            pass
+
+    def _answer_one(self) -> bool:
+        buf = self._buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        head = bytes(buf[:end]).lower()
+        start = end + 4
+        consumed, body_len = _body_extent(head, buf, start)
+        if consumed < 0:
+            return False  # the body is still arriving
+        route = b"-"
+        i = head.find(b"\r\nx-kairos-route:")
+        if i >= 0:
+            j = head.find(b"\r\n", i + 2)
+            route = head[i + 17 : j if j >= 0 else len(head)].strip() or b"-"
+        del buf[:consumed]
+        assert self._transport is not None
+        self._transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"x-upstream-body-bytes: %d\r\nx-upstream-saw-route: %s\r\n\r\n%s"
+            % (len(UPSTREAM_BODY), body_len, route, UPSTREAM_BODY)
+        )
+        return True
+
+
+def _body_extent(head: bytes, buf: bytearray, start: int) -> tuple[int, int]:
+    """(bytes of the request including its body, body bytes), or (-1, 0) while incomplete."""
+    i = head.find(b"\r\ncontent-length:")
+    if i >= 0:
+        j = head.find(b"\r\n", i + 2)
+        length = int(head[i + 17 : j if j >= 0 else len(head)])
+        return (start + length, length) if len(buf) >= start + length else (-1, 0)
+    if b"\r\ntransfer-encoding: chunked" in head:
+        pos, total = start, 0
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                return -1, 0
+            size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
+            pos = eol + 2
+            if size == 0:
+                # No trailers from our clients: the final CRLF follows the zero chunk.
+                return (pos + 2, total) if len(buf) >= pos + 2 else (-1, 0)
+            if len(buf) < pos + size + 2:
+                return -1, 0
+            pos += size + 2
+            total += size
+    return start, 0
+
+
+async def serve_upstream(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_UpstreamProtocol, host, port, reuse_address=True, backlog=1024)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"upstream listening on {host}:{port}", flush=True)
+    async with server:
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("upstream", help="serve the fixed completion JSON")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    asyncio.run(serve_upstream(args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
