@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kairos import up
+from kairos import replay, up
 from kairos.config import load_config
 from kairos.errors import KairosError
 
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim(sub)
     up.add_parser(sub)
+    replay.add_parser(sub)
     # The cluster's processes, each also runnable as `python -m MODULE`.
     for name, module, help_text in _COMPONENTS:
         p = sub.add_parser(name, help=help_text, add_help=False)

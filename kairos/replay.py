@@ -1,0 +1,552 @@
+"""``kairos replay``: replay a workload or a trace through a gateway, open loop, and measure it.
+
+Every request is sent at its own arrival time (asyncio, one aiohttp session, no connection limit,
+bodies built before the clock starts), so a slow server never delays later arrivals: the
+offered load is the trace's. Each request is a streaming ``/v1/completions`` call whose prompt is
+a list of token ids of exactly the trace's prompt length (vLLM, the emulated nodes and the
+dispatcher all take a token-id prompt as given, so the counts are exact and cost nothing to
+build) and whose ``max_tokens`` is the trace's output length. Per request the replay records the
+gateway's decision headers (``x-kairos-route``, ``x-kairos-decode-node``, ``x-kairos-reason``),
+TTFT (send to first content token), every inter-token gap (TBT), the status and the usage.
+
+Time scale: emulated nodes started with ``--time-scale S`` run S times faster than real time.
+Replay with the same ``--time-scale S``: arrivals are compressed by S (the trace's model time
+``t`` is sent at wall time ``t / S``) and every reported time (TTFT, TBT, durations) is the
+measured wall time multiplied by S, i.e. model time. The gateway's own overhead (Envoy, the
+dispatcher, the sidecar, loopback HTTP) is scaled up by S too, so keep S modest when that
+overhead matters. Timeouts (``--request-timeout``, ``--deadline``) are wall seconds.
+
+Settings: defaults < ``--config`` YAML (section ``replay``) < ``KAIROS_REPLAY_*`` environment <
+flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+import numpy as np
+
+from kairos import contracts as c
+from kairos.config import load_config
+from kairos.errors import ConfigError
+from sim.requests import RequestSpec
+
+ROUTES = ("keep", "deflect")
+# Without a tokenizer: BOS (id 1 in Llama-style vocabularies) and then ids 100..199, valid in any
+# vocabulary of >= 200 ids. With --model-dir the pattern comes from the tokenizer itself.
+_FALLBACK_BOS = 1
+_FALLBACK_PATTERN = tuple(range(100, 200))
+_PATTERN_TEXT = (
+    "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly over the sleeping town "
+)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Everything ``kairos replay`` needs; YAML section ``replay``, env ``KAIROS_REPLAY_*``, flags."""
+
+    url: str = "http://127.0.0.1:8000"  # the gateway
+    model: str = "kairos-tiny-llama"
+    model_dir: str = ""  # tokenizer dir for the prompt's token ids ("" = a fixed id pattern)
+    workload: str = "bursty"  # synthetic workload, ignored when ``trace`` is set
+    trace: str | None = None  # trace file (own JSONL, Azure CSV, Mooncake JSONL)
+    rps: float | None = None  # workload rate, or the rate a trace is rescaled to (None = as is)
+    duration_s: float | None = None  # model seconds of arrivals (workload default 60; trace: truncate)
+    num_requests: int | None = None  # size by count instead (workload), or keep the first N (trace)
+    seed: int = 1
+    cv: float | None = None  # inter-arrival CV of the workload (None = its default)
+    time_scale: float = 1.0  # the emulated nodes' time scale: arrivals / S, reported times x S
+    ttft_slo_s: float = 4.0
+    tbt_slo_ms: float = 70.0
+    request_timeout_s: float = 300.0  # wall seconds per request
+    deadline_s: float = 0.0  # wall seconds for the whole replay; 0 = last arrival + request_timeout_s
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "ttft_slo_s", "tbt_slo_ms", "request_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"replay {name} must be a positive number, got {value!r}")
+        if self.deadline_s < 0:
+            raise ConfigError(f"replay deadline_s must be >= 0, got {self.deadline_s}")
+        if self.rps is not None and not self.rps > 0:
+            raise ConfigError(f"replay rps must be > 0, got {self.rps}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ConfigError(f"replay duration_s must be > 0, got {self.duration_s}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ConfigError(f"replay num_requests must be >= 1, got {self.num_requests}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"replay url must start with http:// or https://, got {self.url!r}")
+
+
+@dataclass
+class RequestResult:
+    """What one replayed request saw; times are model seconds (wall x time_scale)."""
+
+    request_id: str
+    arrival_s: float  # trace arrival (model time)
+    prompt_tokens: int  # the trace's
+    output_tokens: int  # the trace's
+    status: int = 0  # HTTP status, 0 = no response
+    route: str = ""  # x-kairos-route ("" when absent)
+    decode_node: str = ""
+    reason: str = ""
+    send_lag_ms: float = 0.0  # how late the request left versus its scheduled arrival (model ms)
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tbt_ms: list[float] = field(default_factory=list)  # every gap between consecutive content tokens
+    tokens: int = 0  # content chunks received
+    usage: dict[str, Any] | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.status == 200
+            and not self.error
+            and self.ttft_s is not None
+            and self.usage is not None
+            and self.usage.get("completion_tokens") == self.output_tokens
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tbt_ms"] = [round(x, 3) for x in self.tbt_ms]
+        out["ok"] = self.ok
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Traffic
+# ---------------------------------------------------------------------------------------------
+def requests_for(config: ReplayConfig) -> list[RequestSpec]:
+    """The requests ``config`` describes, in arrival order."""
+    from sim.traces import load_trace, rescale_to_rate, truncate
+    from sim.workloads import make_workload
+
+    if config.trace:
+        reqs = load_trace(config.trace)
+        if config.rps is not None:
+            reqs = rescale_to_rate(reqs, config.rps)
+        if config.duration_s is not None:
+            reqs = truncate(reqs, config.duration_s)
+        reqs = sorted(reqs, key=lambda r: r.arrival_s)
+        return reqs[: config.num_requests] if config.num_requests else reqs
+    if config.num_requests is not None and config.duration_s is None:
+        return make_workload(
+            config.workload, rps=config.rps, num_requests=config.num_requests, seed=config.seed, cv=config.cv
+        )
+    reqs = make_workload(
+        config.workload, rps=config.rps, duration_s=config.duration_s or 60.0, seed=config.seed, cv=config.cv
+    )
+    return reqs[: config.num_requests] if config.num_requests else reqs
+
+
+class PromptBuilder:
+    """Token-id prompts of an exact length: BOS, then a fixed id pattern repeated."""
+
+    def __init__(self, model_dir: str = "") -> None:
+        if model_dir:
+            from extproc.tokenizer import PromptTokenizer
+
+            tok = PromptTokenizer.from_dir(Path(model_dir))
+            pattern = tok.encode(_PATTERN_TEXT * 4, add_special_tokens=False)
+            if not pattern:
+                raise ConfigError(f"the tokenizer in {model_dir} encodes the pattern text to nothing")
+            self.bos: int | None = tok.bos_token_id
+            self.pattern: tuple[int, ...] = tuple(pattern)
+        else:
+            self.bos = _FALLBACK_BOS
+            self.pattern = _FALLBACK_PATTERN
+        head = [] if self.bos is None else [self.bos]
+        self._head = head
+
+    def ids(self, tokens: int) -> list[int]:
+        body = tokens - len(self._head)
+        if body <= 0:
+            return self._head[:tokens] if tokens > 0 else []
+        reps = -(-body // len(self.pattern))
+        return self._head + list(self.pattern * reps)[:body]
+
+    def body(self, spec: RequestSpec, model: str) -> bytes:
+        payload = {
+            "model": model,
+            "prompt": self.ids(spec.prompt_tokens),
+            "max_tokens": spec.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# The replay
+# ---------------------------------------------------------------------------------------------
+class _Progress:
+    """One status line on stderr: redrawn in place on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total = total
+        self.stream = stream
+        self.sent = self.done = self.errors = 0
+        self.deflections = 0
+        self._tty = bool(stream is not None and stream.isatty())
+        self._last = 0.0
+
+    def show(self, elapsed_s: float, final: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if not final and not self._tty and now - self._last < 10.0:
+            return
+        self._last = now
+        width = 24
+        filled = int(width * self.done / max(self.total, 1))
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] sent {self.sent}/{self.total} done {self.done} "
+            f"in-flight {self.sent - self.done} deflect {self.deflections} errors {self.errors} "
+            f"{elapsed_s:6.1f} s"
+        )
+        if self._tty:
+            self.stream.write("\r" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    spec: RequestSpec,
+    body: bytes,
+    scale: float,
+    scheduled: float,
+    timeout_s: float,
+    progress: _Progress,
+) -> RequestResult:
+    loop = asyncio.get_running_loop()
+    res = RequestResult(spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens)
+    sent = loop.time()
+    res.send_lag_ms = max(0.0, sent - scheduled) * scale * 1e3
+    progress.sent += 1
+    last: float | None = None
+    try:
+        async with session.post(
+            url,
+            data=body,
+            headers={"Content-Type": "application/json", "X-Request-Id": spec.request_id},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            res.status = resp.status
+            res.route = resp.headers.get(c.H_ROUTE, "")
+            res.decode_node = resp.headers.get(c.H_DECODE_NODE, "")
+            res.reason = resp.headers.get(c.H_REASON, "")
+            if res.route == "deflect":
+                progress.deflections += 1
+            if resp.status != 200:
+                raw = await resp.read()
+                res.error = f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}"
+                return res
+            async for raw_line in resp.content:
+                line = raw_line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    res.error = f"stream error: {json.dumps(event['error'])[:300]}"
+                    break
+                choices = event.get("choices") or []
+                if any(ch.get("text") or ch.get("delta", {}).get("content") for ch in choices):
+                    now = loop.time()
+                    if last is None:
+                        res.ttft_s = (now - sent) * scale
+                    else:
+                        res.tbt_ms.append((now - last) * scale * 1e3)
+                    last = now
+                    res.tokens += 1
+                if event.get("usage"):
+                    res.usage = event["usage"]
+            res.e2e_s = (loop.time() - sent) * scale
+            if res.usage is None and not res.error:
+                res.error = "the stream ended without a usage chunk"
+    except TimeoutError:
+        res.error = f"timed out after {timeout_s:g} s (wall)"
+    except (aiohttp.ClientError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        progress.done += 1
+        if not res.ok:
+            progress.errors += 1
+    return res
+
+
+async def replay_async(
+    requests: Sequence[RequestSpec],
+    config: ReplayConfig,
+    stream: TextIO | None = sys.stderr,
+) -> list[RequestResult]:
+    """Send ``requests`` open loop through ``config.url``; one result per request, in trace order."""
+    reqs = sorted(requests, key=lambda r: r.arrival_s)
+    if not reqs:
+        return []
+    builder = PromptBuilder(config.model_dir)
+    bodies = [builder.body(r, config.model) for r in reqs]  # built before the clock starts
+    url = config.url.rstrip("/") + "/v1/completions"
+    scale = config.time_scale
+    first = reqs[0].arrival_s
+    last_wall = (reqs[-1].arrival_s - first) / scale
+    deadline = config.deadline_s or last_wall + config.request_timeout_s + 5.0
+    progress = _Progress(len(reqs), stream)
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[RequestResult]] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        t0 = loop.time() + 0.05
+
+        async def schedule() -> None:
+            for spec, body in zip(reqs, bodies, strict=True):
+                at = t0 + (spec.arrival_s - first) / scale
+                delay = at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(
+                    asyncio.create_task(_one(session, url, spec, body, scale, at, config.request_timeout_s, progress))
+                )
+
+        async def ticker() -> None:
+            while True:
+                progress.show(loop.time() - t0)
+                await asyncio.sleep(0.5)
+
+        tick = asyncio.create_task(ticker())
+        try:
+            async with asyncio.timeout(deadline):
+                await schedule()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        except TimeoutError:
+            pass
+        finally:
+            tick.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(tick, *tasks, return_exceptions=True)
+            progress.show(loop.time() - t0, final=True)
+    results: list[RequestResult] = []
+    for i, spec in enumerate(reqs):
+        task = tasks[i] if i < len(tasks) else None
+        if task is not None and not task.cancelled() and task.exception() is None:
+            results.append(task.result())
+        else:
+            res = RequestResult(spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens)
+            res.error = f"not finished within the {deadline:g} s (wall) deadline"
+            results.append(res)
+    return results
+
+
+def replay(
+    requests: Sequence[RequestSpec], config: ReplayConfig, stream: TextIO | None = sys.stderr
+) -> list[RequestResult]:
+    """Blocking :func:`replay_async`."""
+    return asyncio.run(replay_async(requests, config, stream))
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures
+# ---------------------------------------------------------------------------------------------
+def _pcts(values: Sequence[float] | np.ndarray, prefix: str, unit: str) -> dict[str, float | None]:
+    a = np.asarray(values, dtype=float)
+    return {f"p{q}_{prefix}_{unit}": (float(np.percentile(a, q)) if a.size else None) for q in (50, 95, 99)}
+
+
+def _meets_slo(r: RequestResult, ttft_slo_s: float, tbt_slo_ms: float) -> bool:
+    """TTFT within its SLO and the request's own P95 TBT within tau (at most 5% of its gaps over
+    tau, the simulator's definition)."""
+    if not r.ok or r.ttft_s is None or r.ttft_s > ttft_slo_s:
+        return False
+    bad = sum(1 for g in r.tbt_ms if g > tbt_slo_ms)
+    return bad <= 0.05 * len(r.tbt_ms)
+
+
+def _group(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.tbt_ms]
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        **_pcts(ttft, "ttft", "s"),
+        **_pcts(gaps, "tbt", "ms"),
+        "slo_attainment": (
+            sum(_meets_slo(r, config.ttft_slo_s, config.tbt_slo_ms) for r in results) / len(results)
+            if results
+            else None
+        ),
+    }
+
+
+def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, Any]:
+    """Overall and per-route figures (model time). Failed requests count against SLO attainment
+    and are left out of the latency percentiles."""
+    overall = _group(results, config)
+    routes = sorted(
+        {r.route for r in results} | set(ROUTES), key=lambda x: (ROUTES.index(x) if x in ROUTES else len(ROUTES), x)
+    )
+    per_route = {(name or "none"): _group([r for r in results if r.route == name], config) for name in routes}
+    if not per_route.get("none", {}).get("requests"):
+        per_route.pop("none", None)
+    ok = [r for r in results if r.ok]
+    start = min((r.arrival_s for r in results), default=0.0)
+    end = max(((r.arrival_s + (r.e2e_s or 0.0)) for r in ok), default=start)
+    span = max(end - start, 1e-9)
+    lags = [r.send_lag_ms for r in results]
+    gaps = [g for r in ok for g in r.tbt_ms]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = r.error.split(":")[0] if r.error else f"HTTP {r.status}"
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        **overall,
+        "deflections": sum(r.route == "deflect" for r in results),
+        "keeps": sum(r.route == "keep" for r in results),
+        "tbt_violation_rate": (sum(g > config.tbt_slo_ms for g in gaps) / len(gaps)) if gaps else None,
+        "ttft_slo_s": config.ttft_slo_s,
+        "tbt_slo_ms": config.tbt_slo_ms,
+        "time_scale": config.time_scale,
+        "span_s": span,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / span,
+        "max_send_lag_ms": max(lags, default=0.0),
+        "error_kinds": errors,
+        "per_route": per_route,
+    }
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A small table: overall and per route."""
+    head = f"{'':10}{'n':>6}{'err':>5}{'TTFT p50':>10}{'p95':>8}{'p99':>8}{'TBT p50':>10}{'p95':>8}{'p99':>8}{'SLO':>7}"
+    lines = [head + "   (TTFT s, TBT ms, model time)"]
+    rows = [("all", summary), *summary["per_route"].items()]
+    for name, g in rows:
+        slo = g["slo_attainment"]
+        lines.append(
+            f"{name:10}{g['requests']:>6}{g['errors']:>5}{_fmt(g['p50_ttft_s']):>10}{_fmt(g['p95_ttft_s']):>8}"
+            f"{_fmt(g['p99_ttft_s']):>8}{_fmt(g['p50_tbt_ms'], 1):>10}{_fmt(g['p95_tbt_ms'], 1):>8}"
+            f"{_fmt(g['p99_tbt_ms'], 1):>8}{('-' if slo is None else f'{slo:.1%}'):>7}"
+        )
+    lines.append(
+        f"deflections {summary['deflections']}, keeps {summary['keeps']}, errors {summary['errors']}"
+        + (f" {summary['error_kinds']}" if summary["error_kinds"] else "")
+        + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms; "
+        f"max send lag {summary['max_send_lag_ms']:.1f} ms"
+    )
+    return "\n".join(lines)
+
+
+def run(config: ReplayConfig, stream: TextIO | None = sys.stderr) -> dict[str, Any]:
+    """Replay what ``config`` describes; returns the JSON document (config, summary, requests)."""
+    reqs = requests_for(config)
+    if not reqs:
+        raise ConfigError("the workload or trace holds no requests")
+    started = time.time()
+    results = replay(reqs, config, stream)
+    return {
+        "config": asdict(config),
+        "started_unix": started,
+        "wall_s": time.time() - started,
+        "summary": summarize(results, config),
+        "requests": [r.to_json() for r in results],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a workload or trace through a gateway (open loop) and report TTFT/TBT per route",
+        description="Send a workload or trace through a Kairos gateway at its arrival times and report TTFT, "
+        "TBT and SLO attainment overall and per route. With --time-scale S (the emulated nodes' scale), "
+        "arrivals are compressed by S and reported times are multiplied by S (model time). Settings: "
+        "defaults < --config YAML (section 'replay') < KAIROS_REPLAY_* environment < flags.",
+    )
+    p.add_argument("--config", type=Path, help="YAML file with a 'replay' section")
+    p.add_argument("--url", help="gateway base URL (default http://127.0.0.1:8000)")
+    p.add_argument("--model", help="model name sent in each request")
+    p.add_argument("--model-dir", help="the served model's tokenizer dir (builds the token-id prompts)")
+    p.add_argument("--workload", help="bursty, lpld, lphd, hpld or hphd (default bursty)")
+    p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL")
+    p.add_argument("--rps", type=float, help="workload rate, or the rate a trace is rescaled to")
+    p.add_argument("--duration", dest="duration_s", type=float, help="model seconds of arrivals (workload: 60)")
+    p.add_argument("--num-requests", type=int, help="size by count (workload) or keep the first N (trace)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--cv", type=float, help="inter-arrival coefficient of variation")
+    p.add_argument("--time-scale", type=float, help="the emulated nodes' time scale (arrivals / S, times x S)")
+    p.add_argument("--ttft-slo-s", type=float, help="TTFT SLO in seconds (default 4)")
+    p.add_argument("--tbt-slo-ms", type=float, help="TBT SLO tau in ms (default 70)")
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="wall seconds per request")
+    p.add_argument("--deadline", dest="deadline_s", type=float, help="wall seconds for the whole replay")
+    p.add_argument("--json", type=Path, help="write config, summary and per-request records here")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(handler=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in (
+            "url",
+            "model",
+            "model_dir",
+            "workload",
+            "trace",
+            "rps",
+            "duration_s",
+            "num_requests",
+            "seed",
+            "cv",
+            "time_scale",
+            "ttft_slo_s",
+            "tbt_slo_ms",
+            "request_timeout_s",
+            "deadline_s",
+        )
+    }
+    config = load_config(ReplayConfig, args.config, section="replay", env_prefix="KAIROS_REPLAY_", overrides=overrides)
+    doc = run(config, None if args.quiet else sys.stderr)
+    print(format_summary(doc["summary"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if doc["summary"]["errors"] == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kairos")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["replay", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""`kairos replay` against a real local cluster: a short bursty trace with small prompts, sent open
+loop through Envoy; every request must come back with the trace's exact token counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kairos.cli import main as kairos_main
+from kairos.replay import ReplayConfig, replay, summarize
+from sim.requests import RequestSpec
+from sim.traces import write_jsonl
+from sim.workloads import make_workload
+from tests.e2e.conftest import start_cluster
+
+TIME_SCALE = 2.0
+
+
+def _small_trace(n: int = 30) -> list[RequestSpec]:
+    """Bursty arrivals at 4 RPS, prompts folded into [100, 3300) tokens and completions capped at
+    24, so the trace mixes short (deflected) and long (kept) prompts and stays a few seconds long."""
+    base = make_workload("bursty", rps=4.0, num_requests=n, seed=7)
+    return [
+        RequestSpec(r.request_id, r.arrival_s, 100 + r.prompt_tokens % 3200, min(r.output_tokens, 24)) for r in base
+    ]
+
+
+def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model_dir: Path) -> None:
+    trace = _small_trace()
+    trace_path = tmp_path / "trace.jsonl"
+    write_jsonl(trace_path, trace)
+    out = tmp_path / "replay.json"
+    cluster = start_cluster(tmp_path / "cluster", model_dir, time_scale=TIME_SCALE)
+    try:
+        rc = kairos_main(
+            [
+                "replay",
+                "--url",
+                cluster.gateway_url,
+                "--model-dir",
+                str(model_dir),
+                "--trace",
+                str(trace_path),
+                "--time-scale",
+                str(TIME_SCALE),
+                "--request-timeout",
+                "30",
+                "--deadline",
+                "60",
+                "--json",
+                str(out),
+                "--quiet",
+            ]
+        )
+    finally:
+        cluster.stop()
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"config", "summary", "requests"}
+    summary, records = doc["summary"], doc["requests"]
+    for key in (
+        "requests",
+        "ok",
+        "errors",
+        "deflections",
+        "keeps",
+        "p50_ttft_s",
+        "p95_ttft_s",
+        "p99_ttft_s",
+        "p50_tbt_ms",
+        "p95_tbt_ms",
+        "p99_tbt_ms",
+        "slo_attainment",
+        "per_route",
+    ):
+        assert key in summary, key
+    assert summary["requests"] == summary["ok"] == len(trace) and summary["errors"] == 0
+
+    by_id = {r.request_id: r for r in trace}
+    assert [r["request_id"] for r in records] == [r.request_id for r in trace]
+    for rec in records:
+        spec = by_id[rec["request_id"]]
+        assert rec["ok"] and rec["status"] == 200 and rec["error"] == "", rec
+        assert rec["usage"]["prompt_tokens"] == spec.prompt_tokens, rec
+        assert rec["usage"]["completion_tokens"] == spec.output_tokens, rec
+        assert rec["tokens"] == spec.output_tokens
+        assert rec["route"] in ("keep", "deflect") and rec["decode_node"] in ("d0", "d1"), rec
+        assert rec["ttft_s"] > 0
+        assert len(rec["tbt_ms"]) == spec.output_tokens - 1
+        assert all(g > 0 for g in rec["tbt_ms"])
+
+    per_route = summary["per_route"]
+    assert set(per_route) == {"keep", "deflect"}
+    assert per_route["keep"]["requests"] + per_route["deflect"]["requests"] == len(trace)
+    assert (
+        per_route["keep"]["requests"] == summary["keeps"] and per_route["deflect"]["requests"] == summary["deflections"]
+    )
+    assert summary["keeps"] > 0 and summary["deflections"] > 0
+    assert 0 < summary["p50_ttft_s"] <= summary["p95_ttft_s"] <= summary["p99_ttft_s"]
+    assert 0 < summary["p50_tbt_ms"] <= summary["p95_tbt_ms"] <= summary["p99_tbt_ms"]
+    assert 0.0 <= summary["slo_attainment"] <= 1.0
+
+
+def test_replay_reports_unreachable_gateway_as_errors_within_the_deadline() -> None:
+    from kairos.processes import free_port
+
+    trace = _small_trace(3)
+    config = ReplayConfig(url=f"http://127.0.0.1:{free_port()}", request_timeout_s=2.0, deadline_s=10.0)
+    results = replay(trace, config, stream=None)
+    assert len(results) == 3 and all(not r.ok and r.error for r in results)
+    summary = summarize(results, config)
+    assert summary["errors"] == 3 and summary["ok"] == 0 and summary["slo_attainment"] == 0.0
