@@ -238,6 +238,9 @@ class EmulatedNode:
         self._held: dict[int, _HeldKV] = {}  # by first block id (unique per node run)
         self._block_ids = itertools.count()
         self._transferring = 0  # decode node: pulls in their transfer wait (vLLM counts them as waiting)
+        # One inbound KV link per decode node, FIFO, as the simulator models it: concurrent pulls
+        # queue on the link instead of overlapping.
+        self._link = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -541,8 +544,9 @@ class EmulatedNode:
             ) from None
         self._transferring += 1
         try:
-            await self._claim(prefill, params, tokens, rid)
-            await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
+            async with self._link:
+                await self._claim(prefill, params, tokens, rid)
+                await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
         except BaseException:
             rt.unreserve_kv(tokens)
             raise

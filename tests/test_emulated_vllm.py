@@ -259,6 +259,48 @@ async def test_two_hop_prefill_then_decode_pulls_the_kv(
     assert "does not hold" in assert_openai_error(status, again, 400)
 
 
+async def test_concurrent_kv_pulls_queue_on_the_decode_nodes_link(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    """Like the simulator, a decode node has one inbound KV link: two pulls take twice as long
+    as one, they do not overlap. (A slow time scale makes the transfer dominate the overheads.)"""
+    async with (
+        running(model_dir, "p9", Role.PREFILL, time_scale=2.0) as prefill,
+        running(model_dir, "d9", Role.DECODE, time_scale=2.0) as decode,
+    ):
+        await _two_pulls(prefill, decode, http, time_scale=2.0)
+
+
+async def _two_pulls(prefill: Node, decode: Node, http: aiohttp.ClientSession, time_scale: float) -> None:
+    n = 20_000
+    transfer_wall = decode.node.models.kv_transfer_s(n) / time_scale
+    params = []
+    for i in range(2):
+        hop1 = {
+            "model": MODEL,
+            "prompt": ids(n),
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        }
+        status, reply = await post(http, f"{prefill.url}/v1/completions", hop1, **{"X-Request-Id": f"link-{i}"})
+        assert status == 200, reply
+        params.append(reply["kv_transfer_params"])
+    started = time.monotonic()
+    results = await asyncio.gather(
+        *(
+            post(
+                http,
+                f"{decode.url}/v1/completions",
+                {"model": MODEL, "prompt": ids(n), "max_tokens": 1, "kv_transfer_params": kv},
+                **{"X-Request-Id": f"link-{i}"},
+            )
+            for i, kv in enumerate(params)
+        )
+    )
+    elapsed = time.monotonic() - started
+    assert [status for status, _ in results] == [200, 200], results
+    assert elapsed >= 2 * transfer_wall * 0.95, (elapsed, transfer_wall)
+
+
 async def test_two_hop_chat_streams_from_the_decode_node(
     prefill: Node, decode: Node, http: aiohttp.ClientSession
 ) -> None:
