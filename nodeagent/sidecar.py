@@ -171,6 +171,16 @@ class SidecarMetrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        # The live check of the latency models (the paper's section 7 concern): observed TTFT here
+        # over the dispatcher's prediction for the path it chose; drifting away from 1 means
+        # the profile needs re-fitting.
+        self.ttft_vs_predicted = Histogram(
+            "kairos_sidecar_ttft_observed_over_predicted",
+            "Observed TTFT at the sidecar divided by the dispatcher's predicted TTFT",
+            ["path"],
+            buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0),
+            registry=self.registry,
+        )
         self.hop_errors = Counter(
             "kairos_sidecar_hop_errors",
             "Failed hops; hop 1 = prefill node, hop 2 = local vLLM (every path)",
@@ -214,6 +224,15 @@ class _Timing:
     hop1_s: float | None = None
     ttfb_s: float | None = None
     ttft_s: float | None = None
+    predicted_s: float | None = None  # the dispatcher's TTFT prediction for the path it chose
+
+
+def _predicted_ttft_s(headers: Mapping[str, str], route: str | None) -> float | None:
+    name = {ROUTE_KEEP: c.H_PRED_TTFT_PREFILL_MS, ROUTE_DEFLECT: c.H_PRED_TTFT_DECODE_MS}.get((route or "").lower())
+    try:
+        return float(headers[name]) / 1e3 if name and name in headers else None
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +271,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
     route = request.headers.get(c.H_ROUTE)
     timing = _Timing(PATH_LOCAL if route is None else route.strip().lower())
+    timing.predicted_s = _predicted_ttft_s(request.headers, route)
     status = 0
     try:
         raw = await _read_body(request, state.config.max_body_bytes)
@@ -733,6 +753,8 @@ def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
         m.ttfb_seconds.labels(path).observe(timing.ttfb_s)
     if timing.ttft_s is not None:
         m.ttft_seconds.labels(path).observe(timing.ttft_s)
+        if timing.predicted_s:
+            m.ttft_vs_predicted.labels(path).observe(timing.ttft_s / timing.predicted_s)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",

@@ -552,6 +552,24 @@ async def test_metrics_count_each_path(rig: Rig) -> None:
     assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind="bad_routing_headers") == 1
 
 
+async def test_observed_ttft_over_the_dispatchers_prediction(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    # A prediction of 1 µs: whatever the fake takes is far more, so the ratio lands in +Inf.
+    headers = {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_PRED_TTFT_DECODE_MS: "0.001"}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 200
+    async with rig.http.post(
+        f"{url}/v1/completions", json=COMPLETION, headers={**headers, c.H_PRED_TTFT_DECODE_MS: "not a number"}
+    ) as resp:
+        assert resp.status == 200
+    async with rig.http.get(f"{url}/kairos/metrics") as resp:
+        text = await resp.text()
+    name = "kairos_sidecar_ttft_observed_over_predicted"
+    assert _metric(text, f"{name}_count", path="deflect") == 1  # the unparsable prediction is skipped
+    assert _metric(text, f"{name}_bucket", le="8.0", path="deflect") == 0
+    assert _metric(text, f"{name}_sum", path="deflect") > 8
+
+
 async def test_health_reflects_the_local_vllm(rig: Rig) -> None:
     url = await rig.start_sidecar()
     async with rig.http.get(f"{url}/health") as resp:
