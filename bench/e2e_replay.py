@@ -71,22 +71,6 @@ def pick_rate(rates: list[float], duration_s: float, seed: int) -> tuple[float, 
     return rates[-1], scan
 
 
-def wait_for_heartbeats(cluster: LocalCluster, timeout_s: float = 15.0) -> None:
-    import redis
-
-    client = redis.Redis.from_url(cluster.redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if len(client.keys("kairos:node:*")) == len(cluster.nodes):
-                time.sleep(0.3)
-                return
-            time.sleep(0.05)
-    finally:
-        client.close()
-    raise RuntimeError("not every node published a heartbeat")
-
-
 def resyncs(workdir: Path) -> int:
     """Times an emulated node's step loop fell behind the clock (from the nodes' warnings)."""
     total = 0
@@ -102,7 +86,7 @@ def start(policy: str, model_dir: Path, scale: float, workdir: Path) -> LocalClu
     )
     cluster = LocalCluster(config, workdir)
     cluster.start()
-    wait_for_heartbeats(cluster)
+    cluster.wait_for_heartbeats()
     return cluster
 
 

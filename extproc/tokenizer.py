@@ -334,7 +334,10 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; long texts release the GIL while Rust encodes them."""
         if len(text) > GIL_RELEASE_CHARS:
-            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            # encode_batch_fast skips character offsets (we only need ids): half the time of
+            # encode_batch on a 100 KB prompt, and it too releases the GIL.
+            batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+            return batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kairos.envoy_config import EnvoySettings, render_envoy_config
 from kairos.errors import ConfigError
-from kairos.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
+from kairos.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
 
 LOOPBACK = "127.0.0.1"
 
@@ -301,6 +302,23 @@ class LocalCluster:
             ),
             timeout_s,
         )
+
+    def wait_for_heartbeats(self, timeout_s: float = 15.0) -> None:
+        """Until every node's heartbeat key is in Redis, plus a moment for the dispatchers'
+        next poll (every 50 ms), so the first request sees the whole cluster."""
+        import redis
+
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if len(client.keys("kairos:node:*")) == len(self.nodes):
+                    time.sleep(0.3)
+                    return
+                time.sleep(0.05)
+        finally:
+            client.close()
+        raise ProcessError(f"not every node published a heartbeat within {timeout_s:g} s")
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> None:

@@ -4,7 +4,6 @@ dispatcher, sidecars, publishers and emulated vLLM nodes, each its own process).
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,25 +47,8 @@ def start_cluster(workdir: Path, model_dir: Path, **overrides: Any) -> LocalClus
     config = LocalClusterConfig(gateway_port=0, model_dir=str(model_dir), log_level="DEBUG", **overrides)
     cluster = LocalCluster(config, workdir)
     cluster.start()
-    wait_for_heartbeats(cluster)
+    cluster.wait_for_heartbeats()
     return cluster
-
-
-def wait_for_heartbeats(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
-    """Until every node's heartbeat is in Redis (the dispatcher polls it every 50 ms)."""
-    import redis
-
-    client = redis.Redis.from_url(cluster.redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if len(client.keys("kairos:node:*")) == len(cluster.nodes):
-                time.sleep(0.3)
-                return
-            time.sleep(0.05)
-    finally:
-        client.close()
-    raise AssertionError("not every node published a heartbeat")
 
 
 @pytest.fixture(scope="module")
