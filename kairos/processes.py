@@ -8,10 +8,12 @@ period, so nothing outlives the cluster that started it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +26,19 @@ from kairos.errors import KairosError
 
 class ProcessError(KairosError):
     code = "process_error"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies,
+    so a killed test run or `kairos up` leaves no orphans (their own sessions shield them from
+    the terminal's signals otherwise)."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):  # no prctl: orphans stay possible, nothing else
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,6 +92,7 @@ class ManagedProcess:
                 env={**os.environ, **(self.env or {})},
                 cwd=self.cwd,
                 start_new_session=True,  # its own process group: stop() reaches its children too
+                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()
