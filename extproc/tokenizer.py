@@ -16,10 +16,11 @@ estimate. vLLM counts:
 ``PromptTokenizer`` does no I/O after construction and is safe to share between threads (the
 Rust tokenizer and a compiled Jinja template are both reentrant). Tokenizing takes 1 to 2 ms
 per 1,000 tokens on these machines, so callers on an event loop must run the counting methods
-in a thread pool (``loop.run_in_executor``) for long prompts. Texts longer than
-``GIL_RELEASE_CHARS`` go through ``encode_batch``, which releases the GIL while Rust works
-(plain ``encode`` holds it), so that the thread pool really frees the loop. ``encode_batch``
-starts tokenizers' Rust thread pool: a process forked after that gets a warning and a
+in a thread pool (``loop.run_in_executor``) for long prompts. Encoding goes through
+``encode_batch_fast`` (no character offsets, and the GIL is released while Rust works, so the
+thread pool really frees the loop); with an older tokenizers, texts longer than
+``GIL_RELEASE_CHARS`` go through ``encode_batch`` for the same reason. The batch calls start
+tokenizers' Rust thread pool: a process forked after that gets a warning and a
 sequential tokenizer in the child (``TOKENIZERS_PARALLELISM=false`` silences it).
 """
 
@@ -205,7 +206,15 @@ def _template_from_config(config: Mapping[str, Any], source: Path) -> str | None
 class PromptTokenizer:
     """A model's tokenizer and chat template, counting prompt tokens as vLLM does."""
 
-    __slots__ = ("_chat_template", "_content_format", "_special_tokens", "_template", "_tokenizer", "_vocab_size")
+    __slots__ = (
+        "_chat_template",
+        "_content_format",
+        "_encode_fast",
+        "_special_tokens",
+        "_template",
+        "_tokenizer",
+        "_vocab_size",
+    )
 
     def __init__(
         self,
@@ -219,6 +228,7 @@ class PromptTokenizer:
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(f"content_format must be auto, string or openai, got {content_format!r}")
         self._tokenizer = tokenizer
+        self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.20
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._chat_template = chat_template
@@ -332,12 +342,15 @@ class PromptTokenizer:
 
     # -- encoding -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; long texts release the GIL while Rust encodes them."""
+        """Token ids of ``text``. ``encode_batch_fast`` skips character offsets, which counting
+        never needs: about 30% faster on a 2 KB prompt and 2x on 100 KB, and it releases the GIL
+        while Rust works (plain ``encode`` holds it). Older tokenizers fall back to the batch or
+        the plain call (long texts through the batch, for the GIL)."""
+        fast = self._encode_fast
+        if fast is not None:
+            return fast([text], add_special_tokens=add_special_tokens)[0].ids
         if len(text) > GIL_RELEASE_CHARS:
-            # encode_batch_fast skips character offsets (we only need ids): half the time of
-            # encode_batch on a 100 KB prompt, and it too releases the GIL.
-            batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-            return batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
