@@ -57,7 +57,15 @@ H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token coun
 
 # The sidecar echoes these on the response, so a client or an operator can see which path a
 # request took (curl -i shows them).
-ECHOED_RESPONSE_HEADERS = (H_ROUTE, H_REASON, H_DECODE_NODE, H_CHUNK_SCHEDULE, H_PROMPT_TOKENS)
+ECHOED_RESPONSE_HEADERS = (
+    H_ROUTE,
+    H_REASON,
+    H_DECODE_NODE,
+    H_CHUNK_SCHEDULE,
+    H_PROMPT_TOKENS,
+    H_PRED_TTFT_PREFILL_MS,
+    H_PRED_TTFT_DECODE_MS,
+)
 
 # Envoy's override_host load balancing reads the upstream from this dynamic metadata.
 ENVOY_LB_NAMESPACE = "envoy.lb"

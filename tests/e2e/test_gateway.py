@@ -37,6 +37,7 @@ def test_keep_request_prefills_on_a_prefill_node_and_decodes_on_a_decode_node(
     )
     assert status == 200, body
     assert headers["x-kairos-route"] == "keep"
+    assert float(headers["x-kairos-predicted-ttft-prefill-ms"]) > 0  # echoed for operators
     expected = tokenizer.count_completion_prompt(prompt)
     usage = body["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (expected, 7, expected + 7)
@@ -78,6 +79,10 @@ def test_deflected_request_runs_on_one_decode_node_with_exactly_its_schedule(
     assert status == 200, body
     assert headers["x-kairos-route"] == "deflect", {k: v for k, v in headers.items() if k.startswith("x-kairos")}
     schedule = [int(x) for x in headers["x-kairos-chunk-schedule"].split(",")]
+    predicted_decode, predicted_prefill = (
+        float(headers[f"x-kairos-predicted-ttft-{path}-ms"]) for path in ("decode", "prefill")
+    )
+    assert predicted_decode <= 1.3 * predicted_prefill  # Eq. 7 held
     assert sum(schedule) == body["usage"]["prompt_tokens"] == tokenizer.count_completion_prompt(prompt)
     decode = headers["x-kairos-decode-node"]
     assert steps_of(cluster, decode, request_id) == schedule
