@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from extproc.tokenizer import TEXT_PART_KEYS, PromptTokenizer
+from extproc.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.errors import ConfigError, InvalidRequestError, KairosError
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -105,11 +105,11 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise RequestError(f"request body must be a JSON object, got {_json_type(data)}")
+        raise RequestError(f"request body must be a JSON object, got {json_type(data)}")
 
     model = data.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError(f"model must be a string, got {_json_type(model)}", "model")
+        raise RequestError(f"model must be a string, got {json_type(model)}", "model")
     stream = _optional_bool(data, "stream", False)
     include_usage = _include_usage(data, stream)
 
@@ -140,20 +140,6 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
 # ---------------------------------------------------------------------------------------------
 # Field helpers
 # ---------------------------------------------------------------------------------------------
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -163,7 +149,7 @@ def _optional_bool(data: Mapping[str, Any], name: str, default: bool, where: str
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"{where}{name} must be a boolean, got {_json_type(value)}", f"{where}{name}")
+        raise RequestError(f"{where}{name} must be a boolean, got {json_type(value)}", f"{where}{name}")
     return value
 
 
@@ -172,7 +158,7 @@ def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise RequestError(f"stream_options must be an object, got {_json_type(options)}", "stream_options")
+        raise RequestError(f"stream_options must be an object, got {json_type(options)}", "stream_options")
     if not stream:
         raise RequestError("stream_options can only be set when stream is true", "stream_options")
     return _optional_bool(options, "include_usage", False, "stream_options.")
@@ -185,7 +171,7 @@ def _max_tokens_field(data: Mapping[str, Any], names: tuple[str, ...]) -> tuple[
         if value is None:
             continue
         if not _is_int(value):
-            raise RequestError(f"{name} must be an integer, got {_json_type(value)}", name)
+            raise RequestError(f"{name} must be an integer, got {json_type(value)}", name)
         if value < 1:
             raise RequestError(f"{name} must be at least 1, got {value}", name)
         return name, value
@@ -245,7 +231,7 @@ def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenize
         else:
             raise RequestError(f"prompt must be {_PROMPT_FORMS}", "prompt")
     else:
-        raise RequestError(f"prompt must be {_PROMPT_FORMS}, got {_json_type(prompt)}", "prompt")
+        raise RequestError(f"prompt must be {_PROMPT_FORMS}, got {json_type(prompt)}", "prompt")
 
     if len(single) == 0:
         raise RequestError("prompt is empty", "prompt")
@@ -265,13 +251,13 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     if messages is None:
         raise RequestError("messages is required", "messages")
     if not isinstance(messages, list):
-        raise RequestError(f"messages must be an array, got {_json_type(messages)}", "messages")
+        raise RequestError(f"messages must be an array, got {json_type(messages)}", "messages")
     if not messages:
         raise RequestError("messages is empty", "messages")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object, got {_json_type(message)}", where)
+            raise RequestError(f"{where} must be an object, got {json_type(message)}", where)
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise RequestError(f"{where}.role is required and must be a non-empty string", f"{where}.role")
@@ -285,22 +271,13 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise RequestError(
-                f"{where}.content must be a string or an array of content parts, got {_json_type(content)}",
+                f"{where}.content must be a string or an array of content parts, got {json_type(content)}",
                 f"{where}.content",
             )
         for j, part in enumerate(content):
             at = f"{where}.content[{j}]"
-            if not isinstance(part, dict):
-                raise RequestError(f"{at} must be an object, got {_json_type(part)}", at)
-            kind = part.get("type")
-            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
-            if key is None:
-                raise RequestError(
-                    f"{at}.type {kind!r} is not supported: the gateway serves text-only models "
-                    f"(supported: {', '.join(sorted(TEXT_PART_KEYS))})",
-                    f"{at}.type",
-                )
-            if not isinstance(part.get(key), str):
+            key = text_part_key(part, at)
+            if not isinstance(part.get(key), str):  # stricter than rendering: a request must carry text
                 raise RequestError(f"{at}.{key} must be a string", f"{at}.{key}")
     return messages
 
@@ -314,10 +291,10 @@ def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> 
         )
     extra = data.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
-        raise RequestError(f"chat_template_kwargs must be an object, got {_json_type(extra)}", "chat_template_kwargs")
+        raise RequestError(f"chat_template_kwargs must be an object, got {json_type(extra)}", "chat_template_kwargs")
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise RequestError(f"tools must be an array, got {_json_type(tools)}", "tools")
+        raise RequestError(f"tools must be an array, got {json_type(tools)}", "tools")
     # As in vLLM, chat_template_kwargs may override the two flags that shape the prompt's end.
     flags = {
         "add_generation_prompt": _optional_bool(data, "add_generation_prompt", True),

@@ -463,21 +463,43 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
+def json_type(value: Any) -> str:
+    """How a JSON value's type reads in an error message ("an array", "null", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def text_part_key(part: Any, param: str) -> str:
+    """The key that holds a content part's text ("text" for type "text", ...); raises for a part
+    that is not an object or not a text part. The request parser and the renderer share it."""
+    if not isinstance(part, Mapping):
+        raise ChatTemplateError(f"{param} must be an object, got {json_type(part)}", param)
+    kind = part.get("type")
+    key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+    if key is None:
+        raise ChatTemplateError(
+            f"{param}.type {kind!r} is not supported: the gateway serves text-only models "
+            f"(supported: {', '.join(sorted(TEXT_PART_KEYS))})",
+            f"{param}.type",
+        )
+    return key
+
+
 def _part_text(part: Any, index: int, j: int) -> str | None:
     """The text of one content part; None for a text part without text (vLLM skips those)."""
     param = f"messages[{index}].content[{j}]"
     if isinstance(part, str):
         return part
-    if not isinstance(part, Mapping):
-        raise ChatTemplateError(f"{param} must be an object", param)
-    kind = part.get("type")
-    key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
-    if key is None:
-        raise ChatTemplateError(
-            f"{param}.type {kind!r} is not supported: this gateway serves text-only models "
-            f"(supported: {', '.join(sorted(TEXT_PART_KEYS))})",
-            f"{param}.type",
-        )
+    key = text_part_key(part, param)
     text = part.get(key)
     if text is not None and not isinstance(text, str):
         raise ChatTemplateError(f"{param}.{key} must be a string", f"{param}.{key}")
