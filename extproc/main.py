@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from extproc.tokenizer import PromptTokenizer
 from extproc.view import ClusterTracker
 from kairos.config import load_config
 from kairos.errors import ConfigError
+from kairos.runtime import stop_on_signals
 
 log = logging.getLogger("kairos.dispatcher")
 
@@ -195,11 +195,7 @@ def run_until_signalled(serve_fn, config) -> int:  # type: ignore[no-untyped-def
     """Run ``serve_fn(config, stop)`` until SIGINT/SIGTERM sets ``stop``."""
 
     async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve_fn(config, stop)
+        await serve_fn(config, stop_on_signals())
 
     asyncio.run(runner())
     return 0

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import re
-import signal
 import sys
 import time
 import uuid
@@ -44,6 +43,7 @@ from kairos import contracts as c
 from kairos.config import load_config
 from kairos.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.runtime import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -820,11 +820,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(config: SidecarConfig) -> None:
-    # Handlers first: a supervisor may signal as soon as it reads "listening on".
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     # The access log would add an INFO line per request; the DEBUG timing line covers it.
     runner = web.AppRunner(build_app(config), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()

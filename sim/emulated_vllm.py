@@ -29,7 +29,6 @@ import itertools
 import json
 import logging
 import math
-import signal
 import sys
 import time
 import uuid
@@ -57,6 +56,7 @@ from kairos import contracts as c
 from kairos.config import load_config
 from kairos.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.runtime import stop_on_signals
 from sim.engine import Engine, EngineConfig, Role, model_step_time
 from sim.engine import Sequence as EngineSeq
 from sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
@@ -930,6 +930,7 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 
 async def _serve_forever(config: EmulatedNodeConfig) -> None:
+    stop = stop_on_signals()
     app = build_app(config)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -938,10 +939,6 @@ async def _serve_forever(config: EmulatedNodeConfig) -> None:
         await site.start()
         port = runner.addresses[0][1]  # the bound port (port 0 picks one)
         print(f"listening on {config.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("node %s: signal received, shutting down", config.node_id)
     finally:
