@@ -188,14 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kairos dispatcher: error: {exc.message}", file=sys.stderr)
         return 2
-    return run_until_signalled(serve, config)
 
+    async def run() -> None:
+        await serve(config, stop_on_signals())
 
-def run_until_signalled(serve_fn, config) -> int:  # type: ignore[no-untyped-def]
-    """Run ``serve_fn(config, stop)`` until SIGINT/SIGTERM sets ``stop``."""
-
-    async def runner() -> None:
-        await serve_fn(config, stop_on_signals())
-
-    asyncio.run(runner())
+    asyncio.run(run())
     return 0
