@@ -1,0 +1,105 @@
+"""The command line and environment that start a real vLLM server as a Kairos node.
+
+One place builds them, so ``kairos up --backend vllm``, the integration tests and the README's
+node recipe cannot drift apart. A node is vLLM's OpenAI server with:
+
+- ``--scheduler-cls`` = :class:`nodeagent.vllm_plugin.scheduler.KairosScheduler` (chunk
+  schedules, state reporter, step recorder), configured by ``KAIROS_VLLM_*`` variables;
+- NixlConnector for the prefill-to-decode KV hand-off (``kv_both`` on every node, as vLLM's
+  P/D examples do; the sidecar's two hops decide who sends and who pulls);
+- on CPU (``device="cpu"``): an explicit KV-cache size, no thread pinning, one OpenMP thread,
+  and NIXL over TCP with a CPU KV buffer.
+
+This module only builds argv and env; :mod:`kairos.local_cluster` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEDULER_CLS = "nodeagent.vllm_plugin.scheduler.KairosScheduler"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmNodeSpec:
+    node_id: str
+    role: str  # "prefill" or "decode"
+    python: str  # the interpreter of the environment vLLM (and kairos-gateway) is installed in
+    model_dir: Path
+    served_model_name: str
+    port: int
+    state_port: int  # KairosScheduler's loopback state server (the heartbeat publisher reads it)
+    nixl_port: int  # VLLM_NIXL_SIDE_CHANNEL_PORT: distinct per node on one host
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int = 256 * 2**20
+    device: str = "cpu"  # "cpu" adds the CPU recipe; "gpu" leaves vLLM's defaults
+    load_format: str = "dummy"  # "auto" for real weights
+    profile: str = ""  # latency profile the node enforces step budgets with
+    step_log: str = ""  # JSONL path of the step recorder ("" = ring only, when record_steps)
+    record_steps: bool = False
+    workdir: Path | None = None  # vLLM's temp, IPC and cache files go here (CPU tests)
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",  # the `vllm` CLI looks for a distribution named vllm
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--load-format",
+            self.load_format,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--scheduler-cls",
+            SCHEDULER_CLS,
+            "--kv-transfer-config",
+            json.dumps(self.kv_transfer_config()),
+            # A deflected prefill's chunks are counted from its first uncached token; prefix hits
+            # would make the step log differ from the schedule the dispatcher sent.
+            "--no-enable-prefix-caching",
+        ]
+        if self.device == "cpu":
+            args += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        return [*args, *self.extra_args]
+
+    def kv_transfer_config(self) -> dict[str, str]:
+        config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if self.device == "cpu":
+            config["kv_buffer_device"] = "cpu"
+        return config
+
+    def env(self) -> dict[str, str]:
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+            "KAIROS_VLLM_STATE_PORT": str(self.state_port),
+            "KAIROS_VLLM_NODE_ID": self.node_id,
+            "KAIROS_VLLM_PROFILE": self.profile,
+            "KAIROS_VLLM_RECORD_STEPS": "1" if self.record_steps or self.step_log else "0",
+            "KAIROS_VLLM_STEP_LOG": self.step_log,
+            "HF_HUB_OFFLINE": "1",
+        }
+        if self.device == "cpu":
+            env |= {
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # else every server pins the same core
+                "OMP_NUM_THREADS": "1",
+                "UCX_TLS": "tcp,self,sm",
+            }
+        if self.workdir is not None:
+            env |= {
+                "TMPDIR": str(self.workdir),
+                "VLLM_RPC_BASE_PATH": str(self.workdir),
+                "VLLM_CACHE_ROOT": str(self.workdir / "cache"),
+            }
+        return env

@@ -1,0 +1,16 @@
+"""Kairos plugins for a real vLLM server (the paper's §5.3-5.4).
+
+Installed into the vLLM environment with the ``kairos-gateway`` package; vLLM finds them by
+entry point or by ``--scheduler-cls``:
+
+- :mod:`.scheduler` -- ``KairosScheduler``: honours a deflected request's chunk schedule
+  (``vllm_xargs.kairos_chunk_schedule``) and per-step budget, reports the engine state and
+  records steps;
+- :mod:`.validator` -- a no-op logits processor whose ``validate_params`` rejects a malformed
+  schedule in the API server with an HTTP 400, before it reaches the engine;
+- :mod:`.schedule`, :mod:`.engine_state`, :mod:`.recorder`, :mod:`.state_server` -- the
+  vLLM-free parts (parsing, the heartbeat snapshot, the step log, the local HTTP channel), so
+  they are unit-tested without vLLM installed.
+
+Only :mod:`.scheduler` and :mod:`.validator` import vLLM.
+"""

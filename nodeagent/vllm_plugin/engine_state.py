@@ -1,0 +1,58 @@
+"""The engine-state snapshot a vLLM node hands its heartbeat publisher.
+
+The scheduler turns its queues into plain :class:`PendingPrefill` rows and calls
+:func:`build_state`; the result is the JSON object ``nodeagent.heartbeat.EngineState`` reads
+(the same one the emulated node serves), plus request counts and KV usage as vLLM's own
+``/metrics`` define them, so an operator can hold the two side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefill:
+    """A request that still has prompt tokens to compute on this node, in queue order."""
+
+    remaining: int  # prompt tokens not yet computed
+    scheduled: bool  # a deflected prefill with a chunk schedule
+
+
+def build_state(
+    *,
+    decode_tokens: int,
+    kv_tokens: int,
+    kv_capacity_tokens: int,
+    prefills: Iterable[PendingPrefill],
+    max_step_tokens: int,
+    model: str,
+    running_requests: int,
+    waiting_requests: int,
+    kv_usage: float,
+) -> dict[str, object]:
+    queued: list[int] = []
+    scheduled: list[int] = []
+    for p in prefills:
+        if p.remaining > 0:
+            (scheduled if p.scheduled else queued).append(p.remaining)
+    return {
+        "decode_tokens": decode_tokens,
+        "kv_tokens": kv_tokens,
+        "kv_capacity_tokens": kv_capacity_tokens,
+        "queued_prefill_tokens": queued,
+        "scheduled_prefill_tokens": scheduled,
+        "max_step_tokens": max_step_tokens,
+        "model": model,
+        "running_requests": running_requests,
+        "waiting_requests": waiting_requests,
+        "kv_usage": round(kv_usage, 6),
+        "as_of": time.time(),
+    }
+
+
+def encode_state(state: dict[str, object]) -> bytes:
+    return json.dumps(state, separators=(",", ":")).encode()

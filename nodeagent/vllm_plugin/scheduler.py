@@ -1,0 +1,251 @@
+"""``KairosScheduler``: vLLM's scheduler, plus the three things a Kairos node needs.
+
+Start vLLM with ``--scheduler-cls nodeagent.vllm_plugin.scheduler.KairosScheduler``.
+
+1. **Chunk schedules.** A request whose ``vllm_xargs`` carry ``kairos_chunk_schedule`` (a
+   deflected prefill) gets at most the schedule's i-th size of prompt tokens in its i-th prefill
+   step, the last size repeating. With ``kairos_step_budget_ms`` and a latency profile
+   configured, a chunk is shrunk (or deferred a step) when the node's own model predicts its
+   step over the budget for the batch the node has now: the dispatcher planned on a heartbeat
+   up to 100 ms old, and decodes may have joined since (the simulator's ``_fit_chunk``). The
+   budget protects decodes' TBT, so it does not apply while no decode runs. At most one
+   scheduled prefill advances per step, and a waiting one is skipped (not blocking the queue)
+   while another is in progress: the dispatcher's decode-path TTFT assumes they run one after
+   another. Requests without a schedule, and all decode work, are scheduled as vLLM does.
+2. **State reporter.** After each step (at most every ``state_refresh_s`` while busy, and at
+   once when the request counts change) the engine state is snapshotted for the heartbeat
+   publisher, served on loopback (:mod:`.state_server`).
+3. **Step recorder** (off by default): wall time and composition of every step (:mod:`.recorder`).
+
+The hook is ``Scheduler._reserve_prefill_lookahead``, which vLLM calls for every running and
+waiting request after all its own token-budget clamping, so the cap composes with vLLM's
+budget instead of replacing it. Step wall time is measured from the end of ``schedule()`` to
+the start of ``update_from_output()``: the model forward in vLLM's synchronous engine loop
+(this class is synchronous: vLLM turns async scheduling off for a custom scheduler class).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from extproc.latency import LatencyModels, largest_chunk_within, load_profile
+from nodeagent.vllm_plugin.config import PluginConfig
+from nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from nodeagent.vllm_plugin.recorder import StepRecorder
+from nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
+from nodeagent.vllm_plugin.state_server import StateServer
+
+log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
+
+
+class KairosScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kairos = PluginConfig.from_env()
+        self._plans: dict[str, ChunkPlan] = {}  # request id -> its chunk schedule
+        self._chunk_steps: dict[str, int] = {}  # request id -> prefill steps it has had
+        self._max_step_tokens = self.scheduler_config.max_num_batched_tokens
+        self._model_name = self.vllm_config.model_config.served_model_name
+        self._kv_capacity = int(self.cache_config.num_gpu_blocks or 0) * self.block_size
+        # Per step, set at the start of schedule(): the batch the budget guard costs against.
+        self._step_decodes = 0
+        self._step_kv = 0
+        self._step_owner: str | None = None  # the scheduled prefill that advances this step
+        self._scheduled_in_progress = False  # a scheduled prefill is running, mid-prompt
+        self._guard: LatencyModels | None = load_profile(self.kairos.profile) if self.kairos.profile else None
+        self._warned_no_guard = False
+        self._recorder = (
+            StepRecorder(self.kairos.step_ring, self.kairos.step_log or None, self.kairos.node_id)
+            if self.kairos.recorder_on
+            else None
+        )
+        self._step_index = 0
+        self._pending_step: tuple[int, float, int, int, list[dict[str, Any]]] | None = None
+        self._server = (
+            StateServer(self.kairos.state_host, self.kairos.state_port, self._recorder)
+            if self.kairos.state_port
+            else None
+        )
+        self._last_state_at = 0.0
+        self._last_counts: tuple[int, int] = (-1, -1)
+        self._publish_state(force=True)
+        log.info(
+            "kairos scheduler: state %s, step recorder %s, step-budget profile %s",
+            f"{self.kairos.state_host}:{self.kairos.state_port}" if self._server else "off",
+            (self.kairos.step_log or "ring only") if self._recorder else "off",
+            self.kairos.profile or "none (budgets not enforced)",
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        try:
+            plan = parse_chunk_plan(extra)
+        except ScheduleError as exc:
+            # The validator plugin answers this with a 400 in the API server; reaching here means
+            # it is not installed. Running another schedule silently would be worse than failing.
+            log.error("kairos: request %s aborted: %s", request.request_id, exc)
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            return
+        if plan is not None:
+            if max(plan.sizes) > self._max_step_tokens:
+                log.warning(
+                    "kairos: request %s: chunks over max_num_batched_tokens=%d run capped at it",
+                    request.request_id,
+                    self._max_step_tokens,
+                )
+            if plan.step_budget_s is not None and self._guard is None and not self._warned_no_guard:
+                self._warned_no_guard = True
+                log.warning("kairos: step budgets arrive but no profile is set (KAIROS_VLLM_PROFILE): not enforced")
+            self._plans[request.request_id] = plan
+            self._chunk_steps[request.request_id] = 0
+        self._publish_state()
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        decodes = kv = 0
+        in_progress = False
+        for r in self.running:
+            kv += r.num_computed_tokens
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                decodes += 1
+            elif r.request_id in self._plans:
+                in_progress = True
+        self._step_decodes, self._step_kv = decodes, kv
+        self._step_owner, self._scheduled_in_progress = None, in_progress
+
+        output = super().schedule(*args, **kwargs)
+
+        chunks: list[dict[str, Any]] = []
+        step_decodes = 0
+        for rid, n in output.num_scheduled_tokens.items():
+            request = self.requests[rid]
+            cached = request.num_computed_tokens - n  # super() already advanced it by n
+            if cached >= request.num_prompt_tokens:
+                step_decodes += 1
+                continue
+            chunks.append({"request_id": rid, "tokens": n, "cached": cached})
+            if rid in self._chunk_steps:
+                self._chunk_steps[rid] += 1
+        if self._recorder is not None and output.total_num_scheduled_tokens > 0:
+            self._pending_step = (self._step_index, time.time(), step_decodes, kv, chunks)
+            self._step_index += 1
+        return output
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        plan = self._plans.get(request.request_id)
+        if plan is None or n == 0 or num_computed_tokens >= request.num_prompt_tokens:
+            return n
+        if self._step_owner is not None and self._step_owner != request.request_id:
+            return 0  # one scheduled prefill per step
+        n = min(n, plan.cap(self._chunk_steps.get(request.request_id, 0)))
+        n = self._within_budget(plan, n, num_computed_tokens)
+        if n > 0:
+            self._step_owner = request.request_id
+        return n
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            return True
+        if self._step_owner is not None or self._scheduled_in_progress:
+            return False  # skipped this step: the queue behind it moves on
+        # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue.
+        return self._within_budget(plan, 1, request.num_computed_tokens) > 0
+
+    def _within_budget(self, plan: ChunkPlan, tokens: int, cached: int) -> int:
+        if plan.step_budget_s is None or self._guard is None or self._step_decodes == 0:
+            return tokens
+        return largest_chunk_within(self._guard, tokens, cached, self._step_decodes, self._step_kv, plan.step_budget_s)
+
+    # -- after each step ----------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        ended = time.time()
+        if self._pending_step is not None and self._recorder is not None:
+            index, start, decodes, kv, chunks = self._pending_step
+            self._pending_step = None
+            self._recorder.record(
+                index=index,
+                start=start,
+                duration=ended - start,
+                decode_tokens=decodes,
+                kv_tokens=kv,
+                chunks=chunks,
+            )
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        if len(self._plans) > len(self.requests) or any(rid not in self.requests for rid in self._plans):
+            for rid in [r for r in self._plans if r not in self.requests]:
+                del self._plans[rid]
+                self._chunk_steps.pop(rid, None)
+        self._publish_state()
+        return result
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> Any:
+        result = super().finish_requests(request_ids, finished_status)
+        self._publish_state()
+        return result
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._recorder is not None:
+            self._recorder.close()
+        super().shutdown()
+
+    # -- state reporter -----------------------------------------------------------------------
+    def _publish_state(self, force: bool = False) -> None:
+        if self._server is None:
+            return
+        now = time.monotonic()
+        counts = self._request_counts()
+        if not force and counts == self._last_counts and now - self._last_state_at < self.kairos.state_refresh_s:
+            return
+        self._last_state_at, self._last_counts = now, counts
+        self._server.publish(encode_state(self._snapshot(counts)))
+
+    def _request_counts(self) -> tuple[int, int]:
+        running, waiting = self.get_request_counts()
+        return running, waiting - len(self.deferred_waiting)  # as vLLM's num_requests_waiting
+
+    def _snapshot(self, counts: tuple[int, int]) -> dict[str, object]:
+        decodes = kv = 0
+        prefills: list[PendingPrefill] = []
+        for r in self.running:
+            kv += r.num_computed_tokens
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefills.append(self._pending(r))
+        for queue in (self.kv_holding_waiting, self.waiting):
+            for r in queue:
+                if not _kv_arrives_by_transfer(r):
+                    prefills.append(self._pending(r))
+        return build_state(
+            decode_tokens=decodes,
+            kv_tokens=kv,
+            kv_capacity_tokens=self._kv_capacity,
+            prefills=prefills,
+            max_step_tokens=self._max_step_tokens,
+            model=self._model_name,
+            running_requests=counts[0],
+            waiting_requests=counts[1],
+            kv_usage=self.kv_cache_manager.usage,
+        )
+
+    def _pending(self, r: Request) -> PendingPrefill:
+        return PendingPrefill(r.num_prompt_tokens - r.num_computed_tokens, r.request_id in self._plans)
+
+
+def _kv_arrives_by_transfer(r: Request) -> bool:
+    """A decode hop of the keep path: its prompt's KV comes from the prefill node, no prefill here."""
+    params = r.kv_transfer_params
+    return r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or bool(params and params.get("do_remote_prefill"))

@@ -1,0 +1,87 @@
+"""The local channel from the vLLM engine process to the heartbeat publisher.
+
+A daemon thread serves ``GET /kairos/state`` (the newest snapshot, as bytes the scheduler
+thread swapped in whole) and ``GET /kairos/steps?since=N`` (the step recorder's ring) on
+loopback. The publisher polls it every heartbeat period, so the engine never writes to Redis
+and a slow reader never slows a step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from nodeagent.vllm_plugin.recorder import StepRecorder
+
+log = logging.getLogger(__name__)
+
+STATE_PATH = "/kairos/state"
+STEPS_PATH = "/kairos/steps"
+
+
+class StateServer:
+    def __init__(self, host: str, port: int, recorder: StepRecorder | None = None) -> None:
+        self._snapshot: bytes | None = None
+        self._recorder = recorder
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                if url.path == STATE_PATH:
+                    body = server._snapshot
+                    if body is None:
+                        self._reply(HTTPStatus.SERVICE_UNAVAILABLE, _error("engine state not ready yet"))
+                    else:
+                        self._reply(HTTPStatus.OK, body)
+                elif url.path == STEPS_PATH:
+                    self._steps(parse_qs(url.query).get("since", ["0"])[0])
+                else:
+                    self._reply(HTTPStatus.NOT_FOUND, _error(f"no route {url.path}; try {STATE_PATH}"))
+
+            def _steps(self, since: str) -> None:
+                if server._recorder is None:
+                    self._reply(HTTPStatus.NOT_FOUND, _error("step recorder is off (KAIROS_VLLM_RECORD_STEPS=1)"))
+                    return
+                try:
+                    start = int(since)
+                except ValueError:
+                    start = -1
+                if start < 0:
+                    self._reply(HTTPStatus.BAD_REQUEST, _error(f"since must be a non-negative integer, got {since!r}"))
+                    return
+                rec = server._recorder
+                body = {"node_id": rec.node, "next_index": rec.next_index, "steps": rec.since(start)}
+                self._reply(HTTPStatus.OK, json.dumps(body).encode())
+
+            def _reply(self, status: HTTPStatus, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # one line per heartbeat poll would drown vLLM's own log
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kairos-state", daemon=True)
+        self._thread.start()
+        log.info("kairos: engine state on http://%s:%d%s", host, self.port, STATE_PATH)
+
+    def publish(self, snapshot: bytes) -> None:
+        self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "kairos_state"}}).encode()

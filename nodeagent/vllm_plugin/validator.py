@@ -1,0 +1,34 @@
+"""Rejects a malformed chunk schedule in vLLM's API server, as an HTTP 400.
+
+vLLM calls every installed logits processor's ``validate_params`` on each request before it
+reaches the engine (entry point group ``vllm.logits_processors``); ``ValueError`` there becomes
+a 400 with vLLM's own error body. The processor itself changes no logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from nodeagent.vllm_plugin.schedule import parse_chunk_plan
+
+
+class KairosScheduleValidator(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        parse_chunk_plan(sampling_params.extra_args)
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # never touches logits, so greedy sampling may skip it
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        return None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

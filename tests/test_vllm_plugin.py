@@ -1,0 +1,230 @@
+"""The vLLM plugins' vLLM-free parts: schedule parsing, the state snapshot, the step recorder,
+the loopback state server and the node command line. (The scheduler itself runs inside real
+vLLM in tests/integration.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from extproc.latency import largest_chunk_within, load_profile
+from kairos.errors import ConfigError
+from kairos.vllm_node import SCHEDULER_CLS, VllmNodeSpec
+from nodeagent.heartbeat import EngineState
+from nodeagent.vllm_plugin.config import PluginConfig
+from nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from nodeagent.vllm_plugin.recorder import StepRecorder
+from nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
+from nodeagent.vllm_plugin.state_server import StateServer
+
+
+# -- schedule -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("xargs", "plan"),
+    [
+        (None, None),
+        ({}, None),
+        ({"other": 1}, None),
+        ({"kairos_chunk_schedule": [512]}, ChunkPlan((512,))),
+        ({"kairos_chunk_schedule": [1020, 508, 252]}, ChunkPlan((1020, 508, 252))),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 63}, ChunkPlan((256,), 0.063)),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 62.5}, ChunkPlan((256,), 0.0625)),
+    ],
+)
+def test_parse_chunk_plan_accepts(xargs: dict | None, plan: ChunkPlan | None) -> None:
+    assert parse_chunk_plan(xargs) == plan
+
+
+@pytest.mark.parametrize(
+    ("xargs", "message"),
+    [
+        ({"kairos_chunk_schedule": []}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [0]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [-5, 10]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [1.5]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [True]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": "512,256"}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": 512}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": [1] * 5000}, "more than 4096"),
+        ({"kairos_step_budget_ms": 60}, "needs vllm_xargs.kairos_chunk_schedule"),
+        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": 0}, "positive number of milliseconds"),
+        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": "60"}, "positive number of milliseconds"),
+        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": float("inf")}, "positive number of milliseconds"),
+    ],
+)
+def test_parse_chunk_plan_rejects(xargs: dict, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        parse_chunk_plan(xargs)
+    assert issubclass(ScheduleError, ValueError)  # what vLLM turns into an HTTP 400
+
+
+def test_parse_chunk_plan_checks_the_step_budget_when_known() -> None:
+    assert parse_chunk_plan({"kairos_chunk_schedule": [512]}, max_step_tokens=512) == ChunkPlan((512,))
+    with pytest.raises(ScheduleError, match=r"chunks \[600\] over this node's max_num_batched_tokens of 512"):
+        parse_chunk_plan({"kairos_chunk_schedule": [600, 100]}, max_step_tokens=512)
+
+
+def test_chunk_plan_repeats_its_last_size() -> None:
+    plan = ChunkPlan((1024, 512, 256))
+    assert [plan.cap(i) for i in range(6)] == [1024, 512, 256, 256, 256, 256]
+
+
+def test_largest_chunk_within_is_the_largest_that_fits() -> None:
+    models = load_profile()
+    b, k, cached = 24, 24 * 3569, 2048
+    limit = models.mixed_step_s(b + 700, cached, b, k)
+    n = largest_chunk_within(models, 2048, cached, b, k, limit)
+    assert models.mixed_step_s(b + n, cached, b, k) <= limit < models.mixed_step_s(b + n + 1, cached, b, k)
+    assert largest_chunk_within(models, 300, cached, b, k, limit) == 300  # already fits: unchanged
+    assert largest_chunk_within(models, 2048, cached, b, k, models.decode_step_s(b, k)) == 0  # nothing fits
+
+
+# -- state snapshot -------------------------------------------------------------------------------
+def test_state_snapshot_is_what_the_publisher_reads() -> None:
+    state = build_state(
+        decode_tokens=3,
+        kv_tokens=4100,
+        kv_capacity_tokens=131072,
+        prefills=[
+            PendingPrefill(500, False),
+            PendingPrefill(0, False),
+            PendingPrefill(900, True),
+            PendingPrefill(7, False),
+        ],
+        max_step_tokens=2048,
+        model="tiny",
+        running_requests=4,
+        waiting_requests=2,
+        kv_usage=0.0312,
+    )
+    parsed = EngineState.from_mapping(json.loads(encode_state(state)))
+    assert parsed.decode_tokens == 3 and parsed.kv_tokens == 4100 and parsed.kv_capacity_tokens == 131072
+    assert parsed.queued_prefill_tokens == (500, 7)  # FIFO, finished prefills left out
+    assert parsed.scheduled_prefill_tokens == (900,)
+    assert (state["running_requests"], state["waiting_requests"], state["kv_usage"]) == (4, 2, 0.0312)
+
+
+# -- step recorder and state server --------------------------------------------------------------
+def _record(rec: StepRecorder, index: int) -> None:
+    rec.record(
+        index=index,
+        start=100.0 + index,
+        duration=0.01,
+        decode_tokens=2,
+        kv_tokens=300,
+        chunks=[{"request_id": "r1", "tokens": 128, "cached": 128 * index}],
+    )
+
+
+def test_step_recorder_keeps_a_ring_and_appends_jsonl(tmp_path: Path) -> None:
+    log = tmp_path / "sub" / "steps.jsonl"
+    rec = StepRecorder(ring=3, path=log, node="d0")
+    for i in range(5):
+        _record(rec, i)
+    assert [r["index"] for r in rec.since(0)] == [2, 3, 4]
+    assert [r["index"] for r in rec.since(4)] == [4]
+    assert rec.next_index == 5
+    rec.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["index"] for r in lines] == [0, 1, 2, 3, 4]
+    assert lines[1] == {
+        "index": 1,
+        "start": 101.0,
+        "duration": 0.01,
+        "decode_tokens": 2,
+        "kv_tokens": 300,
+        "chunks": [{"request_id": "r1", "tokens": 128, "cached": 128}],
+        "node": "d0",
+    }
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_state_server_serves_the_newest_snapshot_and_steps() -> None:
+    rec = StepRecorder(ring=10, node="d0")
+    server = StateServer("127.0.0.1", 0, rec)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        status, body = _get(f"{base}/kairos/state")
+        assert status == 503 and "not ready" in body["error"]["message"]
+        server.publish(b'{"decode_tokens": 1}')
+        server.publish(b'{"decode_tokens": 2}')
+        assert _get(f"{base}/kairos/state") == (200, {"decode_tokens": 2})
+        _record(rec, 0)
+        _record(rec, 1)
+        status, body = _get(f"{base}/kairos/steps?since=1")
+        assert status == 200 and body["node_id"] == "d0" and body["next_index"] == 2
+        assert [s["index"] for s in body["steps"]] == [1]
+        assert _get(f"{base}/kairos/steps?since=x")[0] == 400
+        assert _get(f"{base}/kairos/steps?since=-1")[0] == 400
+        assert _get(f"{base}/nope")[0] == 404
+    finally:
+        server.close()
+
+
+def test_state_server_without_recorder_says_how_to_turn_it_on() -> None:
+    server = StateServer("127.0.0.1", 0)
+    try:
+        status, body = _get(f"http://127.0.0.1:{server.port}/kairos/steps")
+        assert status == 404 and "KAIROS_VLLM_RECORD_STEPS" in body["error"]["message"]
+    finally:
+        server.close()
+
+
+# -- configuration and the node command line -------------------------------------------------------
+def test_plugin_config_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("KAIROS_VLLM_CONFIG", "KAIROS_VLLM_STATE_PORT", "KAIROS_VLLM_STEP_LOG", "KAIROS_VLLM_RECORD_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    assert PluginConfig.from_env() == PluginConfig()
+    assert not PluginConfig().recorder_on
+    yaml_file = tmp_path / "kairos.yaml"
+    yaml_file.write_text("vllm:\n  state_port: 9000\n  profile: deepseek-v2-lite-a100\n")
+    monkeypatch.setenv("KAIROS_VLLM_CONFIG", str(yaml_file))
+    monkeypatch.setenv("KAIROS_VLLM_STATE_PORT", "9100")  # the environment wins over the file
+    monkeypatch.setenv("KAIROS_VLLM_STEP_LOG", "/tmp/steps.jsonl")
+    cfg = PluginConfig.from_env()
+    assert (cfg.state_port, cfg.profile, cfg.recorder_on) == (9100, "deepseek-v2-lite-a100", True)
+    monkeypatch.setenv("KAIROS_VLLM_STATE_PORT", "70000")
+    with pytest.raises(ConfigError, match="STATE_PORT"):
+        PluginConfig.from_env()
+
+
+def test_vllm_node_command_line_on_cpu(tmp_path: Path) -> None:
+    spec = VllmNodeSpec(
+        node_id="d0",
+        role="decode",
+        python="/venv/bin/python",
+        model_dir=tmp_path / "model",
+        served_model_name="tiny",
+        port=8101,
+        state_port=8201,
+        nixl_port=8301,
+        workdir=tmp_path,
+        step_log=str(tmp_path / "steps.jsonl"),
+    )
+    argv = spec.argv()
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+    }
+    assert "--kv-cache-memory-bytes" in argv and "--enforce-eager" in argv
+    env = spec.env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["UCX_TLS"] == "tcp,self,sm"
+    assert (env["KAIROS_VLLM_STATE_PORT"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("8201", "8301")
+    assert env["KAIROS_VLLM_RECORD_STEPS"] == "1"
+    gpu = dataclasses.replace(spec, device="gpu")
+    assert "--kv-cache-memory-bytes" not in gpu.argv() and "UCX_TLS" not in gpu.env()
