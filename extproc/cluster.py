@@ -24,7 +24,13 @@ Degraded modes (design principle 6):
   node id. This is plain P/D routing.
 * Reservations while Redis is unreachable return False: never deflect on a guess.
 
-Every Redis failure counts in ``kairos_dispatcher_redis_errors_total{operation="poll"|"reserve"}``.
+TTFT feedback: when given a :class:`~extproc.feedback.TtftFeedback`, each successful poll also
+reads the sidecars' new entries of the ``kairos:ttft-feedback`` stream (one non-blocking XREAD
+from the last id read; at start-up it begins at the stream's end, as ``$`` would). A failed
+XREAD only pauses the feedback: it never marks the view degraded.
+
+Every Redis failure counts in
+``kairos_dispatcher_redis_errors_total{operation="poll"|"reserve"|"feedback"}``.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from extproc.decision import Decision
+from extproc.feedback import TtftFeedback
 from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
 from extproc.view import ClusterTracker
 from kairos.contracts import (
@@ -59,6 +66,7 @@ from kairos.contracts import (
     REDIS_NODE_KEY,
     REDIS_NODE_PATTERN,
     REDIS_RESERVATION_KEY,
+    REDIS_TTFT_FEEDBACK_STREAM,
     HeartbeatField,
 )
 from kairos.errors import ConfigError, NoHealthyNodeError
@@ -68,6 +76,7 @@ log = logging.getLogger(__name__)
 PREFILL, DECODE = "prefill", "decode"
 _KEY_PREFIX = REDIS_NODE_KEY.format(node_id="")
 _REDIS_ERRORS = (RedisError, OSError)  # OSError covers refused sockets and asyncio timeouts
+_FEEDBACK_BATCH = 1000  # stream entries per XREAD: 20,000 samples/s at 50 ms polls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,12 +290,13 @@ def redis_error_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
     if counter is None:
         counter = Counter(
             "kairos_dispatcher_redis_errors",
-            "Failed Redis round trips of the dispatcher's cluster view (poll) and reservations (reserve)",
+            "Failed Redis round trips of the dispatcher's cluster view (poll), reservations (reserve) "
+            "and TTFT feedback reads (feedback)",
             ["operation"],
             registry=registry,
         )
-        for operation in ("poll", "reserve"):
-            counter.labels(operation=operation)  # export both series from the start, at 0
+        for operation in ("poll", "reserve", "feedback"):
+            counter.labels(operation=operation)  # export every series from the start, at 0
         _ERROR_COUNTERS[registry] = counter
     return counter
 
@@ -339,8 +349,10 @@ class RedisClusterView:
         clock: Callable[[], float] = time.monotonic,
         *,
         registry: CollectorRegistry = REGISTRY,
+        feedback: TtftFeedback | None = None,
     ) -> None:
         self.config = config
+        self.feedback = feedback  # None: the TTFT feedback stream is not read
         self.tracker = tracker if tracker is not None else ClusterTracker()
         self._clock = clock
         self._errors = redis_error_counter(registry)
@@ -357,6 +369,8 @@ class RedisClusterView:
         self._outage_since: float | None = None
         self._outage_failures = 0
         self._reserve_failing = False
+        self._feedback_last_id: bytes | None = None  # None: find the stream's end first ("$")
+        self._feedback_failing = False
         self._bug_logged = False
         self._stopping = False
         self._url = redact_url(config.redis_url)
@@ -503,6 +517,38 @@ class RedisClusterView:
         now = self.now()
         self._poll_succeeded(now)
         self._apply(keys, values, now)
+        if self.feedback is not None:
+            await self._read_feedback(client, self.feedback)
+
+    async def _read_feedback(self, client: aioredis.Redis, feedback: TtftFeedback) -> None:
+        """Hand the feedback stream's new entries to ``feedback``. XREAD without BLOCK: a poll
+        must not wait. "$" means nothing to a non-blocking XREAD (it would always answer empty),
+        so the first read finds the stream's last id with XREVRANGE and continues from there."""
+        try:
+            if self._feedback_last_id is None:
+                last = await client.xrevrange(REDIS_TTFT_FEEDBACK_STREAM, count=1)
+                self._feedback_last_id = last[0][0] if last else b"0-0"
+            reply = await client.xread({REDIS_TTFT_FEEDBACK_STREAM: self._feedback_last_id}, count=_FEEDBACK_BATCH)
+        except _REDIS_ERRORS as exc:
+            self._errors.labels(operation="feedback").inc()
+            if not self._feedback_failing:
+                self._feedback_failing = True
+                log.warning(
+                    "cannot read the TTFT feedback stream %s at %s: %s; the model-error metrics pause until it "
+                    "reads again (routing is not affected)",
+                    REDIS_TTFT_FEEDBACK_STREAM,
+                    self._url,
+                    _describe(exc),
+                )
+            return
+        if self._feedback_failing:
+            self._feedback_failing = False
+            log.info("reading the TTFT feedback stream %s again", REDIS_TTFT_FEEDBACK_STREAM)
+        # RESP2 answers [[stream, entries]], a RESP3 connection may answer {stream: entries}.
+        for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():
+            if entries:
+                self._feedback_last_id = entries[-1][0]
+                feedback.add_entries(entries)
 
     def _poll_failed(self, exc: BaseException) -> None:
         self._errors.labels(operation="poll").inc()

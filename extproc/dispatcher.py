@@ -74,6 +74,15 @@ class Rejected:
     code: str
 
 
+@dataclass(frozen=True, slots=True)
+class Policies:
+    """The routing policies, built on one latency profile. A profile reload replaces the whole
+    object in one assignment (:attr:`Dispatcher.policies`), so a decision never mixes profiles."""
+
+    policy: Policy
+    keep_policy: Policy  # the P/D path, when every deflection target is taken
+
+
 @dataclass(frozen=True)
 class DispatchSettings:
     """Request-level knobs of the dispatcher."""
@@ -102,8 +111,8 @@ class Dispatcher:
         clock: callable = time.monotonic,  # type: ignore[valid-type]
     ) -> None:
         self.tokenizer = tokenizer
-        self.policy = policy
-        self.keep_policy = keep_policy  # the P/D path, when every deflection target is taken
+        # Read once per decision: assigning a new Policies swaps the models for the next one.
+        self.policies = Policies(policy, keep_policy)
         self.cluster = cluster
         self.metrics = metrics
         self.settings = settings
@@ -111,6 +120,14 @@ class Dispatcher:
         self._clock = clock
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kairos-tokenize")
         self._rr = itertools.count()
+
+    @property
+    def policy(self) -> Policy:
+        return self.policies.policy
+
+    @property
+    def keep_policy(self) -> Policy:
+        return self.policies.keep_policy
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -196,12 +213,14 @@ class Dispatcher:
     async def _decide(self, prompt_tokens: int) -> Decision:
         """Run the policy; a deflection must win its decode node's reservation (so two
         dispatcher replicas never deflect onto one node within a heartbeat), else the node is
-        taken out and the policy runs again."""
+        taken out and the policy runs again. The policies are read once: a profile reload while
+        a reservation is in flight takes effect at the next request."""
+        policies = self.policies
         full_view = view = self.cluster.view()
         reserved = False
         for _ in range(self.settings.reservation_attempts):
             now = self._clock()
-            decision = self.policy.decide(prompt_tokens, view, now)
+            decision = policies.policy.decide(prompt_tokens, view, now)
             if decision.route is not Route.DEFLECT:
                 break
             if await self.cluster.try_reserve(decision.decode_node, self.owner):
@@ -214,7 +233,7 @@ class Dispatcher:
         if decision.route is Route.DEFLECT and not reserved:
             # Every deflection target is taken by another dispatcher: the P/D path, where any
             # decode node (taken ones included) can take the request after its prefill.
-            decision = self.keep_policy.decide(prompt_tokens, full_view, self._clock())
+            decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
 

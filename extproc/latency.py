@@ -239,10 +239,33 @@ class LatencyModels:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from exc
 
 
+def profile_path(name_or_path: str | Path) -> Path | None:
+    """The file ``name_or_path`` names when it is a path (ends in ``.json`` or exists), or None
+    for a packaged profile name (the same rule :func:`load_profile` applies)."""
+    path = Path(name_or_path)
+    return path if path.suffix == ".json" or path.exists() else None
+
+
+def parse_profile(text: str | bytes, source: str) -> LatencyModels:
+    """A profile from its JSON text, validated in full; ``source`` names it in error messages."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{source}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a profile is a JSON object, got {type(data).__name__}")
+    return LatencyModels.from_dict(data, source)
+
+
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModels:
     """Load a profile by packaged name (e.g. ``deepseek-v2-lite-a100``) or by file path."""
-    path = Path(name_or_path)
-    if path.suffix == ".json" or path.exists():
+    return parse_profile(*read_profile_text(name_or_path))
+
+
+def read_profile_text(name_or_path: str | Path = DEFAULT_PROFILE) -> tuple[str, str]:
+    """The JSON text of a profile (packaged name or file path) and its source for messages."""
+    path = profile_path(name_or_path)
+    if path is not None:
         if not path.is_file():
             raise ProfileError(f"profile file {path} does not exist")
         text, source = path.read_text(), str(path)
@@ -252,10 +275,27 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModels:
             known = sorted(p.name.removesuffix(".json") for p in (resources.files("extproc") / "profiles").iterdir())
             raise ProfileError(f"unknown profile {str(name_or_path)!r}; packaged profiles: {known}")
         text, source = packaged.read_text(), f"packaged:{name_or_path}"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"{source}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ProfileError(f"{source}: a profile is a JSON object, got {type(data).__name__}")
-    return LatencyModels.from_dict(data, source)
+    return text, source
+
+
+def largest_chunk_within(
+    models: LatencyModels, tokens: int, cached: int, decode_tokens: int, kv_tokens: int, limit_s: float
+) -> int:
+    """The largest chunk <= ``tokens`` whose mixed step (``decode_tokens`` decodes holding
+    ``kv_tokens``, a prefill over ``cached`` cached tokens) the models keep within ``limit_s``;
+    0 when not even one token fits. A decode node runs this on the batch it actually has, since
+    the dispatcher planned the schedule on a heartbeat and decodes may have joined since."""
+
+    def fits(n: int) -> bool:
+        return models.mixed_step_s(decode_tokens + n, cached, decode_tokens, kv_tokens) <= limit_s
+
+    if fits(tokens):
+        return tokens
+    lo, hi = 0, tokens  # fits(lo) or lo == 0; not fits(hi); step time grows with the chunk
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo if lo > 0 and fits(lo) else 0

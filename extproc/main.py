@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,16 +21,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from extproc.cluster import ClusterViewConfig, RedisClusterView
-from extproc.dispatcher import Dispatcher, DispatchSettings
-from extproc.latency import DEFAULT_PROFILE, load_profile
+from extproc.dispatcher import Dispatcher, DispatchSettings, Policies
+from extproc.feedback import DEFAULT_WINDOW, TtftFeedback
+from extproc.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from extproc.metrics import ClusterCollector, DispatcherMetrics
 from extproc.openai_request import RequestLimits
 from extproc.policies import make_policy
+from extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
 from extproc.server import start_grpc_server
 from extproc.tokenizer import PromptTokenizer
 from extproc.view import ClusterTracker
 from kairos.config import load_config
-from kairos.errors import ConfigError
+from kairos.errors import ConfigError, ProfileError
 from kairos.runtime import stop_on_signals
 
 log = logging.getLogger("kairos.dispatcher")
@@ -45,6 +48,11 @@ class DispatcherConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     model_dir: str = ""  # the served model's tokenizer (tokenizer.json + tokenizer_config.json)
     profile: str = DEFAULT_PROFILE  # latency profile: packaged name or JSON path
+    # A profile file is re-read when its (inode, mtime, size) changes, checked this often;
+    # 0 = no periodic check (SIGHUP still reloads). Packaged profiles never change.
+    profile_reload_s: float = 1.0
+    # Rolling MAPE window (samples per path) of the sidecars' TTFT feedback; 0 = do not read it.
+    ttft_feedback_window: int = DEFAULT_WINDOW
     policy: str = "kairos"  # routing policy spec: kairos, pd, oracle is simulator-only
     alpha: float = 1.3
     beta: float = 1.0
@@ -67,6 +75,10 @@ class DispatcherConfig:
             raise ConfigError("model_dir is required: the directory with the served model's tokenizer.json")
         if self.policy.split(":", 1)[0] == "oracle":
             raise ConfigError("the oracle policy needs the simulator's true state; use kairos or pd")
+        if not 0 <= self.profile_reload_s < float("inf"):
+            raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
+        if self.ttft_feedback_window < 0:
+            raise ConfigError(f"ttft_feedback_window must be >= 0 (0 = off), got {self.ttft_feedback_window}")
 
     def decider(self) -> DeciderConfig:
         return DeciderConfig(
@@ -80,11 +92,17 @@ class DispatcherConfig:
             node_step_guard=self.node_step_guard,
         )
 
+    def policies(self, models: LatencyModels) -> Policies:
+        """The routing policies on ``models`` (rebuilt whole on every profile reload)."""
+        decider = self.decider()
+        return Policies(make_policy(self.policy, models, decider), make_policy("pd", models, decider))
+
 
 async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
-    models = load_profile(config.profile)
+    profile, signature = load_initial(config.profile)
     tokenizer = PromptTokenizer.from_dir(Path(config.model_dir))
     metrics = DispatcherMetrics()
+    metrics.set_profile(profile.models.name, profile.digest, profile.source)
     cluster = RedisClusterView(
         ClusterViewConfig(
             redis_url=config.redis_url,
@@ -96,13 +114,14 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         # delay on our side plus the sidecar hop.
         tracker=ClusterTracker(dispatch_grace_s=0.1),
         registry=metrics.registry,
+        feedback=TtftFeedback(metrics, config.ttft_feedback_window) if config.ttft_feedback_window else None,
     )
     metrics.registry.register(ClusterCollector(cluster))
-    decider = config.decider()
+    policies = config.policies(profile.models)
     dispatcher = Dispatcher(
         tokenizer=tokenizer,
-        policy=make_policy(config.policy, models, decider),
-        keep_policy=make_policy("pd", models, decider),
+        policy=policies.policy,
+        keep_policy=policies.keep_policy,
         cluster=cluster,
         metrics=metrics,
         settings=DispatchSettings(
@@ -110,16 +129,29 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
             dispatcher_id=config.dispatcher_id,
         ),
     )
+
+    def use(loaded: LoadedProfile) -> None:
+        # Built in full first, then one assignment: the next decision reads the new models.
+        dispatcher.policies = config.policies(loaded.models)
+
+    path = profile_path(config.profile)
+    watcher = (
+        ProfileWatcher(path, profile, signature, use, metrics, config.profile_reload_s) if path is not None else None
+    )
     await cluster.start()
     server, port = await start_grpc_server(dispatcher, config.host, config.port)
     runner = await _start_metrics(metrics, cluster, config) if config.metrics_port else None
+    if watcher is not None:
+        await watcher.start()
+    hup = _on_sighup(watcher, profile)
     log.info(
-        "dispatcher %s listening on %s:%d (policy %s, profile %s, redis %s)",
+        "dispatcher %s listening on %s:%d (policy %s, profile %s from %s, redis %s)",
         dispatcher.owner,
         config.host,
         port,
         config.policy,
-        models.name,
+        profile.label,
+        profile.source,
         config.redis_url,
     )
     print(f"listening on {config.host}:{port}", flush=True)
@@ -127,11 +159,30 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         log.info("dispatcher stopping")
+        if hup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        if watcher is not None:
+            await watcher.stop()
         await server.stop(grace=1.0)
         if runner is not None:
             await runner.cleanup()
         await cluster.stop()
         dispatcher.close()
+
+
+def _on_sighup(watcher: ProfileWatcher | None, profile: LoadedProfile) -> bool:
+    """SIGHUP re-reads the profile file; True if the handler is installed (main thread only)."""
+
+    def packaged() -> None:
+        log.info("SIGHUP: profile %s is packaged and never changes; nothing to reload", profile.label)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, watcher.request_reload if watcher is not None else packaged
+        )
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP here
+        return False
+    return True
 
 
 async def _start_metrics(
@@ -162,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", dest="redis_url")
     p.add_argument("--model-dir")
     p.add_argument("--profile")
+    p.add_argument("--profile-reload-s", type=float, help="check a profile file for changes this often (0 = off)")
+    p.add_argument("--ttft-feedback-window", type=int, help="samples in the rolling TTFT MAPE (0 = off)")
     p.add_argument("--policy")
     p.add_argument("--alpha", type=float)
     p.add_argument("--beta", type=float)
@@ -192,5 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def run() -> None:
         await serve(config, stop_on_signals())
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except ProfileError as exc:  # a bad profile at start-up: no models to route with
+        print(f"kairos dispatcher: error: {exc.message}", file=sys.stderr)
+        return 2
     return 0

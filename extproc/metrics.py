@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from extproc.decision import Decision
@@ -13,6 +13,9 @@ from extproc.state import ClusterView
 
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+# The sidecar's kairos_sidecar_ttft_observed_over_predicted buckets, so the two line up.
+_RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
+FEEDBACK_PATHS = ("keep", "deflect")
 
 
 class DispatcherMetrics:
@@ -49,6 +52,49 @@ class DispatcherMetrics:
             "Deflections given up because another dispatcher reserved the decode node first",
             registry=r,
         )
+
+        # Latency profile hot reload (extproc.profile_watch).
+        self.profile_reloads = Counter(
+            "kairos_dispatcher_profile_reloads",
+            "Reloads of a changed latency profile file: ok = swapped in, error = rejected (old models kept)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("ok", "error"):
+            self.profile_reloads.labels(outcome=outcome)
+        self.profile_info = Gauge(
+            "kairos_dispatcher_profile_info",
+            "The latency profile in use (always 1): its name, content hash (sha256 prefix) and source",
+            ["name", "hash", "source"],
+            registry=r,
+        )
+        # Live model error from the sidecars' TTFT samples (extproc.feedback, via Redis).
+        self.ttft_observed_over_predicted = Histogram(
+            "kairos_dispatcher_ttft_observed_over_predicted",
+            "Observed TTFT at the decode sidecar divided by this path's predicted TTFT (samples from every sidecar)",
+            ["path"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        for path in FEEDBACK_PATHS:
+            self.ttft_observed_over_predicted.labels(path=path)
+        self.ttft_prediction_mape = Gauge(
+            "kairos_dispatcher_ttft_prediction_mape",
+            "Mean of |predicted - observed| / observed TTFT over the last samples of each path "
+            "(a fraction: 0.1 = 10%); absent until the first sample",
+            ["path"],
+            registry=r,
+        )
+        self.ttft_feedback_malformed = Counter(
+            "kairos_dispatcher_ttft_feedback_malformed",
+            "TTFT feedback stream entries ignored because they break the contract",
+            registry=r,
+        )
+
+    def set_profile(self, name: str, digest: str, source: str) -> None:
+        """Make ``kairos_dispatcher_profile_info`` show this profile, and only it."""
+        self.profile_info.clear()
+        self.profile_info.labels(name=name, hash=digest, source=source).set(1)
 
     def observe_decision(self, decision: Decision, seconds: float) -> None:
         self.decisions.labels(route=decision.route.value, reason=decision.reason.value).inc()

@@ -92,6 +92,11 @@ REDIS_HEARTBEAT_CHANNEL = "kairos:heartbeats"  # the same JSON is PUBLISHed here
 # replica then sees the node as taken until the key expires (about one heartbeat period).
 REDIS_RESERVATION_KEY = "kairos:reserve:{node_id}"
 
+# After a request's first token the decode-node sidecar (when given a Redis URL) XADDs one entry
+# here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error metrics.
+REDIS_TTFT_FEEDBACK_STREAM = "kairos:ttft-feedback"
+TTFT_FEEDBACK_MAXLEN = 10_000  # XADD MAXLEN ~ this: the stream is a recent window, not a log
+
 HEARTBEAT_PERIOD_S = 0.1  # Delta_h
 HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
 
@@ -112,6 +117,12 @@ class HeartbeatField:
     SCHEDULED_PREFILL_TOKENS = "scheduled_prefill_tokens"  # list[int], deflected prefills in progress
     MAX_STEP_TOKENS = "max_step_tokens"  # the node's token budget per step (chi_p on prefill nodes)
     MODEL = "model"  # served model name
+    # Optional: the engine's own request counts and KV usage as vLLM's /metrics define them
+    # (num_requests_running, num_requests_waiting, kv_cache_usage_perc), for operators.
+    RUNNING_REQUESTS = "running_requests"
+    WAITING_REQUESTS = "waiting_requests"
+    KV_USAGE = "kv_usage"
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE)
 
     ALL = (
         NODE_ID,
@@ -128,3 +139,15 @@ class HeartbeatField:
         MAX_STEP_TOKENS,
         MODEL,
     )
+
+
+class TtftFeedbackField:
+    """Fields of one :data:`REDIS_TTFT_FEEDBACK_STREAM` entry (all strings on the wire)."""
+
+    REQUEST_ID = "request_id"  # the x-request-id both hops carried
+    PATH = "path"  # "keep" or "deflect": the path the dispatcher chose
+    NODE = "node"  # the decode node that served it
+    PREDICTED_MS = "predicted_ms"  # the dispatcher's TTFT prediction for that path, ms
+    OBSERVED_MS = "observed_ms"  # arrival at the sidecar to the first body byte relayed, ms
+
+    ALL = (REQUEST_ID, PATH, NODE, PREDICTED_MS, OBSERVED_MS)

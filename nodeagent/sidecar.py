@@ -10,6 +10,12 @@ Envoy sends every request for this decode node here, with the decision in ``x-ka
            scheduler plugin).
   (none)   the request reached the sidecar directly: plain aggregated serving on the local vLLM.
 
+With a Redis URL (``--redis``), the sidecar also reports each routed request's observed TTFT
+beside the dispatcher's prediction: one XADD per request, after its first token, to the capped
+stream ``kairos:ttft-feedback``, which the dispatchers read into their live model-error metrics.
+It is fire-and-forget: a bounded queue and one writer task, so Redis being slow or gone never
+delays or fails a request (samples are dropped and counted instead). Without a URL, no Redis.
+
 Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLLM unchanged.
 Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
 calls hosts on its allowlist (static hosts plus those the live cluster view knows).
@@ -32,11 +38,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
+import redis.asyncio as aioredis
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 from yarl import URL
 
 from kairos import contracts as c
@@ -44,6 +55,7 @@ from kairos.config import load_config
 from kairos.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.runtime import stop_on_signals
+from nodeagent.heartbeat import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +100,12 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8
 _HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
 _SHUTDOWN_GRACE_S = 30.0  # in-flight streams get this long to finish on SIGTERM
 _ERROR_SNIPPET = 300  # characters of an upstream error body quoted in our own error message
+# TTFT feedback: samples waiting for the writer (beyond this they are dropped, never waited for),
+# the bound on one Redis round trip, and how long to drop samples after a failure before retrying.
+_FEEDBACK_QUEUE = 1000
+_FEEDBACK_TIMEOUT_S = 0.25
+_FEEDBACK_RETRY_S = 1.0
+_FEEDBACK_BATCH = 100  # XADDs per pipelined round trip when samples queue up
 
 
 def normalize_hostport(value: str) -> str | None:
@@ -115,10 +133,14 @@ class SidecarConfig:
     # between two body chunks. Not a total: a long generation may stream for minutes.
     hop2_timeout_s: float = 300.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are answered 413
+    # Redis for the TTFT feedback stream (redis://host:port/db); empty: no feedback, no Redis.
+    redis_url: str = ""
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("host must not be empty")
+        if self.redis_url and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"redis_url: expected a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         local = normalize_hostport(self.local_vllm)
@@ -187,10 +209,150 @@ class SidecarMetrics:
             ["hop", "kind"],
             registry=self.registry,
         )
+        self.ttft_feedback = Counter(
+            "kairos_sidecar_ttft_feedback",
+            "TTFT samples for the dispatchers' feedback stream: sent (XADD done), error (XADD failed), "
+            "dropped (queue full, or Redis failed less than a second ago)",
+            ["outcome"],
+            registry=self.registry,
+        )
         for path in PATHS:  # series exist from the start, so rates work before the first request
             self.ttfb_seconds.labels(path)
             self.ttft_seconds.labels(path)
         self.hop1_seconds.labels(ROUTE_KEEP)
+        for outcome in ("sent", "error", "dropped"):
+            self.ttft_feedback.labels(outcome)
+
+
+class TtftFeedbackPublisher:
+    """Sends TTFT samples to the feedback stream without ever making a request wait.
+
+    :meth:`offer` only puts the sample on a bounded queue (full: dropped and counted); one writer
+    task XADDs what is queued (``MAXLEN ~`` the contract's cap), pipelined when several wait.
+    After a failed round trip the writer drops samples for ``retry_s`` before it tries again, so a
+    dead Redis costs one failed attempt per second, not one per request. A failure is logged once
+    per outage, and its end once.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        metrics: SidecarMetrics,
+        *,
+        queue_size: int = _FEEDBACK_QUEUE,
+        timeout_s: float = _FEEDBACK_TIMEOUT_S,
+        retry_s: float = _FEEDBACK_RETRY_S,
+    ) -> None:
+        self.redis_url = redis_url
+        self._url = redact_url(redis_url)
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._queue: asyncio.Queue[dict[str, str]] = asyncio.Queue(maxsize=queue_size)
+        self._client: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._down_since: float | None = None  # loop time of the first failure of this outage
+        self._retry_at = 0.0
+        self._lost = 0  # samples not sent during this outage
+
+    def offer(self, rid: str, path: str, node: str, predicted_s: float, observed_s: float) -> None:
+        """Queue one sample; never blocks, never raises."""
+        f = c.TtftFeedbackField
+        sample = {
+            f.REQUEST_ID: rid,
+            f.PATH: path,
+            f.NODE: node,
+            f.PREDICTED_MS: f"{predicted_s * 1e3:.3f}",
+            f.OBSERVED_MS: f"{observed_s * 1e3:.3f}",
+        }
+        try:
+            self._queue.put_nowait(sample)
+        except asyncio.QueueFull:
+            self._drop(1)
+
+    async def start(self) -> None:
+        # Fail fast, no hidden retries: a sample is worth less than the time a retry would take.
+        self._client = aioredis.Redis.from_url(
+            self.redis_url,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._task = asyncio.create_task(self._run(), name="kairos-ttft-feedback")
+        log.info(
+            "TTFT feedback to %s stream %s (MAXLEN ~%d)",
+            self._url,
+            c.REDIS_TTFT_FEEDBACK_STREAM,
+            c.TTFT_FEEDBACK_MAXLEN,
+        )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < _FEEDBACK_BATCH and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            if loop.time() < self._retry_at:
+                self._drop(len(batch))
+                continue
+            try:
+                await self._send(batch)
+            except (RedisError, OSError) as exc:  # OSError covers refused sockets and timeouts
+                self._failed(exc, len(batch), loop.time())
+            except Exception:  # a bug must not end the writer: the samples are lost, requests are not
+                log.exception("TTFT feedback: sending %d samples failed unexpectedly", len(batch))
+                self._metrics.ttft_feedback.labels("error").inc(len(batch))
+            else:
+                self._metrics.ttft_feedback.labels("sent").inc(len(batch))
+                self._recovered(loop.time())
+
+    async def _send(self, batch: list[dict[str, str]]) -> None:
+        assert self._client is not None, "start() creates the client"
+        async with self._client.pipeline(transaction=False) as pipe:
+            for sample in batch:
+                pipe.xadd(c.REDIS_TTFT_FEEDBACK_STREAM, sample, maxlen=c.TTFT_FEEDBACK_MAXLEN, approximate=True)
+            await pipe.execute()
+
+    def _drop(self, n: int) -> None:
+        self._metrics.ttft_feedback.labels("dropped").inc(n)
+        self._lost += n
+
+    def _failed(self, exc: BaseException, n: int, now: float) -> None:
+        self._metrics.ttft_feedback.labels("error").inc(n)
+        self._lost += n
+        self._retry_at = now + self._retry_s
+        if self._down_since is None:
+            self._down_since = now
+            text = str(exc).strip()
+            log.warning(
+                "TTFT feedback: redis at %s failed (%s%s); dropping samples until it answers, retrying every "
+                "%gs (requests are not affected; logged once per outage)",
+                self._url,
+                type(exc).__name__,
+                f": {text}" if text else "",
+                self._retry_s,
+            )
+
+    def _recovered(self, now: float) -> None:
+        if self._down_since is not None:
+            log.info(
+                "TTFT feedback: redis at %s answers again after %.1fs; %d samples were lost",
+                self._url,
+                now - self._down_since,
+                self._lost,
+            )
+            self._down_since = None
+        self._lost = 0
 
 
 @dataclass
@@ -200,6 +362,7 @@ class _State:
     metrics: SidecarMetrics
     session: aiohttp.ClientSession | None = None
     logged_unrouted: bool = False
+    feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -225,6 +388,7 @@ class _Timing:
     ttfb_s: float | None = None
     ttft_s: float | None = None
     predicted_s: float | None = None  # the dispatcher's TTFT prediction for the path it chose
+    node: str = ""  # the decode node the dispatcher named (the feedback sample's node)
 
 
 def _predicted_ttft_s(headers: Mapping[str, str], route: str | None) -> float | None:
@@ -258,6 +422,21 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
         await state.session.close()
 
     app.cleanup_ctx.append(client_session)
+    if config.redis_url:
+
+        async def feedback(app: web.Application) -> AsyncIterator[None]:
+            state.feedback = TtftFeedbackPublisher(
+                config.redis_url,
+                state.metrics,
+                queue_size=_FEEDBACK_QUEUE,
+                timeout_s=_FEEDBACK_TIMEOUT_S,
+                retry_s=_FEEDBACK_RETRY_S,
+            )
+            await state.feedback.start()
+            yield
+            await state.feedback.stop()
+
+        app.cleanup_ctx.append(feedback)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, _completion)
     app.router.add_get("/kairos/metrics", _metrics)
@@ -272,6 +451,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     route = request.headers.get(c.H_ROUTE)
     timing = _Timing(PATH_LOCAL if route is None else route.strip().lower())
     timing.predicted_s = _predicted_ttft_s(request.headers, route)
+    timing.node = request.headers.get(c.H_DECODE_NODE) or state.config.local_vllm
     status = 0
     try:
         raw = await _read_body(request, state.config.max_body_bytes)
@@ -638,6 +818,8 @@ async def _relay(
                 now = time.perf_counter()
                 timing.ttfb_s = now - started
                 timing.ttft_s = now - timing.started
+                if state.feedback is not None and timing.predicted_s and timing.path in (ROUTE_KEEP, ROUTE_DEFLECT):
+                    state.feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
 
         chunks = resp.content.iter_any()
         if resp.content_type == "application/json" or request.method == "HEAD":
@@ -786,6 +968,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hop1-timeout-s", type=float)
     p.add_argument("--hop2-timeout-s", type=float)
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument("--redis", help="redis://host:port/db for the TTFT feedback stream (default: off)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -803,6 +986,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hop1_timeout_s": args.hop1_timeout_s,
         "hop2_timeout_s": args.hop2_timeout_s,
         "max_body_bytes": args.max_body_bytes,
+        "redis_url": args.redis,
     }
     try:
         config = load_config(
@@ -830,9 +1014,10 @@ async def _serve(config: SidecarConfig) -> None:
         host, port = runner.addresses[0][:2]
         print(f"listening on {host}:{port}", flush=True)
         log.info(
-            "sidecar for local vLLM %s; static prefill allowlist %s",
+            "sidecar for local vLLM %s; static prefill allowlist %s; TTFT feedback %s",
             config.local_vllm,
             list(config.allowed_prefill_hosts) or "(none)",
+            f"to {redact_url(config.redis_url)}" if config.redis_url else "off (no --redis)",
         )
         await stop.wait()
         log.info("stopping: finishing in-flight requests (up to %gs)", _SHUTDOWN_GRACE_S)

@@ -35,9 +35,11 @@ from extproc.cluster import (
     redis_error_counter,
 )
 from extproc.decision import Decision, Reason, Route
+from extproc.feedback import TtftFeedback
+from extproc.metrics import DispatcherMetrics
 from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
 from extproc.view import ClusterTracker
-from kairos.contracts import HeartbeatField
+from kairos.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
 from kairos.errors import ConfigError, NoHealthyNodeError
 from nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
 from tests.redis_server import RedisServer
@@ -591,6 +593,125 @@ def test_views_sharing_a_registry_share_one_counter(registry: CollectorRegistry)
     a = RedisClusterView(ClusterViewConfig(), registry=registry)
     b = RedisClusterView(ClusterViewConfig(), ClusterTracker(), registry=registry)
     assert a._errors is b._errors is redis_error_counter(registry)
+
+
+# ---------------------------------------------------------------------------------------------
+# TTFT feedback from the sidecars' stream
+# ---------------------------------------------------------------------------------------------
+RATIO = "kairos_dispatcher_ttft_observed_over_predicted"
+MAPE = "kairos_dispatcher_ttft_prediction_mape"
+
+
+def feedback_fields(path: str, predicted_ms: float, observed_ms: float, rid: str = "r") -> dict[str, str]:
+    f = TtftFeedbackField
+    return {
+        f.REQUEST_ID: rid,
+        f.PATH: path,
+        f.NODE: "d0",
+        f.PREDICTED_MS: str(predicted_ms),
+        f.OBSERVED_MS: str(observed_ms),
+    }
+
+
+def feedback_view(redis: RedisServer, registry: CollectorRegistry) -> tuple[RedisClusterView, DispatcherMetrics]:
+    metrics = DispatcherMetrics(registry)
+    view = RedisClusterView(view_config(redis), registry=registry, feedback=TtftFeedback(metrics, window=200))
+    return view, metrics
+
+
+def ratio_count(registry: CollectorRegistry, path: str) -> float:
+    return registry.get_sample_value(f"{RATIO}_count", {"path": path}) or 0.0
+
+
+async def test_feedback_entries_added_after_start_show_in_the_metrics(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    # An entry from before the dispatcher started: skipped, as XREAD from "$" would.
+    await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 900))
+    view, _ = feedback_view(redis, registry)
+    try:
+        await view.poll_once()
+        assert ratio_count(registry, "keep") == 0
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 150))  # error 1/3
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 300, 200))  # error 1/2
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("deflect", 400, 500))  # error 1/5
+        await view.poll_once()
+        assert (ratio_count(registry, "keep"), ratio_count(registry, "deflect")) == (2, 1)
+        assert registry.get_sample_value(MAPE, {"path": "keep"}) == pytest.approx((1 / 3 + 1 / 2) / 2)
+        assert registry.get_sample_value(MAPE, {"path": "deflect"}) == pytest.approx(0.2)
+        await view.poll_once()  # nothing new: nothing counted twice
+        assert (ratio_count(registry, "keep"), ratio_count(registry, "deflect")) == (2, 1)
+        # The background poller reads them too.
+        await view.start()
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("deflect", 100, 100))
+        await eventually(lambda: ratio_count(registry, "deflect") == 2, what="the polled entry")
+        assert registry.get_sample_value(MAPE, {"path": "deflect"}) == pytest.approx(0.1)
+        assert errors(registry, "feedback") == 0
+    finally:
+        await view.stop()
+
+
+async def test_feedback_pauses_while_redis_is_down_and_resumes_after(
+    redis: RedisServer, registry: CollectorRegistry
+) -> None:
+    view, _ = feedback_view(redis, registry)
+    writer = aioredis.Redis.from_url(redis.url)
+    try:
+        await view.poll_once()
+        await writer.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 200))
+        await view.poll_once()
+        assert ratio_count(registry, "keep") == 1
+        redis.stop()
+        await view.poll_once()
+        await view.poll_once()
+        assert view.degraded and errors(registry, "poll") == 2
+        assert errors(registry, "feedback") == 0  # a failed poll does not read the stream at all
+        assert registry.get_sample_value(MAPE, {"path": "keep"}) == pytest.approx(0.5)  # the last value stays
+        redis.start()  # back empty: new entries get later ids than the last one read
+        await writer.aclose()
+        writer = aioredis.Redis.from_url(redis.url)  # the old one's connection died with the server
+        await writer.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 100))
+        await view.poll_once()
+        assert not view.degraded and ratio_count(registry, "keep") == 2
+        assert registry.get_sample_value(MAPE, {"path": "keep"}) == pytest.approx(0.25)
+    finally:
+        await writer.aclose()
+        await view.stop()
+
+
+async def test_a_failing_feedback_read_never_degrades_the_view(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await client.set("kairos:node:p0", beat("p0", 1))
+    await client.set(REDIS_TTFT_FEEDBACK_STREAM, "not a stream")  # XREAD answers WRONGTYPE
+    view, _ = feedback_view(redis, registry)
+    try:
+        await view.poll_once()
+        await view.poll_once()
+        assert not view.degraded and ids(view.view()) == (["p0"], [])
+        assert errors(registry, "feedback") == 2 and errors(registry, "poll") == 0
+        assert len(messages(caplog, "cannot read the TTFT feedback stream kairos:ttft-feedback")) == 1
+        await client.delete(REDIS_TTFT_FEEDBACK_STREAM)
+        await view.poll_once()  # the stream's end is found now (it never was): reading starts there
+        assert len(messages(caplog, "reading the TTFT feedback stream kairos:ttft-feedback again")) == 1
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 100))
+        await view.poll_once()
+        assert ratio_count(registry, "keep") == 1
+    finally:
+        await view.stop()
+
+
+async def test_without_feedback_the_stream_is_not_read(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    await client.set(REDIS_TTFT_FEEDBACK_STREAM, "not a stream")
+    view = RedisClusterView(view_config(redis), registry=registry)
+    try:
+        await view.poll_once()
+        assert errors(registry, "feedback") == 0 and not view.degraded
+    finally:
+        await view.stop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ With the packaged profile and the nodes below (d0 lighter than d1, chi_p = 2048)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry
 import extproc.dispatcher as dispatcher_module
 from extproc.cluster import NodeAddress
 from extproc.decision import Decision, Reason, Route
-from extproc.dispatcher import Dispatcher, DispatchSettings, Rejected, Routed
+from extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
 from extproc.latency import LatencyModels, load_profile
 from extproc.metrics import DispatcherMetrics
 from extproc.openai_request import ParsedRequest, RequestLimits
@@ -692,6 +693,55 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     assert isinstance(small, Routed) and isinstance(long, Routed)
     assert small.decision is not None and small.decision.prompt_tokens == 60
     assert long.decision is not None and long.decision.prompt_tokens == 50
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile reload: the policies swap as one object
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class GatedCluster(FakeCluster):
+    """try_reserve waits for ``gate``: a decision stays in flight until the test opens it."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def try_reserve(self, node_id: str, owner: str) -> bool:
+        self.waiting.set()
+        await self.gate.wait()
+        return await super().try_reserve(node_id, owner)
+
+
+async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(harness: HarnessFactory) -> None:
+    base = make_cluster(prefill_queue=LOADED_QUEUE, refuse=("d0", "d1"))
+    cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes, refuse=base.refuse)
+    h = harness(cluster)
+    in_flight = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    await asyncio.wait_for(cluster.waiting.wait(), 5)  # deflecting to d0, waiting for its reservation
+    swapped = Policies(ExplodingPolicy(), ExplodingPolicy())
+    h.dispatcher.policies = swapped  # a reload: one assignment
+    assert h.dispatcher.policy is swapped.policy and h.dispatcher.keep_policy is swapped.keep_policy
+    cluster.gate.set()
+    routed = await asyncio.wait_for(in_flight, 5)
+
+    # Both reservations lost, then the old P/D policy kept it: no exploding policy was asked.
+    assert isinstance(routed, Routed) and routed.decision is not None
+    assert (routed.decision.route, routed.decision.reason) == (Route.KEEP, Reason.KEEP_POLICY)
+    assert cluster.reservations == [("d0", OWNER), ("d1", OWNER)]
+    # The next request reads the new policies.
+    after = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    assert isinstance(after, Rejected) and after.status == 500
+
+
+async def test_the_next_decision_uses_the_swapped_in_models(harness: HarnessFactory, models: LatencyModels) -> None:
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
+    first = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    assert isinstance(first, Routed) and first.decision is not None and first.decision.route is Route.DEFLECT
+    # A profile whose decode steps cost 10 s each: no chunk schedule can meet the TBT SLO.
+    slow = dataclasses.replace(models, decode=dataclasses.replace(models.decode, intercept=10.0))
+    h.dispatcher.policies = Policies(make_policy("kairos", slow), make_policy("pd", slow))
+    second = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    assert isinstance(second, Routed) and second.decision is not None
+    assert second.decision.route is Route.KEEP
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 
+import nodeagent.sidecar as sidecar_module
 from kairos import contracts as c
 from kairos.errors import ConfigError
-from nodeagent.sidecar import HOP1_KV_TRANSFER_PARAMS, SidecarConfig, build_app
+from nodeagent.sidecar import HOP1_KV_TRANSFER_PARAMS, SidecarConfig, SidecarMetrics, TtftFeedbackPublisher, build_app
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a NixlConnector prefill node puts in its reply (the shape vLLM returns).
@@ -597,6 +601,173 @@ async def test_other_gets_are_proxied_to_the_local_vllm(rig: Rig) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# TTFT feedback to Redis
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+async def _feedback_entries(url: str) -> list[dict[str, str]]:
+    client = aioredis.Redis.from_url(url, decode_responses=True)
+    try:
+        return [fields for _id, fields in await client.xrange(c.REDIS_TTFT_FEEDBACK_STREAM)]
+    finally:
+        await client.aclose()
+
+
+async def _eventually(probe: Callable[[], Awaitable[Any]], timeout_s: float = 3.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := await probe()):
+        assert time.monotonic() < deadline, "not reached in time"
+        await asyncio.sleep(0.01)
+    return value
+
+
+async def _sidecar_metrics(rig: Rig, url: str) -> str:
+    async with rig.http.get(f"{url}/kairos/metrics") as resp:
+        return await resp.text()
+
+
+DEFLECT_PREDICTED = {
+    c.H_ROUTE: "deflect",
+    c.H_CHUNK_SCHEDULE: "512",
+    c.H_PRED_TTFT_DECODE_MS: "250.0",
+    c.H_PRED_TTFT_PREFILL_MS: "900.0",  # the other path's prediction: not this path's
+    c.H_DECODE_NODE: "d7",
+}
+
+
+async def test_ttft_feedback_is_one_xadd_per_routed_request_after_its_first_token(rig: Rig, redis: RedisServer) -> None:
+    url = await rig.start_sidecar(redis_url=redis.url)
+    rig.decode.use_gate = True  # the stream holds after its first event until the gate opens
+    body = {**COMPLETION, "stream": True}
+    headers = {**DEFLECT_PREDICTED, c.H_REQUEST_ID: "req-deflect"}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")  # the first token
+        # Sent while the response is still streaming: after the first token, not at the end.
+        (entry,) = await _eventually(lambda: _feedback_entries(redis.url))
+        rig.decode.gate.set()
+        await resp.read()
+    assert set(entry) == set(c.TtftFeedbackField.ALL)
+    assert {k: entry[k] for k in ("request_id", "path", "node", "predicted_ms")} == {
+        "request_id": "req-deflect",
+        "path": "deflect",
+        "node": "d7",
+        "predicted_ms": "250.000",
+    }
+    assert float(entry["observed_ms"]) > 0
+
+    keep = _keep(rig, **{c.H_PRED_TTFT_PREFILL_MS: "120.5", c.H_REQUEST_ID: "req-keep"})
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=keep) as resp:
+        assert resp.status == 200
+    # No sample without a prediction, nor for a request that did not come through the gateway.
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+        assert resp.status == 200
+
+    async def two() -> bool:
+        return len(await _feedback_entries(redis.url)) >= 2
+
+    await _eventually(two)
+    await asyncio.sleep(0.1)  # time for a wrong third XADD to land
+    entries = await _feedback_entries(redis.url)
+    assert [(e["request_id"], e["path"], e["predicted_ms"]) for e in entries] == [
+        ("req-deflect", "deflect", "250.000"),
+        ("req-keep", "keep", "120.500"),
+    ]
+    assert entries[1]["node"] == rig.decode.url  # no decode node header: the local vLLM names it
+    text = await _sidecar_metrics(rig, url)
+    assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 2
+    assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="error") == 0
+
+
+async def test_ttft_feedback_without_a_redis_url_uses_no_redis(rig: Rig, redis: RedisServer) -> None:
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+        assert resp.status == 200
+    await asyncio.sleep(0.05)
+    assert await _feedback_entries(redis.url) == []
+    assert _metric(await _sidecar_metrics(rig, url), "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
+
+
+async def test_a_redis_that_never_answers_never_delays_a_request(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis that accepts connections and never replies: each XADD would wait the full (here
+    10 s) timeout; requests must not notice."""
+    monkeypatch.setattr(sidecar_module, "_FEEDBACK_TIMEOUT_S", 10.0)
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        url = await rig.start_sidecar(redis_url=f"redis://127.0.0.1:{port}/0")
+        for _ in range(3):
+            async with asyncio.timeout(2.0):
+                async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as r:
+                    assert r.status == 200
+                    await r.read()
+        assert held  # the writer did try
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_redis_down_is_counted_logged_once_and_recovers(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sidecar_module, "_FEEDBACK_RETRY_S", 0.2)
+    caplog.set_level(logging.INFO, logger="nodeagent.sidecar")
+    server = RedisServer()  # its port; not started yet: Redis is down
+    try:
+        url = await rig.start_sidecar(redis_url=server.url)
+        for _ in range(4):
+            async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+                assert resp.status == 200
+        text = await _eventually(lambda: _errors_seen(rig, url))
+        assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
+        down = [r for r in caplog.records if "TTFT feedback: redis at" in r.getMessage() and "failed" in r.getMessage()]
+        assert len(down) == 1 and down[0].levelno == logging.WARNING
+        assert "requests are not affected" in down[0].getMessage()
+
+        server.start()
+        await asyncio.sleep(0.25)  # past the retry pause
+        async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+            assert resp.status == 200
+        assert len(await _eventually(lambda: _feedback_entries(server.url))) == 1
+        text = await _sidecar_metrics(rig, url)
+        lost = sum(_metric(text, "kairos_sidecar_ttft_feedback_total", outcome=o) for o in ("error", "dropped"))
+        assert lost == 4 and _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 1
+        back = [r for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(back) == 1 and "4 samples were lost" in back[0].getMessage()
+        assert len([r for r in caplog.records if "TTFT feedback: redis at" in r.getMessage()]) == 2
+    finally:
+        server.close()
+
+
+async def _errors_seen(rig: Rig, url: str) -> str | None:
+    text = await _sidecar_metrics(rig, url)
+    errors = _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="error")
+    dropped = _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="dropped")
+    return text if errors >= 1 and errors + dropped == 4 else None
+
+
+async def test_a_full_feedback_queue_drops_the_sample() -> None:
+    metrics = SidecarMetrics()
+    publisher = TtftFeedbackPublisher("redis://127.0.0.1:1/0", metrics, queue_size=1)  # never started
+    publisher.offer("a", "keep", "d0", 0.1, 0.2)
+    publisher.offer("b", "keep", "d0", 0.1, 0.2)
+    assert metrics.registry.get_sample_value("kairos_sidecar_ttft_feedback_total", {"outcome": "dropped"}) == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # config and CLI
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
@@ -609,6 +780,7 @@ async def test_other_gets_are_proxied_to_the_local_vllm(rig: Rig) -> None:
         ({"hop1_connect_timeout_s": 5.0, "hop1_timeout_s": 2.0}, "must not exceed"),
         ({"hop2_timeout_s": float("nan")}, "hop2_timeout_s"),
         ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"redis_url": "127.0.0.1:6379"}, "redis_url"),
     ],
 )
 def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:

@@ -1,0 +1,136 @@
+"""The dispatcher's live check of its TTFT predictions, from the decode sidecars' measurements.
+
+The dispatcher never sees responses (Envoy skips response processing on purpose: it would cost an
+ext_proc round trip per response). The sidecars do: after each request's first token a sidecar
+given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to the capped stream
+:data:`~kairos.contracts.REDIS_TTFT_FEEDBACK_STREAM`. The cluster view's poller
+(:class:`extproc.cluster.RedisClusterView`) XREADs the new entries and hands them to
+:class:`TtftFeedback`, which exports per path (keep, deflect):
+
+- ``kairos_dispatcher_ttft_observed_over_predicted{path}``: a histogram of observed / predicted;
+- ``kairos_dispatcher_ttft_prediction_mape{path}``: mean |predicted - observed| / observed over
+  the last ``window`` samples (the same definition as the simulator's ``ttft_prediction_mape``).
+
+A MAPE that drifts up means the latency profile no longer matches the cluster: re-profile, and
+the dispatcher picks the new file up without a restart (:mod:`extproc.profile_watch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
+from kairos.contracts import TtftFeedbackField
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 200  # samples per path in the rolling MAPE
+
+# One XREAD entry as redis-py returns it: (id, {field: value}), bytes unless decode_responses.
+StreamEntry = tuple[bytes | str, Mapping[bytes | str, bytes | str]]
+
+
+class MalformedFeedback(ValueError):
+    """A stream entry that does not follow :class:`~kairos.contracts.TtftFeedbackField`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TtftSample:
+    request_id: str
+    path: str  # "keep" or "deflect"
+    node: str
+    predicted_s: float
+    observed_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.observed_s / self.predicted_s
+
+    @property
+    def abs_pct_error(self) -> float:
+        return abs(self.predicted_s - self.observed_s) / self.observed_s
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def parse_entry(fields: Mapping[bytes | str, bytes | str]) -> TtftSample:
+    """One stream entry's fields as a sample; raises :class:`MalformedFeedback`."""
+    f = TtftFeedbackField
+    if not isinstance(fields, Mapping):
+        raise MalformedFeedback(f"expected a field map, got {type(fields).__name__}")
+    data = {_text(k): _text(v) for k, v in fields.items()}
+    missing = [name for name in f.ALL if name not in data]
+    if missing:
+        raise MalformedFeedback(f"missing fields {missing}")
+    path = data[f.PATH]
+    if path not in FEEDBACK_PATHS:
+        raise MalformedFeedback(f"path must be one of {list(FEEDBACK_PATHS)}, got {path!r}")
+    try:
+        predicted_ms, observed_ms = float(data[f.PREDICTED_MS]), float(data[f.OBSERVED_MS])
+    except ValueError:
+        raise MalformedFeedback(
+            f"predicted_ms={data[f.PREDICTED_MS]!r} and observed_ms={data[f.OBSERVED_MS]!r} must be numbers"
+        ) from None
+    # Both must be > 0: the ratio divides by the prediction, the MAPE by the observation.
+    if not (0 < predicted_ms < math.inf and 0 < observed_ms < math.inf):
+        raise MalformedFeedback(f"predicted_ms={predicted_ms} and observed_ms={observed_ms} must be finite and > 0")
+    return TtftSample(data[f.REQUEST_ID], path, data[f.NODE], predicted_ms / 1e3, observed_ms / 1e3)
+
+
+class TtftFeedback:
+    """Turns TTFT samples into the dispatcher's model-error metrics (one instance per process)."""
+
+    def __init__(self, metrics: DispatcherMetrics, window: int = DEFAULT_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._metrics = metrics
+        self._errors: dict[str, deque[float]] = {p: deque(maxlen=window) for p in FEEDBACK_PATHS}
+        self._malformed_logged = False
+        self.samples = 0  # accepted since start
+
+    def observe(self, sample: TtftSample) -> None:
+        self._metrics.ttft_observed_over_predicted.labels(path=sample.path).observe(sample.ratio)
+        self._errors[sample.path].append(sample.abs_pct_error)
+        self.samples += 1
+
+    def add_entries(self, entries: Iterable[StreamEntry]) -> int:
+        """Parse and observe a batch of stream entries; returns how many were accepted. Malformed
+        entries are counted and skipped (the first one is logged, with its id)."""
+        touched: set[str] = set()
+        accepted = 0
+        for entry_id, fields in entries:
+            try:
+                sample = parse_entry(fields)
+            except MalformedFeedback as exc:
+                self._metrics.ttft_feedback_malformed.inc()
+                if not self._malformed_logged:
+                    self._malformed_logged = True
+                    log.warning(
+                        "ignoring malformed TTFT feedback entry %s: %s (logged once; "
+                        "kairos_dispatcher_ttft_feedback_malformed_total counts them)",
+                        _text(entry_id),
+                        exc,
+                    )
+                continue
+            self.observe(sample)
+            touched.add(sample.path)
+            accepted += 1
+        for path in touched:  # one gauge update per batch, not per sample
+            self._metrics.ttft_prediction_mape.labels(path=path).set(self.mape(path) or 0.0)
+        return accepted
+
+    def mape(self, path: str) -> float | None:
+        """Mean absolute percentage error (a fraction) of the last ``window`` samples of ``path``,
+        None before its first sample."""
+        errors = self._errors[path]
+        return math.fsum(errors) / len(errors) if errors else None
+
+    def window_of(self, path: str) -> Sequence[float]:
+        return tuple(self._errors[path])

@@ -1,0 +1,151 @@
+"""The dispatcher reloads its latency profile file mid-replay, through a real local cluster, without
+dropping a request: an atomic rewrite (temporary file + rename) is swapped in; a non-atomic one
+(a truncated write, then the full write) is first rejected, with the old models kept, then
+swapped in once complete. The same replay shows the sidecars' TTFT feedback reaching the
+dispatcher through Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.latency import load_profile
+from kairos import contracts as c
+from kairos.local_cluster import LocalCluster
+from kairos.replay import ReplayConfig, RequestResult, replay
+from sim.requests import RequestSpec
+from sim.workloads import make_workload
+from tests.e2e.conftest import http, start_cluster
+
+TIME_SCALE = 2.0
+RELOAD_S = 0.2  # the dispatcher's file check period in this test
+REQUESTS = 48  # 12 s of model time at 4 RPS: 6 s of wall time, longer than the rewrites take
+
+
+def _trace() -> list[RequestSpec]:
+    base = make_workload("bursty", rps=4.0, num_requests=REQUESTS, seed=11)
+    return [
+        RequestSpec(r.request_id, r.arrival_s, 100 + r.prompt_tokens % 3200, min(r.output_tokens, 16)) for r in base
+    ]
+
+
+def _profile(name: str, decode_scale: float) -> bytes:
+    doc = load_profile().to_dict()
+    doc["name"] = name
+    doc["models"][c.DECODE_STEP]["intercept"] *= decode_scale
+    return json.dumps(doc, indent=1).encode()
+
+
+def _metrics(cluster: LocalCluster) -> dict[str, list[tuple[dict[str, str], float]]]:
+    _, _, raw = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}/metrics", timeout=5)
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(raw.decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _reloads(cluster: LocalCluster) -> dict[str, float]:
+    return {labels["outcome"]: v for labels, v in _metrics(cluster)["kairos_dispatcher_profile_reloads_total"]}
+
+
+def _profile_in_use(cluster: LocalCluster) -> str:
+    (labels,) = [labels for labels, v in _metrics(cluster)["kairos_dispatcher_profile_info"] if v == 1]
+    return labels["name"]
+
+
+def _wait(probe: Callable[[], Any], what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path: Path, model_dir: Path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_bytes(_profile("e2e-v1", 1.0))
+    trace = _trace()
+    cluster = start_cluster(
+        tmp_path / "cluster",
+        model_dir,
+        time_scale=TIME_SCALE,
+        profile=str(path),
+        profile_reload_s=RELOAD_S,
+    )
+    results: list[RequestResult] = []
+    config = ReplayConfig(
+        url=cluster.gateway_url,
+        model_dir=str(model_dir),
+        time_scale=TIME_SCALE,
+        request_timeout_s=30.0,
+        deadline_s=90.0,
+    )
+    replayer = threading.Thread(target=lambda: results.extend(replay(trace, config, stream=None)))
+    try:
+        assert _profile_in_use(cluster) == "e2e-v1"
+        assert _reloads(cluster) == {"ok": 0, "error": 0}
+        replayer.start()
+        time.sleep(1.0)  # requests are flowing
+
+        # 1. Atomic: a temporary file renamed over the profile.
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(_profile("e2e-v2", 1.1))
+        os.replace(tmp, path)
+        _wait(lambda: _profile_in_use(cluster) == "e2e-v2", "the atomic rewrite swapped in")
+        assert _reloads(cluster) == {"ok": 1, "error": 0}
+
+        # 2. Not atomic: the file truncated and half written (a writer caught mid-write)...
+        v3 = _profile("e2e-v3", 0.9)
+        path.write_bytes(v3[: len(v3) // 2])
+        _wait(lambda: _reloads(cluster)["error"] >= 1, "the partial file rejected")
+        time.sleep(3 * RELOAD_S)  # several checks of the same bad version: still one error, old models
+        assert _profile_in_use(cluster) == "e2e-v2"
+        errors = _reloads(cluster)["error"]
+        # ...then the full write.
+        path.write_bytes(v3)
+        _wait(lambda: _profile_in_use(cluster) == "e2e-v3", "the completed rewrite swapped in")
+        reloads = _reloads(cluster)
+        # Each truncation may be seen as one more bad version (a check between truncate and write).
+        assert reloads["ok"] == 2 and 1 <= errors <= reloads["error"] <= errors + 1, reloads
+        assert replayer.is_alive(), "the replay ended before the rewrites; lengthen the trace"
+
+        # SIGHUP re-reads at once; same content, nothing swapped.
+        dispatcher = cluster.dispatcher_procs[0]
+        os.kill(dispatcher.pid, signal.SIGHUP)
+        log = cluster.workdir / "logs" / "dispatcher0.log"
+        _wait(lambda: "its content is the one in use, e2e-v3" in log.read_text(), "SIGHUP re-read")
+
+        replayer.join(timeout=120)
+        assert not replayer.is_alive()
+        assert len(results) == len(trace)
+        failed = [r for r in results if not r.ok]
+        assert failed == [], failed[:3]
+        assert {r.route for r in results} == {"keep", "deflect"}
+
+        text = log.read_text()
+        assert text.count("profile reload rejected:") == reloads["error"]
+        assert f"profile reload rejected: {path}: not valid JSON" in text
+        assert "still using e2e-v2 (" in text
+        assert text.count("profile reloaded from") == 2
+
+        # The sidecars' TTFT samples (one per request: every routed request carries a prediction)
+        # reach the dispatcher through the Redis stream.
+        def samples() -> float:
+            m = _metrics(cluster)
+            return sum(v for _, v in m["kairos_dispatcher_ttft_observed_over_predicted_count"])
+
+        _wait(lambda: samples() == len(trace), "every request's TTFT sample read by the dispatcher")
+        mape = {labels["path"]: v for labels, v in _metrics(cluster)["kairos_dispatcher_ttft_prediction_mape"]}
+        assert set(mape) == {"keep", "deflect"} and all(v >= 0 for v in mape.values()), mape
+    finally:
+        cluster.stop()
+        if replayer.ident is not None:
+            replayer.join(timeout=60)
