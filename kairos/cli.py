@@ -13,6 +13,7 @@ from typing import Any
 from kairos import replay, up
 from kairos.config import load_config
 from kairos.errors import KairosError
+from profiling.cli import add_profile_parser
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     up.add_parser(sub)
     replay.add_parser(sub)
+    add_profile_parser(sub)
     # The cluster's processes, each also runnable as `python -m MODULE`.
     for name, module, help_text in _COMPONENTS:
         p = sub.add_parser(name, help=help_text, add_help=False)
