@@ -31,7 +31,8 @@ class LocalClusterConfig:
     gateway_port: int = 8000
     model_dir: str = ""  # tokenizer of the served model (built by kairos.tinymodel when empty)
     model_name: str = "kairos-tiny-llama"
-    profile: str = "deepseek-v2-lite-a100"
+    profile: str = "deepseek-v2-lite-a100"  # packaged name, or a JSON path the dispatchers watch
+    profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
     time_scale: float = 1.0  # emulated nodes run this many times faster than real time
     policy: str = "kairos"
     alpha: float = 1.3
@@ -54,6 +55,8 @@ class LocalClusterConfig:
             )
         if self.time_scale <= 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.profile_reload_s < 0:
+            raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
 
 
 @dataclass
@@ -111,8 +114,7 @@ class LocalCluster:
             self.start_redis(timeout_s)
             self.nodes = [NodeProcs(f"p{i}", "prefill", free_port(), None) for i in range(cfg.prefill_nodes)]
             self.nodes += [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
-            for node in self.nodes:
-                self.start_node(node, timeout_s)
+            self.start_nodes(timeout_s)
             self.dispatcher_ports = [free_port() for _ in range(cfg.dispatchers)]
             self.dispatcher_metrics_ports = [free_port() for _ in range(cfg.dispatchers)]
             for i in range(cfg.dispatchers):
@@ -150,42 +152,54 @@ class LocalCluster:
         )
         return self.redis
 
+    def start_nodes(self, timeout_s: float = 60.0) -> None:
+        for node in self.nodes:
+            self.start_node(node, timeout_s)
+
     def start_node(self, node: NodeProcs, timeout_s: float = 60.0) -> None:
+        node.engine = self.group.start(self.engine_process(node), timeout_s)
+        self.start_agents(node, timeout_s)
+
+    def state_url(self, node: NodeProcs) -> str:
+        """Where the node's heartbeat publisher reads the engine state."""
+        return node.url  # the emulated node serves /kairos/state itself
+
+    def engine_process(self, node: NodeProcs) -> ManagedProcess:
         cfg = self.config
         step_tokens = cfg.prefill_step_tokens if node.role == "prefill" else cfg.decode_step_tokens
-        node.engine = self.group.start(
-            ManagedProcess(
-                f"{node.node_id}-vllm",
-                self._py(
-                    "sim.emulated_vllm",
-                    "--node-id",
-                    node.node_id,
-                    "--role",
-                    node.role,
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(node.vllm_port),
-                    "--model-dir",
-                    str(self.model_dir),
-                    "--model",
-                    cfg.model_name,
-                    "--profile",
-                    cfg.profile,
-                    "--time-scale",
-                    str(cfg.time_scale),
-                    "--max-model-len",
-                    str(cfg.max_model_len),
-                    "--max-step-tokens",
-                    str(step_tokens),
-                    "--kv-capacity-tokens",
-                    str(cfg.kv_capacity_tokens),
-                ),
-                self._log(f"{node.node_id}-vllm"),
-                ready=http_ready(f"http://{node.url}/health"),
+        return ManagedProcess(
+            f"{node.node_id}-vllm",
+            self._py(
+                "sim.emulated_vllm",
+                "--node-id",
+                node.node_id,
+                "--role",
+                node.role,
+                "--host",
+                LOOPBACK,
+                "--port",
+                str(node.vllm_port),
+                "--model-dir",
+                str(self.model_dir),
+                "--model",
+                cfg.model_name,
+                "--profile",
+                cfg.profile,
+                "--time-scale",
+                str(cfg.time_scale),
+                "--max-model-len",
+                str(cfg.max_model_len),
+                "--max-step-tokens",
+                str(step_tokens),
+                "--kv-capacity-tokens",
+                str(cfg.kv_capacity_tokens),
             ),
-            timeout_s,
+            self._log(f"{node.node_id}-vllm"),
+            ready=http_ready(f"http://{node.url}/health"),
         )
+
+    def start_agents(self, node: NodeProcs, timeout_s: float = 30.0) -> None:
+        """The sidecar (decode nodes) and the heartbeat publisher beside a running engine."""
         if node.role == "decode":
             node.sidecar = self.group.start(
                 ManagedProcess(
@@ -200,6 +214,8 @@ class LocalCluster:
                         node.url,
                         "--allow-prefill",
                         ",".join(n.url for n in self.nodes if n.role == "prefill"),
+                        "--redis",  # TTFT feedback for the dispatchers
+                        self.redis_url,
                     ),
                     self._log(f"{node.node_id}-sidecar"),
                     ready=tcp_ready(LOOPBACK, node.sidecar_port or 0),
@@ -225,7 +241,7 @@ class LocalCluster:
                     "--redis",
                     self.redis_url,
                     "--state-url",
-                    node.url,
+                    self.state_url(node),
                     "--period-ms",
                     str(self.config.heartbeat_ms),
                 ),
@@ -253,6 +269,8 @@ class LocalCluster:
                 str(self.model_dir),
                 "--profile",
                 cfg.profile,
+                "--profile-reload-s",
+                str(cfg.profile_reload_s),
                 "--policy",
                 cfg.policy,
                 "--alpha",

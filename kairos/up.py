@@ -14,6 +14,7 @@ from typing import Any
 from kairos.config import load_config
 from kairos.errors import KairosError
 from kairos.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +38,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=float, help="emulated nodes run this many times faster than real time")
     p.add_argument("--model-dir", help="served model's tokenizer dir (a tiny Llama is built when omitted)")
     p.add_argument("--workdir", type=Path, help="logs and generated files (default: a temporary folder)")
+    p.add_argument(
+        "--backend",
+        choices=("emulated", "vllm"),
+        default="emulated",
+        help="emulated nodes (default) or real vLLM servers with the Kairos plugins (CPU: the tiny model)",
+    )
+    p.add_argument("--vllm-python", help="python of the vLLM environment (default: $KAIROS_VLLM_PYTHON or .venv-vllm)")
     p.set_defaults(handler=run_up)
+
+
+def _cluster(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path) -> LocalCluster:
+    if args.backend == "emulated":
+        return LocalCluster(config, workdir)
+    backend = VllmBackend(python=args.vllm_python or default_vllm_python())
+    return VllmCluster(config, workdir, backend=backend)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -65,7 +80,7 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(config, workdir)
+    cluster = _cluster(args, config, workdir)
     print(f"starting {config.prefill_nodes}P{config.decode_nodes}D (logs in {workdir / 'logs'}) ...", flush=True)
     try:
         cluster.start()

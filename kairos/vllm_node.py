@@ -41,6 +41,7 @@ class VllmNodeSpec:
     step_log: str = ""  # JSONL path of the step recorder ("" = ring only, when record_steps)
     record_steps: bool = False
     workdir: Path | None = None  # vLLM's temp, IPC and cache files go here (CPU tests)
+    host: str = "127.0.0.1"  # 0.0.0.0 (or the node's address) when other machines call it
     extra_args: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
@@ -49,7 +50,7 @@ class VllmNodeSpec:
             "-m",
             "vllm.entrypoints.openai.api_server",  # the `vllm` CLI looks for a distribution named vllm
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--model",
@@ -88,8 +89,9 @@ class VllmNodeSpec:
             "KAIROS_VLLM_PROFILE": self.profile,
             "KAIROS_VLLM_RECORD_STEPS": "1" if self.record_steps or self.step_log else "0",
             "KAIROS_VLLM_STEP_LOG": self.step_log,
-            "HF_HUB_OFFLINE": "1",
         }
+        if self.load_format == "dummy":
+            env["HF_HUB_OFFLINE"] = "1"  # only the local config and tokenizer are read
         if self.device == "cpu":
             env |= {
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # else every server pins the same core

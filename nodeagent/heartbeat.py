@@ -84,6 +84,10 @@ class EngineState:
     scheduled_prefill_tokens: tuple[int, ...]  # remaining tokens of deflected (scheduled) prefills
     max_step_tokens: int  # the engine's token budget per step (max_num_batched_tokens)
     model: str  # served model name
+    # Reported by real vLLM (the Kairos scheduler plugin); None where the engine does not say.
+    running_requests: int | None = None
+    waiting_requests: int | None = None
+    kv_usage: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("decode_tokens", "kv_tokens", "kv_capacity_tokens", "max_step_tokens"):
@@ -98,6 +102,13 @@ class EngineState:
                 raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
         if not isinstance(self.model, str):
             raise EngineStateError(f"engine state: model must be a string, got {self.model!r}")
+        for name in ("running_requests", "waiting_requests"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        usage = self.kv_usage
+        if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
+            raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
 
     @classmethod
     def from_mapping(cls, data: Any) -> EngineState:
@@ -121,6 +132,9 @@ class EngineState:
             if not isinstance(values[name], list | tuple):
                 raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
             values[name] = tuple(values[name])
+        for name in ("running_requests", "waiting_requests", "kv_usage"):
+            if data.get(name) is not None:
+                values[name] = data[name]
         return cls(**values)
 
 
@@ -266,7 +280,7 @@ class PublisherConfig:
 def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_at: float) -> dict[str, Any]:
     """The heartbeat object (every :class:`HeartbeatField`), ready for ``json.dumps``."""
     f = HeartbeatField
-    return {
+    beat: dict[str, Any] = {
         f.NODE_ID: config.node_id,
         f.ROLE: config.role,
         f.URL: config.url,
@@ -281,6 +295,13 @@ def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_
         f.MAX_STEP_TOKENS: state.max_step_tokens,
         f.MODEL: state.model,
     }
+    optional = {
+        f.RUNNING_REQUESTS: state.running_requests,
+        f.WAITING_REQUESTS: state.waiting_requests,
+        f.KV_USAGE: state.kv_usage,
+    }
+    beat |= {k: v for k, v in optional.items() if v is not None}
+    return beat
 
 
 def redis_client(url: str, timeout_s: float) -> aioredis.Redis:

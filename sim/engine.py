@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from extproc.latency import LatencyModels
+from extproc.latency import LatencyModels, largest_chunk_within
 
 
 class Role(StrEnum):
@@ -249,25 +249,10 @@ class Engine:
         return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), new)
 
     def _fit_chunk(self, tokens: int, seq: Sequence, decode_tokens: int) -> int:
-        """The largest chunk <= ``tokens`` whose step the node's model keeps within the
-        sequence's step budget, with the batch as it is now (the dispatcher planned on a
-        heartbeat; decodes may have joined since)."""
+        """The largest chunk <= ``tokens`` the node's own model keeps within the sequence's step
+        budget, with the batch as it is now."""
         assert self.guard is not None and seq.step_budget_s is not None
-        limit, k, cached = seq.step_budget_s, self.kv_used, seq.computed
-
-        def fits(n: int) -> bool:
-            return self.guard.mixed_step_s(decode_tokens + n, cached, decode_tokens, k) <= limit  # type: ignore[union-attr]
-
-        if fits(tokens):
-            return tokens
-        lo, hi = 0, tokens  # fits(lo) or lo == 0; not fits(hi); step time grows with the chunk
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo if lo > 0 and fits(lo) else 0
+        return largest_chunk_within(self.guard, tokens, seq.computed, decode_tokens, self.kv_used, seq.step_budget_s)
 
     def step_duration(self, plan: StepPlan) -> float:
         return self.timer(self.config.role, plan)

@@ -1,0 +1,113 @@
+"""A local cluster whose nodes are real vLLM servers (with the Kairos plugins and NixlConnector)
+instead of emulated ones; Redis, Envoy, the dispatcher, sidecars and publishers are the same
+processes as in :class:`~kairos.local_cluster.LocalCluster`.
+
+Used by the integration tier (vLLM on CPU with a tiny model) and by ``kairos up --backend vllm``.
+vLLM takes tens of seconds to start, so every engine is launched before the first is waited on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kairos.errors import ConfigError
+from kairos.local_cluster import LOOPBACK, LocalCluster, NodeProcs
+from kairos.processes import ManagedProcess, free_port, http_ready
+from kairos.vllm_node import VllmNodeSpec
+
+DEFAULT_VLLM_VENV = ".venv-vllm"  # what scripts/vllm_env.sh builds
+
+
+@dataclass(frozen=True)
+class VllmBackend:
+    """How the cluster runs vLLM."""
+
+    python: str  # interpreter of an environment with vLLM and kairos-gateway installed
+    device: str = "cpu"
+    load_format: str = "dummy"  # the tiny test model has no weights
+    kv_cache_bytes: int = 256 * 2**20
+    record_steps: bool = True  # the step recorder, served at the state port's /kairos/steps
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not Path(self.python).is_file() or not os.access(self.python, os.X_OK):
+            raise ConfigError(
+                f"no vLLM environment at {self.python} (build one with: bash scripts/vllm_env.sh, or set "
+                "KAIROS_VLLM_PYTHON to a python that has vllm and kairos-gateway installed)"
+            )
+
+
+def default_vllm_python(repo: Path | None = None) -> str:
+    """``$KAIROS_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of the repository."""
+    env = os.environ.get("KAIROS_VLLM_PYTHON")
+    if env:
+        return env
+    root = repo or Path(__file__).resolve().parent.parent
+    return str(root / DEFAULT_VLLM_VENV / "bin" / "python")
+
+
+@dataclass
+class VllmCluster(LocalCluster):
+    backend: VllmBackend | None = None
+    state_ports: dict[str, int] = field(default_factory=dict)
+    specs: dict[str, VllmNodeSpec] = field(default_factory=dict)
+
+    def state_url(self, node: NodeProcs) -> str:
+        return f"{LOOPBACK}:{self.state_ports[node.node_id]}"
+
+    def steps_url(self, node_id: str) -> str:
+        return f"http://{LOOPBACK}:{self.state_ports[node_id]}/kairos/steps"
+
+    def start_nodes(self, timeout_s: float = 60.0) -> None:
+        backend = self.backend
+        if backend is None:
+            raise ConfigError("VllmCluster needs a VllmBackend")
+        engines = []
+        for node in self.nodes:
+            node.engine = self.engine_process(node)
+            self.group.procs.append(node.engine)  # stopped with the rest, even if start-up fails
+            node.engine.start()
+            engines.append(node.engine)
+        for engine in engines:
+            engine.wait_ready(max(timeout_s, backend.startup_timeout_s))
+        for node in self.nodes:
+            self.start_agents(node, timeout_s)
+
+    def engine_process(self, node: NodeProcs) -> ManagedProcess:
+        assert self.backend is not None and self.model_dir is not None
+        cfg, backend = self.config, self.backend
+        self.state_ports[node.node_id] = free_port()
+        workdir = self.workdir / "vllm" / node.node_id
+        shutil.rmtree(workdir, ignore_errors=True)  # stale IPC sockets of an earlier run
+        workdir.mkdir(parents=True)
+        spec = VllmNodeSpec(
+            node_id=node.node_id,
+            role=node.role,
+            python=backend.python,
+            model_dir=self.model_dir,
+            served_model_name=cfg.model_name,
+            port=node.vllm_port,
+            state_port=self.state_ports[node.node_id],
+            nixl_port=free_port(),
+            max_model_len=cfg.max_model_len,
+            max_num_batched_tokens=cfg.prefill_step_tokens if node.role == "prefill" else cfg.decode_step_tokens,
+            kv_cache_bytes=backend.kv_cache_bytes,
+            device=backend.device,
+            load_format=backend.load_format,
+            profile=cfg.profile if node.role == "decode" else "",
+            step_log=str(self.workdir / "steps" / f"{node.node_id}.jsonl") if backend.record_steps else "",
+            record_steps=backend.record_steps,
+            workdir=workdir,
+        )
+        self.specs[node.node_id] = spec
+        return ManagedProcess(
+            f"{node.node_id}-vllm",
+            spec.argv(),
+            self._log(f"{node.node_id}-vllm"),
+            ready=http_ready(f"http://{node.url}/health"),
+            env=spec.env(),
+            cwd=workdir,
+        )

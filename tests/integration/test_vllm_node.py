@@ -1,0 +1,261 @@
+"""Real vLLM on CPU behind the gateway: the keep path's KV transfer, deflected prefills run with
+the dispatcher's exact chunk schedule, heartbeats that agree with vLLM's own metrics, and the
+dispatcher's token counts equal to vLLM's."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+import redis
+from extproc.latency import load_profile
+from kairos import contracts as c
+from kairos.vllm_cluster import VllmCluster
+from tests.e2e.conftest import post_json
+from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric
+
+pytestmark = pytest.mark.vllm
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly".split()  # noqa: SIM905
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    """``n`` prompt token ids, distinct per seed (so no two tests share a KV prefix)."""
+    return [3 + (seed * 7919 + i * 31) % 4000 for i in range(n)]
+
+
+def completion(prompt: Any, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def direct(cluster: VllmCluster, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    status, _, out = post_json(f"http://{cluster.node(node_id).url}/v1/completions", body, timeout=120)
+    assert status == 200, out
+    return out
+
+
+def deflect_headers(cluster: VllmCluster, schedule: list[int], budget_ms: float | None = None) -> dict[str, str]:
+    """The headers the dispatcher sets on a deflected request (the sidecar turns them into vllm_xargs)."""
+    headers = {
+        c.H_REQUEST_ID: f"deflect-{uuid.uuid4().hex[:8]}",
+        c.H_ROUTE: "deflect",
+        c.H_DECODE_NODE: "d0",
+        c.H_CHUNK_SCHEDULE: ",".join(map(str, schedule)),
+    }
+    if budget_ms is not None:
+        headers[c.H_STEP_BUDGET_MS] = str(budget_ms)
+    return headers
+
+
+def sidecar_url(cluster: VllmCluster) -> str:
+    return f"http://{cluster.node('d0').sidecar_url}/v1/completions"
+
+
+# -- keep: P then D with a real NIXL transfer ------------------------------------------------------
+def test_keep_request_prefills_on_p_and_pulls_kv_to_d(vllm_cluster: VllmCluster) -> None:
+    cluster = vllm_cluster
+    d_metrics, p_metrics = (f"http://{cluster.node(n).url}/metrics" for n in ("d0", "p0"))
+    src = "vllm:prompt_tokens_by_source_total"
+    before_d = metric(d_metrics, src, source="external_kv_transfer")
+    before_p = metric(p_metrics, src, source="local_compute")
+    prompt = token_prompt(700, seed=1)
+
+    status, headers, out = post_json(f"{cluster.gateway_url}/v1/completions", completion(prompt, 12), timeout=120)
+
+    assert status == 200, out
+    assert headers[c.H_ROUTE] == "keep"
+    assert out["usage"]["prompt_tokens"] == 700
+    assert metric(p_metrics, src, source="local_compute") - before_p == 700  # prefilled on P
+    assert metric(d_metrics, src, source="external_kv_transfer") - before_d == 700  # KV pulled by D
+    single = direct(cluster, "d0", completion(prompt, 12))  # the same request, one node, no transfer
+    assert out["choices"][0]["text"] == single["choices"][0]["text"]
+
+
+# -- deflect: the decode node runs the schedule exactly ----------------------------------------------
+def test_deflected_request_runs_the_exact_chunk_schedule(vllm_cluster: VllmCluster) -> None:
+    cluster = vllm_cluster
+    prompt = token_prompt(1000, seed=2)
+    headers = deflect_headers(cluster, [200, 100, 300])
+
+    status, resp_headers, out = post_json(sidecar_url(cluster), completion(prompt, 10), headers, timeout=120)
+
+    assert status == 200, out
+    assert resp_headers[c.H_ROUTE] == "deflect"
+    assert chunks_of(cluster, "d0", headers[c.H_REQUEST_ID]) == [200, 100, 300, 300, 100]  # last size repeats
+    plain = direct(cluster, "d0", completion(prompt, 10))
+    assert out["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def test_plain_requests_are_scheduled_as_vllm_does(vllm_cluster: VllmCluster) -> None:
+    rid = f"plain-{uuid.uuid4().hex[:8]}"
+    status, _, out = post_json(
+        f"http://{vllm_cluster.node('d0').url}/v1/completions",
+        completion(token_prompt(1100, seed=3), 4),
+        {"x-request-id": rid},
+        timeout=120,
+    )
+    assert status == 200, out
+    assert chunks_of(vllm_cluster, "d0", rid) == [512, 512, 76]  # max_num_batched_tokens=512 chunks
+
+
+@pytest.mark.parametrize(
+    ("xargs", "message"),
+    [
+        ({"kairos_chunk_schedule": [0, 5]}, "non-empty array of positive integers"),
+        ({"kairos_chunk_schedule": "256"}, "non-empty array of positive integers"),
+        ({"kairos_step_budget_ms": 50}, "needs vllm_xargs.kairos_chunk_schedule"),
+        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": -1}, "positive number of milliseconds"),
+    ],
+)
+def test_malformed_schedule_is_a_400_from_vllm(vllm_cluster: VllmCluster, xargs: dict, message: str) -> None:
+    url = f"http://{vllm_cluster.node('d0').url}/v1/completions"
+    status, _, out = post_json(url, completion("hello there", 2, vllm_xargs=xargs))
+    assert status == 400
+    assert message in out["error"]["message"]
+    assert direct(vllm_cluster, "d0", completion("still serving", 2))["usage"]["completion_tokens"] == 2
+
+
+def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: VllmCluster) -> None:
+    """With decodes running, a chunk whose step the node's profile predicts over the budget is cut
+    to the largest that fits, for the batch the node has at that step (the step log shows it)."""
+    cluster = vllm_cluster
+    models = load_profile(cluster.config.profile)  # what the decode node enforces with
+    background = [
+        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(300, 50 + i), 400)))
+        for i in range(3)
+    ]
+    for t in background:
+        t.start()
+    _wait_for_decodes(cluster, 3)
+    # A budget that fits a ~100-token chunk beside 3 decodes, while the schedule asks for 400.
+    budget_s = models.mixed_step_s(3 + 100, 0, 3, 3 * 300)
+    headers = deflect_headers(cluster, [400], budget_ms=budget_s * 1e3)
+    status, _, out = post_json(sidecar_url(cluster), completion(token_prompt(800, seed=4), 4), headers, timeout=120)
+    for t in background:
+        t.join(timeout=120)
+
+    assert status == 200, out
+    steps = get_json(f"{cluster.steps_url('d0')}?since=0")["steps"]
+    mine = [(s, ch) for s in steps for ch in s["chunks"] if headers[c.H_REQUEST_ID] in ch["request_id"]]
+    assert sum(ch["tokens"] for _, ch in mine) == 800
+    shrunk = [ch["tokens"] for s, ch in mine if s["decode_tokens"] > 0 and ch["tokens"] < 400]
+    assert shrunk, f"no chunk was held to the budget: {[(s['decode_tokens'], ch['tokens']) for s, ch in mine]}"
+    for s, ch in mine:
+        b = s["decode_tokens"]
+        if b > 0:  # the budget protects running decodes; with none, the schedule runs as sent
+            predicted = models.mixed_step_s(b + ch["tokens"], ch["cached"], b, s["kv_tokens"])
+            assert predicted <= budget_s + 1e-9, (s, ch)
+
+
+def _wait_for_decodes(cluster: VllmCluster, n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if get_json(f"http://{cluster.state_url(cluster.node('d0'))}/kairos/state")["decode_tokens"] >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"d0 never had {n} running decodes")
+
+
+# -- heartbeats agree with vLLM's /metrics -----------------------------------------------------------
+def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster) -> None:
+    cluster = vllm_cluster
+    node = cluster.node("d0")
+    client = redis.Redis.from_url(cluster.redis_url)
+    period_s = cluster.config.heartbeat_ms / 1e3
+    beats: list[tuple[float, dict[str, Any]]] = []
+    samples: list[tuple[float, float, float, float]] = []
+    stop = threading.Event()
+
+    def watch_heartbeats() -> None:
+        while not stop.is_set():
+            raw = client.get(c.REDIS_NODE_KEY.format(node_id="d0"))
+            if raw:
+                beats.append((time.monotonic(), json.loads(raw)))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch_heartbeats)
+    watcher.start()
+    load = [
+        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + i), 120)))
+        for i in range(6)
+    ]
+    try:
+        for i, t in enumerate(load):
+            t.start()
+            time.sleep(0.05 * i)
+        url = f"http://{node.url}/metrics"
+        while any(t.is_alive() for t in load):
+            now = time.monotonic()
+            samples.append(
+                (
+                    now,
+                    metric(url, "vllm:num_requests_running"),
+                    metric(url, "vllm:num_requests_waiting"),
+                    metric(url, "vllm:kv_cache_usage_perc"),
+                )
+            )
+            time.sleep(0.03)
+    finally:
+        for t in load:
+            t.join(timeout=120)
+        stop.set()
+        watcher.join()
+
+    busy = [s for s in samples if s[1] > 0]
+    assert len(busy) >= 10, f"too few samples under load: {len(busy)}"
+    misses = []
+    for at, running, waiting, usage in busy:
+        # vLLM's metrics lag its engine by up to one stat interval; a heartbeat is up to one period old.
+        near = [b for t, b in beats if abs(t - at) <= 2 * period_s]
+        agree = [
+            b
+            for b in near
+            if b.get(c.HeartbeatField.RUNNING_REQUESTS) == running
+            and b.get(c.HeartbeatField.WAITING_REQUESTS) == waiting
+            and abs(b.get(c.HeartbeatField.KV_USAGE, -1) - usage) <= 0.01
+        ]
+        if not agree:
+            misses.append((round(at, 3), running, waiting, usage))
+    assert len(misses) <= len(busy) // 10, (
+        f"{len(misses)}/{len(busy)} metric samples with no agreeing heartbeat: {misses[:5]}"
+    )
+    last = json.loads(client.get(c.REDIS_NODE_KEY.format(node_id="d0")))
+    capacity = last[c.HeartbeatField.KV_CAPACITY_TOKENS]
+    assert capacity > 0 and last[c.HeartbeatField.MAX_STEP_TOKENS] == 512
+
+
+# -- the dispatcher counts prompt tokens as vLLM does -------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": " ".join(WORDS * 9)}),
+        ("/v1/completions", {"prompt": "Ünïcödé, digits 12345 and punctuation!?  Spaces   too."}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": " ".join(WORDS * 3)},
+                ]
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "parts"}, {"type": "text", "text": "two"}]}
+                ]
+            },
+        ),
+    ],
+)
+def test_dispatcher_prompt_tokens_equal_vllm_usage(vllm_cluster: VllmCluster, path: str, body: dict[str, Any]) -> None:
+    payload = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, **body}
+    status, headers, out = post_json(f"{vllm_cluster.gateway_url}{path}", payload, timeout=120)
+    assert status == 200, out
+    assert int(headers[c.H_PROMPT_TOKENS]) == out["usage"]["prompt_tokens"]
