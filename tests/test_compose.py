@@ -259,11 +259,14 @@ def test_everyone_uses_the_redis_service(services: dict[str, dict[str, Any]]) ->
     mounted = next(v for v in redis["volumes"] if v.startswith("../redis/redis.conf:"))
     assert (COMPOSE_DIR / mounted.split(":")[0]).resolve() == REDIS_CONF
     assert redis["command"] == ["redis-server", mounted.split(":")[1]]
-    users = ["dispatcher", *HEARTBEATS.values()]
+    # The heartbeats write the cluster view, the sidecars the TTFT feedback stream, the dispatcher
+    # reads both: one URL, database included.
+    users = ["dispatcher", *SIDECARS.values(), *HEARTBEATS.values()]
     for name in users:
         url = urlsplit(flags(services[name])["--redis"])
         assert (url.scheme, url.hostname, url.port) == ("redis", "redis", int(conf["port"])), name
         assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
+    assert len({flags(services[name])["--redis"] for name in users}) == 1
     for name in services:
         if name not in users:
             assert "--redis" not in command(services[name]), name
