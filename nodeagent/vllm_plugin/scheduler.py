@@ -7,7 +7,8 @@ Start vLLM with ``--scheduler-cls nodeagent.vllm_plugin.scheduler.KairosSchedule
    step, the last size repeating. With ``kairos_step_budget_ms`` and a latency profile
    configured, a chunk is shrunk (or deferred a step) when the node's own model predicts its
    step over the budget for the batch the node has now: the dispatcher planned on a heartbeat
-   up to 100 ms old, and decodes may have joined since (the simulator's ``_fit_chunk``). The
+   up to 100 ms old, and decodes may have joined since (the simulator's ``_fit_chunk``); a
+   profile file is re-read when it changes, like the dispatcher's. The
    budget protects decodes' TBT, so it does not apply while no decode runs. At most one
    scheduled prefill advances per step, and a waiting one is skipped (not blocking the queue)
    while another is in progress: the dispatcher's decode-path TTFT assumes they run one after
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from extproc.latency import LatencyModels, largest_chunk_within, load_profile
+from extproc.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
+from kairos.errors import KairosError
 from nodeagent.vllm_plugin.config import PluginConfig
 from nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
 from nodeagent.vllm_plugin.recorder import StepRecorder
@@ -41,6 +44,8 @@ from nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk
 from nodeagent.vllm_plugin.state_server import StateServer
 
 log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
+
+PROFILE_CHECK_S = 1.0
 
 
 class KairosScheduler(Scheduler):
@@ -58,6 +63,11 @@ class KairosScheduler(Scheduler):
         self._step_owner: str | None = None  # the scheduled prefill that advances this step
         self._scheduled_in_progress = False  # a scheduled prefill is running, mid-prompt
         self._guard: LatencyModels | None = load_profile(self.kairos.profile) if self.kairos.profile else None
+        # A profile file is re-read when it changes (as the dispatcher does), checked at most
+        # once a second from the scheduling loop: one stat() call.
+        self._profile_file = profile_path(self.kairos.profile) if self.kairos.profile else None
+        self._profile_stamp = _stamp(self._profile_file)
+        self._profile_checked_at = time.monotonic()
         self._warned_no_guard = False
         self._recorder = (
             StepRecorder(self.kairos.step_ring, self.kairos.step_log or None, self.kairos.node_id)
@@ -109,6 +119,7 @@ class KairosScheduler(Scheduler):
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_reload_profile()
         decodes = kv = 0
         in_progress = False
         for r in self.running:
@@ -166,6 +177,23 @@ class KairosScheduler(Scheduler):
         if plan.step_budget_s is None or self._guard is None or self._step_decodes == 0:
             return tokens
         return largest_chunk_within(self._guard, tokens, cached, self._step_decodes, self._step_kv, plan.step_budget_s)
+
+    def _maybe_reload_profile(self) -> None:
+        now = time.monotonic()
+        if self._profile_file is None or now - self._profile_checked_at < PROFILE_CHECK_S:
+            return
+        self._profile_checked_at = now
+        stamp = _stamp(self._profile_file)
+        if stamp == self._profile_stamp:
+            return
+        self._profile_stamp = stamp
+        try:
+            self._guard = load_profile(self._profile_file)
+        except KairosError as exc:  # a half-written file: keep the models we have
+            kept = self._guard.name if self._guard else "none"
+            log.error("kairos: profile reload rejected, keeping %s: %s", kept, exc)
+            return
+        log.info("kairos: step budgets now enforced with profile %s (%s)", self._guard.name, self._profile_file)
 
     # -- after each step ----------------------------------------------------------------------
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -243,6 +271,14 @@ class KairosScheduler(Scheduler):
 
     def _pending(self, r: Request) -> PendingPrefill:
         return PendingPrefill(r.num_prompt_tokens - r.num_computed_tokens, r.request_id in self._plans)
+
+
+def _stamp(path: Path | None) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
 
 
 def _kv_arrives_by_transfer(r: Request) -> bool:
