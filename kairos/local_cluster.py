@@ -45,6 +45,10 @@ class LocalClusterConfig:
     decode_step_tokens: int = 4096
     heartbeat_ms: float = 100.0
     redis_port: int = 0
+    # Loopback unless nodes on other machines must reach Redis (their publishers) and clients
+    # must reach Envoy: then 0.0.0.0 or this machine's address.
+    redis_host: str = LOOPBACK
+    gateway_host: str = LOOPBACK
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -65,17 +69,18 @@ class NodeProcs:
     role: str
     vllm_port: int
     sidecar_port: int | None
+    host: str = LOOPBACK  # where the node's vLLM and sidecar listen (another machine for --nodes)
     engine: ManagedProcess | None = None
     publisher: ManagedProcess | None = None
     sidecar: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
-        return f"{LOOPBACK}:{self.vllm_port}"
+        return f"{self.host}:{self.vllm_port}"
 
     @property
     def sidecar_url(self) -> str:
-        return f"{LOOPBACK}:{self.sidecar_port}" if self.sidecar_port else ""
+        return f"{self.host}:{self.sidecar_port}" if self.sidecar_port else ""
 
 
 @dataclass
@@ -95,7 +100,8 @@ class LocalCluster:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.gateway_port}"
+        host = self.config.gateway_host
+        return f"http://{LOOPBACK if host in (LOOPBACK, '0.0.0.0') else host}:{self.gateway_port}"
 
     @property
     def redis_url(self) -> str:
@@ -112,8 +118,7 @@ class LocalCluster:
             self.model_dir = Path(cfg.model_dir) if cfg.model_dir else self._build_model()
             self.redis_port = cfg.redis_port or free_port()
             self.start_redis(timeout_s)
-            self.nodes = [NodeProcs(f"p{i}", "prefill", free_port(), None) for i in range(cfg.prefill_nodes)]
-            self.nodes += [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
+            self.nodes = self.plan_nodes()
             self.start_nodes(timeout_s)
             self.dispatcher_ports = [free_port() for _ in range(cfg.dispatchers)]
             self.dispatcher_metrics_ports = [free_port() for _ in range(cfg.dispatchers)]
@@ -125,6 +130,11 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def plan_nodes(self) -> list[NodeProcs]:
+        cfg = self.config
+        nodes = [NodeProcs(f"p{i}", "prefill", free_port(), None) for i in range(cfg.prefill_nodes)]
+        return nodes + [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
 
     def _build_model(self) -> Path:
         from kairos.tinymodel import build_tiny_model
@@ -144,7 +154,9 @@ class LocalCluster:
         self.redis = self.group.start(
             ManagedProcess(
                 "redis",
-                [binary, "--port", str(self.redis_port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"],
+                [binary, "--port", str(self.redis_port), "--bind", self.config.redis_host]
+                + ([] if self.config.redis_host == LOOPBACK else ["--protected-mode", "no"])
+                + ["--save", "", "--appendonly", "no"],
                 self._log("redis"),
                 ready=tcp_ready(LOOPBACK, self.redis_port),
             ),
@@ -300,7 +312,7 @@ class LocalCluster:
     def start_envoy(self, timeout_s: float = 60.0) -> ManagedProcess:
         admin_port = free_port()
         settings = EnvoySettings(
-            listen_host=LOOPBACK,
+            listen_host=self.config.gateway_host,
             listen_port=self.gateway_port,
             admin_port=admin_port,
             dispatchers=tuple(f"{LOOPBACK}:{p}" for p in self.dispatcher_ports),

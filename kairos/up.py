@@ -8,12 +8,15 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from kairos.config import load_config
+from kairos.contracts import REDIS_NODE_KEY
 from kairos.errors import KairosError
 from kairos.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.remote_nodes import RemoteNodesCluster, load_nodes
 from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
 
@@ -30,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dispatchers", type=int)
     p.add_argument("--port", dest="gateway_port", type=int, help="gateway port (default 8000)")
     p.add_argument("--profile", help="latency profile: packaged name or JSON path")
+    p.add_argument("--model", dest="model_name", help="served model name (default kairos-tiny-llama)")
     p.add_argument("--policy", help="kairos (default) or pd")
     p.add_argument("--alpha", type=float)
     p.add_argument("--beta", type=float)
@@ -38,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=float, help="emulated nodes run this many times faster than real time")
     p.add_argument("--model-dir", help="served model's tokenizer dir (a tiny Llama is built when omitted)")
     p.add_argument("--workdir", type=Path, help="logs and generated files (default: a temporary folder)")
+    p.add_argument(
+        "--nodes", type=Path, help="YAML file of nodes running elsewhere: start only Redis, the dispatcher and Envoy"
+    )
+    p.add_argument("--host", dest="gateway_host", help="Envoy's listen address (default 127.0.0.1)")
+    p.add_argument("--redis-host", help="Redis listen address; other machines' publishers need a reachable one")
+    p.add_argument("--redis-port", type=int, help="Redis port (default: any free port)")
+    p.add_argument("--profile-reload-s", type=float, help="how often the dispatcher checks a profile file")
     p.add_argument(
         "--backend",
         choices=("emulated", "vllm"),
@@ -49,10 +60,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cluster(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path) -> LocalCluster:
+    if args.nodes is not None:
+        return RemoteNodesCluster(config, workdir, remote=load_nodes(args.nodes))
     if args.backend == "emulated":
         return LocalCluster(config, workdir)
     backend = VllmBackend(python=args.vllm_python or default_vllm_python())
     return VllmCluster(config, workdir, backend=backend)
+
+
+def _await_heartbeats(cluster: LocalCluster, stop: threading.Event, timeout_s: float = 120.0) -> None:
+    """Until every listed node has a heartbeat in Redis; says which are missing meanwhile (the
+    gateway routes on what it has: requests work as soon as one node of each role beats)."""
+    import redis
+
+    client = redis.Redis.from_url(cluster.redis_url)
+    deadline, said = time.monotonic() + timeout_s, None
+    try:
+        while not stop.is_set() and time.monotonic() < deadline:
+            missing = [n.node_id for n in cluster.nodes if not client.exists(REDIS_NODE_KEY.format(node_id=n.node_id))]
+            if not missing:
+                print(f"heartbeats from all {len(cluster.nodes)} nodes", flush=True)
+                return
+            if missing != said:
+                print(f"waiting for heartbeats from {', '.join(missing)} ...", flush=True)
+                said = missing
+            stop.wait(0.5)
+        if said:
+            print(f"kairos up: no heartbeat yet from {', '.join(said)}; routing without them", file=sys.stderr)
+    finally:
+        client.close()
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -71,6 +107,11 @@ def run_up(args: argparse.Namespace) -> int:
             "ttft_slo_s",
             "time_scale",
             "model_dir",
+            "model_name",
+            "gateway_host",
+            "redis_host",
+            "redis_port",
+            "profile_reload_s",
         )
     }
     config = load_config(
@@ -80,12 +121,20 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = _cluster(args, config, workdir)
-    print(f"starting {config.prefill_nodes}P{config.decode_nodes}D (logs in {workdir / 'logs'}) ...", flush=True)
+    try:
+        cluster = _cluster(args, config, workdir)
+    except KairosError as exc:
+        print(f"kairos up: error: {exc.message}", file=sys.stderr)
+        return 2
+    what = f"the gateway for {args.nodes}" if args.nodes else f"{config.prefill_nodes}P{config.decode_nodes}D"
+    print(f"starting {what} (logs in {workdir / 'logs'}) ...", flush=True)
     try:
         cluster.start()
         if stop.is_set():
             return 130
+        if args.nodes:
+            print(f"Redis for the nodes' heartbeat publishers: --redis {cluster.redis_url}", flush=True)
+            _await_heartbeats(cluster, stop)
         url = cluster.gateway_url
         print(f"\nKairos gateway ready at {url}  (policy {config.policy}, profile {config.profile})")
         print("try:")

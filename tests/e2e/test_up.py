@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from kairos.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.processes import free_port
 
 
@@ -52,3 +53,63 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path
     left = [a for a in _processes() if str(workdir) in a or (str(model_dir) in a and "pytest" not in a)]
     assert left == [], left
     assert os.path.exists(workdir / "logs")
+
+
+def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, timeout_s: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if marker in line:
+            return line
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"no {marker!r} in:\n{''.join(lines)}")
+
+
+def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Path, model_dir: Path) -> None:
+    """The gateway alone (Redis, dispatcher, Envoy) for nodes whose agents run on their own: the
+    nodes' publishers report to its Redis and requests reach their sidecar."""
+    redis_port, port = free_port(), free_port()
+    elsewhere = LocalCluster(
+        LocalClusterConfig(
+            prefill_nodes=1, decode_nodes=1, model_dir=str(model_dir), time_scale=5, redis_port=redis_port
+        ),
+        tmp_path / "nodes",
+    )
+    elsewhere.model_dir, elsewhere.redis_port = model_dir, redis_port
+    elsewhere.nodes = elsewhere.plan_nodes()
+    nodes_file = tmp_path / "nodes.yaml"
+    nodes_file.write_text(
+        "prefill:\n"
+        + "".join(f"  - {{id: {n.node_id}, url: '{n.url}'}}\n" for n in elsewhere.nodes if n.role == "prefill")
+        + "decode:\n"
+        + "".join(
+            f"  - {{id: {n.node_id}, url: '{n.url}', sidecar: '{n.sidecar_url}'}}\n"
+            for n in elsewhere.nodes
+            if n.role == "decode"
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kairos.cli", "up", "--nodes", str(nodes_file), "--port", str(port),
+         "--redis-port", str(redis_port), "--workdir", str(tmp_path / "up"), "--model-dir", str(model_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    try:
+        _read_until(proc, lines, "waiting for heartbeats from p0, d0", 60)
+        elsewhere.start_nodes()
+        _read_until(proc, lines, "heartbeats from all 2 nodes", 60)
+        curl = _read_until(proc, lines, "curl ", 30).strip()
+        result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
+        assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
+        assert "x-kairos-decode-node: d0" in result.stdout.lower()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        elsewhere.stop()
+    assert all(n.engine is not None and not n.engine.alive() for n in elsewhere.nodes)
