@@ -54,6 +54,10 @@ class FitConfig:
     knee_refine_step: int = 4  # fine grid spacing around the best coarse knee
     folds: int = 5  # GroupKFold splits, at most the number of runs
     min_samples: int = 5  # fewer rows than this: the model is copied from the base profile
+    # Steps whose relative residual is more than this many robust standard deviations (1.4826 x
+    # MAD) from the median are interference (another process took the core, a GC pause), not
+    # the model's to explain: least squares would bend every coefficient towards them. 0 = off.
+    outlier_mad: float = 5.0
 
     def __post_init__(self) -> None:
         if self.knee_step < 1 or self.knee_refine_step < 1 or self.knee_refine_step > self.knee_step:
@@ -65,6 +69,8 @@ class FitConfig:
             raise ProfileError(f"folds must be >= 2, got {self.folds}")
         if self.min_samples < 2:
             raise ProfileError(f"min_samples must be >= 2, got {self.min_samples}")
+        if self.outlier_mad < 0:
+            raise ProfileError(f"outlier_mad must be >= 0 (0 = keep every step), got {self.outlier_mad}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Fitted:
     estimator: LinearRegression
     scale: Floats  # each feature column was divided by this before fitting (conditioning)
     samples: int
+    outliers: int = 0  # rows left out of the final fit as interference
 
     def design(self, s: Steps) -> Floats:
         return design(self.name, s, self.knee)
@@ -121,28 +128,58 @@ def _knee_variable(name: str, s: Steps) -> Floats:
 DecodePredictor = Callable[[Steps], Floats]
 
 
-def _fit_at(name: str, s: Steps, y: Floats, knee: float, positive: bool) -> tuple[Fitted, float]:
+def inliers(predicted: Floats, measured: Floats, k: float) -> np.ndarray:
+    """Rows whose relative residual lies within ``k`` robust standard deviations of the median
+    (all rows when ``k`` is 0 or the residuals have no spread)."""
+    rel = (measured - predicted) / np.maximum(np.abs(predicted), 1e-12)
+    center = np.median(rel)
+    # Floor the spread at 0.1%: on clean records nothing is "interference" within k x 0.1%.
+    spread = max(1.4826 * float(np.median(np.abs(rel - center))), 1e-3)
+    if k <= 0:
+        return np.ones(len(rel), dtype=bool)
+    return np.abs(rel - center) <= k * spread
+
+
+def _fit_at(name: str, s: Steps, y: Floats, knee: float, cfg: FitConfig, robust: bool = True) -> tuple[Fitted, float]:
     x = design(name, s, knee)
     # Features span 1 to 1e9 (p x K): scale columns to [-1, 1] so least squares stays well
     # conditioned; dividing the coefficients by the scale afterwards is exact.
     scale = np.max(np.abs(x), axis=0)
     scale[scale == 0] = 1.0
-    est = LinearRegression(positive=positive).fit(x / scale, y)
-    sse = float(np.sum((est.predict(x / scale) - y) ** 2))
-    return Fitted(name, knee, est, scale, len(s)), sse
+    xs = x / scale
+    keep = np.ones(len(y), dtype=bool)
+    est = LinearRegression(positive=cfg.positive).fit(xs, y)
+    for _ in range(3 if robust else 0):  # refit without interference outliers until the set settles
+        now = inliers(est.predict(xs), y, cfg.outlier_mad)
+        if now.sum() < cfg.min_samples or (now == keep).all():
+            break
+        keep = now
+        est = LinearRegression(positive=cfg.positive).fit(xs[keep], y[keep])
+    sse = float(np.sum((est.predict(xs[keep]) - y[keep]) ** 2))
+    return Fitted(name, knee, est, scale, len(s), int(len(y) - keep.sum())), sse
 
 
 def fit_model(name: str, s: Steps, y: Floats, cfg: FitConfig) -> Fitted:
     """Fit one step model to targets ``y``; knee models search their knee on these rows only."""
     if name not in c.KNEE_MODELS:
-        return _fit_at(name, s, y, 0.0, cfg.positive)[0]
+        return _fit_at(name, s, y, 0.0, cfg)[0]
     top = float(np.max(_knee_variable(name, s)))
     step = cfg.knee_step
     coarse = np.arange(step, math.ceil(top / step) * step + step, step, dtype=np.float64)
-    best = min(coarse, key=lambda k: _fit_at(name, s, y, k, cfg.positive)[1])
-    fine = [k for k in np.arange(best - step, best + step + 1, cfg.knee_refine_step, dtype=np.float64) if k > 0]
-    fits = [_fit_at(name, s, y, k, cfg.positive) for k in fine]
-    return min(fits, key=lambda f: (f[1], f[0].knee))[0]
+
+    def knee_search(rows: Steps, target: Floats) -> float:
+        # Plain least squares on one fixed set of rows, so every knee is scored on the same steps.
+        best = min(coarse, key=lambda k: _fit_at(name, rows, target, k, cfg, robust=False)[1])
+        fine = [k for k in np.arange(best - step, best + step + 1, cfg.knee_refine_step, dtype=np.float64) if k > 0]
+        return min(fine, key=lambda k: (_fit_at(name, rows, target, k, cfg, robust=False)[1], k))
+
+    knee = knee_search(s, y)
+    if cfg.outlier_mad > 0:  # again without the interference steps a robust fit at that knee finds
+        provisional = _fit_at(name, s, y, knee, cfg)[0]
+        keep = inliers(provisional.predict(s), y, cfg.outlier_mad)
+        if keep.sum() >= cfg.min_samples and not keep.all():
+            knee = knee_search(s.take(np.flatnonzero(keep)), y[keep])
+    return _fit_at(name, s, y, knee, cfg)[0]
 
 
 def _decode_of(fitted: Fitted) -> DecodePredictor:
@@ -174,11 +211,13 @@ def fit_step_models(data: dict[str, Steps], cfg: FitConfig, base_decode: DecodeP
 class HeldOut:
     """Out-of-fold predictions of one model (whole-step durations)."""
 
-    mape: float | None  # None: fewer than two runs, nothing to hold out
+    mape: float | None  # None: fewer than two runs, nothing to hold out; interference steps excluded
     folds: int
     runs: int
     measured: Floats = field(repr=False)
     predicted: Floats = field(repr=False)
+    mape_all: float | None = None  # over every held-out step, interference included
+    outlier_fraction: float = 0.0  # held-out steps the robust rule set aside
 
 
 def held_out(data: dict[str, Steps], cfg: FitConfig, base_decode: DecodePredictor) -> dict[str, HeldOut]:
@@ -216,7 +255,10 @@ def held_out(data: dict[str, Steps], cfg: FitConfig, base_decode: DecodePredicto
             out[name] = HeldOut(None, 0, len(runs), empty, empty)
             continue
         m, p = np.concatenate(measured), np.concatenate(predicted)
-        out[name] = HeldOut(mape(p, m), folds, len(runs), m, p)
+        keep = inliers(p, m, cfg.outlier_mad)
+        out[name] = HeldOut(
+            mape(p[keep], m[keep]), folds, len(runs), m, p, mape(p, m), float(1 - keep.mean())
+        )
     return out
 
 
@@ -363,11 +405,16 @@ def fit_profile(
             "method": "GroupKFold by run file (every row of a run in the same fold)",
             "folds": {n: h.folds for n, h in scores.items()},
             "runs": {n: h.runs for n, h in scores.items()},
+            "held_out_mape_all_steps": {n: h.mape_all for n, h in scores.items()},
+            "held_out_outlier_fraction": {n: h.outlier_fraction for n, h in scores.items()},
         },
         "mape_definition": MAPE_DEFINITION,
         "fit": {
             "estimator": "sklearn.linear_model.LinearRegression",
             "positive": cfg.positive,
+            "outliers": f"steps beyond {cfg.outlier_mad:g} x 1.4826 MAD of the relative residual are refitted "
+            "without (interference, not model error); 0 = off",
+            "outliers_left_out": {n: f.outliers for n, f in fitted.items()},
             "knee_search": f"training-SSE grid, step {cfg.knee_step} then {cfg.knee_refine_step} tokens",
             "mixed_target": "duration - decode_step prediction, on mixed steps"
             + ("" if c.DECODE_STEP in fitted else f" (decode_step of the base profile {base.name})"),
@@ -406,7 +453,7 @@ def _pct(x: float | None) -> str:
 
 def format_table(result: FitResult) -> str:
     p = result.profile
-    rows = [("model", "samples", "runs", "held-out MAPE", "knee", "intercept", "coefficients")]
+    rows = [("model", "samples", "runs", "held-out MAPE", "all steps", "outliers", "knee", "intercept", "coefficients")]
     for name, m in ((c.DECODE_STEP, p.decode), (c.PREFILL_STEP, p.prefill), (c.MIXED_INCREMENT, p.mixed)):
         h = result.held_out.get(name)
         src = "" if name in result.fitted else " (base)"
@@ -417,6 +464,8 @@ def format_table(result: FitResult) -> str:
                 "-" if m.samples is None or src else str(m.samples),
                 "-" if h is None or src else str(h.runs),
                 "-" if src else _pct(m.mape),
+                "-" if h is None or src else _pct(h.mape_all),
+                "-" if h is None or src else _pct(h.outlier_fraction),
                 f"{m.knee_tokens:g}" if name in c.KNEE_MODELS else "-",
                 f"{m.intercept:.4g}",
                 coefs,
@@ -430,6 +479,8 @@ def format_table(result: FitResult) -> str:
             "-",
             "-",
             _pct(t.mape),
+            "-",
+            "-",
             "-",
             f"{t.latency_s:.4g}",
             f"bytes_per_token={t.bytes_per_token:g} bandwidth_bytes_per_s={t.bandwidth_bytes_per_s:.4g}",

@@ -59,11 +59,16 @@ class StateServer:
                 self._reply(HTTPStatus.OK, json.dumps(body).encode())
 
             def _reply(self, status: HTTPStatus, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except ConnectionError:
+                    # The publisher gave up waiting (a busy engine process was slow to answer):
+                    # its next poll gets a fresh snapshot; nothing to report here.
+                    return
 
             def log_message(self, format: str, *args: object) -> None:
                 return  # one line per heartbeat poll would drown vLLM's own log
