@@ -287,6 +287,46 @@ def best_prefill_node(
     return node, ttft
 
 
+def decide_without_prefill_pool(
+    prompt_tokens: int, view: ClusterView, now: float, models: LatencyModels, config: DeciderConfig
+) -> Decision:
+    """Degraded routing while no prefill node is registered (all dead, or their heartbeats lost
+    on a starved host): a decode node prefills the request itself rather than the request failing.
+    The node with the fastest TBT-safe schedule wins (no alpha margin: the prefill path is gone);
+    if none has one, the least-loaded node runs the smallest chunk candidate and its own step
+    guard holds the budget."""
+    validate_prompt(prompt_tokens)
+    if not view.decode:
+        raise NoHealthyNodeError("no prefill or decode node is registered")
+    plans = []
+    for node in sorted(view.decode, key=lambda n: n.node_id):
+        plan = plan_on_decode_node(models, config, node, prompt_tokens, math.inf)
+        if isinstance(plan, _Plan):
+            plans.append((plan.ttft_s, node.node_id, plan))
+    if plans:
+        ttft_dec, node_id, plan = min(plans, key=lambda x: (x[0], x[1]))
+        sizes, times = expand_runs(plan.runs)
+        decode_tokens = plan.decode_tokens
+    else:
+        node = pick_keep_decode_node(models, view, now, config, prompt_tokens)
+        node_id, smallest = node.node_id, config.chunk_candidates[-1]
+        whole, rest = divmod(prompt_tokens, smallest)
+        sizes, times, ttft_dec, decode_tokens = [smallest] * whole + [rest] * bool(rest), [], None, node.decode_tokens
+    return Decision(
+        route=Route.DEFLECT,
+        reason=Reason.DEFLECT_NO_PREFILL_NODE,
+        decode_node=node_id,
+        prefill_node=None,
+        chunk_sizes=tuple(sizes),
+        predicted_ttft_prefill_s=None,
+        predicted_ttft_decode_s=ttft_dec,
+        prompt_tokens=prompt_tokens,
+        step_budget_s=config.step_budget_s if config.node_step_guard else None,
+        predicted_step_s=tuple(times),
+        planned_decode_tokens=decode_tokens,
+    )
+
+
 def validate_prompt(prompt_tokens: int) -> None:
     if prompt_tokens < 1:
         raise InvalidRequestError(f"the prompt has {prompt_tokens} tokens; at least 1 is needed")

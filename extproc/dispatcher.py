@@ -81,6 +81,9 @@ class Policies:
 
     policy: Policy
     keep_policy: Policy  # the P/D path, when every deflection target is taken
+    # While no prefill node is registered: a decode node prefills rather than the request
+    # failing with 503 (None: the 503 stands).
+    no_prefill: Policy | None = None
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,12 @@ class Dispatcher:
         metrics: DispatcherMetrics,
         settings: DispatchSettings = DispatchSettings(),
         clock: callable = time.monotonic,  # type: ignore[valid-type]
+        no_prefill_policy: Policy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # Read once per decision: assigning a new Policies swaps the models for the next one.
-        self.policies = Policies(policy, keep_policy)
+        self.policies = Policies(policy, keep_policy, no_prefill_policy)
+        self._prefill_pool_gone = False
         self.cluster = cluster
         self.metrics = metrics
         self.settings = settings
@@ -217,6 +222,11 @@ class Dispatcher:
         a reservation is in flight takes effect at the next request."""
         policies = self.policies
         full_view = view = self.cluster.view()
+        if not view.prefill and view.decode and policies.no_prefill is not None:
+            return self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
+        if self._prefill_pool_gone:
+            self._prefill_pool_gone = False
+            log.warning("prefill nodes are back (%d): routing normally again", len(view.prefill))
         reserved = False
         for _ in range(self.settings.reservation_attempts):
             now = self._clock()
@@ -234,6 +244,18 @@ class Dispatcher:
             # Every deflection target is taken by another dispatcher: the P/D path, where any
             # decode node (taken ones included) can take the request after its prefill.
             decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
+        self.cluster.record(decision, self._clock())
+        return decision
+
+    def _without_prefill_pool(self, policy: Policy, prompt_tokens: int, view: ClusterView) -> Decision:
+        if not self._prefill_pool_gone:
+            self._prefill_pool_gone = True
+            log.warning(
+                "no prefill node is registered: decode nodes prefill requests themselves until one is back "
+                "(reason %s)",
+                "deflect_no_prefill_node",
+            )
+        decision = policy.decide(prompt_tokens, view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
 

@@ -26,7 +26,7 @@ from extproc.feedback import DEFAULT_WINDOW, TtftFeedback
 from extproc.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from extproc.metrics import ClusterCollector, DispatcherMetrics
 from extproc.openai_request import RequestLimits
-from extproc.policies import make_policy
+from extproc.policies import NoPrefillPoolPolicy, make_policy
 from extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
 from extproc.server import start_grpc_server
 from extproc.tokenizer import PromptTokenizer
@@ -95,7 +95,11 @@ class DispatcherConfig:
     def policies(self, models: LatencyModels) -> Policies:
         """The routing policies on ``models`` (rebuilt whole on every profile reload)."""
         decider = self.decider()
-        return Policies(make_policy(self.policy, models, decider), make_policy("pd", models, decider))
+        return Policies(
+            make_policy(self.policy, models, decider),
+            make_policy("pd", models, decider),
+            NoPrefillPoolPolicy(models, decider),
+        )
 
 
 async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
@@ -122,6 +126,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         tokenizer=tokenizer,
         policy=policies.policy,
         keep_policy=policies.keep_policy,
+        no_prefill_policy=policies.no_prefill,
         cluster=cluster,
         metrics=metrics,
         settings=DispatchSettings(

@@ -141,6 +141,21 @@ class KairosPolicy:
         return alg.decide(prompt_tokens, view, now, self.models, self.config)
 
 
+@dataclass(frozen=True)
+class NoPrefillPoolPolicy:
+    """The gateway's degraded mode, not a routing policy to compare: with no prefill node
+    registered, a decode node prefills the request itself (see
+    :func:`extproc.algorithm.decide_without_prefill_pool`)."""
+
+    models: LatencyModels
+    config: alg.DeciderConfig
+    label: str = "no-prefill-pool"
+    fresh_state: bool = False
+
+    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+        return alg.decide_without_prefill_pool(prompt_tokens, view, now, self.models, self.config)
+
+
 POLICY_NAMES = ("pd", "sq", "sl", "kairos", "oracle")
 _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),

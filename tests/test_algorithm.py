@@ -17,6 +17,7 @@ from extproc import algorithm as alg
 from extproc.algorithm import (
     DeciderConfig,
     decide,
+    decide_without_prefill_pool,
     greedy_schedule,
     prefill_exec_s,
     prefill_queue_wait_s,
@@ -652,6 +653,27 @@ def test_decide_without_nodes_raises(
 ) -> None:
     with pytest.raises(NoHealthyNodeError, match=message):
         decide(1000, view(prefill, decode), 0.0, FLAT, CFG)
+
+
+def test_without_a_prefill_pool_the_fastest_safe_decode_node_prefills() -> None:
+    decode = (decode_node("d0", b=30), decode_node("d1", b=4))
+    d = decide_without_prefill_pool(3000, view((), decode), 0.0, FLAT, CFG)
+    assert (d.route, d.reason, d.decode_node) == (Route.DEFLECT, Reason.DEFLECT_NO_PREFILL_NODE, "d1")
+    assert d.chunk_sizes and d.predicted_ttft_prefill_s is None and d.predicted_ttft_decode_s
+    assert all(t <= CFG.step_budget_s + 1e-12 for t in d.predicted_step_s)
+
+
+def test_without_a_prefill_pool_and_no_safe_schedule_the_smallest_chunk_runs_under_the_node_guard() -> None:
+    tight = dataclasses.replace(CFG, tbt_slo_s=0.001)  # no chunk fits beside any decode
+    d = decide_without_prefill_pool(500, view((), (decode_node("d0"), decode_node("d1"))), 0.0, FLAT, tight)
+    smallest = tight.chunk_candidates[-1]
+    assert d.route is Route.DEFLECT and d.chunk_sizes == (smallest,) * (500 // smallest) + (500 % smallest,)
+    assert d.step_budget_s == tight.step_budget_s  # the node shrinks or defers what does not fit
+
+
+def test_without_any_node_there_is_nothing_to_route_to() -> None:
+    with pytest.raises(NoHealthyNodeError, match="no prefill or decode node"):
+        decide_without_prefill_pool(100, view((), ()), 0.0, FLAT, CFG)
 
 
 @pytest.mark.parametrize("prompt", [0, -5])

@@ -28,13 +28,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import extproc.dispatcher as dispatcher_module
+from extproc.algorithm import DeciderConfig
 from extproc.cluster import NodeAddress
 from extproc.decision import Decision, Reason, Route
 from extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
 from extproc.latency import LatencyModels, load_profile
 from extproc.metrics import DispatcherMetrics
 from extproc.openai_request import ParsedRequest, RequestLimits
-from extproc.policies import Policy, make_policy
+from extproc.policies import NoPrefillPoolPolicy, Policy, make_policy
 from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
 from extproc.tokenizer import PromptTokenizer
 from extproc.view import ClusterTracker
@@ -92,14 +93,15 @@ def make_cluster(
     prefill_queue: tuple[int, ...] = (),
     decode_age_s: float = 0.0,
     decode: bool = True,
+    prefill: bool = True,
     refuse: tuple[str, ...] = (),
     degraded: bool = False,
 ) -> FakeCluster:
     """p0 and p1 with ``prefill_queue`` each; d0 (B=8) and d1 (B=16), both with room for any prompt."""
     tracker = ClusterTracker()
-    for node_id in ("p0", "p1"):
+    for node_id in ("p0", "p1") if prefill else ():
         tracker.update_prefill(PrefillNodeState(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW))
-    nodes = {k: v for k, v in ADDRESSES.items() if v.role == "prefill"}
+    nodes = {k: v for k, v in ADDRESSES.items() if v.role == "prefill" and prefill}
     if decode:
         for node_id, b, k in (("d0", 8, 1000), ("d1", 16, 5000)):
             tracker.update_decode(
@@ -151,7 +153,12 @@ def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Harne
     """Builds a dispatcher around a fake cluster; every dispatcher built is closed afterwards."""
     built: list[Dispatcher] = []
 
-    def build(cluster: FakeCluster, policy: Policy | None = None, settings: DispatchSettings | None = None) -> Harness:
+    def build(
+        cluster: FakeCluster,
+        policy: Policy | None = None,
+        settings: DispatchSettings | None = None,
+        no_prefill_policy: Policy | None = None,
+    ) -> Harness:
         metrics = DispatcherMetrics(CollectorRegistry())
         dispatcher = Dispatcher(
             tokenizer,
@@ -161,6 +168,7 @@ def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Harne
             metrics,
             settings or DispatchSettings(dispatcher_id=OWNER),
             clock=lambda: NOW,
+            no_prefill_policy=no_prefill_policy,
         )
         built.append(dispatcher)
         return Harness(dispatcher, cluster, metrics)
@@ -591,6 +599,34 @@ async def test_no_decode_node_is_503(harness: HarnessFactory, method: str, path:
     error = error_of(rejected)
     assert (error["code"], error["type"]) == ("no_healthy_node", "service_unavailable")
     assert h.sample("kairos_dispatcher_rejections_total", code="no_healthy_node") == 1
+
+
+@pytest.mark.parametrize("policy", ["kairos", "pd"])
+async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
+    harness: HarnessFactory, models: LatencyModels, policy: str
+) -> None:
+    """With every prefill node gone (dead, or heartbeats lost), a decode node prefills the request
+    itself under a TBT-safe schedule, whatever the policy, instead of a 503."""
+    h = harness(
+        make_cluster(prefill=False),
+        make_policy(policy, models),
+        no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
+    )
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(3000))
+
+    assert isinstance(routed, Routed), routed
+    headers = dict(routed.set_headers)
+    assert headers[c.H_ROUTE] == "deflect" and headers[c.H_REASON] == "deflect_no_prefill_node"
+    assert headers[c.H_DECODE_NODE] == "d0"  # B=8 beats d1's B=16
+    assert routed.decision.predicted_ttft_prefill_s is None and routed.decision.predicted_ttft_decode_s
+    assert h.sample("kairos_dispatcher_decisions_total", route="deflect", reason="deflect_no_prefill_node") == 1
+    assert h.cluster.reservations == []  # serving beats serialising: no reservation round trip
+
+
+async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: HarnessFactory) -> None:
+    rejected = await harness(make_cluster(prefill=False)).dispatcher.route("POST", COMPLETIONS, {}, completion_body(50))
+    assert isinstance(rejected, Rejected) and rejected.status == 503
+    assert "no prefill node" in error_of(rejected)["message"]
 
 
 @pytest.mark.parametrize(

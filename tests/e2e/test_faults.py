@@ -1,5 +1,5 @@
-"""Faults through the real stack: Redis gone and back, a decode node dying, two dispatcher
-replicas racing for one decode node, and the dispatcher itself gone."""
+"""Faults through the real stack: Redis gone and back, a decode node dying, every prefill node
+dying, two dispatcher replicas racing for one decode node, and the dispatcher itself gone."""
 
 from __future__ import annotations
 
@@ -95,6 +95,20 @@ def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
     prompt = text_of(tokenizer, 400)
     used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(12))
     assert used == Counter({"d0": 12})
+
+
+def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
+    cluster: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    for node_id in ("p0", "p1"):
+        engine = cluster.node(node_id).engine
+        assert engine is not None
+        engine.kill()
+    time.sleep(1.0)  # > the heartbeat TTL: no prefill node is registered any more
+    prompt = text_of(tokenizer, 3000)
+    seen = [complete(cluster, prompt, max_tokens=4)[1] for _ in range(6)]
+    assert {(h["x-kairos-route"], h["x-kairos-reason"]) for h in seen} == {("deflect", "deflect_no_prefill_node")}
+    assert {h["x-kairos-decode-node"] for h in seen} == {"d0"}  # d1 died in the test before
 
 
 @pytest.fixture(scope="module")
