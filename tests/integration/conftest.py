@@ -72,17 +72,24 @@ def get_json(url: str, timeout: float = 30.0) -> dict:
         return json.loads(resp.read())
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text exposition, matched by name and a subset of labels."""
+def scrape(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition, matched by name and a subset of labels."""
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
             continue
         head, _, value = line.rpartition(" ")
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             return float(value)
-    raise AssertionError(f"no sample {name}{labels} at {url}")
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    return sample(scrape(url), name, **labels)
 
 
 def chunks_of(cluster: VllmCluster, node_id: str, request_id: str) -> list[int]:

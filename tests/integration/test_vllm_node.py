@@ -17,7 +17,7 @@ from extproc.latency import load_profile
 from kairos import contracts as c
 from kairos.vllm_cluster import VllmCluster
 from tests.e2e.conftest import post_json
-from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric
+from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric, sample, scrape
 
 pytestmark = pytest.mark.vllm
 
@@ -190,13 +190,15 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
             time.sleep(0.05 * i)
         url = f"http://{node.url}/metrics"
         while any(t.is_alive() for t in load):
-            now = time.monotonic()
+            before = time.monotonic()
+            text = scrape(url)  # one scrape: the three values are of one moment
+            at = (before + time.monotonic()) / 2
             samples.append(
                 (
-                    now,
-                    metric(url, "vllm:num_requests_running"),
-                    metric(url, "vllm:num_requests_waiting"),
-                    metric(url, "vllm:kv_cache_usage_perc"),
+                    at,
+                    sample(text, "vllm:num_requests_running"),
+                    sample(text, "vllm:num_requests_waiting"),
+                    sample(text, "vllm:kv_cache_usage_perc"),
                 )
             )
             time.sleep(0.03)
