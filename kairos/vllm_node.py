@@ -97,8 +97,6 @@ class VllmNodeSpec:
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # else every server pins the same core
                 "OMP_NUM_THREADS": "1",
                 "UCX_TLS": "tcp,self,sm",
-                # NIXL's progress thread busy-polls a core per idle worker (nodeagent/vllm_plugin/nixl_tuning.py)
-                "KAIROS_VLLM_NIXL_PROGRESS_THREAD": "0",
             }
         if self.workdir is not None:
             env |= {

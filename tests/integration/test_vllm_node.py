@@ -262,8 +262,3 @@ def test_dispatcher_prompt_tokens_equal_vllm_usage(vllm_cluster: VllmCluster, pa
     assert status == 200, out
     assert int(headers[c.H_PROMPT_TOKENS]) == out["usage"]["prompt_tokens"]
 
-
-def test_cpu_nodes_run_nixl_without_its_busy_polling_progress_thread(vllm_cluster: VllmCluster) -> None:
-    for node_id in ("p0", "d0"):
-        log = (vllm_cluster.workdir / "logs" / f"{node_id}-vllm.log").read_text(errors="replace")
-        assert any("VllmWorker" in line and "NIXL progress thread off" in line for line in log.splitlines()), node_id
