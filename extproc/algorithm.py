@@ -290,8 +290,8 @@ def best_prefill_node(
 def decide_without_prefill_pool(
     prompt_tokens: int, view: ClusterView, now: float, models: LatencyModels, config: DeciderConfig
 ) -> Decision:
-    """Degraded routing while no prefill node is registered (all dead, or their heartbeats lost
-    on a starved host): a decode node prefills the request itself rather than the request failing.
+    """Degraded routing while no fresh prefill node is registered (all dead, or their heartbeats
+    lost on a starved host): a decode node prefills the request itself rather than the request failing.
     The node with the fastest TBT-safe schedule wins (no alpha margin: the prefill path is gone);
     if none has one, the least-loaded node runs the smallest chunk candidate and its own step
     guard holds the budget."""
@@ -299,7 +299,8 @@ def decide_without_prefill_pool(
     if not view.decode:
         raise NoHealthyNodeError("no prefill or decode node is registered")
     plans = []
-    for node in sorted(view.decode, key=lambda n: n.node_id):
+    fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
+    for node in sorted(fresh, key=lambda n: n.node_id):
         plan = plan_on_decode_node(models, config, node, prompt_tokens, math.inf)
         if isinstance(plan, _Plan):
             plans.append((plan.ttft_s, node.node_id, plan))

@@ -136,6 +136,10 @@ class ClusterViewConfig:
     # A node whose key holds a malformed heartbeat keeps its last good state (aging) until that
     # state is this old, then leaves the view, as if its key had expired.
     forget_malformed_after_s: float = HEARTBEAT_TTL_S
+    # When every heartbeat of a role expires at once (more likely a starved host or a stalled
+    # agent than every node dying together), those nodes stay in the view, stale (never deflected
+    # to, used only when no fresh node of the role exists), for this long before they are dropped.
+    last_resort_s: float = 30.0
     # Used only while Redis has never been reachable: plain P/D routing over these nodes.
     fallback_prefill: tuple[str, ...] = ()  # "id=host:port" of each prefill vLLM
     fallback_decode: tuple[str, ...] = ()  # "id=sidecar_host:port" or "id=vllm_host:port+sidecar_host:port"
@@ -156,6 +160,8 @@ class ClusterViewConfig:
             raise ConfigError(f"redis_timeout_s must be > 0, got {self.redis_timeout_s}")
         if not self.reservation_ttl_s >= 0.001:
             raise ConfigError(f"reservation_ttl_s must be >= 0.001 (1 ms), got {self.reservation_ttl_s}")
+        if not self.last_resort_s >= 0:
+            raise ConfigError(f"last_resort_s must be >= 0, got {self.last_resort_s}")
         if not self.recovery_grace_s >= 0 or not self.forget_malformed_after_s >= 0:
             raise ConfigError(
                 f"recovery_grace_s={self.recovery_grace_s} and "
@@ -360,6 +366,7 @@ class RedisClusterView:
         self._task: asyncio.Task[None] | None = None
         self._nodes: dict[str, _Node] = {}
         self._malformed_ids: set[str] = set()  # keys holding a malformed value (logged once each)
+        self._last_resort_roles: set[str] = set()  # roles whose every key expired (logged once each)
         self._addresses: dict[str, NodeAddress] = {}
         self._keys: list[str] = []  # heartbeat keys found by the last SCAN (plus none since)
         self._polls = 0
@@ -620,12 +627,28 @@ class RedisClusterView:
         self._keys = present
         self._malformed_ids &= seen
         in_grace = self._in_grace(now)
+        roles_seen = {self._nodes[i].role for i in seen if i in self._nodes}
         for node_id in [i for i in self._nodes if i not in seen]:
             node = self._nodes[node_id]
             if in_grace:
                 continue  # Redis just came back: give publishers time to re-publish
+            if node.from_redis and node.role not in roles_seen and now - node.reported_at < self.config.last_resort_s:
+                self._keep_as_last_resort(node_id, node.role)
+                continue
             reason = "its heartbeat key expired" if node.from_redis else "it is a static node and redis now answers"
             self._remove(node_id, reason)
+        self._last_resort_roles &= {self._nodes[i].role for i in self._nodes if i not in seen}
+
+    def _keep_as_last_resort(self, node_id: str, role: str) -> None:
+        if role not in self._last_resort_roles:
+            self._last_resort_roles.add(role)
+            log.warning(
+                "every %s heartbeat expired at once: keeping the last known %s nodes (stale: keep routing only) "
+                "for up to %.0f s as a last resort, until one beats again",
+                role,
+                role,
+                self.config.last_resort_s,
+            )
 
     def _in_grace(self, now: float) -> bool:
         return self._connected_at is not None and now - self._connected_at < self.config.recovery_grace_s

@@ -22,7 +22,7 @@ from typing import Protocol
 from extproc.decision import Decision, Route
 from extproc.metrics import DispatcherMetrics
 from extproc.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
-from extproc.policies import Policy
+from extproc.policies import NoPrefillPoolPolicy, Policy
 from extproc.state import ClusterView
 from extproc.tokenizer import PromptTokenizer
 from kairos import contracts as c
@@ -83,7 +83,7 @@ class Policies:
     keep_policy: Policy  # the P/D path, when every deflection target is taken
     # While no prefill node is registered: a decode node prefills rather than the request
     # failing with 503 (None: the 503 stands).
-    no_prefill: Policy | None = None
+    no_prefill: NoPrefillPoolPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Dispatcher:
         metrics: DispatcherMetrics,
         settings: DispatchSettings = DispatchSettings(),
         clock: callable = time.monotonic,  # type: ignore[valid-type]
-        no_prefill_policy: Policy | None = None,
+        no_prefill_policy: NoPrefillPoolPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         # Read once per decision: assigning a new Policies swaps the models for the next one.
@@ -222,11 +222,11 @@ class Dispatcher:
         a reservation is in flight takes effect at the next request."""
         policies = self.policies
         full_view = view = self.cluster.view()
-        if not view.prefill and view.decode and policies.no_prefill is not None:
+        if policies.no_prefill is not None and policies.no_prefill.applies(view, self._clock()):
             return self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
         if self._prefill_pool_gone:
             self._prefill_pool_gone = False
-            log.warning("prefill nodes are back (%d): routing normally again", len(view.prefill))
+            log.warning("a prefill node is fresh again: routing normally")
         reserved = False
         for _ in range(self.settings.reservation_attempts):
             now = self._clock()
@@ -251,7 +251,7 @@ class Dispatcher:
         if not self._prefill_pool_gone:
             self._prefill_pool_gone = True
             log.warning(
-                "no prefill node is registered: decode nodes prefill requests themselves until one is back "
+                "no fresh prefill node: decode nodes prefill requests themselves until one is back "
                 "(reason %s)",
                 "deflect_no_prefill_node",
             )

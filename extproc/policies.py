@@ -152,6 +152,11 @@ class NoPrefillPoolPolicy:
     label: str = "no-prefill-pool"
     fresh_state: bool = False
 
+    def applies(self, view: ClusterView, now: float) -> bool:
+        """No fresh prefill node, and a fresh decode node to prefill instead."""
+        fresh = lambda nodes: any(alg.is_fresh(n.reported_at, now, self.config) for n in nodes)  # noqa: E731
+        return not fresh(view.prefill) and fresh(view.decode)
+
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         return alg.decide_without_prefill_pool(prompt_tokens, view, now, self.models, self.config)
 

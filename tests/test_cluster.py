@@ -322,7 +322,7 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
     clock = FakeClock()
-    view = RedisClusterView(view_config(redis, scan_every_polls=3), clock=clock, registry=registry)
+    view = RedisClusterView(view_config(redis, scan_every_polls=3, last_resort_s=0), clock=clock, registry=registry)
     try:
         await view.poll_once()  # poll 1 scans: nothing there
         await client.set("kairos:node:p0", beat("p0", seq=1))
@@ -333,6 +333,41 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
         assert "p0" in view.addresses()
         await client.delete("kairos:node:p0")
         await view.poll_once()  # no scan, but MGET shows the key is gone
+        assert view.view() == ClusterView()
+    finally:
+        await view.stop()
+
+
+async def test_when_every_heartbeat_of_a_role_expires_at_once_the_last_nodes_stay_as_a_stale_last_resort(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A starved host or a stalled agent can let every decode key expire together: the view keeps
+    those nodes (aging, so stale: never deflected to) rather than turning every request into a
+    503, and drops them once another node of the role beats or ``last_resort_s`` passes."""
+    clock = FakeClock()
+    view = RedisClusterView(view_config(redis, last_resort_s=5.0), clock=clock, registry=registry)
+    try:
+        for node_id in ("d0", "d1"):
+            await client.set(f"kairos:node:{node_id}", beat(node_id, seq=1, role="decode"))
+        await client.set("kairos:node:p0", beat("p0", seq=1))
+        await view.poll_once()
+        await client.delete("kairos:node:d0", "kairos:node:d1")
+        clock.t += 1.0
+        await view.poll_once()
+        assert {n.node_id for n in view.view().decode} == {"d0", "d1"}  # kept, reported 1 s ago: stale
+        assert all(clock() - n.reported_at >= 1.0 for n in view.view().decode)
+        assert "every decode heartbeat expired at once" in caplog.text
+
+        await client.set("kairos:node:d1", beat("d1", seq=2, role="decode"))
+        await view.poll_once()  # d1 beats again: d0 is an ordinary expired node now
+        assert {n.node_id for n in view.view().decode} == {"d1"}
+
+        await client.delete("kairos:node:d1")
+        clock.t += 6.0  # past last_resort_s since d1's last beat
+        await view.poll_once()
+        assert view.view().decode == ()
+        await client.delete("kairos:node:p0")
+        await view.poll_once()  # p0's last beat is 7 s old: past last_resort_s, gone at once
         assert view.view() == ClusterView()
     finally:
         await view.stop()

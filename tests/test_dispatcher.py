@@ -94,13 +94,16 @@ def make_cluster(
     decode_age_s: float = 0.0,
     decode: bool = True,
     prefill: bool = True,
+    prefill_age_s: float = 0.0,
     refuse: tuple[str, ...] = (),
     degraded: bool = False,
 ) -> FakeCluster:
     """p0 and p1 with ``prefill_queue`` each; d0 (B=8) and d1 (B=16), both with room for any prompt."""
     tracker = ClusterTracker()
     for node_id in ("p0", "p1") if prefill else ():
-        tracker.update_prefill(PrefillNodeState(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW))
+        tracker.update_prefill(
+            PrefillNodeState(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW - prefill_age_s)
+        )
     nodes = {k: v for k, v in ADDRESSES.items() if v.role == "prefill" and prefill}
     if decode:
         for node_id, b, k in (("d0", 8, 1000), ("d1", 16, 5000)):
@@ -601,14 +604,21 @@ async def test_no_decode_node_is_503(harness: HarnessFactory, method: str, path:
     assert h.sample("kairos_dispatcher_rejections_total", code="no_healthy_node") == 1
 
 
-@pytest.mark.parametrize("policy", ["kairos", "pd"])
+@pytest.mark.parametrize(
+    ("policy", "cluster"),
+    [
+        pytest.param("kairos", {"prefill": False}, id="kairos, no prefill node"),
+        pytest.param("pd", {"prefill": False}, id="pd, no prefill node"),
+        pytest.param("kairos", {"prefill_age_s": 5.0}, id="kairos, only stale prefill nodes (kept as last resort)"),
+    ],
+)
 async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
-    harness: HarnessFactory, models: LatencyModels, policy: str
+    harness: HarnessFactory, models: LatencyModels, policy: str, cluster: dict[str, Any]
 ) -> None:
-    """With every prefill node gone (dead, or heartbeats lost), a decode node prefills the request
+    """With no fresh prefill node (dead, or heartbeats lost), a decode node prefills the request
     itself under a TBT-safe schedule, whatever the policy, instead of a 503."""
     h = harness(
-        make_cluster(prefill=False),
+        make_cluster(**cluster),
         make_policy(policy, models),
         no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
     )
