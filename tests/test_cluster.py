@@ -322,7 +322,9 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
     clock = FakeClock()
-    view = RedisClusterView(view_config(redis, scan_every_polls=3, last_resort_s=0), clock=clock, registry=registry)
+    # A generous Redis timeout: a timed-out poll reconnects, and a reconnect rescans at once.
+    config = view_config(redis, scan_every_polls=3, last_resort_s=0, redis_timeout_s=1.0)
+    view = RedisClusterView(config, clock=clock, registry=registry)
     try:
         await view.poll_once()  # poll 1 scans: nothing there
         await client.set("kairos:node:p0", beat("p0", seq=1))

@@ -181,7 +181,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     watcher = threading.Thread(target=watch_heartbeats)
     watcher.start()
     load = [
-        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + i), 120)))
+        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + i), 400)))
         for i in range(6)
     ]
     try:
