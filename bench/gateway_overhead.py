@@ -305,21 +305,50 @@ def latency_stats(samples_ns: list[int]) -> dict[str, float]:
     return ms({**percentiles_us(samples_ns), "mean_us": float(np.mean(samples_ns)) / 1e3})
 
 
+def _timed(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> list[int]:
+    """``reps`` timings (ns) of ``fn`` after 3 warm-up calls; ``setup`` runs untimed before each."""
+    for _ in range(3):
+        if setup is not None:
+            setup()
+        fn()
+    samples = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append(time.perf_counter_ns() - t0)
+    return samples
+
+
 def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> dict[str, Any]:
-    """In-process time of the dispatcher's parse + tokenize of each body (no gateway around it)."""
+    """In-process time of the dispatcher's parse + tokenize of each body (no gateway around it),
+    and its parts: the JSON parse, the exact count (word cache warm, as in the latency runs
+    that repeat one body, and cold), and the whole-Encoding tokenization the count replaces."""
     limits = RequestLimits()
     out: dict[str, Any] = {}
+    fresh: list[PromptTokenizer] = []
+
+    def new_counter() -> None:  # a tokenizer with an empty word cache
+        fresh[:] = [PromptTokenizer(tokenizer.raw_tokenizer)]
+
     for label, body in bodies.items():
         reps = 300 if len(body) < 16_384 else 40
         parsed = parse_request("/v1/completions", body, tokenizer, limits)
-        for _ in range(3):
-            parse_request("/v1/completions", body, tokenizer, limits)
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter_ns()
-            parse_request("/v1/completions", body, tokenizer, limits)
-            samples.append(time.perf_counter_ns() - t0)
-        out[label] = {"body_bytes": len(body), "prompt_tokens": parsed.prompt_tokens, **latency_stats(samples)}
+        prompt = json.loads(body)["prompt"]
+        stages = {
+            "json_loads": _timed(lambda b=body: json.loads(b), reps),
+            "count_tokens_warm_cache": _timed(lambda p=prompt: tokenizer.count_tokens(p), reps),
+            "count_tokens_cold_cache": _timed(lambda p=prompt: fresh[0].count_tokens(p), reps // 4 or 1, new_counter),
+            "encode_whole_encoding": _timed(lambda p=prompt: tokenizer.encode(p), reps),
+        }
+        samples = _timed(lambda b=body: parse_request("/v1/completions", b, tokenizer, limits), reps)
+        out[label] = {
+            "body_bytes": len(body),
+            "prompt_tokens": parsed.prompt_tokens,
+            **latency_stats(samples),
+            "stages": {name: latency_stats(s) for name, s in stages.items()},
+        }
     return out
 
 
@@ -552,6 +581,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         else None
                     ),
                     "parse_tokenize_in_process": {k: tokenize[label][k] for k in ("p50_ms", "p99_ms", "mean_ms")},
+                    "parse_tokenize_stages_in_process": {
+                        name: {k: stage[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+                        for name, stage in tokenize[label]["stages"].items()
+                    },
                 }
                 print_latency(label, latency[label])
             throughput: dict[str, Any] = {}
@@ -613,7 +646,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "percentile of differences.",
             "The Envoy+ext_proc path buffers the whole body for the dispatcher, which parses the JSON and tokenizes "
             "the prompt with the served model's tokenizer (a tiny 4096-token BPE here) before routing; "
-            "parse_tokenize_in_process is that work timed alone in this process, for reference.",
+            "parse_tokenize_in_process is that work timed alone in this process, for reference, and "
+            "parse_tokenize_stages_in_process its parts: json_loads; count_tokens (the exact count the "
+            "dispatcher uses) with its pre-token cache warm, as it is when one body repeats, and cold (a new "
+            "tokenizer each time); encode_whole_encoding, tokenizers' full encoding, for comparison.",
             "throughput.*.cores_used: average cores each process used during the run (client = this process, "
             "heartbeat thread included); 'other' is load from processes outside this benchmark, which shares the "
             "machine with whatever else runs; load_average_1_5_15 shows it too.",
@@ -639,6 +675,8 @@ def print_latency(label: str, row: dict[str, Any]) -> None:
               f"p50 {_approx(h['p50_ms_from_buckets'])} in {h['p50_bucket']}, "
               f"p99 {_approx(h['p99_ms_from_buckets'])} in {h['p99_bucket']}")
     print(f"  parse+tokenize in process: p50 {tok['p50_ms']:.3f} ms, p99 {tok['p99_ms']:.3f} ms")
+    for name, stage in row["parse_tokenize_stages_in_process"].items():
+        print(f"    {name:<26} p50 {stage['p50_ms']:8.3f} ms, p99 {stage['p99_ms']:8.3f} ms")
     rest = row["extproc_mean_minus_decision_mean_ms"]
     if rest is not None:
         print(f"  ext_proc mean cost outside the decision (mean added over Envoy - mean decision): {rest:.3f} ms")

@@ -98,10 +98,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif kind == "request_body":
-                body += msg.request_body.body
                 if msg.request_body.end_of_stream:
-                    yield self._answer(await self.dispatcher.route(method, path, headers, bytes(body)), "body")
+                    # BUFFERED mode sends the whole body in this one message: no copy then.
+                    whole = bytes(body + msg.request_body.body) if body else msg.request_body.body
+                    yield self._answer(await self.dispatcher.route(method, path, headers, whole), "body")
                     return
+                body += msg.request_body.body
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse())
             else:
                 # Only request headers and body are subscribed; anything else is passed on untouched.

@@ -14,19 +14,44 @@ estimate. vLLM counts:
   templates of either kind.
 
 ``PromptTokenizer`` does no I/O after construction and is safe to share between threads (the
-Rust tokenizer and a compiled Jinja template are both reentrant). Tokenizing takes 1 to 2 ms
-per 1,000 tokens on these machines, so callers on an event loop must run the counting methods
-in a thread pool (``loop.run_in_executor``) for long prompts. Encoding goes through
-``encode_batch_fast`` (no character offsets, and the GIL is released while Rust works, so the
-thread pool really frees the loop); with an older tokenizers, texts longer than
-``GIL_RELEASE_CHARS`` go through ``encode_batch`` for the same reason. The batch calls start
-tokenizers' Rust thread pool: a process forked after that gets a warning and a
-sequential tokenizer in the child (``TOKENIZERS_PARALLELISM=false`` silences it).
+Rust tokenizer, a compiled Jinja template and the counter's word cache are all reentrant).
+
+Counting (``count_tokens``, and the two ``count_*_prompt`` methods built on it) does not build
+an ``Encoding`` when it can prove the count exact without one. Building one costs about 1 µs a
+token in ``tokenizers``, whatever the model: the NormalizedString alignments, a String per
+token, offsets, masks. For the GPT-2 family of tokenizers (no normalizer, the ``ByteLevel``
+pre-tokenizer with its own regex, a BPE model without dropout, added tokens without
+lstrip/rstrip/single_word; ``_WordCounter.refusal`` names the first condition a tokenizer
+misses), the count is a sum over pre-tokens of counts that each depend on one pre-token alone,
+so:
+
+- added tokens are split out first, as ``tokenizers`` does (non-normalized ones, then normalized
+  ones, leftmost-longest), one token each;
+- each piece between them is cut into chunks of about ``COUNT_CHUNK_CHARS`` at a space that
+  follows a printable ASCII character: no GPT-2 pre-token crosses such a point (the proof is at
+  ``_SAFE_CUT``), so the count is the sum of the chunks' counts;
+- an ASCII chunk is split with the GPT-2 regex written for ASCII (``_GPT2_ASCII``: Python's
+  ``re`` has no Unicode letter classes) and each pre-token's BPE length comes from a word cache
+  filled by the model itself (``model.tokenize``). This holds the GIL (about 0.3 ms per chunk,
+  3 to 4 ms for 100 KB of ASCII): an event loop waiting on a pool thread that counts gets the
+  GIL back at the interpreter's switch interval (5 ms), not at once as with Rust;
+- in a chunk with non-ASCII characters, the pieces around them (from the safe cut before each
+  non-ASCII run to the one after it, ``_islands``) go to ``encode_batch_fast`` in one call,
+  which releases the GIL and spreads them over the cores; the rest is ASCII, counted as above.
+
+Any other tokenizer is encoded whole through ``encode_batch_fast`` (no character offsets; it
+releases the GIL, so callers running it in a thread pool really free their event loop; plain
+``encode`` holds it), or ``encode_batch`` for texts over ``GIL_RELEASE_CHARS`` on tokenizers
+older than 0.20. Long prompts still take milliseconds: callers on an event loop should count
+them in a thread pool (``loop.run_in_executor``). The batch calls start tokenizers' Rust thread
+pool: a process forked after that gets a warning and a sequential tokenizer in the child
+(``TOKENIZERS_PARALLELISM=false`` silences it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -37,7 +62,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kairos.errors import ConfigError, InvalidRequestError
 
@@ -46,6 +71,10 @@ ContentFormatOption = Literal["auto", "string", "openai"]
 
 # Above this many characters, encode through encode_batch so the GIL is released while Rust works.
 GIL_RELEASE_CHARS = 4096
+# The exact counter cuts long texts into chunks of about this many characters (see _SAFE_CUT).
+COUNT_CHUNK_CHARS = 8192
+# The exact counter's word cache is emptied when it reaches this many pre-tokens (bounded memory).
+WORD_CACHE_ENTRIES = 1 << 16
 
 # OpenAI content-part types that carry text, and the key holding it (vLLM's text-like parts).
 TEXT_PART_KEYS = {
@@ -203,12 +232,203 @@ def _template_from_config(config: Mapping[str, Any], source: Path) -> str | None
     raise ConfigError(f"{source}: chat_template must be a string or a list of named templates")
 
 
+# ---------------------------------------------------------------------------------------------
+# Exact counting without Encodings (the GPT-2 family: ByteLevel pre-tokenizer + BPE)
+# ---------------------------------------------------------------------------------------------
+# Oniguruma's \s on ASCII, as the ByteLevel pre-tokenizer applies it: tab, LF, VT, FF, CR and
+# space; not \x1c-\x1f, which Python's \s includes. tests/test_tokenizer.py checks every ASCII
+# character against the pre-tokenizer itself.
+_ASCII_SPACE = "\t\n\x0b\x0c\r "
+# ByteLevel's regex  's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# with \p{L} = [A-Za-z] and \p{N} = [0-9]: the same pre-tokens, on ASCII text only.
+_GPT2_ASCII = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_ASCII_SPACE}A-Za-z0-9]+"
+    rf"|[{_ASCII_SPACE}]+(?![^{_ASCII_SPACE}])|[{_ASCII_SPACE}]+"
+)
+# A cut before a space that follows a printable ASCII character ("x| y") is a pre-token boundary
+# of the GPT-2 regex in any text, Unicode included, so counts add up over the two sides:
+# 1. every character starts some alternative, so the matches tile the text;
+# 2. the character before the cut is not whitespace in any Unicode version, so the match that
+#    holds it is a contraction or an " ?X+" run whose X excludes whitespace; a space can only
+#    open such a match, so that match ends at the cut and the next one starts there;
+# 3. no match before the cut looks at the space: the runs stop at it as they stop at the end of
+#    the text, a contraction needs a letter there, and a whitespace run (with its (?!\S)) that
+#    ends before the cut sees its next character on the same side; the regex has no
+#    look-behind, so the matches after the cut depend on the text after it alone.
+_SAFE_CUT = re.compile(r"[!-~](?= )")
+# ByteLevel's byte-to-character map (GPT-2's bytes_to_unicode) on ASCII: printable characters
+# stay, the 33 others (0x00-0x20, 0x7f) become U+0100 to U+0121 in byte order.
+_BYTE_LEVEL_ASCII = str.maketrans({chr(b): chr(0x100 + n) for n, b in enumerate([*range(0x21), 0x7F])})
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+# In a chunk with non-ASCII characters (see _islands): ASCII stretches shorter than this stay in
+# the island around them, and after this many non-ASCII runs the rest of the chunk goes to Rust
+# whole (dense non-ASCII text is Rust's anyway; this bounds the Python work per chunk).
+_MIN_PLAIN_CHARS = 128
+_MAX_RUNS = 16
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """``text`` cut at safe points (``_SAFE_CUT``) into pieces of at least ``size`` characters."""
+    if len(text) <= size:
+        return [text]
+    out: list[str] = []
+    start = 0
+    while len(text) - start > size:
+        m = _SAFE_CUT.search(text, start + size - 1)
+        if m is None:
+            break
+        out.append(text[start : m.end()])
+        start = m.end()
+    out.append(text[start:])
+    return out
+
+
+def _islands(chunk: str) -> list[str]:
+    """``chunk`` cut at safe points, in order, into ASCII pieces and "islands" holding its
+    non-ASCII characters, each island from the safe cut before a non-ASCII run to the one after."""
+    pieces: list[str] = []
+    pos = 0  # chunk[:pos] is in pieces or in the open island; a safe cut (or 0)
+    island = -1  # start of the open island, which ends at pos; -1 when none is open
+    runs = 0
+    while (m := _NON_ASCII.search(chunk, pos)) is not None:
+        runs += 1
+        if runs > _MAX_RUNS:  # dense: the rest of the chunk joins the open island
+            pos = len(chunk)
+            break
+        start = pos  # the last safe cut in (pos, m.start()), else pos
+        at = m.start()
+        for _ in range(8):  # a few tries: spaces after whitespace or control characters are no cuts
+            at = chunk.rfind(" ", pos + 1, at)
+            if at < 0:
+                break
+            if "!" <= chunk[at - 1] <= "~":
+                start = at
+                break
+        if island < 0 or start - pos >= _MIN_PLAIN_CHARS:
+            if island >= 0:
+                pieces.append(chunk[island:pos])
+            if start > pos:
+                pieces.append(chunk[pos:start])
+            island = start
+        after = _SAFE_CUT.search(chunk, m.end())
+        pos = after.end() if after is not None else len(chunk)
+    if island >= 0:
+        pieces.append(chunk[island:pos])
+    if pos < len(chunk):
+        pieces.append(chunk[pos:])
+    return pieces
+
+
+class _WordCounter:
+    """Exact token counts for ByteLevel + BPE tokenizers, without building Encodings.
+
+    Each pre-token's count is the model's own (``model.tokenize``), cached by pre-token; see the
+    module docstring for the steps and ``refusal`` for the tokenizers this is exact for.
+    """
+
+    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_specials", "_splitters")
+
+    def __init__(self, tokenizer: Tokenizer, encode_many: Any, chunk_chars: int) -> None:
+        self._model = tokenizer.model
+        self._specials = tokenizer.num_special_tokens_to_add(False)
+        self._encode_many = encode_many  # (texts, add_special_tokens) -> Encodings, GIL released
+        self._chunk_chars = chunk_chars
+        self._cache: dict[str, int] = {}
+        # tokenizers splits out non-normalized added tokens first, then normalized ones (the
+        # same strings here: no normalizer), each set leftmost-longest: an alternation tried
+        # longest first finds the same matches.
+        added = [t for t in tokenizer.get_added_tokens_decoder().values() if t.content]
+        splitters = []
+        for normalized in (False, True):
+            contents = sorted({t.content for t in added if bool(t.normalized) is normalized}, key=len, reverse=True)
+            if contents:
+                splitters.append(re.compile("|".join(map(re.escape, contents))))
+        self._splitters = tuple(splitters)
+
+    @staticmethod
+    def refusal(tokenizer: Tokenizer) -> str | None:
+        """Why counting without Encodings would not be provably exact for ``tokenizer``; None if it is."""
+        if tokenizer.normalizer is not None:
+            return f"it has a normalizer ({type(tokenizer.normalizer).__name__})"
+        pre = tokenizer.pre_tokenizer
+        if not isinstance(pre, pre_tokenizers.ByteLevel):
+            return f"its pre-tokenizer is {type(pre).__name__ if pre is not None else None}, not ByteLevel"
+        if pre.add_prefix_space or not pre.use_regex:
+            return "its ByteLevel pre-tokenizer adds a prefix space or has no regex"
+        model = tokenizer.model
+        if not isinstance(model, models.BPE):
+            return f"its model is {type(model).__name__}, not BPE"
+        if model.dropout not in (None, 0.0):
+            return f"its BPE has dropout {model.dropout} (counts vary from one encoding to the next)"
+        if tokenizer.truncation is not None or tokenizer.padding is not None:
+            return "it truncates or pads"
+        if getattr(tokenizer, "encode_special_tokens", False):
+            return "it encodes special tokens as text"
+        for token in tokenizer.get_added_tokens_decoder().values():
+            if token.lstrip or token.rstrip or token.single_word:
+                return f"added token {token.content!r} strips spaces or matches single words"
+        with_specials = len(tokenizer.encode("a", add_special_tokens=True))
+        if with_specials - len(tokenizer.encode("a", add_special_tokens=False)) != tokenizer.num_special_tokens_to_add(
+            False
+        ):
+            return "its post-processor adds a number of tokens that num_special_tokens_to_add does not tell"
+        return None
+
+    def count(self, text: str, add_special_tokens: bool) -> int:
+        total = self._specials if add_special_tokens else 0
+        pieces = [text]
+        for splitter in self._splitters:
+            rest: list[str] = []
+            for piece in pieces:
+                parts = splitter.split(piece)
+                total += len(parts) - 1  # one token per added-token match
+                rest.extend(p for p in parts if p)
+            pieces = rest
+        other: list[str] = []
+        for piece in pieces:
+            for chunk in _chunks(piece, self._chunk_chars):
+                for part in [chunk] if chunk.isascii() else _islands(chunk):
+                    if part.isascii():
+                        total += self._count_ascii(part)
+                    else:
+                        other.append(part)
+        if other:
+            total += sum(len(e) for e in self._encode_many(other, False))
+        return total
+
+    def _count_ascii(self, chunk: str) -> int:
+        words = _GPT2_ASCII.findall(chunk)
+        try:
+            return sum(map(self._cache.__getitem__, words))  # every pre-token known: the loop stays in C
+        except KeyError:
+            pass
+        get = self._cache.get
+        total = 0
+        for word in words:
+            n = get(word)
+            if n is None:
+                n = self._learn(word)
+            total += n
+        return total
+
+    def _learn(self, word: str) -> int:
+        """The model's token count for one ASCII pre-token, cached."""
+        n = len(self._model.tokenize(word.translate(_BYTE_LEVEL_ASCII)))
+        cache = self._cache
+        if len(cache) >= WORD_CACHE_ENTRIES:
+            cache.clear()
+        cache[word] = n
+        return n
+
+
 class PromptTokenizer:
     """A model's tokenizer and chat template, counting prompt tokens as vLLM does."""
 
     __slots__ = (
         "_chat_template",
         "_content_format",
+        "_counter",
+        "_counter_refusal",
         "_encode_fast",
         "_special_tokens",
         "_template",
@@ -223,13 +443,23 @@ class PromptTokenizer:
         chat_template: str | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
         content_format: ContentFormatOption = "auto",
+        count_chunk_chars: int = COUNT_CHUNK_CHARS,
     ) -> None:
-        """Wrap a loaded ``tokenizers.Tokenizer``; the template is compiled now so a bad one fails at start-up."""
+        """Wrap a loaded ``tokenizers.Tokenizer``; the template is compiled now so a bad one fails at start-up.
+
+        ``count_chunk_chars``: the chunk length of exact counting (see the module docstring).
+        """
+        if count_chunk_chars < 1:
+            raise ConfigError(f"count_chunk_chars must be >= 1, got {count_chunk_chars}")
         if content_format not in ("auto", "string", "openai"):
             raise ConfigError(f"content_format must be auto, string or openai, got {content_format!r}")
         self._tokenizer = tokenizer
         self._encode_fast = getattr(tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.20
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._counter_refusal = _WordCounter.refusal(tokenizer)
+        self._counter = (
+            _WordCounter(tokenizer, self._encode_many, count_chunk_chars) if self._counter_refusal is None else None
+        )
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._chat_template = chat_template
         self._template: jinja2.Template | None = None
@@ -340,18 +570,42 @@ class PromptTokenizer:
         """How message content reaches the template: "openai" part lists or "string"."""
         return self._content_format
 
+    @property
+    def raw_tokenizer(self) -> Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._tokenizer
+
+    @property
+    def counter_refusal(self) -> str | None:
+        """Why counts go through whole Encodings for this tokenizer (None: the exact fast counter is used)."""
+        return self._counter_refusal
+
     # -- encoding -----------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``. ``encode_batch_fast`` skips character offsets, which counting
-        never needs: about 30% faster on a 2 KB prompt and 2x on 100 KB, and it releases the GIL
-        while Rust works (plain ``encode`` holds it). Older tokenizers fall back to the batch or
-        the plain call (long texts through the batch, for the GIL)."""
+    def _encode_many(self, texts: list[str], add_special_tokens: bool) -> list[Any]:
+        """Encodings of ``texts`` in one Rust call, GIL released, spread over the cores.
+        ``encode_batch_fast`` skips character offsets, which counting never needs: about 30%
+        faster on a 2 KB prompt and 2x on 100 KB."""
         fast = self._encode_fast
         if fast is not None:
-            return fast([text], add_special_tokens=add_special_tokens)[0].ids
-        if len(text) > GIL_RELEASE_CHARS:
-            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            return fast(texts, add_special_tokens=add_special_tokens)
+        return self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    def _encode_one(self, text: str, add_special_tokens: bool) -> Any:
+        # Plain encode holds the GIL: only short texts on tokenizers older than 0.20 take it.
+        if self._encode_fast is None and len(text) <= GIL_RELEASE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode_many([text], add_special_tokens)[0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, as vLLM's ``tokenizer.encode`` gives them."""
+        return self._encode_one(text, add_special_tokens).ids
+
+    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        """``len(self.encode(text, add_special_tokens))``, without building an Encoding where
+        that is provably exact (see the module docstring)."""
+        if self._counter is not None:
+            return self._counter.count(text, add_special_tokens)
+        return len(self._encode_one(text, add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -359,7 +613,7 @@ class PromptTokenizer:
     def count_completion_prompt(self, prompt: str | Sequence[int]) -> int:
         """Tokens vLLM counts for one ``/v1/completions`` prompt: a string (BOS added) or token ids."""
         if isinstance(prompt, str):
-            return len(self.encode(prompt, add_special_tokens=True))
+            return self.count_tokens(prompt, add_special_tokens=True)
         if _is_token_ids(prompt):
             return len(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
@@ -430,7 +684,7 @@ class PromptTokenizer:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return len(self.encode(text, add_special_tokens=add_special_tokens))
+        return self.count_tokens(text, add_special_tokens=add_special_tokens)
 
     def _normalize_message(self, message: Mapping[str, Any], index: int) -> dict[str, Any]:
         """vLLM's rewrite of one message's content into the template's content format."""

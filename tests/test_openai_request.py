@@ -117,6 +117,27 @@ def test_chat_counts_the_rendered_template(tok: PromptTokenizer, raw: Tokenizer)
     assert parsed.max_tokens == LIMITS.max_model_len - expected  # vLLM's chat default: the rest of the context
 
 
+LONG_TEXTS = {
+    "ascii": " ".join(f"Word{i % 97} costs {i}, doesn't it? (line {i})" for i in range(2500)),
+    "sparse unicode": " ".join(f"\u201cquote {i}\u201d na\u00efve caf\u00e9 x{i}" for i in range(2500)),
+    "dense unicode": "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3002 \U0001f642 " * 2000,
+    "special strings": "<s> text </s> more <unk> <s " * 2000,
+}
+
+
+@pytest.mark.parametrize("kind", list(LONG_TEXTS))
+def test_long_prompts_count_exactly(tok: PromptTokenizer, raw: Tokenizer, kind: str) -> None:
+    """Long prompts take the exact counter's chunked path: the counts stay the encoding's."""
+    text = LONG_TEXTS[kind]
+    assert len(text.encode()) > 40_000
+    limits = RequestLimits(max_model_len=1_000_000)
+    completion = parse(tok, COMPLETIONS, {"prompt": text, "max_tokens": 1}, limits)
+    assert completion.prompt_tokens == len(raw.encode(text, add_special_tokens=True).ids)
+    messages = [{"role": "system", "content": text[:5000]}, {"role": "user", "content": text}]
+    chat = parse(tok, CHAT, {"messages": messages, "max_tokens": 1}, limits)
+    assert chat.prompt_tokens == len(raw.encode(tok.render_chat(messages), add_special_tokens=False).ids)
+
+
 def test_chat_max_completion_tokens_wins(tok: PromptTokenizer) -> None:
     assert parse(tok, CHAT, {"messages": MESSAGES, "max_tokens": 7}).max_tokens == 7
     assert parse(tok, CHAT, {"messages": MESSAGES, "max_tokens": 7, "max_completion_tokens": 9}).max_tokens == 9

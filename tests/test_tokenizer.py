@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
 
+import extproc.tokenizer as tokenizer_module
 from extproc.tokenizer import (
+    _BYTE_LEVEL_ASCII,
+    _GPT2_ASCII,
+    COUNT_CHUNK_CHARS,
     GIL_RELEASE_CHARS,
     ChatTemplateError,
     NoChatTemplateError,
     PromptTokenizer,
+    _chunks,
+    _islands,
     detect_content_format,
 )
 from kairos.errors import ConfigError, InvalidRequestError
@@ -212,6 +220,259 @@ def test_counting_is_safe_across_threads(tok: PromptTokenizer) -> None:
             list(pool.map(lambda _: tok.count_chat_prompt(TWO_TURNS), range(50)))
             == [tok.count_chat_prompt(TWO_TURNS)] * 50
         )
+
+
+# -- exact counting without Encodings ---------------------------------------------------------
+# Seeded random texts built from the pieces that stress a GPT-2 pre-tokenizer and the cuts:
+# every ASCII character, whitespace runs (Unicode ones too), digits, punctuation, contractions,
+# scripts, combining marks, emoji, and the special-token strings and near misses.
+ASCII_CHARS = [chr(i) for i in range(128)]
+PIECES = {
+    "words": [
+        "the",
+        "Hello",
+        "world",
+        "don't",
+        "it's",
+        "we're",
+        "they've",
+        "I'm",
+        "you'll",
+        "he'd",
+        "o'clock",
+        "'S",
+        "'LL",
+        "'re",
+        "'",
+        "''",
+        "x'",
+        "a",
+        "Z",
+        "supercalifragilistic",
+    ],
+    "spaces": [
+        " ",
+        " ",
+        " ",
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        "\r\n",
+        " \t ",
+        "\x0b",
+        "\x0c",
+        "\x1c",
+        "\x1f",
+        "\u00a0",
+        "\u3000",
+        "\u2028",
+        "\x85",
+        "\u200b",
+        " \u00a0 ",
+    ],
+    "digits": ["0", "42", "3.14159", "1,024", "2048", "\u0661\u0662\u0663", "\u00b2", "\u00bd", "\u216b"],
+    "punct": [*"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~", "...", "\u2014", "\u201c", "\u201d", "\u2019", "\u00ab", "\u00bf"],
+    "unicode": [
+        "\u00dcn\u00efc\u00f6d\u00e9",
+        "\u65e5\u672c\u8a9e",
+        "\U0001f642",
+        "\U0001f469\u200d\U0001f467",
+        "\u00e9",
+        "e\u0301",
+        "\u00df",
+        "\u03a9\u03bc\u03ad\u03b3\u03b1",
+        "\u041f\u0440\u0438\u0432\u0435\u0442",
+        "\u05e2\u05d1\u05e8\u05d9\u05ea",
+        "\ufb01",
+        "\uff46\uff55\uff4c\uff4c",
+        "\u0300",
+        "\U0001d518",
+        "\ufeff",
+    ],
+    "specials": ["<s>", "</s>", "<unk>", "<s", "s>", "</s></s>", "<<s>>", "<s><s>", "<s> ", " </s>"],
+    "ascii": ASCII_CHARS,
+}
+
+
+def random_text(rng: random.Random, kinds: tuple[str, ...] = tuple(PIECES)) -> str:
+    parts: list[str] = []
+    for _ in range(rng.randint(0, 120)):
+        parts.append(rng.choice(PIECES[rng.choice(kinds)]))
+        if rng.random() < 0.6:
+            parts.append(" ")
+    return "".join(parts)
+
+
+def random_texts(seed: int, n: int, kinds: tuple[str, ...] = tuple(PIECES)) -> list[str]:
+    rng = random.Random(seed)
+    return [random_text(rng, kinds) for _ in range(n)]
+
+
+def pre_tokens(text: str) -> list[str]:
+    return [w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text)]
+
+
+def test_the_fast_counter_is_used_for_the_tiny_model(tok: PromptTokenizer) -> None:
+    assert tok.counter_refusal is None
+
+
+def test_the_ascii_regex_gives_the_pre_tokenizers_pre_tokens() -> None:
+    """Exhaustive on short strings: every ASCII character alone and in pairs, and every string
+    of 3 (4) characters over the ones the regex treats apart (contraction letters, each
+    whitespace character, 0x1c which Python's \\s takes but Oniguruma's does not, ...)."""
+    short = [*ASCII_CHARS, *("".join(p) for p in itertools.product(ASCII_CHARS, repeat=2))]
+    three = "".join(
+        [
+            "a",
+            "Z",
+            "s",
+            "t",
+            "l",
+            "r",
+            "e",
+            "v",
+            "m",
+            "d",
+            "0",
+            "9",
+            " ",
+            "\t",
+            "\n",
+            "\r",
+            "\x0b",
+            "\x0c",
+            "\x1c",
+            "\x00",
+            "'",
+            ".",
+            "\x7f",
+        ]
+    )
+    four = "'slre \ta0."
+    texts = [
+        *short,
+        *("".join(p) for p in itertools.product(three, repeat=3)),
+        *("".join(p) for p in itertools.product(four, repeat=4)),
+        *(text for text in random_texts(1, 300, ("ascii", "spaces", "words", "punct")) if text.isascii()),
+    ]
+    for text in texts:
+        assert [w.translate(_BYTE_LEVEL_ASCII) for w in _GPT2_ASCII.findall(text)] == pre_tokens(text), repr(text)
+
+
+def test_safe_cuts_are_pre_token_boundaries_in_any_text() -> None:
+    """Cut at every safe point (chunk size 1) and around every non-ASCII run: the pre-tokens of
+    the pieces are the pre-tokens of the whole, Unicode text included."""
+    for text in random_texts(2, 400):
+        chunks = _chunks(text, 1)
+        assert "".join(chunks) == text
+        assert [w for c in chunks for w in pre_tokens(c)] == pre_tokens(text), repr(text)
+        for size in (1, 40, 10_000):
+            for chunk in _chunks(text, size):
+                pieces = _islands(chunk)
+                assert "".join(pieces) == chunk
+                assert [w for p in pieces for w in pre_tokens(p)] == pre_tokens(chunk), repr(chunk)
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 3, 16, 200, COUNT_CHUNK_CHARS])
+def test_fast_counts_equal_the_encoding_on_random_texts(raw: Tokenizer, chunk_chars: int) -> None:
+    tok = PromptTokenizer(raw, count_chunk_chars=chunk_chars)
+    assert tok.counter_refusal is None
+    for i, text in enumerate(random_texts(3, 300)):
+        for specials in (True, False):
+            assert tok.count_tokens(text, specials) == len(raw.encode(text, add_special_tokens=specials).ids), (
+                i,
+                text,
+            )
+
+
+def test_fast_counts_on_long_mixed_texts(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    """Texts of several chunks: pure ASCII, sparse non-ASCII (islands), dense non-ASCII."""
+    rng = random.Random(4)
+    words = [w for w in PIECES["words"] + PIECES["punct"] + PIECES["digits"] if w.isascii()]
+    ascii_text = " ".join(rng.choice(words) for _ in range(20_000))
+    sparse = " ".join(rng.choice(PIECES["unicode"]) if i % 97 == 0 else w for i, w in enumerate(ascii_text.split(" ")))
+    dense = "".join(random_texts(5, 300))
+    for text in (ascii_text, sparse, dense, ascii_text + "<s>" + dense + "</s>" + sparse):
+        assert len(text) > 3 * COUNT_CHUNK_CHARS
+        assert tok.count_tokens(text) == len(raw.encode(text).ids)
+        assert tok.count_tokens(text, add_special_tokens=False) == len(raw.encode(text, add_special_tokens=False).ids)
+
+
+def test_fast_counts_with_more_added_tokens(raw: Tokenizer) -> None:
+    """Added tokens overlapping each other (leftmost-longest), holding spaces, and a normalized
+    one (split after the non-normalized ones, as tokenizers does)."""
+    custom = Tokenizer.from_str(raw.to_str())
+    custom.add_special_tokens([AddedToken("<|im_start|>", normalized=False), AddedToken("s> <", normalized=False)])
+    custom.add_tokens(
+        [
+            AddedToken("ab", normalized=False, special=False),
+            AddedToken("abc", normalized=False, special=False),
+            AddedToken("hello world", normalized=True, special=False),
+            AddedToken("world", normalized=True, special=False),
+            AddedToken("d</s", normalized=True, special=False),
+        ]
+    )
+    tok = PromptTokenizer(custom, count_chunk_chars=5)
+    assert tok.counter_refusal is None
+    extra = ["ab", "abc", "abcab", "aabc", "hello world", "hello worldab", "<|im_start|>", "s> <", "d</s>", "world"]
+    rng = random.Random(6)
+    for _ in range(300):
+        text = "".join(rng.choice([*extra, " ", " ", "x", "\u00e9", *PIECES["specials"]]) for _ in range(40))
+        assert tok.count_tokens(text) == len(custom.encode(text).ids), text
+
+
+def _variant(raw: Tokenizer, change: str) -> Tokenizer:
+    custom = Tokenizer.from_str(raw.to_str())
+    if change == "normalizer":
+        custom.normalizer = normalizers.NFC()
+    elif change == "pre-tokenizer":
+        custom.pre_tokenizer = pre_tokenizers.Whitespace()
+    elif change == "prefix space":
+        custom.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    elif change == "dropout":
+        custom.model.dropout = 0.5
+    elif change == "lstrip":
+        custom.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    elif change == "truncation":
+        custom.enable_truncation(8)
+    return custom
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("normalizer", "normalizer"),
+        ("pre-tokenizer", "pre-tokenizer is Whitespace"),
+        ("prefix space", "prefix space"),
+        ("dropout", "dropout"),
+        ("lstrip", "strips spaces"),
+        ("truncation", "truncates"),
+    ],
+)
+def test_tokenizers_the_fast_counter_cannot_prove_are_encoded_whole(raw: Tokenizer, change: str, reason: str) -> None:
+    custom = _variant(raw, change)
+    tok = PromptTokenizer(custom)
+    assert tok.counter_refusal is not None and reason in tok.counter_refusal
+    if change == "dropout":
+        return  # counts vary from one encoding to the next
+    for text in [*TEXTS, "x <mask> y", " ".join(TEXTS) * 50]:
+        assert tok.count_tokens(text) == len(custom.encode(text).ids)
+
+
+def test_the_word_cache_is_bounded(raw: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenizer_module, "WORD_CACHE_ENTRIES", 16)
+    tok = PromptTokenizer(raw)
+    text = " ".join(f"w{i}x" for i in range(500))
+    assert tok.count_tokens(text) == len(raw.encode(text).ids)
+    assert tok.count_tokens(text) == len(raw.encode(text).ids)
+    assert len(tok._counter._cache) <= 16  # type: ignore[union-attr]
+
+
+def test_count_chunk_chars_must_be_positive(raw: Tokenizer) -> None:
+    with pytest.raises(ConfigError, match="count_chunk_chars"):
+        PromptTokenizer(raw, count_chunk_chars=0)
 
 
 # -- content-format detection -----------------------------------------------------------------
