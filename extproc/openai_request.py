@@ -84,6 +84,18 @@ class ParsedRequest:
     body: dict[str, Any]  # the parsed JSON object, unchanged
 
 
+def _reject_lone_surrogates(data: object) -> None:
+    """A string with an unpaired UTF-16 surrogate is valid JSON but not text: no tokenizer (nor
+    vLLM) can take it. Say so with a 400 rather than failing inside the tokenizer."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"request body has an unpaired UTF-16 surrogate escape ({exc.object[exc.start:exc.end]!r}): "
+            "strings must be valid Unicode text"
+        ) from None
+
+
 def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits) -> ParsedRequest:
     """Validate one OpenAI request and count its prompt; raise a ``KairosError`` with a code otherwise.
 
@@ -106,6 +118,8 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(data)}")
+    if b"\\ud" in body.lower():  # only a \uD800-\uDFFF escape can produce a lone surrogate
+        _reject_lone_surrogates(data)
 
     model = data.get("model")
     if model is not None and not isinstance(model, str):

@@ -208,6 +208,16 @@ BAD = [
     Bad("malformed json", C, b'{"prompt": ', InvalidRequestError, 400, None, "not valid JSON"),
     Bad("not utf-8", C, b"\xff\xfe", InvalidRequestError, 400, None, "not valid JSON"),
     Bad("too deep", C, b"[" * 100_000, InvalidRequestError, 400, None, "not valid JSON"),
+    Bad("lone surrogate", C, b'{"prompt": "a \\ud800 b"}', InvalidRequestError, 400, None, "unpaired UTF-16 surrogate"),
+    Bad(
+        "lone low surrogate in chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x \\uDFFF"}]}',
+        InvalidRequestError,
+        400,
+        None,
+        "unpaired UTF-16 surrogate",
+    ),
     Bad("not an object", C, b"[1, 2]", InvalidRequestError, 400, None, "must be a JSON object, got an array"),
     Bad(
         "model not a string",
@@ -450,3 +460,10 @@ def test_limits_are_checked(fields: dict[str, Any]) -> None:
 def test_limits_load_from_the_environment() -> None:
     limits = load_config(RequestLimits, env_prefix="KAIROS_GATEWAY_", environ={"KAIROS_GATEWAY_MAX_MODEL_LEN": "4096"})
     assert limits == RequestLimits(max_model_len=4096)
+
+
+def test_a_surrogate_pair_escape_is_ordinary_text(tok: PromptTokenizer) -> None:
+    """Only unpaired surrogates are refused: an escaped pair is one character (here an emoji)."""
+    escaped = parse(tok, C, b'{"prompt": "emoji \\ud83d\\ude00 ok"}')
+    literal = parse(tok, C, {"prompt": "emoji \U0001f600 ok"})
+    assert escaped.prompt_tokens == literal.prompt_tokens > 0
