@@ -22,7 +22,7 @@ class KairosScheduleValidator(LogitsProcessor):
         parse_chunk_plan(sampling_params.extra_args)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        pass
+        """Nothing to hold: validation runs on each request in the API server; logits stay as they are."""
 
     def is_argmax_invariant(self) -> bool:
         return True  # never touches logits, so greedy sampling may skip it
