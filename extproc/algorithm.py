@@ -313,13 +313,30 @@ def decide_without_prefill_pool(
         node_id, smallest = node.node_id, config.chunk_candidates[-1]
         whole, rest = divmod(prompt_tokens, smallest)
         sizes, times, ttft_dec, decode_tokens = [smallest] * whole + [rest] * bool(rest), [], None, node.decode_tokens
+    return _deflect(
+        Reason.DEFLECT_NO_PREFILL_NODE, node_id, sizes, times, decode_tokens, None, ttft_dec, prompt_tokens, config
+    )
+
+
+def _deflect(
+    reason: Reason,
+    node_id: str,
+    sizes: list[int],
+    times: list[float],
+    decode_tokens: int,
+    ttft_pf: float | None,
+    ttft_dec: float | None,
+    prompt_tokens: int,
+    config: DeciderConfig,
+) -> Decision:
+    """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces."""
     return Decision(
         route=Route.DEFLECT,
-        reason=Reason.DEFLECT_NO_PREFILL_NODE,
+        reason=reason,
         decode_node=node_id,
         prefill_node=None,
         chunk_sizes=tuple(sizes),
-        predicted_ttft_prefill_s=None,
+        predicted_ttft_prefill_s=ttft_pf,
         predicted_ttft_decode_s=ttft_dec,
         prompt_tokens=prompt_tokens,
         step_budget_s=config.step_budget_s if config.node_step_guard else None,
@@ -395,16 +412,14 @@ def decide(
     if ttft_dec > config.ttft_slo_s:
         return keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
     sizes, times = expand_runs(plan.runs)
-    return Decision(
-        route=Route.DEFLECT,
-        reason=Reason.DEFLECT_WITHIN_MARGIN,
-        decode_node=node_id,
-        prefill_node=None,
-        chunk_sizes=tuple(sizes),
-        predicted_ttft_prefill_s=ttft_pf,
-        predicted_ttft_decode_s=ttft_dec,
-        prompt_tokens=prompt_tokens,
-        step_budget_s=config.step_budget_s if config.node_step_guard else None,
-        predicted_step_s=tuple(times),
-        planned_decode_tokens=plan.decode_tokens,
+    return _deflect(
+        Reason.DEFLECT_WITHIN_MARGIN,
+        node_id,
+        sizes,
+        times,
+        plan.decode_tokens,
+        ttft_pf,
+        ttft_dec,
+        prompt_tokens,
+        config,
     )

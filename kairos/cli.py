@@ -11,23 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from kairos import replay, up
+from kairos.cli_types import floats, ints
 from kairos.config import load_config
 from kairos.errors import KairosError
 from profiling.cli import add_profile_parser
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _add_sim(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +32,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, kairos:alpha=A,beta=B[,pending=none], "
         "oracle:alpha=A,beta=B (default pd,kairos)",
     )
-    p.add_argument("--rps", type=_floats, help="request rates, e.g. 6,7,8 (default 8)")
+    p.add_argument("--rps", type=floats, help="request rates, e.g. 6,7,8 (default 8)")
     p.add_argument("--duration", dest="duration_s", type=float, help="simulated seconds of arrivals per point")
     p.add_argument("--seed", type=int)
     p.add_argument("--cv", type=float, help="inter-arrival coefficient of variation")
@@ -56,7 +43,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-ms", type=float, help="heartbeat period (default 100)")
     p.add_argument("--tbt-slo-ms", type=float, help="TBT SLO tau (default 70)")
     p.add_argument("--ttft-slo-s", type=float, help="TTFT SLO (default 4)")
-    p.add_argument("--chunks", type=_ints, help="chunk-size candidates, e.g. 2048,1024,512,256,128")
+    p.add_argument("--chunks", type=ints, help="chunk-size candidates, e.g. 2048,1024,512,256,128")
     p.add_argument("--jobs", type=int, help="parallel simulations (default: one per core)")
     p.add_argument("--json", type=Path, help="write the records as a JSON list here")
     p.add_argument("--plots", type=Path, help="write PNG plots into this folder")

@@ -18,21 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kairos.cli_types import floats, ints
 from kairos.errors import KairosError
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +38,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     col.add_argument("--node", required=True, help="the node's OpenAI server, e.g. http://127.0.0.1:8101")
     col.add_argument("--role", required=True, choices=("prefill", "decode"))
     col.add_argument("--out", required=True, type=Path, help="directory for the run files and manifest.json")
-    col.add_argument("--rates", type=_floats, default=p.DEFAULT_RATES, help="trace rates in requests/s (1,2,4)")
+    col.add_argument("--rates", type=floats, default=p.DEFAULT_RATES, help="trace rates in requests/s (1,2,4)")
     col.add_argument("--duration-s", type=float, default=60.0, help="model seconds of arrivals per rate (60)")
     col.add_argument("--budget-s", type=float, default=1800.0, help="wall seconds for the whole collection (1800)")
     col.add_argument("--resume", action="store_true", help="continue the collection in --out, skip complete phases")
@@ -66,9 +53,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         help="longest prompt; below 32768 every prompt length is scaled by N/32768 (small CPU models)",
     )
     col.add_argument("--max-output-tokens", type=int, default=1024, help="trace completions are clipped to this")
-    col.add_argument("--batch-sizes", type=_ints, default=p.DEFAULT_BATCH_SIZES, help="microbenchmark B (4,8,16,32)")
-    col.add_argument("--contexts", type=_ints, default=p.DEFAULT_CONTEXTS, help="microbenchmark K (842,3569,14013)")
-    col.add_argument("--chunks", type=_ints, default=p.DEFAULT_CHUNKS, help="microbenchmark chi (128,...,2048)")
+    col.add_argument("--batch-sizes", type=ints, default=p.DEFAULT_BATCH_SIZES, help="microbenchmark B (4,8,16,32)")
+    col.add_argument("--contexts", type=ints, default=p.DEFAULT_CONTEXTS, help="microbenchmark K (842,3569,14013)")
+    col.add_argument("--chunks", type=ints, default=p.DEFAULT_CHUNKS, help="microbenchmark chi (128,...,2048)")
     col.add_argument("--no-micro", action="store_true", help="traces only, no microbenchmark")
 
     fit = sub.add_parser(
