@@ -31,7 +31,7 @@ Downloader = Callable[..., object]  # huggingface_hub.snapshot_download's signat
 
 
 class FetchError(Exception):
-    pass
+    """The model's files could not be fetched (network, no tokenizer in the repository)."""
 
 
 def is_fetched(filename: str) -> bool:

@@ -401,7 +401,7 @@ class _WordCounter:
         try:
             return sum(map(self._cache.__getitem__, words))  # every pre-token known: the loop stays in C
         except KeyError:
-            pass
+            pass  # a pre-token not seen before: count word by word below, learning the new ones
         get = self._cache.get
         total = 0
         for word in words:

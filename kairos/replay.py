@@ -337,7 +337,7 @@ async def replay_async(
                 await schedule()
                 await asyncio.gather(*tasks, return_exceptions=True)
         except TimeoutError:
-            pass
+            pass  # the replay's deadline: requests still running are reported as not finished
         finally:
             tick.cancel()
             for t in tasks:

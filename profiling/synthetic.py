@@ -76,12 +76,12 @@ def _micro(d: _Driver, phase: MicroPhase) -> None:
     for seq in decoders:
         d.engine.submit(seq)
     while any(s.generated == 0 for s in decoders) and d.step():
-        pass
+        pass  # step until every decode of the batch is running
     for probe in phase.probes:
         seq = Sequence(f"{phase.name}-chi{probe.chi}", probe.prompt_tokens, 1, schedule=tuple(probe.schedule))
         d.engine.submit(seq)
         while seq.finished_at is None and d.step():
-            pass
+            pass  # step until the probe's last chunk has run
     # The collector cancels the decodes here; their KV leaves with the engine.
 
 
