@@ -27,17 +27,21 @@ so:
 
 - added tokens are split out first, as ``tokenizers`` does (non-normalized ones, then normalized
   ones, leftmost-longest), one token each;
-- each piece between them is cut into chunks of about ``COUNT_CHUNK_CHARS`` at a space that
-  follows a printable ASCII character: no GPT-2 pre-token crosses such a point (the proof is at
-  ``_SAFE_CUT``), so the count is the sum of the chunks' counts;
-- an ASCII chunk is split with the GPT-2 regex written for ASCII (``_GPT2_ASCII``: Python's
-  ``re`` has no Unicode letter classes) and each pre-token's BPE length comes from a word cache
-  filled by the model itself (``model.tokenize``). This holds the GIL (about 0.3 ms per chunk,
-  3 to 4 ms for 100 KB of ASCII): an event loop waiting on a pool thread that counts gets the
-  GIL back at the interpreter's switch interval (5 ms), not at once as with Rust;
-- in a chunk with non-ASCII characters, the pieces around them (from the safe cut before each
-  non-ASCII run to the one after it, ``_islands``) go to ``encode_batch_fast`` in one call,
-  which releases the GIL and spreads them over the cores; the rest is ASCII, counted as above.
+- ASCII text is cut at its spaces (``str.split``, in C) into space pieces; a piece that neither
+  is empty nor begins or ends with whitespace always pre-tokenizes as " " + piece alone (the
+  proof is at ``_OPEN_PIECE``), so its count comes from a piece cache; runs of the other pieces
+  are split with the GPT-2 regex written for ASCII (``_GPT2_ASCII``: Python's ``re`` has no
+  Unicode letter classes), and each pre-token's BPE length comes from a word cache filled by the
+  model itself (``model.tokenize``). This holds the GIL (100 KB of English, caches warm, on
+  the 2-core development machine: about 2 ms, against 3.3 ms for the regex on all of it):
+  an event loop waiting on a pool thread that counts gets the GIL back at the interpreter's
+  switch interval (5 ms), not at once as with Rust, so callers should count such text inline;
+- text with non-ASCII characters is cut into chunks of about ``COUNT_CHUNK_CHARS`` at a space
+  that follows a printable ASCII character: no GPT-2 pre-token crosses such a point (the proof
+  is at ``_SAFE_CUT``), so the count is the sum of the chunks' counts. In each chunk, the pieces
+  around the non-ASCII characters (from the safe cut before each non-ASCII run to the one after
+  it, ``_islands``) go to ``encode_batch_fast`` in one call, which releases the GIL and spreads
+  them over the cores; the rest is ASCII, counted as above.
 
 Any other tokenizer is encoded whole through ``encode_batch_fast`` (no character offsets; it
 releases the GIL, so callers running it in a thread pool really free their event loop; plain
@@ -50,6 +54,7 @@ pool: a process forked after that gets a warning and a sequential tokenizer in t
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -260,6 +265,22 @@ _SAFE_CUT = re.compile(r"[!-~](?= )")
 # stay, the 33 others (0x00-0x20, 0x7f) become U+0100 to U+0121 in byte order.
 _BYTE_LEVEL_ASCII = str.maketrans({chr(b): chr(0x100 + n) for n, b in enumerate([*range(0x21), 0x7F])})
 _NON_ASCII = re.compile(r"[^\x00-\x7f]")
+# ASCII text is counted a space piece at a time: the text between two spaces (``str.split(" ")``).
+# A piece that is "closed" (not empty, and neither its first nor its last character is
+# whitespace) always pre-tokenizes as " " + piece alone, wherever it stands, so its count is a
+# cache lookup; in GPT-2's regex:
+# 1. the space before it starts a match: the character before that space is either non-space,
+#    ending the match that holds it (point 2 at _SAFE_CUT), or whitespace, where \s+(?!\S) stops
+#    one short of the non-space first character and leaves the space for the next match;
+# 2. inside, matches see the same characters either way; whitespace runs inside are bounded by
+#    non-space on both sides, and the last match (a non-space run) stops at the next space as it
+#    stops at the end of the text.
+# Runs of other pieces (empty ones: double spaces; ones that begin or end with whitespace, like
+# indentation after a newline), with the first piece of the text, are counted by the regex, each
+# run as one string: a cut before a space that is followed by a closed piece is a boundary by
+# point 1, and so is a cut after a closed piece (_SAFE_CUT's point 2).
+_OPEN_PIECE = 1 << 40  # the piece cache's value for a piece that is not closed: counted in runs
+_COUNT_BITS = _OPEN_PIECE - 1  # sums of piece counts stay far below this
 # In a chunk with non-ASCII characters (see _islands): ASCII stretches shorter than this stay in
 # the island around them, and after this many non-ASCII runs the rest of the chunk goes to Rust
 # whole (dense non-ASCII text is Rust's anyway; this bounds the Python work per chunk).
@@ -326,14 +347,15 @@ class _WordCounter:
     module docstring for the steps and ``refusal`` for the tokenizers this is exact for.
     """
 
-    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_specials", "_splitters")
+    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_pieces", "_specials", "_splitters")
 
     def __init__(self, tokenizer: Tokenizer, encode_many: Any, chunk_chars: int) -> None:
         self._model = tokenizer.model
         self._specials = tokenizer.num_special_tokens_to_add(False)
         self._encode_many = encode_many  # (texts, add_special_tokens) -> Encodings, GIL released
         self._chunk_chars = chunk_chars
-        self._cache: dict[str, int] = {}
+        self._cache: dict[str, int] = {}  # pre-token -> BPE tokens
+        self._pieces: dict[str, int] = {}  # space piece -> tokens of " " + piece, or _OPEN_PIECE
         # tokenizers splits out non-normalized added tokens first, then normalized ones (the
         # same strings here: no normalizer), each set leftmost-longest: an alternation tried
         # longest first finds the same matches.
@@ -386,6 +408,9 @@ class _WordCounter:
             pieces = rest
         other: list[str] = []
         for piece in pieces:
+            if piece.isascii():
+                total += self._count_ascii(piece)
+                continue
             for chunk in _chunks(piece, self._chunk_chars):
                 for part in [chunk] if chunk.isascii() else _islands(chunk):
                     if part.isascii():
@@ -396,7 +421,44 @@ class _WordCounter:
             total += sum(len(e) for e in self._encode_many(other, False))
         return total
 
-    def _count_ascii(self, chunk: str) -> int:
+    def _count_ascii(self, text: str) -> int:
+        """Exact count of ASCII ``text``, a space piece at a time (see ``_OPEN_PIECE``)."""
+        parts = text.split(" ")
+        try:
+            # Every piece known: the loop stays in C. Each open piece adds _OPEN_PIECE.
+            total = sum(map(self._pieces.__getitem__, itertools.islice(parts, 1, None)))
+        except KeyError:
+            total = sum(map(self._piece, itertools.islice(parts, 1, None)))
+        if total < _OPEN_PIECE:
+            return total + self._count_words(parts[0])
+        total &= _COUNT_BITS
+        # Runs of open pieces, the first piece starting one: each is counted whole.
+        opened = itertools.compress(
+            itertools.count(1), map(_OPEN_PIECE.__le__, map(self._piece, itertools.islice(parts, 1, None)))
+        )
+        start = end = 0  # the run parts[start:end + 1]
+        for i in itertools.chain(opened, (len(parts) + 1,)):
+            if i == end + 1:
+                end = i
+                continue
+            run = " ".join(parts[start : end + 1])
+            total += self._count_words(run if start == 0 else " " + run)
+            start = end = i
+        return total
+
+    def _piece(self, piece: str) -> int:
+        """The piece cache's value for one space piece, learnt when new."""
+        n = self._pieces.get(piece)
+        if n is None:
+            closed = piece and piece[0] not in _ASCII_SPACE and piece[-1] not in _ASCII_SPACE
+            n = self._count_words(" " + piece) if closed else _OPEN_PIECE
+            if len(self._pieces) >= WORD_CACHE_ENTRIES:
+                self._pieces.clear()
+            self._pieces[piece] = n
+        return n
+
+    def _count_words(self, chunk: str) -> int:
+        """Exact count of ASCII ``chunk``, a pre-token at a time."""
         words = _GPT2_ASCII.findall(chunk)
         try:
             return sum(map(self._cache.__getitem__, words))  # every pre-token known: the loop stays in C

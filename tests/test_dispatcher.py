@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer, normalizers
 
 import extproc.dispatcher as dispatcher_module
 from extproc.algorithm import DeciderConfig
@@ -161,10 +162,11 @@ def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Harne
         policy: Policy | None = None,
         settings: DispatchSettings | None = None,
         no_prefill_policy: Policy | None = None,
+        counter: PromptTokenizer | None = None,
     ) -> Harness:
         metrics = DispatcherMetrics(CollectorRegistry())
         dispatcher = Dispatcher(
-            tokenizer,
+            counter or tokenizer,
             policy or make_policy("kairos", models),
             make_policy("pd", models),
             cluster,
@@ -681,18 +683,42 @@ async def test_a_bug_in_the_policy_is_a_generic_500(harness: HarnessFactory, cap
 # ---------------------------------------------------------------------------------------------
 # Long bodies are parsed off the event loop
 # ---------------------------------------------------------------------------------------------
+def _refused_by_the_fast_counter(tokenizer: PromptTokenizer) -> PromptTokenizer:
+    """The tiny model's tokenizer with a normalizer: counted by tokenizers' Rust encode."""
+    raw = Tokenizer.from_str(tokenizer.raw_tokenizer.to_str())
+    raw.normalizer = normalizers.NFC()
+    refused = PromptTokenizer(raw)
+    assert refused.counter_refusal is not None
+    return refused
+
+
+@dataclass(frozen=True)
+class ParseCase:
+    size: int
+    off_loop: bool
+    text: str = "ascii"  # "ascii", "escaped" (a JSON \u escape) or "utf8" (raw non-ASCII bytes)
+    python_counter: bool = True  # False: a tokenizer the exact Python counter refuses
+
+
 @pytest.mark.parametrize(
-    ("size", "off_loop"),
+    "case",
     [
-        pytest.param(2_000, False, id="small body is parsed on the loop"),
-        pytest.param(16_384, False, id="body of exactly 16 KB is parsed on the loop"),
-        pytest.param(16_385, True, id="body one byte over 16 KB is parsed in the pool"),
-        pytest.param(200_000, True, id="200 KB body is parsed in the pool"),
+        pytest.param(ParseCase(2_000, False), id="small body on the loop"),
+        pytest.param(ParseCase(16_384, False, "utf8"), id="16 KB of any text on the loop"),
+        pytest.param(ParseCase(16_385, True, "utf8"), id="over 16 KB with non-ASCII text in the pool"),
+        pytest.param(ParseCase(50_000, True, "escaped"), id="JSON-escaped non-ASCII in the pool"),
+        pytest.param(ParseCase(200_000, False), id="200 KB of ASCII, counted in Python, on the loop"),
+        pytest.param(ParseCase(262_144, False), id="ASCII up to count_inline_bytes on the loop"),
+        pytest.param(ParseCase(262_145, True), id="ASCII over count_inline_bytes in the pool"),
+        pytest.param(ParseCase(16_385, True, python_counter=False), id="over 16 KB counted by Rust in the pool"),
+        pytest.param(ParseCase(16_384, False, python_counter=False), id="16 KB counted by Rust on the loop"),
     ],
 )
-async def test_long_bodies_are_parsed_off_the_event_loop(
-    harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch, size: int, off_loop: bool
+async def test_where_a_body_is_parsed(
+    harness: HarnessFactory, tokenizer: PromptTokenizer, monkeypatch: pytest.MonkeyPatch, case: ParseCase
 ) -> None:
+    """On the event loop unless Rust will do the work (it releases the GIL in a pool thread) or
+    the body is long; the exact Python counter holds the GIL, so its ASCII bodies stay inline."""
     original = dispatcher_module.parse_request
     threads: list[int] = []
 
@@ -701,16 +727,20 @@ async def test_long_bodies_are_parsed_off_the_event_loop(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(dispatcher_module, "parse_request", recording_parse)
-    h = harness(make_cluster())
-    body = completion_body(50, size=size)
-    assert len(body) == size
+    counter = None if case.python_counter else _refused_by_the_fast_counter(tokenizer)
+    h = harness(make_cluster(), counter=counter)
+    extra = {"ascii": {}, "escaped": {"user": "caf\u00e9"}, "utf8": {"user": "caf\u00e9"}}[case.text]
+    body = completion_body(50, size=case.size, **extra)
+    if case.text == "utf8":
+        body = body.replace(b"caf\\u00e9", "caf\u00e9    ".encode())  # the same 9 bytes, raw UTF-8
+    assert len(body) == case.size and body.isascii() is (case.text != "utf8")
     loop_thread = threading.get_ident()
     routed = await h.dispatcher.route("POST", COMPLETIONS, {}, body)
 
     assert isinstance(routed, Routed), routed
     assert routed.decision is not None and routed.decision.prompt_tokens == 50
     assert len(threads) == 1
-    assert (threads[0] != loop_thread) is off_loop
+    assert (threads[0] != loop_thread) is case.off_loop
 
 
 async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
@@ -729,7 +759,8 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
 
     monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
     h = harness(make_cluster())
-    long_task = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(50, size=50_000)))
+    long_body = completion_body(50, size=300_000)  # over count_inline_bytes: parsed in the pool
+    long_task = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, long_body))
     await asyncio.sleep(0)
     small = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(60))
     assert not long_task.done()

@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import shutil
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -400,6 +401,62 @@ def test_fast_counts_on_long_mixed_texts(tok: PromptTokenizer, raw: Tokenizer) -
         assert tok.count_tokens(text, add_special_tokens=False) == len(raw.encode(text, add_special_tokens=False).ids)
 
 
+def test_space_pieces_count_exactly_around_whitespace(tok: PromptTokenizer, raw: Tokenizer) -> None:
+    """ASCII text is counted a space piece at a time: closed pieces from the piece cache, runs of
+    open ones (double spaces, indentation, a space next to a newline or tab) by the regex. Code,
+    ragged whitespace and random ASCII, counted cold and then from a warm cache."""
+    code = "def f(x):\n    if x:  # a comment \n\treturn  x \n\n  \n    y = [1,  2 ]\r\n"
+    rng = random.Random(7)
+    ragged = "".join(
+        rng.choice(["word", "it's", " ", " ", "  ", "\n", " \n", "\n ", "\t", ".", "\x0b", "\x1c"]) for _ in range(4000)
+    )
+    texts = [
+        code * 200,
+        ragged,
+        " leading and trailing ",
+        "   ",
+        " ",
+        "x",
+        "\n x",
+        "x \n",
+        *(t for t in random_texts(8, 300, ("ascii", "spaces", "words", "punct")) if t.isascii()),
+    ]
+    for text in texts:
+        expected = len(raw.encode(text, add_special_tokens=False).ids)
+        fresh = PromptTokenizer(raw)
+        assert fresh.count_tokens(text, add_special_tokens=False) == expected, repr(text[:80])  # cold
+        assert fresh.count_tokens(text, add_special_tokens=False) == expected, repr(text[:80])  # warm
+        assert tok.count_tokens(text, add_special_tokens=False) == expected, repr(text[:80])
+
+
+def test_space_pieces_give_the_pre_tokenizers_pre_tokens(raw: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The space-piece cut is checked on pre-tokens, not counts (a tiny vocabulary may count two
+    different splits alike): with each pre-token "counted" as a pseudo-random weight, the sum
+    over space pieces and open runs is the sum over the pre-tokenizer's own pre-tokens."""
+
+    def weight(word: str) -> int:
+        return zlib.crc32(word.encode()) & 0xFFFFF
+
+    def weighted_words(self: object, chunk: str) -> int:
+        return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in _GPT2_ASCII.findall(chunk))
+
+    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
+    rng = random.Random(9)
+    cells = ["w", "it's", "9", ".", " ", " ", "  ", "\n", "\t", "\r\n", "\x0b", "\x1c"]
+    texts = [
+        "word\n \nx",
+        "a \nb",
+        "\n \n",
+        *("".join(rng.choice(cells) for _ in range(rng.randint(1, 60))) for _ in range(3000)),
+        *(t for t in random_texts(10, 300, ("ascii", "spaces", "words", "punct")) if t.isascii()),
+    ]
+    for text in texts:
+        expected = sum(weight(w) for w in pre_tokens(text))
+        counter = PromptTokenizer(raw)
+        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)
+        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)  # warm
+
+
 def test_fast_counts_with_more_added_tokens(raw: Tokenizer) -> None:
     """Added tokens overlapping each other (leftmost-longest), holding spaces, and a normalized
     one (split after the non-normalized ones, as tokenizers does)."""
@@ -468,6 +525,7 @@ def test_the_word_cache_is_bounded(raw: Tokenizer, monkeypatch: pytest.MonkeyPat
     assert tok.count_tokens(text) == len(raw.encode(text).ids)
     assert tok.count_tokens(text) == len(raw.encode(text).ids)
     assert len(tok._counter._cache) <= 16  # type: ignore[union-attr]
+    assert len(tok._counter._pieces) <= 16  # type: ignore[union-attr]
 
 
 def test_count_chunk_chars_must_be_positive(raw: Tokenizer) -> None:
