@@ -2,17 +2,20 @@
 
 One run starts a fast upstream (``bench/loadgen.py upstream``: answers a fixed small completion
 JSON at once), redis-server, the real dispatcher (``python -m extproc``) with a tiny-model
-tokenizer, a minimal Envoy (listener -> router -> static cluster) and the real Kairos Envoy
-(``kairos.envoy_config.render_envoy_config``), and writes one prefill and one decode node's
-heartbeat to Redis every 100 ms (the decode node's sidecar is the upstream, so every routed
-request lands there). Then, side by side:
+tokenizer, a minimal Envoy (listener -> router -> static cluster), the real Kairos Envoy
+(``kairos.envoy_config.render_envoy_config``) and the same Kairos Envoy config in front of the
+no-op ext_proc server (``bench/noop_extproc.py``: the real gRPC service with nothing to decide),
+and writes one prefill and one decode node's heartbeat to Redis every 100 ms (the decode node's
+sidecar is the upstream, so every routed request lands there). Then, side by side:
 
 1. latency over sequential keep-alive requests (POST /v1/completions, ~2 KB and ~100 KB prompts
-   of real text so tokenization runs, max_tokens 1), the three paths interleaved in blocks so
-   drift hits them alike: direct (client -> upstream), Envoy alone, Envoy + ext_proc; p50/p99
-   and the latency Envoy alone and Envoy + ext_proc add (over direct, and ext_proc over Envoy);
-2. sustained req/s with 2 KB bodies and a concurrent closed-loop client, through Envoy alone
-   and through Envoy + ext_proc;
+   of real text so tokenization runs, max_tokens 1), the four paths interleaved in blocks so
+   drift hits them alike: direct (client -> upstream), Envoy alone, Envoy + no-op ext_proc (the
+   floor of Envoy's ext_proc filter and grpcio on this machine), Envoy + ext_proc; p50/p99 and
+   the latency each adds (over direct, ext_proc over Envoy, and the dispatcher's work over the
+   no-op floor);
+2. sustained req/s with 2 KB bodies and a concurrent closed-loop client, through Envoy alone,
+   Envoy + no-op ext_proc and Envoy + ext_proc;
 3. for reference, the in-process time of the dispatcher's own parse + tokenize of each body,
    and the dispatcher's ``kairos_dispatcher_decision_seconds`` histogram from its /metrics.
 
@@ -50,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 from bench._common import percentiles_us, write_result  # noqa: E402
 from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, sequential  # noqa: E402
+from bench.noop_extproc import NOOP_ROUTE  # noqa: E402
 from extproc.openai_request import RequestLimits, parse_request  # noqa: E402
 from extproc.tokenizer import PromptTokenizer  # noqa: E402
 from kairos.contracts import REDIS_HEARTBEAT_CHANNEL  # noqa: E402
@@ -60,7 +64,7 @@ from nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  #
 
 HOST = "127.0.0.1"
 MODEL = "kairos-tiny-llama"
-PATHS = ("direct", "envoy", "envoy_extproc")
+PATHS = ("direct", "envoy", "envoy_noop_extproc", "envoy_extproc")
 BODY_SIZES = {"2KB": 2 * 1024, "100KB": 100 * 1024}
 TARGET_ADDED_P50_MS = 2.0
 TARGET_ADDED_P99_MS = 5.0
@@ -366,7 +370,8 @@ async def measure_latency(
         round_no = 0
         while len(samples[PATHS[0]]) < n:
             k = min(block, n - len(samples[PATHS[0]]))
-            order = PATHS[round_no % 3 :] + PATHS[: round_no % 3]  # rotate who goes first
+            first = round_no % len(PATHS)
+            order = PATHS[first:] + PATHS[:first]  # rotate who goes first
             for p in order:
                 samples[p].extend(await sequential(conns[p], requests[p], k))
             round_no += 1
@@ -403,9 +408,11 @@ async def check_paths(ports: dict[str, int], body: bytes) -> dict[str, dict[str,
             raise RuntimeError(f"{p}: status {resp.status}: {resp.body[:300]!r}")
         route = resp.headers.get("x-upstream-saw-route", "?")
         got = int(resp.headers.get("x-upstream-body-bytes", "-1"))
-        if p == "envoy_extproc" and route == "-":
+        if p == "envoy_extproc" and route in ("-", NOOP_ROUTE):
             raise RuntimeError("envoy_extproc: the request reached the upstream without a dispatcher decision")
-        if p != "envoy_extproc" and route != "-":
+        if p == "envoy_noop_extproc" and route != NOOP_ROUTE:
+            raise RuntimeError(f"envoy_noop_extproc: the upstream saw route {route!r}, not the no-op server's")
+        if p in ("direct", "envoy") and route != "-":
             raise RuntimeError(f"{p}: unexpected x-kairos-route {route!r}")
         if got != len(body):
             raise RuntimeError(f"{p}: the upstream received {got} body bytes of {len(body)}")
@@ -464,6 +471,7 @@ def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict
     logs = workdir / "logs"
     up_port, redis_port, disp_port, metrics_port = free_port(), free_port(), free_port(), free_port()
     plain_port, plain_admin, kairos_port, kairos_admin = free_port(), free_port(), free_port(), free_port()
+    noop_port, noop_envoy_port, noop_admin = free_port(), free_port(), free_port()
     upstream = f"{HOST}:{up_port}"
     redis_url = f"redis://{HOST}:{redis_port}/0"
 
@@ -499,24 +507,39 @@ def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict
         ),
         timeout_s=60,
     )
+    group.start(
+        ManagedProcess(
+            "noop-extproc",
+            [py, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(noop_port),
+             "--destination", upstream],
+            logs / "noop-extproc.log",
+            ready=tcp_ready(HOST, noop_port),
+            cwd=ROOT,
+        ),
+        timeout_s=60,
+    )
     plain_cfg = workdir / "envoy-plain.yaml"
     plain_cfg.write_text(
         MINIMAL_ENVOY.format(host=HOST, port=plain_port, admin_port=plain_admin, upstream_port=up_port)
     )
-    kairos_cfg = workdir / "envoy-kairos.yaml"
-    kairos_cfg.write_text(
-        render_envoy_config(
-            EnvoySettings(
-                listen_host=HOST,
-                listen_port=kairos_port,
-                admin_host=HOST,
-                admin_port=kairos_admin,
-                dispatchers=(f"{HOST}:{disp_port}",),
-                sidecars=(upstream,),
-            )
+    envoys = [("envoy-plain", plain_cfg, plain_admin)]
+    # The Kairos Envoy config twice: in front of the real dispatcher and of the no-op one.
+    for name, port, admin, grpc_port in (
+        ("envoy-kairos", kairos_port, kairos_admin, disp_port),
+        ("envoy-noop", noop_envoy_port, noop_admin, noop_port),
+    ):
+        cfg = workdir / f"{name}.yaml"
+        settings = EnvoySettings(
+            listen_host=HOST,
+            listen_port=port,
+            admin_host=HOST,
+            admin_port=admin,
+            dispatchers=(f"{HOST}:{grpc_port}",),
+            sidecars=(upstream,),
         )
-    )
-    for name, cfg, admin in (("envoy-plain", plain_cfg, plain_admin), ("envoy-kairos", kairos_cfg, kairos_admin)):
+        cfg.write_text(render_envoy_config(settings))
+        envoys.append((name, cfg, admin))
+    for name, cfg, admin in envoys:
         group.start(
             ManagedProcess(
                 name,
@@ -530,7 +553,13 @@ def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict
     wait_until(
         dispatcher_has_nodes(metrics_url, kairos_port, completion_body(512, 0)), 20, "the dispatcher to route requests"
     )
-    return {"direct": up_port, "envoy": plain_port, "envoy_extproc": kairos_port}, metrics_url, heartbeats
+    ports = {
+        "direct": up_port,
+        "envoy": plain_port,
+        "envoy_noop_extproc": noop_envoy_port,
+        "envoy_extproc": kairos_port,
+    }
+    return ports, metrics_url, heartbeats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +581,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             t_start = time.monotonic()
             ports, metrics_url, heartbeats = start_all(group, workdir, model_dir)
-            print(f"started upstream, redis, dispatcher and two Envoys in {time.monotonic() - t_start:.1f} s")
+            started_s = time.monotonic() - t_start
+            print(f"started upstream, redis, dispatcher, no-op ext_proc and three Envoys in {started_s:.1f} s")
             meter = CpuMeter({proc.name: proc.pid for proc in group.procs} | {"client": os.getpid()})
             load_before = os.getloadavg()
             checks = {label: asyncio.run(check_paths(ports, body)) for label, body in bodies.items()}
@@ -571,6 +601,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "envoy_over_direct": diff(stats["envoy"], stats["direct"]),
                         "extproc_over_direct": diff(stats["envoy_extproc"], stats["direct"]),
                         "extproc_over_envoy": diff(stats["envoy_extproc"], stats["envoy"]),
+                        # The floor: Envoy's ext_proc filter and grpcio with no work behind them.
+                        "noop_extproc_over_direct": diff(stats["envoy_noop_extproc"], stats["direct"]),
+                        # What the dispatcher's work adds over that floor.
+                        "extproc_over_noop_extproc": diff(stats["envoy_extproc"], stats["envoy_noop_extproc"]),
                     },
                     "dispatcher_decision_seconds": hist,
                     # Mean ext_proc cost that is not the dispatcher's decision (gRPC round trip, Envoy
@@ -589,7 +623,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print_latency(label, latency[label])
             throughput: dict[str, Any] = {}
             small = bodies["2KB"]
-            for p in ("envoy", "envoy_extproc"):
+            for p in ("envoy", "envoy_noop_extproc", "envoy_extproc"):
                 result, cores_used = asyncio.run(
                     measure_throughput(ports[p], small, args.connections, args.seconds, meter)
                 )

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
 from prometheus_client import CollectorRegistry
 
+from bench.noop_extproc import NOOP_ROUTE, FixedRoute
 from extproc.dispatcher import Dispatcher, DispatchSettings
 from extproc.latency import LatencyModels, load_profile
 from extproc.metrics import DispatcherMetrics
@@ -377,3 +378,25 @@ async def test_rejections_are_immediate_json_responses(gateway: GatewayStarter, 
     assert reply.details == f"kairos_{case.code}"
     assert metadata_of(answer) == {"kairos": {"own_reply": True}}
     assert gw.cluster.recorded == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's no-op ext_proc server (the transport floor in bench/gateway_overhead.py)
+# ---------------------------------------------------------------------------------------------
+async def test_the_no_op_server_routes_every_request_to_its_fixed_upstream() -> None:
+    """Same service and answer encoding as the real dispatcher's, with nothing decided: the
+    route header and destination are the fixed ones, for a body and for a GET alike."""
+    server, port = await start_grpc_server(FixedRoute("127.0.0.1:9"), "127.0.0.1", 0)  # type: ignore[arg-type]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            posted = await exchange(stub, [request_headers("POST", COMPLETIONS), request_body(b"not even JSON")])
+            got = await exchange(stub, [request_headers("GET", "/v1/models", end_of_stream=True)])
+    finally:
+        await server.stop(grace=None)
+    assert_empty_headers_answer(posted[0])
+    for answer, phase in ((posted[1], "request_body"), (got[0], "request_headers")):
+        assert answer.WhichOneof("response") == phase
+        mutation = getattr(answer, phase).response.header_mutation
+        assert set_headers_of(mutation) == {c.H_ROUTE: NOOP_ROUTE}
+        assert metadata_of(answer) == {c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: "127.0.0.1:9"}}

@@ -1,0 +1,65 @@
+"""The Kairos ext_proc service with nothing to decide: the floor under the gateway's overhead.
+
+It runs the real gRPC service (:class:`extproc.server.ExternalProcessor` on
+:func:`extproc.server.start_grpc_server`, so the same grpc.aio server, options and answer
+encoding) in front of a dispatcher stand-in that routes every request to one fixed upstream at
+once: no JSON parse, no token count, no policy, no Redis. ``bench/gateway_overhead.py`` puts
+Envoy + this beside Envoy + the real dispatcher: what this adds over Envoy alone is the floor of
+Envoy's ext_proc filter and grpcio on the machine; the rest is the dispatcher's own work.
+
+    python bench/noop_extproc.py --port PORT --destination HOST:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from extproc.dispatcher import Routed
+from extproc.server import start_grpc_server
+from kairos import contracts as c
+
+NOOP_ROUTE = "noop"  # the x-kairos-route this server sets, so the upstream can tell who routed
+
+
+class FixedRoute:
+    """Answers every request with the same :class:`Routed`, as fast as Python can."""
+
+    def __init__(self, destination: str) -> None:
+        self.routed = Routed(
+            destinations=(destination,), set_headers=((c.H_ROUTE, NOOP_ROUTE),), remove_headers=(), decision=None
+        )
+
+    async def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> Routed:
+        return self.routed
+
+
+async def serve(host: str, port: int, destination: str) -> None:
+    server, bound = await start_grpc_server(FixedRoute(destination), host, port)  # type: ignore[arg-type]
+    print(f"no-op ext_proc listening on {host}:{bound}, routing to {destination}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--destination", required=True, help="host:port every request is sent to")
+    args = parser.parse_args()
+    asyncio.run(serve(args.host, args.port, args.destination))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
