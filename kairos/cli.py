@@ -14,6 +14,7 @@ from kairos import replay, up
 from kairos.cli_types import floats, ints
 from kairos.config import load_config
 from kairos.errors import KairosError
+from kairos.local_cluster import LOG_LEVELS
 from profiling.cli import add_profile_parser
 
 
@@ -88,7 +89,13 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kairos", description="Kairos: load-aware prefill deflection")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="DEBUG, INFO, WARNING or ERROR (default INFO); `kairos --log-level DEBUG up` applies it to every "
+        "process of the cluster (DEBUG: one line per routing decision)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim(sub)
     up.add_parser(sub)
@@ -123,7 +130,7 @@ def _component(module: str):  # type: ignore[no-untyped-def]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args))
     except (KairosError, ValueError) as exc:  # bad settings or inputs: say what, not a traceback

@@ -19,6 +19,7 @@ from kairos.errors import ConfigError
 from kairos.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
 
 LOOPBACK = "127.0.0.1"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,13 @@ class LocalClusterConfig:
     # must reach Envoy: then 0.0.0.0 or this machine's address.
     redis_host: str = LOOPBACK
     gateway_host: str = LOOPBACK
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # every process's: dispatchers, engines, sidecars, publishers
 
     def __post_init__(self) -> None:
+        level = self.log_level.upper()
+        if level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {list(LOG_LEVELS)}, got {self.log_level!r}")
+        object.__setattr__(self, "log_level", level)  # the components' flags take upper case only
         if self.prefill_nodes < 1 or self.decode_nodes < 1 or self.dispatchers < 1:
             raise ConfigError(
                 f"need >= 1 of each: prefill_nodes={self.prefill_nodes}, decode_nodes={self.decode_nodes}, "
@@ -205,6 +210,8 @@ class LocalCluster:
                 str(step_tokens),
                 "--kv-capacity-tokens",
                 str(cfg.kv_capacity_tokens),
+                "--log-level",
+                cfg.log_level,
             ),
             self._log(f"{node.node_id}-vllm"),
             ready=http_ready(f"http://{node.url}/health"),
@@ -228,6 +235,8 @@ class LocalCluster:
                         ",".join(n.url for n in self.nodes if n.role == "prefill"),
                         "--redis",  # TTFT feedback for the dispatchers
                         self.redis_url,
+                        "--log-level",
+                        self.config.log_level,
                     ),
                     self._log(f"{node.node_id}-sidecar"),
                     ready=tcp_ready(LOOPBACK, node.sidecar_port or 0),
@@ -256,6 +265,8 @@ class LocalCluster:
                     self.state_url(node),
                     "--period-ms",
                     str(self.config.heartbeat_ms),
+                    "--log-level",
+                    self.config.log_level,
                 ),
                 self._log(f"{node.node_id}-heartbeat"),
             ),

@@ -112,6 +112,7 @@ def run_up(args: argparse.Namespace) -> int:
             "redis_host",
             "redis_port",
             "profile_reload_s",
+            "log_level",  # kairos --log-level, before the subcommand
         )
     }
     config = load_config(

@@ -24,8 +24,8 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path
     port = free_port()
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.cli", "up", "--port", str(port), "--workdir", str(workdir),
-         "--model-dir", str(model_dir), "--time-scale", "5"],
+        [sys.executable, "-m", "kairos.cli", "--log-level", "debug", "up", "--port", str(port),
+         "--workdir", str(workdir), "--model-dir", str(model_dir), "--time-scale", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert proc.stdout is not None
@@ -43,6 +43,10 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path
     assert f"127.0.0.1:{port}" in curl
     result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
     assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
+    # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
+    logs = workdir / "logs"
+    assert "DEBUG extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()
+    assert any(" path=" in f.read_text() for f in logs.glob("d*-sidecar.log"))
 
     ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
     assert ours, "the cluster's processes should be visible while it runs"

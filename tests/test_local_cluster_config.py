@@ -1,0 +1,27 @@
+"""LocalClusterConfig's log level: one setting, checked once, for every process of the cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kairos.errors import ConfigError
+from kairos.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
+
+
+@pytest.mark.parametrize(("given", "level"), [("debug", "DEBUG"), ("Warning", "WARNING"), ("INFO", "INFO")])
+def test_the_log_level_is_taken_in_any_case(given: str, level: str) -> None:
+    assert LocalClusterConfig(log_level=given).log_level == level
+
+
+def test_an_unknown_log_level_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="log_level must be one of"):
+        LocalClusterConfig(log_level="loud")
+
+
+def test_the_engines_get_the_cluster_log_level(tmp_path: Path) -> None:
+    cluster = LocalCluster(LocalClusterConfig(log_level="debug"), tmp_path)
+    cluster.model_dir = tmp_path / "model"
+    argv = list(cluster.engine_process(NodeProcs("d0", "decode", 8101, 8201)).argv)
+    assert argv[argv.index("--log-level") + 1] == "DEBUG"
