@@ -28,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,21 @@ KEYS = ("p50_ttft_s", "p95_ttft_s", "p99_ttft_s", "p95_tbt_ms", "slo_attainment"
 
 @dataclasses.dataclass(frozen=True)
 class SimOutcome:
-    """What the simulator predicts for one request."""
+    """What the simulator predicts for one request; ``keep_parts`` (keep path): seconds until
+    the prefill is done (its queue and execution), then until the first token (KV transfer with
+    its link queueing, then the decode node's queue)."""
 
     ttft_s: float
     route: str
     decode_node: str
+    keep_parts: tuple[float, float] | None = None
+
+
+def _keep_parts(record: Any) -> tuple[float, float] | None:
+    if record.route.value != "keep" or record.prefill_start is None:
+        return None
+    queue, execution, transfer, decode_queue = record.ttft_parts()
+    return queue + execution, transfer + decode_queue
 
 
 def simulate(
@@ -72,7 +83,9 @@ def simulate(
         TBT_SLO_MS / 1e3,
         TTFT_SLO_S,
     ).run()
-    outcomes = {r.spec.request_id: SimOutcome(r.ttft, r.route.value, r.decode_node) for r in metrics.records}
+    outcomes = {
+        r.spec.request_id: SimOutcome(r.ttft, r.route.value, r.decode_node, _keep_parts(r)) for r in metrics.records
+    }
     return dict(metrics.summary), outcomes
 
 
@@ -143,6 +156,14 @@ def start(policy: str, model_dir: Path, scale: float, workdir: Path) -> LocalClu
     return cluster
 
 
+def format_keep_parts(parts: dict[str, Any]) -> str:
+    until, after = parts["mean_until_prefilled_s"], parts["mean_prefilled_to_first_token_s"]
+    return (
+        f"keep path, mean until prefilled {until['measured']:.3f} s (sim {until['sim']:.3f}), "
+        f"then to the first token {after['measured']:.3f} s (sim {after['sim']:.3f})"
+    )
+
+
 def format_fidelity(fid: dict[str, Any]) -> str:
     agreeing = "; ".join(
         f"{route} x{a['median_measured_over_sim']:.2f} ({a['median_measured_minus_sim_s'] * 1e3:+.0f} ms) "
@@ -154,6 +175,43 @@ def format_fidelity(fid: dict[str, Any]) -> str:
         f"same route {fid['same_route']:.0%}, same route and node {fid['same_route_and_node']:.0%}; "
         f"where they agree, median measured/sim TTFT: {agreeing or '-'}"
     )
+
+
+def scrape_keep_parts(sidecars: list[str]) -> tuple[float, float, int]:
+    """Sums over the decode sidecars of the keep path's hop-1 seconds (the prefill node's answer:
+    its queue, prefill and the HTTP hop) and TTFT seconds, and the request count (wall time)."""
+    hop1 = ttft = 0.0
+    count = 0
+    for sidecar in sidecars:
+        with urllib.request.urlopen(f"http://{sidecar}/kairos/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith('kairos_sidecar_hop1_seconds_sum{path="keep"}'):
+                hop1 += float(line.rsplit(" ", 1)[1])
+            elif line.startswith('kairos_sidecar_ttft_seconds_sum{path="keep"}'):
+                ttft += float(line.rsplit(" ", 1)[1])
+            elif line.startswith('kairos_sidecar_ttft_seconds_count{path="keep"}'):
+                count += int(float(line.rsplit(" ", 1)[1]))
+    return hop1, ttft, count
+
+
+def keep_parts_fidelity(
+    before: tuple[float, float, int], after: tuple[float, float, int], scale: float, sim: dict[str, SimOutcome]
+) -> dict[str, Any] | None:
+    """Mean keep-path TTFT parts, measured by the sidecars over the replay (model time) and
+    simulated: whether each half of the path runs as the simulator says, whatever the routing."""
+    count = after[2] - before[2]
+    parts = [o.keep_parts for o in sim.values() if o.keep_parts is not None]
+    if count <= 0 or not parts:
+        return None
+    hop1 = (after[0] - before[0]) / count * scale
+    ttft = (after[1] - before[1]) / count * scale
+    return {
+        "requests_measured": count,
+        "requests_simulated": len(parts),
+        "mean_until_prefilled_s": {"measured": hop1, "sim": sum(p[0] for p in parts) / len(parts)},
+        "mean_prefilled_to_first_token_s": {"measured": ttft - hop1, "sim": sum(p[1] for p in parts) / len(parts)},
+    }
 
 
 def rel_gap(measured: float | None, predicted: float) -> float | None:
@@ -242,9 +300,12 @@ def main() -> int:
                         f"low-load TTFT is a median {median_diff_ms:+.0f} ms (model) off the simulator's: the "
                         f"gateway's hops (Envoy, ext_proc, sidecar, loopback HTTP) count {scale:g}x in model time"
                     )
+            sidecars = [n.sidecar_url for n in cluster.nodes if n.role == "decode"]
+            parts_before = scrape_keep_parts(sidecars)
             t0 = time.monotonic()
             results = replay(trace, cfg)
             wall = time.monotonic() - t0
+            parts_after = scrape_keep_parts(sidecars)
         finally:
             cluster.stop()
         summary = summarize(results, cfg)
@@ -275,6 +336,7 @@ def main() -> int:
             "sim_p95_kv_transfer_s": sim["p95_kv_transfer_s"],
             "p95_ttft_gap_vs_sim": rel_gap(summary["p95_ttft_s"], sim["p95_ttft_s"]),
             "fidelity": fidelity(results, outcomes),
+            "keep_parts": keep_parts_fidelity(parts_before, parts_after, scale, outcomes),
         }
         out["policies"][policy] = record
         print(
@@ -283,6 +345,8 @@ def main() -> int:
             flush=True,
         )
         print(f"   {policy}: {format_fidelity(record['fidelity'])}", flush=True)
+        if record["keep_parts"]:
+            print(f"   {policy}: {format_keep_parts(record['keep_parts'])}", flush=True)
 
     k, p = out["policies"]["kairos"], out["policies"]["pd"]
     ratio = k["p95_ttft_s"] / p["p95_ttft_s"] if k["p95_ttft_s"] and p["p95_ttft_s"] else None
@@ -306,6 +370,8 @@ def main() -> int:
                 "of requests (it decides on live heartbeats, so timing noise moves requests between paths and "
                 "nodes, and with them which queues and KV links a burst piles onto)"
             )
+            if rec["keep_parts"]:
+                notes.append(f"{name}: {format_keep_parts(rec['keep_parts'])}")
         if rec["errors"]:
             notes.append(f"{name}: {rec['errors']} requests failed: {rec['error_kinds']}")
         if rec["max_send_lag_ms"] > 250.0 * scale:

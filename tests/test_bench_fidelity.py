@@ -1,10 +1,22 @@
-"""bench/e2e_replay.py's request-by-request comparison of a replay with the simulator."""
+"""bench/e2e_replay.py's comparisons of a replay with the simulator: request by request, and the
+keep path's two halves from the sidecars' histograms."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
 import pytest
 
-from bench.e2e_replay import SimOutcome, fidelity, format_fidelity
+from bench.e2e_replay import (
+    SimOutcome,
+    fidelity,
+    format_fidelity,
+    format_keep_parts,
+    keep_parts_fidelity,
+    scrape_keep_parts,
+)
 from kairos.replay import RequestResult
 
 
@@ -56,3 +68,56 @@ def test_no_served_request_gives_empty_figures() -> None:
     out = fidelity([RequestResult("a", 0.0, 10, 4, status=0, error="refused")], {"a": SimOutcome(1.0, "keep", "d0")})
     assert out["requests"] == 0 and out["agreeing"] == {}
     assert "where they agree, median measured/sim TTFT: -" in format_fidelity(out)
+
+
+METRICS = """\
+# HELP kairos_sidecar_hop1_seconds hop 1
+kairos_sidecar_hop1_seconds_sum{path="keep"} 3.0
+kairos_sidecar_hop1_seconds_count{path="keep"} 4.0
+kairos_sidecar_hop1_seconds_sum{path="deflect"} 99.0
+kairos_sidecar_ttft_seconds_sum{path="keep"} 5.0
+kairos_sidecar_ttft_seconds_count{path="keep"} 4.0
+kairos_sidecar_ttft_seconds_sum{path="deflect"} 99.0
+kairos_sidecar_ttft_seconds_count{path="deflect"} 9.0
+"""
+
+
+@pytest.fixture
+def sidecar_metrics() -> Iterator[str]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            assert self.path == "/kairos/metrics"
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return  # keep pytest's output clean
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_keep_parts_come_from_the_sidecars_keep_histograms_in_model_time(sidecar_metrics: str) -> None:
+    before = (0.5, 1.0, 1)  # the low-load check's request, scraped before the replay
+    after = scrape_keep_parts([sidecar_metrics, sidecar_metrics])  # two sidecars, summed
+    assert after == (6.0, 10.0, 8)
+    sim = {
+        "a": SimOutcome(1.0, "keep", "d0", (0.6, 0.4)),
+        "b": SimOutcome(2.0, "keep", "d1", (1.4, 0.6)),
+        "c": SimOutcome(0.3, "deflect", "d0"),
+    }
+    parts = keep_parts_fidelity(before, after, 2.0, sim)
+    assert parts is not None and parts["requests_measured"] == 7 and parts["requests_simulated"] == 2
+    assert parts["mean_until_prefilled_s"]["measured"] == pytest.approx(5.5 / 7 * 2)
+    assert parts["mean_prefilled_to_first_token_s"]["measured"] == pytest.approx((9.0 - 5.5) / 7 * 2)
+    assert parts["mean_until_prefilled_s"]["sim"] == pytest.approx(1.0)
+    assert parts["mean_prefilled_to_first_token_s"]["sim"] == pytest.approx(0.5)
+    assert "mean until prefilled 1.571 s (sim 1.000)" in format_keep_parts(parts)
+    assert keep_parts_fidelity(after, after, 2.0, sim) is None  # no keep request in between
