@@ -20,6 +20,16 @@ def _processes() -> list[str]:
     return out.stdout.splitlines()
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """After a failed assertion: SIGTERM, so `kairos up` stops its cluster; SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path, model_dir: Path) -> None:
     port = free_port()
     workdir = tmp_path / "up"
@@ -28,31 +38,24 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path
          "--workdir", str(workdir), "--model-dir", str(model_dir), "--time-scale", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    assert proc.stdout is not None
     lines: list[str] = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if line.strip().startswith("curl "):
-            break
-    else:
-        proc.kill()
-        raise AssertionError("".join(lines))
-    curl = lines[-1].strip()
-    assert f"127.0.0.1:{port}" in curl
-    result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
-    assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
-    # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
-    logs = workdir / "logs"
-    assert "DEBUG extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()
-    assert any(" path=" in f.read_text() for f in logs.glob("d*-sidecar.log"))
+    try:
+        curl = _read_until(proc, lines, "curl ", 90).strip()
+        assert f"127.0.0.1:{port}" in curl
+        result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
+        assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
+        # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
+        logs = workdir / "logs"
+        assert "DEBUG extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()
+        assert any(" path=" in f.read_text() for f in logs.glob("d*-sidecar.log"))
 
-    ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
-    assert ours, "the cluster's processes should be visible while it runs"
+        ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
+        assert ours, "the cluster's processes should be visible while it runs"
 
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _stop(proc)
     time.sleep(0.5)
     left = [a for a in _processes() if str(workdir) in a or (str(model_dir) in a and "pytest" not in a)]
     assert left == [], left
@@ -69,7 +72,6 @@ def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, time
             return line
         if not line and proc.poll() is not None:
             break
-    proc.kill()
     raise AssertionError(f"no {marker!r} in:\n{''.join(lines)}")
 
 
@@ -113,7 +115,6 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
         elsewhere.stop()
     assert all(n.engine is not None and not n.engine.alive() for n in elsewhere.nodes)
