@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -263,16 +264,17 @@ async def test_stop_leaves_a_key_that_a_newer_publisher_took_over(redis: RedisSe
 
 async def test_beats_stay_on_the_period_grid_when_reads_are_slow(redis: RedisServer) -> None:
     """A read that takes half a period must not push every later beat back by that much."""
-    cfg = config(redis.url, period_s=0.02)
-    source = FakeSource(delay_s=0.01)
+    cfg = config(redis.url, period_s=0.05)
+    source = FakeSource(delay_s=0.025)
     task = await running(HeartbeatPublisher(cfg, source))
     try:
         await eventually(lambda: len(source.reads) >= 21, what="21 reads")
     finally:
         await finish(task)
-    span = source.reads[20] - source.reads[0]
-    # On the grid: 20 periods = 0.40 s. Sleeping a full period after each beat: 20 x 0.03 = 0.60 s.
-    assert span < 0.5, f"20 beats took {span:.3f} s"
+    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(source.reads[:21]))
+    # On the grid the typical gap is one period (0.050 s); sleeping a full period after each
+    # beat makes it period + read (0.075 s). The median ignores a beat the shared machine delayed.
+    assert gaps[len(gaps) // 2] < 0.0625, f"median gap between beats {gaps[len(gaps) // 2]:.3f} s"
 
 
 async def test_a_hung_engine_counts_as_down(redis: RedisServer, client: aioredis.Redis) -> None:
@@ -406,7 +408,7 @@ async def state_server() -> AsyncIterator[StateServer]:
 
 
 async def test_http_state_source_reads_the_engine_state(state_server: StateServer) -> None:
-    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.5)
+    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=5.0)
     try:
         assert await source.read() == STATE
         session = source.session
@@ -432,7 +434,7 @@ async def test_http_state_source_rejects_bad_answers(
     state_server: StateServer, status: int, body: Any, message: str
 ) -> None:
     state_server.status, state_server.body = status, body
-    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.5)
+    source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=5.0)
     try:
         with pytest.raises(EngineStateError) as info:
             await source.read()
@@ -442,14 +444,14 @@ async def test_http_state_source_rejects_bad_answers(
 
 
 async def test_http_state_source_times_out_and_reports_a_dead_server(state_server: StateServer) -> None:
-    state_server.delay_s = 0.3
+    state_server.delay_s = 3.0
     source = HttpStateSource(f"127.0.0.1:{state_server.port}", timeout_s=0.05)
-    dead = HttpStateSource(f"127.0.0.1:{free_port()}", timeout_s=0.5)
+    dead = HttpStateSource(f"127.0.0.1:{free_port()}", timeout_s=5.0)
     try:
         started = time.monotonic()
         with pytest.raises(EngineStateError, match="TimeoutError"):
             await source.read()
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2.0  # gave up long before the server would answer
         with pytest.raises(EngineStateError, match="Cannot connect"):
             await dead.read()
     finally:
