@@ -309,7 +309,7 @@ async def test_hung_prefill_gives_504_within_the_hop1_bound(rig: Rig) -> None:
     async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
         assert resp.status == 504
         error = await _error(resp)
-    assert time.monotonic() - started < 0.5 + 0.5
+    assert time.monotonic() - started < 0.5 + 2.5  # the hop-1 bound, not the hang (slack for a busy CI)
     assert error["code"] == "upstream_timeout"
     assert rig.prefill.url in error["message"]
     assert rig.decode.seen == []
@@ -323,7 +323,7 @@ async def test_dead_prefill_gives_502_quickly(rig: Rig) -> None:
     async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
         assert resp.status == 502
         error = await _error(resp)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 0.9  # refused at once: under the 1 s connect timeout, no retries
     assert error["code"] == "upstream_error"
     assert dead in error["message"]
     assert rig.decode.seen == []
