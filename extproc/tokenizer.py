@@ -21,23 +21,25 @@ an ``Encoding`` when it can prove the count exact without one. Building one cost
 token in ``tokenizers``, whatever the model: the NormalizedString alignments, a String per
 token, offsets, masks. For the GPT-2 family of tokenizers (no normalizer, the ``ByteLevel``
 pre-tokenizer with its own regex, a BPE model without dropout, added tokens without
-lstrip/rstrip/single_word; ``_WordCounter.refusal`` names the first condition a tokenizer
-misses), the count is a sum over pre-tokens of counts that each depend on one pre-token alone,
-so:
+lstrip/rstrip/single_word) and the Llama 3 / Qwen2 family (the same, but pre-tokenized by a
+``Split`` on Llama 3's or Qwen2's regex, each match isolated, then ``ByteLevel`` without its
+regex; an NFC normalizer allowed, which leaves ASCII alone), the count is a sum over pre-tokens
+of counts that each depend on one pre-token alone (``_WordCounter.refusal`` names the first
+condition a tokenizer misses), so:
 
 - added tokens are split out first, as ``tokenizers`` does (non-normalized ones, then normalized
   ones, leftmost-longest), one token each;
 - ASCII text is cut at its spaces (``str.split``, in C) into space pieces; a piece that neither
   is empty nor begins or ends with whitespace always pre-tokenizes as " " + piece alone (the
   proof is at ``_OPEN_PIECE``), so its count comes from a piece cache; runs of the other pieces
-  are split with the GPT-2 regex written for ASCII (``_GPT2_ASCII``: Python's ``re`` has no
-  Unicode letter classes), and each pre-token's BPE length comes from a word cache filled by the
+  are split with the pre-tokenizer's regex written for ASCII (``_GPT2_ASCII``, ``_SPLIT_ASCII``:
+  Python's ``re`` has no Unicode letter classes), and each pre-token's BPE length comes from a word cache filled by the
   model itself (``model.tokenize``). This holds the GIL (100 KB of English, caches warm, on
   the 2-core development machine: about 2 ms, against 3.3 ms for the regex on all of it):
   an event loop waiting on a pool thread that counts gets the GIL back at the interpreter's
   switch interval (5 ms), not at once as with Rust, so callers should count such text inline;
 - text with non-ASCII characters is cut into chunks of about ``COUNT_CHUNK_CHARS`` at a space
-  that follows a printable ASCII character: no GPT-2 pre-token crosses such a point (the proof
+  that follows a printable ASCII character: no pre-token of either family crosses such a point (the proof
   is at ``_SAFE_CUT``), so the count is the sum of the chunks' counts. In each chunk, the pieces
   around the non-ASCII characters (from the safe cut before each non-ASCII run to the one after
   it, ``_islands``) go to ``encode_batch_fast`` in one call, which releases the GIL and spreads
@@ -67,7 +69,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 
 from kairos.errors import ConfigError, InvalidRequestError
 
@@ -238,7 +240,7 @@ def _template_from_config(config: Mapping[str, Any], source: Path) -> str | None
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact counting without Encodings (the GPT-2 family: ByteLevel pre-tokenizer + BPE)
+# Exact counting without Encodings (the GPT-2 and Llama 3 / Qwen2 families: byte-level BPE)
 # ---------------------------------------------------------------------------------------------
 # Oniguruma's \s on ASCII, as the ByteLevel pre-tokenizer applies it: tab, LF, VT, FF, CR and
 # space; not \x1c-\x1f, which Python's \s includes. tests/test_tokenizer.py checks every ASCII
@@ -250,8 +252,32 @@ _GPT2_ASCII = re.compile(
     rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_ASCII_SPACE}A-Za-z0-9]+"
     rf"|[{_ASCII_SPACE}]+(?![^{_ASCII_SPACE}])|[{_ASCII_SPACE}]+"
 )
+# Llama 3's and Qwen2's pre-tokenizer: Split on one of these regexes (tokenizer.json's pattern
+# strings), each match isolated, then ByteLevel without its own regex. Each has an ASCII twin
+# below, built as _GPT2_ASCII is (\p{L} = [A-Za-z], \p{N} = [0-9], \s = _ASCII_SPACE, the
+# case-insensitive contractions spelled out); tests/test_tokenizer.py checks them exhaustively.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_ascii(digits: str) -> re.Pattern[str]:
+    """The ASCII twin of a Split regex above; ``digits`` is its quantifier on \\p{N}."""
+    sp = _ASCII_SPACE
+    return re.compile(
+        r"'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]"
+        + digits
+        + rf"| ?[^{sp}A-Za-z0-9]+[\r\n]*|[{sp}]*[\r\n]+|[{sp}]+(?![^{sp}])|[{sp}]+"
+    )
+
+
+_SPLIT_ASCII = {_LLAMA3_SPLIT: _split_ascii("{1,3}"), _QWEN2_SPLIT: _split_ascii("")}
 # A cut before a space that follows a printable ASCII character ("x| y") is a pre-token boundary
-# of the GPT-2 regex in any text, Unicode included, so counts add up over the two sides:
+# of the GPT-2 regex in any text, Unicode included, so counts add up over the two sides (and of
+# the Split regexes above, by the same points: their runs of letters, digits or other
+# non-space characters stop at a space too, the one before letters included):
 # 1. every character starts some alternative, so the matches tile the text;
 # 2. the character before the cut is not whitespace in any Unicode version, so the match that
 #    holds it is a contraction or an " ?X+" run whose X excludes whitespace; a space can only
@@ -268,10 +294,11 @@ _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 # ASCII text is counted a space piece at a time: the text between two spaces (``str.split(" ")``).
 # A piece that is "closed" (not empty, and neither its first nor its last character is
 # whitespace) always pre-tokenizes as " " + piece alone, wherever it stands, so its count is a
-# cache lookup; in GPT-2's regex:
+# cache lookup; in GPT-2's regex and in the Split ones above:
 # 1. the space before it starts a match: the character before that space is either non-space,
 #    ending the match that holds it (point 2 at _SAFE_CUT), or whitespace, where \s+(?!\S) stops
-#    one short of the non-space first character and leaves the space for the next match;
+#    one short of the non-space first character and leaves the space for the next match (and
+#    \s*[\r\n]+ must end on a line break, which the space is not and which cannot follow it);
 # 2. inside, matches see the same characters either way; whitespace runs inside are bounded by
 #    non-space on both sides, and the last match (a non-space run) stops at the next space as it
 #    stops at the end of the text.
@@ -286,6 +313,11 @@ _COUNT_BITS = _OPEN_PIECE - 1  # sums of piece counts stay far below this
 # whole (dense non-ASCII text is Rust's anyway; this bounds the Python work per chunk).
 _MIN_PLAIN_CHARS = 128
 _MAX_RUNS = 16
+
+
+def _state(component: Any) -> dict[str, Any] | None:
+    """A tokenizers component (normalizer, pre-tokenizer) as its tokenizer.json object."""
+    return None if component is None else json.loads(component.__getstate__())
 
 
 def _chunks(text: str, size: int) -> list[str]:
@@ -341,16 +373,20 @@ def _islands(chunk: str) -> list[str]:
 
 
 class _WordCounter:
-    """Exact token counts for ByteLevel + BPE tokenizers, without building Encodings.
+    """Exact token counts for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2), without Encodings.
 
     Each pre-token's count is the model's own (``model.tokenize``), cached by pre-token; see the
     module docstring for the steps and ``refusal`` for the tokenizers this is exact for.
     """
 
-    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_pieces", "_specials", "_splitters")
+    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_pieces", "_specials", "_splitters", "_words")
 
     def __init__(self, tokenizer: Tokenizer, encode_many: Any, chunk_chars: int) -> None:
         self._model = tokenizer.model
+        words, why = self.words_regex(tokenizer)
+        if words is None:
+            raise ConfigError(f"the exact counter does not apply: {why}")
+        self._words = words
         self._specials = tokenizer.num_special_tokens_to_add(False)
         self._encode_many = encode_many  # (texts, add_special_tokens) -> Encodings, GIL released
         self._chunk_chars = chunk_chars
@@ -370,13 +406,17 @@ class _WordCounter:
     @staticmethod
     def refusal(tokenizer: Tokenizer) -> str | None:
         """Why counting without Encodings would not be provably exact for ``tokenizer``; None if it is."""
-        if tokenizer.normalizer is not None:
-            return f"it has a normalizer ({type(tokenizer.normalizer).__name__})"
-        pre = tokenizer.pre_tokenizer
-        if not isinstance(pre, pre_tokenizers.ByteLevel):
-            return f"its pre-tokenizer is {type(pre).__name__ if pre is not None else None}, not ByteLevel"
-        if pre.add_prefix_space or not pre.use_regex:
-            return "its ByteLevel pre-tokenizer adds a prefix space or has no regex"
+        normalizer = _state(tokenizer.normalizer)
+        if normalizer is not None:
+            # NFC leaves ASCII as it is, and Rust normalizes the rest (cut only before a space, which
+            # composes with nothing before it); normalized added tokens would match after it.
+            if normalizer.get("type") != "NFC":
+                return f"it has a normalizer ({normalizer.get('type')})"
+            if any(t.normalized for t in tokenizer.get_added_tokens_decoder().values()):
+                return "it has an NFC normalizer and added tokens matched after normalization"
+        words, why = _WordCounter.words_regex(tokenizer)
+        if words is None:
+            return why
         model = tokenizer.model
         if not isinstance(model, models.BPE):
             return f"its model is {type(model).__name__}, not BPE"
@@ -395,6 +435,28 @@ class _WordCounter:
         ):
             return "its post-processor adds a number of tokens that num_special_tokens_to_add does not tell"
         return None
+
+    @staticmethod
+    def words_regex(tokenizer: Tokenizer) -> tuple[re.Pattern[str] | None, str]:
+        """The ASCII regex giving ``tokenizer``'s pre-tokens on ASCII text, or None and why not."""
+        pre = _state(tokenizer.pre_tokenizer) or {}
+        kind = pre.get("type")
+        if kind == "ByteLevel":
+            if pre.get("add_prefix_space") or not pre.get("use_regex", True):
+                return None, "its ByteLevel pre-tokenizer adds a prefix space or has no regex"
+            return _GPT2_ASCII, ""
+        steps = pre.get("pretokenizers") or []
+        if kind == "Sequence" and [step.get("type") for step in steps] == ["Split", "ByteLevel"]:
+            split, byte_level = steps
+            words = _SPLIT_ASCII.get((split.get("pattern") or {}).get("Regex"))
+            if words is None:
+                return None, "its Split pre-tokenizer's regex is none of those known (Llama 3's, Qwen2's)"
+            if split.get("behavior") != "Isolated" or split.get("invert"):
+                return None, "its Split pre-tokenizer does not isolate each match"
+            if byte_level.get("add_prefix_space") or byte_level.get("use_regex", True):
+                return None, "the ByteLevel step after its Split adds a prefix space or splits again"
+            return words, ""
+        return None, f"its pre-tokenizer is {kind}, not ByteLevel or Split + ByteLevel"
 
     def count(self, text: str, add_special_tokens: bool) -> int:
         total = self._specials if add_special_tokens else 0
@@ -459,7 +521,7 @@ class _WordCounter:
 
     def _count_words(self, chunk: str) -> int:
         """Exact count of ASCII ``chunk``, a pre-token at a time."""
-        words = _GPT2_ASCII.findall(chunk)
+        words = self._words.findall(chunk)
         try:
             return sum(map(self._cache.__getitem__, words))  # every pre-token known: the loop stays in C
         except KeyError:

@@ -684,9 +684,9 @@ async def test_a_bug_in_the_policy_is_a_generic_500(harness: HarnessFactory, cap
 # Long bodies are parsed off the event loop
 # ---------------------------------------------------------------------------------------------
 def _refused_by_the_fast_counter(tokenizer: PromptTokenizer) -> PromptTokenizer:
-    """The tiny model's tokenizer with a normalizer: counted by tokenizers' Rust encode."""
+    """The tiny model's tokenizer with an NFKC normalizer: counted by tokenizers' Rust encode."""
     raw = Tokenizer.from_str(tokenizer.raw_tokenizer.to_str())
-    raw.normalizer = normalizers.NFC()
+    raw.normalizer = normalizers.NFKC()
     refused = PromptTokenizer(raw)
     assert refused.counter_refusal is not None
     return refused

@@ -11,12 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import extproc.tokenizer as tokenizer_module
 from extproc.tokenizer import (
     _BYTE_LEVEL_ASCII,
     _GPT2_ASCII,
+    _LLAMA3_SPLIT,
+    _QWEN2_SPLIT,
+    _SPLIT_ASCII,
     COUNT_CHUNK_CHARS,
     GIL_RELEASE_CHARS,
     ChatTemplateError,
@@ -483,7 +486,7 @@ def test_fast_counts_with_more_added_tokens(raw: Tokenizer) -> None:
 def _variant(raw: Tokenizer, change: str) -> Tokenizer:
     custom = Tokenizer.from_str(raw.to_str())
     if change == "normalizer":
-        custom.normalizer = normalizers.NFC()
+        custom.normalizer = normalizers.NFKC()
     elif change == "pre-tokenizer":
         custom.pre_tokenizer = pre_tokenizers.Whitespace()
     elif change == "prefix space":
@@ -598,3 +601,171 @@ def test_template_sources_and_added_token_specials(model_dir: Path, tmp_path: Pa
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="none named 'default'"):
         PromptTokenizer.from_files(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+
+
+# -- the Llama 3 / Qwen2 family: Split(regex, isolated) + ByteLevel(no regex) -------------------
+def _split_pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _split_family_tokenizer(pattern: str, nfc: bool) -> Tokenizer:
+    """A tiny tokenizer shaped like Llama 3's (ignore_merges, BOS by the post-processor) or,
+    with ``nfc``, Qwen2's (NFC normalizer, no BOS), trained on English-like text and code."""
+    tokenizer = Tokenizer(models.BPE(ignore_merges=not nfc))
+    tokenizer.pre_tokenizer = _split_pre_tokenizer(pattern)
+    tokenizer.decoder = decoders.ByteLevel()
+    if nfc:
+        tokenizer.normalizer = normalizers.NFC()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [*random_texts(20, 400), *(["def f(x):\n    return  x + 1234567\n"] * 50), *TEXTS]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if not nfc:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A:0", special_tokens=[("<|begin_of_text|>", tokenizer.token_to_id(specials[0]))]
+        )
+    return tokenizer
+
+
+SPLIT_FAMILY = [pytest.param(_LLAMA3_SPLIT, False, id="llama3"), pytest.param(_QWEN2_SPLIT, True, id="qwen2")]
+
+
+@pytest.fixture(scope="module", params=[(_LLAMA3_SPLIT, False), (_QWEN2_SPLIT, True)], ids=["llama3", "qwen2"])
+def split_family(request: pytest.FixtureRequest) -> tuple[str, Tokenizer]:
+    pattern, nfc = request.param
+    return pattern, _split_family_tokenizer(pattern, nfc)
+
+
+@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
+def test_the_split_ascii_regexes_give_the_pre_tokenizers_pre_tokens(pattern: str, nfc: bool) -> None:
+    """As for GPT-2's regex: exhaustive on short strings over the characters the regex treats
+    apart (upper-case contraction letters, CR and LF apart from other whitespace, digits in
+    runs of up to four for Llama 3's groups of three)."""
+    split = _split_pre_tokenizer(pattern)
+    words = _SPLIT_ASCII[pattern]
+    short = [*ASCII_CHARS, *("".join(p) for p in itertools.product(ASCII_CHARS, repeat=2))]
+    three = "aZsStTlLrReEvVmMdD09 \t\n\r\x0b\x0c\x1c\x00'.\x7f"
+    four = "'sLre \t\r\na0."
+    texts = [
+        *short,
+        *("".join(p) for p in itertools.product(three, repeat=3)),
+        *("".join(p) for p in itertools.product(four, repeat=4)),
+        "1234567",
+        " 12345 x\r\n\r\n  y",
+        *(text for text in random_texts(11, 300, ("ascii", "spaces", "words", "punct", "digits")) if text.isascii()),
+    ]
+    for text in texts:
+        expected = [w for w, _ in split.pre_tokenize_str(text)]
+        assert [w.translate(_BYTE_LEVEL_ASCII) for w in words.findall(text)] == expected, repr(text)
+
+
+@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
+def test_safe_cuts_are_split_pre_token_boundaries_in_any_text(pattern: str, nfc: bool) -> None:
+    split = _split_pre_tokenizer(pattern)
+
+    def split_pre_tokens(text: str) -> list[str]:
+        return [w for w, _ in split.pre_tokenize_str(text)]
+
+    for text in random_texts(12, 400):
+        assert [w for c in _chunks(text, 1) for w in split_pre_tokens(c)] == split_pre_tokens(text), repr(text)
+        for chunk in _chunks(text, 40):
+            pieces = _islands(chunk)
+            assert [w for p in pieces for w in split_pre_tokens(p)] == split_pre_tokens(chunk), repr(chunk)
+
+
+def test_split_family_counts_equal_the_encoding(split_family: tuple[str, Tokenizer]) -> None:
+    """Random texts (Unicode, specials and near misses), code and long mixed text; counted
+    cold, then warm, and with chunks small enough that every text is cut."""
+    _, raw_split = split_family
+    rng = random.Random(13)
+    words = [w for w in PIECES["words"] + PIECES["punct"] + PIECES["digits"] if w.isascii()]
+    long_text = " ".join(rng.choice(words) for _ in range(5000))
+    special = ["<|begin_of_text|>", "<|im_start|>", "<|im_start", "x<|end_of_text|>y"]
+    texts = [
+        *random_texts(14, 300),
+        *("".join(rng.choice([*special, " ", "a", "\u00e9", "e\u0301"]) for _ in range(30)) for _ in range(100)),
+        "def f(x):\n    return  x + 1234567\n" * 100,
+        long_text + " \u00c5ngstr\u00f6m e\u0301 " + long_text,
+    ]
+    for chunk_chars in (7, COUNT_CHUNK_CHARS):
+        tok = PromptTokenizer(raw_split, count_chunk_chars=chunk_chars)
+        assert tok.counter_refusal is None
+        for _ in ("cold", "warm"):
+            for text in texts:
+                for specials in (True, False):
+                    expected = len(raw_split.encode(text, add_special_tokens=specials).ids)
+                    assert tok.count_tokens(text, specials) == expected, repr(text[:80])
+
+
+@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
+def test_space_pieces_give_the_split_pre_tokens(pattern: str, nfc: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weighted check of test_space_pieces_give_the_pre_tokenizers_pre_tokens, for the
+    Split regexes: a space piece's pre-tokens do not depend on what stands around it."""
+    split = _split_pre_tokenizer(pattern)
+
+    def weight(word: str) -> int:
+        return zlib.crc32(word.encode()) & 0xFFFFF
+
+    def weighted_words(self: object, chunk: str) -> int:
+        return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in _SPLIT_ASCII[pattern].findall(chunk))
+
+    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
+    counter = PromptTokenizer(_split_family_tokenizer(pattern, nfc))
+    rng = random.Random(15)
+    cells = ["w", "it's", "IT'S", "9", "12345", ".", "!x", " ", " ", "  ", "\n", "\t", "\r\n", "\x0b", "\x1c", "'"]
+    texts = [
+        "word\n \nx",
+        "a \nb",
+        "\n \n",
+        "x .\n y",
+        *("".join(rng.choice(cells) for _ in range(rng.randint(1, 60))) for _ in range(3000)),
+    ]
+    for text in texts:
+        expected = sum(weight(w) for w, _ in split.pre_tokenize_str(text))
+        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)
+
+
+def _split_variant(raw_split: Tokenizer, change: str) -> Tokenizer:
+    state = json.loads(raw_split.to_str())
+    split, byte_level = state["pre_tokenizer"]["pretokenizers"]
+    if change == "unknown regex":
+        split["pattern"]["Regex"] = r"\s+|\S+"
+    elif change == "removed":
+        split["behavior"] = "Removed"
+    elif change == "byte-level regex":
+        byte_level["use_regex"] = True
+    elif change == "nfkc":
+        state["normalizer"] = {"type": "NFKC"}
+    elif change == "normalized added token":
+        state["normalizer"] = {"type": "NFC"}
+        cafe = {**state["added_tokens"][-1], "id": 10_000, "content": "caf\u00e9", "normalized": True}
+        state["added_tokens"].append(cafe)
+    return Tokenizer.from_str(json.dumps(state))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("unknown regex", "none of those known"),
+        ("removed", "does not isolate"),
+        ("byte-level regex", "splits again"),
+        ("nfkc", "normalizer (NFKC)"),
+        ("normalized added token", "added tokens matched after normalization"),
+    ],
+)
+def test_split_tokenizers_the_fast_counter_cannot_prove_are_encoded_whole(change: str, reason: str) -> None:
+    custom = _split_variant(_split_family_tokenizer(_LLAMA3_SPLIT, nfc=False), change)
+    tok = PromptTokenizer(custom)
+    assert tok.counter_refusal is not None and reason in tok.counter_refusal
+    for text in [*TEXTS, "caf\u00e9 cafe\u0301 \ufb01", " ".join(TEXTS) * 50]:
+        assert tok.count_tokens(text) == len(custom.encode(text).ids)
