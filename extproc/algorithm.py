@@ -256,11 +256,10 @@ def can_take_deflection(node: DecodeNodeState, now: float, config: DeciderConfig
 
 def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
     """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
-    the node's backlog included. It is the TBT a newly arriving decode would see, so it weighs
-    batch size and KV occupancy the way the hardware does, in one number."""
-    return models.decode_step_s(
-        node.decode_tokens + len(node.prefill_backlog_tokens), node.kv_tokens + sum(node.prefill_backlog_tokens)
-    )
+    the node's backlog and its incoming keeps included. It is the TBT a newly arriving decode
+    would see, so it weighs batch size and KV occupancy the way the hardware does, in one number."""
+    joining = (*node.prefill_backlog_tokens, *node.incoming_keep_tokens)
+    return models.decode_step_s(node.decode_tokens + len(joining), node.kv_tokens + sum(joining))
 
 
 def pick_keep_decode_node(

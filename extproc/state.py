@@ -40,6 +40,11 @@ class DecodeNodeState:
     # Remaining prefill tokens of deflected prefills on the node (running or queued), including
     # the ones this dispatcher sent since the heartbeat, which the heartbeat cannot show yet.
     prefill_backlog_tokens: tuple[int, ...] = ()
+    # Prompts of keep-path requests this dispatcher sent to the node whose prefill still runs on
+    # a prefill node: each joins the node's batch, with its KV, when its prefill is done. The
+    # heartbeat cannot show them until then; without them every keep in a burst would pick the
+    # same least-loaded node (and its one KV link).
+    incoming_keep_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
@@ -50,7 +55,8 @@ class DecodeNodeState:
 
     @property
     def free_kv_tokens(self) -> int:
-        return max(0, self.kv_capacity_tokens - self.kv_tokens - sum(self.prefill_backlog_tokens))
+        promised = sum(self.prefill_backlog_tokens) + sum(self.incoming_keep_tokens)
+        return max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
 
 
 @dataclass(frozen=True, slots=True)

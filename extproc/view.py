@@ -4,7 +4,10 @@ dispatcher's own dispatches since that heartbeat applied on top.
 Without the overlay every request arriving between two heartbeats would see the same queues
 and herd onto the same "best" node; with it, a prefill queue grows by each prompt the moment
 it is dispatched, and a decode node shows each deflection sent to it, which is what the
-pending-deflection limit of §5.3 counts.
+pending-deflection limit of §5.3 counts. A keep-path request also shows on its decode node as
+incoming, from its dispatch until its predicted prefill end (when the node starts holding it,
+so its heartbeats show it): its prefill runs elsewhere for seconds, far longer than a heartbeat
+period, and a burst of keeps would otherwise all pick the same least-loaded decode node.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 @dataclass(slots=True)
 class _Dispatch:
-    at: float  # dispatch time
+    at: float  # when the node starts holding it: dispatch time, or a keep's predicted prefill end
     tokens: int  # prompt tokens sent
 
 
@@ -31,6 +34,7 @@ class ClusterTracker:
     _prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
     _decode: dict[str, DecodeNodeState] = field(default_factory=dict)
     _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
+    _incoming: dict[str, list[_Dispatch]] = field(default_factory=dict)  # keeps, by decode node
     _cached: ClusterView | None = None
 
     def update_prefill(self, state: PrefillNodeState) -> None:
@@ -46,20 +50,27 @@ class ClusterTracker:
         self._prefill.pop(node_id, None)
         self._decode.pop(node_id, None)
         self._overlay.pop(node_id, None)
+        self._incoming.pop(node_id, None)
         self._cached = None
 
     def record(self, decision: Decision, now: float) -> None:
         """Account for a dispatch until a heartbeat shows it."""
-        node = decision.prefill_node if decision.route is Route.KEEP else decision.decode_node
-        assert node is not None  # a keep decision always names its prefill node
-        self._overlay.setdefault(node, []).append(_Dispatch(now, decision.prompt_tokens))
+        tokens = decision.prompt_tokens
+        if decision.route is Route.KEEP:
+            assert decision.prefill_node is not None  # a keep decision always names its prefill node
+            self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, tokens))
+            arrival = now + (decision.predicted_ttft_prefill_s or 0.0)
+            self._incoming.setdefault(decision.decode_node, []).append(_Dispatch(arrival, tokens))
+        else:
+            self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
         self._cached = None
 
     def _expire(self, node_id: str, reported_at: float) -> None:
-        pending = self._overlay.get(node_id)
-        if pending:
-            horizon = reported_at - self.dispatch_grace_s
-            self._overlay[node_id] = [d for d in pending if d.at > horizon]
+        horizon = reported_at - self.dispatch_grace_s
+        for pending_by_node in (self._overlay, self._incoming):
+            pending = pending_by_node.get(node_id)
+            if pending:
+                pending_by_node[node_id] = [d for d in pending if d.at > horizon]
         self._cached = None
 
     @property
@@ -81,6 +92,11 @@ class ClusterTracker:
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
-        if not extra:
+        incoming = self._incoming.get(s.node_id)
+        if not extra and not incoming:
             return s
-        return replace(s, prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra))
+        return replace(
+            s,
+            prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra or ()),
+            incoming_keep_tokens=s.incoming_keep_tokens + tuple(d.tokens for d in incoming or ()),
+        )

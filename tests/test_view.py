@@ -8,13 +8,14 @@ import pytest
 
 from extproc.algorithm import DeciderConfig, decide
 from extproc.decision import Decision, Reason, Route
+from extproc.policies import PDPolicy
 from extproc.state import ClusterView
 from extproc.view import ClusterTracker
 from tests.builders import decode_node, flat_models, prefill_node
 
 
-def keep_to(prefill: str, tokens: int, decode: str = "d1") -> Decision:
-    return Decision(Route.KEEP, Reason.KEEP_POLICY, decode, prefill, (), 0.1, None, tokens)
+def keep_to(prefill: str, tokens: int, decode: str = "d1", ttft_s: float = 0.1) -> Decision:
+    return Decision(Route.KEEP, Reason.KEEP_POLICY, decode, prefill, (), ttft_s, None, tokens)
 
 
 def deflect_to(decode: str, tokens: int) -> Decision:
@@ -43,20 +44,23 @@ class OverlayCase:
     heartbeat_at: float | None  # a second heartbeat (same reported queues) at this time, if any
     prefill_queue: tuple[int, ...]  # p1's queue in the view
     decode_backlog: tuple[int, ...]  # d1's backlog in the view
+    decode_incoming: tuple[int, ...] = ()  # keeps on their way to d1 in the view
 
 
 # First heartbeats at t=1.0: p1 queue (500,), d1 backlog (200,).
 OVERLAY_CASES = [
     pytest.param(
-        OverlayCase(0.0, ((keep_to("p1", 300), 1.2),), None, (500, 300), (200,)),
-        id="keep dispatch joins the prefill queue, decode backlog untouched",
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2),), None, (500, 300), (200,), (300,)),
+        id="keep dispatch joins the prefill queue and is incoming on d1, decode backlog untouched",
     ),
     pytest.param(
         OverlayCase(0.0, ((deflect_to("d1", 700), 1.2),), None, (500,), (200, 700)),
         id="deflect dispatch joins the decode backlog",
     ),
     pytest.param(
-        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 1.3)), None, (500, 300, 40), (200,)),
+        OverlayCase(
+            0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 1.3)), None, (500, 300, 40), (200,), (300, 40)
+        ),
         id="two keeps queue FIFO behind the reported queue",
     ),
     pytest.param(
@@ -64,15 +68,19 @@ OVERLAY_CASES = [
         id="heartbeat at 1.5 newer than dispatches at 1.2 clears them",
     ),
     pytest.param(
-        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.1, (500, 300), (200, 700)),
+        OverlayCase(
+            0.0, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.1, (500, 300), (200, 700), (300,)
+        ),
         id="heartbeat at 1.1 older than dispatches at 1.2 keeps them",
     ),
     pytest.param(
-        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 2.0)), 1.5, (500, 40), (200,)),
+        OverlayCase(0.0, ((keep_to("p1", 300), 1.2), (keep_to("p1", 40), 2.0)), 1.5, (500, 40), (200,), (40,)),
         id="heartbeat at 1.5 clears the 1.2 dispatch but not the 2.0 one",
     ),
     pytest.param(
-        OverlayCase(0.5, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.5, (500, 300), (200, 700)),
+        OverlayCase(
+            0.5, ((keep_to("p1", 300), 1.2), (deflect_to("d1", 700), 1.2)), 1.5, (500, 300), (200, 700), (300,)
+        ),
         id="grace 0.5: heartbeat at 1.5 (horizon 1.0) keeps dispatches at 1.2",
     ),
     pytest.param(
@@ -80,8 +88,20 @@ OVERLAY_CASES = [
         id="grace 0.5: heartbeat at 1.8 (horizon 1.3) clears dispatches at 1.2",
     ),
     pytest.param(
-        OverlayCase(0.0, ((keep_to("p2", 300), 1.2), (deflect_to("d2", 700), 1.2)), None, (500,), (200,)),
+        OverlayCase(0.0, ((keep_to("p2", 300, "d2"), 1.2), (deflect_to("d2", 700), 1.2)), None, (500,), (200,)),
         id="dispatches to other nodes do not show on p1 or d1",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300, ttft_s=2.0), 1.2),), 1.5, (500,), (200,), (300,)),
+        id="a keep stays incoming on d1 until its predicted prefill end (3.2), after the queue heartbeat",
+    ),
+    pytest.param(
+        OverlayCase(0.0, ((keep_to("p1", 300, ttft_s=2.0), 1.2),), 3.3, (500,), (200,)),
+        id="a heartbeat after the keep's predicted prefill end clears it from d1",
+    ),
+    pytest.param(
+        OverlayCase(0.5, ((keep_to("p1", 300, ttft_s=2.0), 1.2),), 3.5, (500,), (200,), (300,)),
+        id="grace 0.5: a heartbeat at 3.5 (horizon 3.0) keeps the keep due at 3.2",
     ),
 ]
 
@@ -99,6 +119,7 @@ def test_overlay(case: OverlayCase) -> None:
     v = tracker.view()
     assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
     assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
+    assert [n.incoming_keep_tokens for n in v.decode] == [case.decode_incoming]
     # everything the heartbeat said is kept as is
     assert v.prefill[0].reported_at == v.decode[0].reported_at == (case.heartbeat_at or 1.0)
     assert v.decode[0].decode_tokens == 3
@@ -163,3 +184,49 @@ def test_overlay_feeds_the_pending_deflection_limit() -> None:
     tracker.update_decode(decode_node("d1", b=21, k=1000, reported_at=0.3))
     third = decide(1000, tracker.view(), 0.3, models, cfg)
     assert (third.route, third.decode_node) == (Route.DEFLECT, "d1")
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        pytest.param({"d1": 3, "d2": 3}, ["d1", "d2", "d1", "d2", "d1", "d2"], id="equal nodes take turns"),
+        pytest.param(
+            {"d1": 3, "d2": 5},
+            ["d1", "d1", "d1", "d2", "d1", "d2"],
+            id="the lighter node until level (ties: d1), then turns",
+        ),
+        pytest.param({"d1": 3}, ["d1"] * 6, id="one node takes them all"),
+    ],
+)
+def test_a_burst_of_keeps_spreads_over_the_decode_nodes(loads: dict[str, int], expected: list[str]) -> None:
+    """Keeps dispatched between two heartbeats: each shows on its decode node as incoming, so
+    the next one sees that node's load grow (P/D's least-loaded choice, Algorithm 1's too)."""
+    policy = PDPolicy(flat_models(), DeciderConfig(tbt_slo_s=0.105))
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=0.0))
+    for node_id, b in loads.items():
+        tracker.update_decode(decode_node(node_id, b=b, reported_at=0.0))
+    chosen = []
+    for i in range(len(expected)):
+        decision = policy.decide(500, tracker.view(), 0.01 * i)
+        tracker.record(decision, 0.01 * i)
+        chosen.append(decision.decode_node)
+    assert chosen == expected
+    # A heartbeat after their predicted prefill ends: the node holds them now, and says so.
+    prefill_end = max(0.01 * i for i in range(len(expected))) + decision.predicted_ttft_prefill_s
+    tracker.update_decode(decode_node("d1", b=loads["d1"] + expected.count("d1"), reported_at=prefill_end + 0.01))
+    assert tracker.view().decode[0].incoming_keep_tokens == ()
+
+
+def test_incoming_keeps_hold_kv_room() -> None:
+    """A keep's KV is promised on its decode node: a node with room for one prompt is full once
+    one keep is on its way, so the next keep prefers a node with room."""
+    policy = PDPolicy(flat_models(), DeciderConfig(tbt_slo_s=0.105))
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=0.0))
+    tracker.update_decode(decode_node("d1", b=1, capacity=1000, reported_at=0.0))
+    tracker.update_decode(decode_node("d2", b=9, reported_at=0.0))
+    first = policy.decide(800, tracker.view(), 0.0)
+    tracker.record(first, 0.0)
+    assert first.decode_node == "d1" and tracker.view().decode[0].free_kv_tokens == 200
+    assert policy.decide(800, tracker.view(), 0.01).decode_node == "d2"
