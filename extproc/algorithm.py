@@ -258,8 +258,11 @@ def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
     """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
     the node's backlog and its incoming keeps included. It is the TBT a newly arriving decode
     would see, so it weighs batch size and KV occupancy the way the hardware does, in one number."""
-    joining = (*node.prefill_backlog_tokens, *node.incoming_keep_tokens)
-    return models.decode_step_s(node.decode_tokens + len(joining), node.kv_tokens + sum(joining))
+    backlog = node.prefill_backlog_tokens
+    return models.decode_step_s(
+        node.decode_tokens + len(backlog) + node.incoming_keeps,
+        node.kv_tokens + sum(backlog) + node.incoming_keep_tokens,
+    )
 
 
 def pick_keep_decode_node(

@@ -44,7 +44,8 @@ class DecodeNodeState:
     # a prefill node: each joins the node's batch, with its KV, when its prefill is done. The
     # heartbeat cannot show them until then; without them every keep in a burst would pick the
     # same least-loaded node (and its one KV link).
-    incoming_keep_tokens: tuple[int, ...] = ()
+    incoming_keeps: int = 0
+    incoming_keep_tokens: int = 0  # their prompt tokens, all together
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
@@ -55,7 +56,7 @@ class DecodeNodeState:
 
     @property
     def free_kv_tokens(self) -> int:
-        promised = sum(self.prefill_backlog_tokens) + sum(self.incoming_keep_tokens)
+        promised = sum(self.prefill_backlog_tokens) + self.incoming_keep_tokens
         return max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
 
 

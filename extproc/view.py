@@ -35,6 +35,7 @@ class ClusterTracker:
     _decode: dict[str, DecodeNodeState] = field(default_factory=dict)
     _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
     _incoming: dict[str, list[_Dispatch]] = field(default_factory=dict)  # keeps, by decode node
+    _incoming_totals: dict[str, tuple[int, int]] = field(default_factory=dict)  # (keeps, their tokens)
     _cached: ClusterView | None = None
 
     def update_prefill(self, state: PrefillNodeState) -> None:
@@ -51,6 +52,7 @@ class ClusterTracker:
         self._decode.pop(node_id, None)
         self._overlay.pop(node_id, None)
         self._incoming.pop(node_id, None)
+        self._incoming_totals.pop(node_id, None)
         self._cached = None
 
     def record(self, decision: Decision, now: float) -> None:
@@ -61,16 +63,21 @@ class ClusterTracker:
             self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, tokens))
             arrival = now + (decision.predicted_ttft_prefill_s or 0.0)
             self._incoming.setdefault(decision.decode_node, []).append(_Dispatch(arrival, tokens))
+            keeps, keep_tokens = self._incoming_totals.get(decision.decode_node, (0, 0))
+            self._incoming_totals[decision.decode_node] = (keeps + 1, keep_tokens + tokens)
         else:
             self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
         self._cached = None
 
     def _expire(self, node_id: str, reported_at: float) -> None:
         horizon = reported_at - self.dispatch_grace_s
-        for pending_by_node in (self._overlay, self._incoming):
-            pending = pending_by_node.get(node_id)
-            if pending:
-                pending_by_node[node_id] = [d for d in pending if d.at > horizon]
+        pending = self._overlay.get(node_id)
+        if pending:
+            self._overlay[node_id] = [d for d in pending if d.at > horizon]
+        incoming = self._incoming.get(node_id)
+        if incoming:
+            left = self._incoming[node_id] = [d for d in incoming if d.at > horizon]
+            self._incoming_totals[node_id] = (len(left), sum(d.tokens for d in left))
         self._cached = None
 
     @property
@@ -95,8 +102,11 @@ class ClusterTracker:
         incoming = self._incoming.get(s.node_id)
         if not extra and not incoming:
             return s
+        # Keeps stay incoming for seconds, so there can be many: totals, kept as they change.
+        keeps, keep_tokens = self._incoming_totals.get(s.node_id, (0, 0))
         return replace(
             s,
             prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra or ()),
-            incoming_keep_tokens=s.incoming_keep_tokens + tuple(d.tokens for d in incoming or ()),
+            incoming_keeps=s.incoming_keeps + keeps,
+            incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,
         )

@@ -119,7 +119,9 @@ def test_overlay(case: OverlayCase) -> None:
     v = tracker.view()
     assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
     assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
-    assert [n.incoming_keep_tokens for n in v.decode] == [case.decode_incoming]
+    assert [(n.incoming_keeps, n.incoming_keep_tokens) for n in v.decode] == [
+        (len(case.decode_incoming), sum(case.decode_incoming))
+    ]
     # everything the heartbeat said is kept as is
     assert v.prefill[0].reported_at == v.decode[0].reported_at == (case.heartbeat_at or 1.0)
     assert v.decode[0].decode_tokens == 3
@@ -215,7 +217,7 @@ def test_a_burst_of_keeps_spreads_over_the_decode_nodes(loads: dict[str, int], e
     # A heartbeat after their predicted prefill ends: the node holds them now, and says so.
     prefill_end = max(0.01 * i for i in range(len(expected))) + decision.predicted_ttft_prefill_s
     tracker.update_decode(decode_node("d1", b=loads["d1"] + expected.count("d1"), reported_at=prefill_end + 0.01))
-    assert tracker.view().decode[0].incoming_keep_tokens == ()
+    assert (tracker.view().decode[0].incoming_keeps, tracker.view().decode[0].incoming_keep_tokens) == (0, 0)
 
 
 def test_incoming_keeps_hold_kv_room() -> None:
