@@ -146,7 +146,7 @@ async def nodes(redis: RedisServer) -> AsyncIterator[dict[str, Node]]:
     """Two prefill and two decode publishers beating every 20 ms (TTL 100 ms)."""
     out: dict[str, Node] = {}
     for node_id, (role, url, sidecar, state) in PUBLISHED.items():
-        cfg = PublisherConfig(node_id, role, url, sidecar, redis.url, period_s=0.02, ttl_s=0.1, redis_timeout_s=0.1)
+        cfg = PublisherConfig(node_id, role, url, sidecar, redis.url, period_s=0.02, ttl_s=0.1, redis_timeout_s=2.0)
         source = Source(state)
         publisher = HeartbeatPublisher(cfg, source)
         out[node_id] = Node(publisher, source, asyncio.create_task(publisher.run()))
@@ -162,7 +162,7 @@ def view_config(redis: RedisServer, **kw: Any) -> ClusterViewConfig:
         "poll_s": 0.01,
         "stale_after_s": 0.06,
         "scan_every_polls": 2,
-        "redis_timeout_s": 0.1,
+        "redis_timeout_s": 2.0,  # generous: tests that need Redis down stop it (refused at once)
         "recovery_grace_s": 0.3,
         "reservation_ttl_s": 0.05,
     }
