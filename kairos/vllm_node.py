@@ -6,7 +6,8 @@ node recipe cannot drift apart. A node is vLLM's OpenAI server with:
 - ``--scheduler-cls`` = :class:`nodeagent.vllm_plugin.scheduler.KairosScheduler` (chunk
   schedules, state reporter, step recorder), configured by ``KAIROS_VLLM_*`` variables;
 - NixlConnector for the prefill-to-decode KV hand-off (``kv_both`` on every node, as vLLM's
-  P/D examples do; the sidecar's two hops decide who sends and who pulls);
+  P/D examples do; the sidecar's two hops decide who sends and who pulls), with a failed pull
+  recomputed on the decode node rather than failed (``KV_TRANSFER_CONFIG``);
 - on CPU (``device="cpu"``): an explicit KV-cache size, no thread pinning, one OpenMP thread,
   and NIXL over TCP with a CPU KV buffer.
 
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEDULER_CLS = "nodeagent.vllm_plugin.scheduler.KairosScheduler"
+# A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
+# node compute the prompt itself: the request is served late instead of failed with a 500.
+KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +80,7 @@ class VllmNodeSpec:
         return [*args, *self.extra_args]
 
     def kv_transfer_config(self) -> dict[str, str]:
-        config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        config = dict(KV_TRANSFER_CONFIG)
         if self.device == "cpu":
             config["kv_buffer_device"] = "cpu"
         return config

@@ -29,7 +29,7 @@ from extproc.main import DispatcherConfig
 from kairos.config import load_config
 from kairos.local_cluster import LocalClusterConfig
 from kairos.vllm_cluster import default_vllm_python
-from kairos.vllm_node import SCHEDULER_CLS, VllmNodeSpec
+from kairos.vllm_node import KV_TRANSFER_CONFIG, SCHEDULER_CLS, VllmNodeSpec
 from nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,7 +315,7 @@ def test_engine_runs_the_kairos_scheduler_with_nixl_and_its_step_size(
     f = engine_flags(merged[node])
     local = LocalClusterConfig()
     assert f["--scheduler-cls"] == SCHEDULER_CLS
-    assert json.loads(str(f["--kv-transfer-config"])) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert json.loads(str(f["--kv-transfer-config"])) == KV_TRANSFER_CONFIG  # what kairos up starts
     assert f["--no-enable-prefix-caching"] is True and "--enable-prefix-caching" not in f
     step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
     assert int(str(f["--max-num-batched-tokens"])) == step
@@ -632,7 +632,7 @@ for node, argv in json.load(sys.stdin).items():
         "host": args.host, "port": args.port, "model": args.model, "served": args.served_model_name,
         "load_format": args.load_format, "max_model_len": args.max_model_len,
         "max_num_batched_tokens": args.max_num_batched_tokens, "scheduler_cls": args.scheduler_cls,
-        "kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
+        "kv_connector": kv.kv_connector, "kv_role": kv.kv_role, "kv_load_failure_policy": kv.kv_load_failure_policy,
         "enable_prefix_caching": args.enable_prefix_caching, "trust_remote_code": args.trust_remote_code,
     }
 print("KAIROS-RESULT " + json.dumps(out))
@@ -670,6 +670,7 @@ def test_vllms_own_parser_reads_every_engine_command(merged: dict[str, dict[str,
             "scheduler_cls": SCHEDULER_CLS,
             "kv_connector": "NixlConnector",
             "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
             "enable_prefix_caching": False,
             "trust_remote_code": True,
         }, node

@@ -219,6 +219,7 @@ def test_vllm_node_command_line_on_cpu(tmp_path: Path) -> None:
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_buffer_device": "cpu",
     }
     assert "--kv-cache-memory-bytes" in argv and "--enforce-eager" in argv

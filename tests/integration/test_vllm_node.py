@@ -15,6 +15,7 @@ import pytest
 import redis
 from extproc.latency import load_profile
 from kairos import contracts as c
+from kairos.processes import free_port
 from kairos.vllm_cluster import VllmCluster
 from tests.e2e.conftest import post_json
 from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric, sample, scrape
@@ -74,6 +75,28 @@ def test_keep_request_prefills_on_p_and_pulls_kv_to_d(vllm_cluster: VllmCluster)
     assert metric(d_metrics, src, source="external_kv_transfer") - before_d == 700  # KV pulled by D
     single = direct(cluster, "d0", completion(prompt, 12))  # the same request, one node, no transfer
     assert out["choices"][0]["text"] == single["choices"][0]["text"]
+
+
+def test_a_failed_kv_pull_is_recomputed_on_the_decode_node(vllm_cluster: VllmCluster) -> None:
+    """kv_load_failure_policy=recompute: hop 2 names a prefill engine nobody answers for (its
+    NIXL side channel is a dead port), the pull fails after vLLM's 5 s handshake wait, and the
+    decode node computes the prompt itself: a 200 with the text a single node gives."""
+    cluster = vllm_cluster
+    d_metrics = f"http://{cluster.node('d0').url}/metrics"
+    src = "vllm:prompt_tokens_by_source_total"
+    before_local = metric(d_metrics, src, source="local_compute")
+    before_pulled = metric(d_metrics, src, source="external_kv_transfer")
+    prompt = token_prompt(300, seed=9)
+    hop1 = direct(cluster, "p0", completion(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    params = {**hop1["kv_transfer_params"], "remote_engine_id": f"gone-{uuid.uuid4().hex[:8]}"}
+    params["remote_port"] = free_port()  # nothing listens: the handshake gets no answer
+
+    out = direct(cluster, "d0", completion(prompt, 8, kv_transfer_params=params))
+
+    assert out["usage"]["prompt_tokens"] == 300
+    assert metric(d_metrics, src, source="external_kv_transfer") == before_pulled  # nothing pulled
+    assert metric(d_metrics, src, source="local_compute") - before_local == 300  # computed on d0
+    assert out["choices"][0]["text"] == direct(cluster, "p0", completion(prompt, 8))["choices"][0]["text"]
 
 
 # -- deflect: the decode node runs the schedule exactly ----------------------------------------------
@@ -212,8 +235,10 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     assert len(busy) >= 10, f"too few samples under load: {len(busy)}"
     misses = []
     for at, running, waiting, usage in busy:
-        # vLLM's metrics lag its engine by up to one stat interval; a heartbeat is up to one period old.
-        near = [b for t, b in beats if abs(t - at) <= 3 * period_s]
+        # vLLM's metrics lag its engine by up to one stat interval; a heartbeat is up to one period
+        # old, and on a starved host the publisher's reads time out for up to a second (CI: 13 of
+        # 14 samples had no beat within 3 periods). A wrong reporter agrees in no window at all.
+        near = [b for t, b in beats if abs(t - at) <= max(3 * period_s, 1.0)]
         agree = [
             b
             for b in near
@@ -223,8 +248,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
         ]
         if not agree:
             misses.append((round(at, 3), running, waiting, usage))
-    # A wrong reporter misses nearly every sample; on a starved 2-core host a publisher's read
-    # can time out now and then, leaving the newest beat a few periods old (CI once: 32 of 103).
+    # A wrong reporter misses nearly every sample (CI once missed 32 of 103 on a starved host).
     assert len(misses) <= len(busy) // 2, (
         f"{len(misses)}/{len(busy)} metric samples with no agreeing heartbeat: {misses[:5]}"
     )
