@@ -77,8 +77,9 @@ def _warm_kv_path(cluster: VllmCluster, attempts: int = 3) -> int:
     """Send keep requests through the gateway until one is served; how many it took.
 
     vLLM's NIXL handshake waits a fixed 5 s for the prefill node's metadata; the first one on a
-    starved 2-core host has missed that (CI, once), and that first KV pull fails with a 500. The
-    tests are about Kairos on a warm cluster, so the tier starts with the handshake done."""
+    starved 2-core host has missed that (CI, once), and that first KV pull failed (now the decode
+    node recomputes the prompt, so a test counting pulled tokens would still fail). The tests are
+    about Kairos on a warm cluster, so the tier starts with the handshake done."""
     prompt = [3 + (i * 37) % 4000 for i in range(64)]  # shares no KV block with the tests' prompts
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
     out: dict = {}
