@@ -590,8 +590,12 @@ async def test_time_scale_divides_wall_time(model_dir: Path, http: aiohttp.Clien
             assert status == 200
             steps = (await get_json(http, f"{d.url}/kairos/steps"))["steps"]
             model[scale] = sum(s["duration"] for s in steps)
-            # Steps chain back to back in model time, whatever the timer overshoot on the wall.
-            assert steps[-1]["start"] + steps[-1]["duration"] - steps[0]["start"] == pytest.approx(model[scale])
+            # Steps chain back to back in model time, whatever the timer overshoot on the wall,
+            # unless the loop fell over MAX_LAG_S behind (a starved CI host) and dropped that time.
+            assert d.node.rt is not None
+            if d.node.rt.resyncs == 0:
+                span = steps[-1]["start"] + steps[-1]["duration"] - steps[0]["start"]
+                assert span == pytest.approx(model[scale])
     # Same model time either way (60 steps of ~46 ms: ~2.8 s). A step never ends early, so the
     # wall time is at least model time over the scale; the upper bound is loose (a shared, busy
     # machine) but still far below the 2.8 s an unscaled engine would take.

@@ -1,4 +1,4 @@
-"""`kairos up` as a user runs it: the printed curl line works and SIGTERM leaves nothing behind."""
+"""`kairos up` as a user runs it: the printed curl line works, and SIGTERM or Ctrl-C leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from kairos.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.processes import free_port
@@ -30,13 +33,25 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.kill()
 
 
-def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path, model_dir: Path) -> None:
+def _ctrl_c(proc: subprocess.Popen[str]) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the whole foreground process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [pytest.param(lambda proc: proc.send_signal(signal.SIGTERM), id="SIGTERM"), pytest.param(_ctrl_c, id="Ctrl-C")],
+)
+def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
+    tmp_path: Path, model_dir: Path, stop: Callable[[subprocess.Popen[str]], None]
+) -> None:
     port = free_port()
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kairos.cli", "--log-level", "debug", "up", "--port", str(port),
          "--workdir", str(workdir), "--model-dir", str(model_dir), "--time-scale", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group, as a shell job has
     )
     lines: list[str] = []
     try:
@@ -52,7 +67,7 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(tmp_path: Path
         ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
         assert ours, "the cluster's processes should be visible while it runs"
 
-        proc.send_signal(signal.SIGTERM)
+        stop(proc)
         assert proc.wait(timeout=30) == 0
     finally:
         _stop(proc)

@@ -66,7 +66,13 @@ def test_keep_request_prefills_on_p_and_pulls_kv_to_d(vllm_cluster: VllmCluster)
     before_p = metric(p_metrics, src, source="local_compute")
     prompt = token_prompt(700, seed=1)
 
-    status, headers, out = post_json(f"{cluster.gateway_url}/v1/completions", completion(prompt, 12), timeout=120)
+    # The dispatcher's keep headers, straight to the sidecar: on a starved CI host p0's heartbeat
+    # once went stale and the gateway (rightly) served the request on d0 alone. The gateway's
+    # own keep routing is the e2e tier's; the warm-up sends a request through it here.
+    keep = {c.H_REQUEST_ID: f"keep-{uuid.uuid4().hex[:8]}", c.H_ROUTE: "keep", c.H_DECODE_NODE: "d0"}
+    keep[c.H_PREFILL_HOST] = cluster.node("p0").url
+    cluster.wait_for_heartbeats(timeout_s=30)  # p0 on the sidecar's live allowlist
+    status, headers, out = post_json(sidecar_url(cluster), completion(prompt, 12), keep, timeout=120)
 
     assert status == 200, out
     assert headers[c.H_ROUTE] == "keep"
