@@ -99,11 +99,10 @@ class ClusterTracker:
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
-        incoming = self._incoming.get(s.node_id)
-        if not extra and not incoming:
-            return s
         # Keeps stay incoming for seconds, so there can be many: totals, kept as they change.
         keeps, keep_tokens = self._incoming_totals.get(s.node_id, (0, 0))
+        if not extra and not keeps:
+            return s
         return replace(
             s,
             prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra or ()),

@@ -321,8 +321,9 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
     clock = FakeClock()
-    # A generous Redis timeout: a timed-out poll reconnects, and a reconnect rescans at once.
-    config = view_config(redis, scan_every_polls=3, last_resort_s=0, redis_timeout_s=1.0)
+    # view_config's generous Redis timeout matters here: a timed-out poll reconnects, and a
+    # reconnect rescans at once.
+    config = view_config(redis, scan_every_polls=3, last_resort_s=0)
     view = RedisClusterView(config, clock=clock, registry=registry)
     try:
         await view.poll_once()  # poll 1 scans: nothing there
@@ -756,8 +757,9 @@ async def test_without_feedback_the_stream_is_not_read(
 async def test_a_reservation_excludes_other_owners_until_its_ttl(
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
-    # A generous Redis timeout: a reservation that times out fails closed, which is not what this tests.
-    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3, redis_timeout_s=1.0), registry=registry)
+    # view_config's generous Redis timeout matters here: a reservation that times out fails
+    # closed, which is not what this tests.
+    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3), registry=registry)
     try:
         assert await view.try_reserve("d0", "dispatcher-a") is True
         assert await client.get("kairos:reserve:d0") == b"dispatcher-a"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
+import re
 import shutil
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -318,6 +321,46 @@ def pre_tokens(text: str) -> list[str]:
     return [w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(text)]
 
 
+def exhaustive_ascii_texts(three: str, four: str, seed: int) -> list[str]:
+    """The inputs of an exhaustive regex check: every ASCII character alone and in pairs, every
+    string of 3 (4) characters over ``three`` (``four``), the characters the regex treats apart,
+    and seeded random ASCII texts."""
+    return [
+        *ASCII_CHARS,
+        *("".join(p) for p in itertools.product(ASCII_CHARS, repeat=2)),
+        *("".join(p) for p in itertools.product(three, repeat=3)),
+        *("".join(p) for p in itertools.product(four, repeat=4)),
+        *(text for text in random_texts(seed, 300, ("ascii", "spaces", "words", "punct", "digits")) if text.isascii()),
+    ]
+
+
+def weight(word: str) -> int:
+    return zlib.crc32(word.encode()) & 0xFFFFF
+
+
+def assert_space_pieces_weighted(
+    raw: Tokenizer,
+    words: re.Pattern[str],
+    pre_tokenize: Callable[[str], list[str]],
+    texts: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The space-piece cut is checked on pre-tokens, not counts (a tiny vocabulary may count two
+    different splits alike): with each pre-token ``words`` finds "counted" as a pseudo-random
+    weight, the sum over space pieces and open runs is the sum over ``pre_tokenize``'s own
+    pre-tokens, counted cold and then from the piece cache."""
+
+    def weighted_words(self: object, chunk: str) -> int:
+        return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in words.findall(chunk))
+
+    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
+    for text in texts:
+        expected = sum(weight(w) for w in pre_tokenize(text))
+        counter = PromptTokenizer(raw)
+        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)
+        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)  # warm
+
+
 def test_the_fast_counter_is_used_for_the_tiny_model(tok: PromptTokenizer) -> None:
     assert tok.counter_refusal is None
 
@@ -326,41 +369,7 @@ def test_the_ascii_regex_gives_the_pre_tokenizers_pre_tokens() -> None:
     """Exhaustive on short strings: every ASCII character alone and in pairs, and every string
     of 3 (4) characters over the ones the regex treats apart (contraction letters, each
     whitespace character, 0x1c which Python's \\s takes but Oniguruma's does not, ...)."""
-    short = [*ASCII_CHARS, *("".join(p) for p in itertools.product(ASCII_CHARS, repeat=2))]
-    three = "".join(
-        [
-            "a",
-            "Z",
-            "s",
-            "t",
-            "l",
-            "r",
-            "e",
-            "v",
-            "m",
-            "d",
-            "0",
-            "9",
-            " ",
-            "\t",
-            "\n",
-            "\r",
-            "\x0b",
-            "\x0c",
-            "\x1c",
-            "\x00",
-            "'",
-            ".",
-            "\x7f",
-        ]
-    )
-    four = "'slre \ta0."
-    texts = [
-        *short,
-        *("".join(p) for p in itertools.product(three, repeat=3)),
-        *("".join(p) for p in itertools.product(four, repeat=4)),
-        *(text for text in random_texts(1, 300, ("ascii", "spaces", "words", "punct")) if text.isascii()),
-    ]
+    texts = exhaustive_ascii_texts("aZstlrevmd09 \t\n\r\x0b\x0c\x1c\x00'.\x7f", "'slre \ta0.", seed=1)
     for text in texts:
         assert [w.translate(_BYTE_LEVEL_ASCII) for w in _GPT2_ASCII.findall(text)] == pre_tokens(text), repr(text)
 
@@ -436,14 +445,6 @@ def test_space_pieces_give_the_pre_tokenizers_pre_tokens(raw: Tokenizer, monkeyp
     """The space-piece cut is checked on pre-tokens, not counts (a tiny vocabulary may count two
     different splits alike): with each pre-token "counted" as a pseudo-random weight, the sum
     over space pieces and open runs is the sum over the pre-tokenizer's own pre-tokens."""
-
-    def weight(word: str) -> int:
-        return zlib.crc32(word.encode()) & 0xFFFFF
-
-    def weighted_words(self: object, chunk: str) -> int:
-        return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in _GPT2_ASCII.findall(chunk))
-
-    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
     rng = random.Random(9)
     cells = ["w", "it's", "9", ".", " ", " ", "  ", "\n", "\t", "\r\n", "\x0b", "\x1c"]
     texts = [
@@ -453,11 +454,7 @@ def test_space_pieces_give_the_pre_tokenizers_pre_tokens(raw: Tokenizer, monkeyp
         *("".join(rng.choice(cells) for _ in range(rng.randint(1, 60))) for _ in range(3000)),
         *(t for t in random_texts(10, 300, ("ascii", "spaces", "words", "punct")) if t.isascii()),
     ]
-    for text in texts:
-        expected = sum(weight(w) for w in pre_tokens(text))
-        counter = PromptTokenizer(raw)
-        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)
-        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)  # warm
+    assert_space_pieces_weighted(raw, _GPT2_ASCII, pre_tokens, texts, monkeypatch)
 
 
 def test_fast_counts_with_more_added_tokens(raw: Tokenizer) -> None:
@@ -613,13 +610,15 @@ def _split_pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _split_family_tokenizer(pattern: str, nfc: bool) -> Tokenizer:
-    """A tiny tokenizer shaped like Llama 3's (ignore_merges, BOS by the post-processor) or,
-    with ``nfc``, Qwen2's (NFC normalizer, no BOS), trained on English-like text and code."""
-    tokenizer = Tokenizer(models.BPE(ignore_merges=not nfc))
+@functools.cache
+def _split_family_tokenizer(pattern: str) -> Tokenizer:
+    """A tiny tokenizer shaped like Llama 3's (ignore_merges, BOS by the post-processor) or
+    Qwen2's (NFC normalizer, no BOS), trained on English-like text and code; trained once."""
+    qwen2 = pattern == _QWEN2_SPLIT
+    tokenizer = Tokenizer(models.BPE(ignore_merges=not qwen2))
     tokenizer.pre_tokenizer = _split_pre_tokenizer(pattern)
     tokenizer.decoder = decoders.ByteLevel()
-    if nfc:
+    if qwen2:
         tokenizer.normalizer = normalizers.NFC()
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>"]
     trainer = trainers.BpeTrainer(
@@ -630,52 +629,36 @@ def _split_family_tokenizer(pattern: str, nfc: bool) -> Tokenizer:
     )
     corpus = [*random_texts(20, 400), *(["def f(x):\n    return  x + 1234567\n"] * 50), *TEXTS]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    if not nfc:
+    if not qwen2:
         tokenizer.post_processor = processors.TemplateProcessing(
             single="<|begin_of_text|> $A:0", special_tokens=[("<|begin_of_text|>", tokenizer.token_to_id(specials[0]))]
         )
     return tokenizer
 
 
-SPLIT_FAMILY = [pytest.param(_LLAMA3_SPLIT, False, id="llama3"), pytest.param(_QWEN2_SPLIT, True, id="qwen2")]
+SPLIT_PATTERNS = [pytest.param(_LLAMA3_SPLIT, id="llama3"), pytest.param(_QWEN2_SPLIT, id="qwen2")]
 
 
-@pytest.fixture(scope="module", params=[(_LLAMA3_SPLIT, False), (_QWEN2_SPLIT, True)], ids=["llama3", "qwen2"])
-def split_family(request: pytest.FixtureRequest) -> tuple[str, Tokenizer]:
-    pattern, nfc = request.param
-    return pattern, _split_family_tokenizer(pattern, nfc)
+def _split_pre_tokens(pattern: str) -> Callable[[str], list[str]]:
+    split = _split_pre_tokenizer(pattern)
+    return lambda text: [w for w, _ in split.pre_tokenize_str(text)]
 
 
-@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
-def test_the_split_ascii_regexes_give_the_pre_tokenizers_pre_tokens(pattern: str, nfc: bool) -> None:
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_the_split_ascii_regexes_give_the_pre_tokenizers_pre_tokens(pattern: str) -> None:
     """As for GPT-2's regex: exhaustive on short strings over the characters the regex treats
     apart (upper-case contraction letters, CR and LF apart from other whitespace, digits in
     runs of up to four for Llama 3's groups of three)."""
-    split = _split_pre_tokenizer(pattern)
+    split_pre_tokens = _split_pre_tokens(pattern)
     words = _SPLIT_ASCII[pattern]
-    short = [*ASCII_CHARS, *("".join(p) for p in itertools.product(ASCII_CHARS, repeat=2))]
-    three = "aZsStTlLrReEvVmMdD09 \t\n\r\x0b\x0c\x1c\x00'.\x7f"
-    four = "'sLre \t\r\na0."
-    texts = [
-        *short,
-        *("".join(p) for p in itertools.product(three, repeat=3)),
-        *("".join(p) for p in itertools.product(four, repeat=4)),
-        "1234567",
-        " 12345 x\r\n\r\n  y",
-        *(text for text in random_texts(11, 300, ("ascii", "spaces", "words", "punct", "digits")) if text.isascii()),
-    ]
-    for text in texts:
-        expected = [w for w, _ in split.pre_tokenize_str(text)]
-        assert [w.translate(_BYTE_LEVEL_ASCII) for w in words.findall(text)] == expected, repr(text)
+    texts = exhaustive_ascii_texts("aZsStTlLrReEvVmMdD09 \t\n\r\x0b\x0c\x1c\x00'.\x7f", "'sLre \t\r\na0.", seed=11)
+    for text in [*texts, "1234567", " 12345 x\r\n\r\n  y"]:
+        assert [w.translate(_BYTE_LEVEL_ASCII) for w in words.findall(text)] == split_pre_tokens(text), repr(text)
 
 
-@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
-def test_safe_cuts_are_split_pre_token_boundaries_in_any_text(pattern: str, nfc: bool) -> None:
-    split = _split_pre_tokenizer(pattern)
-
-    def split_pre_tokens(text: str) -> list[str]:
-        return [w for w, _ in split.pre_tokenize_str(text)]
-
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_safe_cuts_are_split_pre_token_boundaries_in_any_text(pattern: str) -> None:
+    split_pre_tokens = _split_pre_tokens(pattern)
     for text in random_texts(12, 400):
         assert [w for c in _chunks(text, 1) for w in split_pre_tokens(c)] == split_pre_tokens(text), repr(text)
         for chunk in _chunks(text, 40):
@@ -683,10 +666,11 @@ def test_safe_cuts_are_split_pre_token_boundaries_in_any_text(pattern: str, nfc:
             assert [w for p in pieces for w in split_pre_tokens(p)] == split_pre_tokens(chunk), repr(chunk)
 
 
-def test_split_family_counts_equal_the_encoding(split_family: tuple[str, Tokenizer]) -> None:
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_split_family_counts_equal_the_encoding(pattern: str) -> None:
     """Random texts (Unicode, specials and near misses), code and long mixed text; counted
     cold, then warm, and with chunks small enough that every text is cut."""
-    _, raw_split = split_family
+    raw_split = _split_family_tokenizer(pattern)
     rng = random.Random(13)
     words = [w for w in PIECES["words"] + PIECES["punct"] + PIECES["digits"] if w.isascii()]
     long_text = " ".join(rng.choice(words) for _ in range(5000))
@@ -707,20 +691,10 @@ def test_split_family_counts_equal_the_encoding(split_family: tuple[str, Tokeniz
                     assert tok.count_tokens(text, specials) == expected, repr(text[:80])
 
 
-@pytest.mark.parametrize(("pattern", "nfc"), SPLIT_FAMILY)
-def test_space_pieces_give_the_split_pre_tokens(pattern: str, nfc: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_space_pieces_give_the_split_pre_tokens(pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The weighted check of test_space_pieces_give_the_pre_tokenizers_pre_tokens, for the
     Split regexes: a space piece's pre-tokens do not depend on what stands around it."""
-    split = _split_pre_tokenizer(pattern)
-
-    def weight(word: str) -> int:
-        return zlib.crc32(word.encode()) & 0xFFFFF
-
-    def weighted_words(self: object, chunk: str) -> int:
-        return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in _SPLIT_ASCII[pattern].findall(chunk))
-
-    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
-    counter = PromptTokenizer(_split_family_tokenizer(pattern, nfc))
     rng = random.Random(15)
     cells = ["w", "it's", "IT'S", "9", "12345", ".", "!x", " ", " ", "  ", "\n", "\t", "\r\n", "\x0b", "\x1c", "'"]
     texts = [
@@ -730,9 +704,8 @@ def test_space_pieces_give_the_split_pre_tokens(pattern: str, nfc: bool, monkeyp
         "x .\n y",
         *("".join(rng.choice(cells) for _ in range(rng.randint(1, 60))) for _ in range(3000)),
     ]
-    for text in texts:
-        expected = sum(weight(w) for w, _ in split.pre_tokenize_str(text))
-        assert counter.count_tokens(text, add_special_tokens=False) == expected, repr(text)
+    raw_split = _split_family_tokenizer(pattern)
+    assert_space_pieces_weighted(raw_split, _SPLIT_ASCII[pattern], _split_pre_tokens(pattern), texts, monkeypatch)
 
 
 def _split_variant(raw_split: Tokenizer, change: str) -> Tokenizer:
@@ -764,7 +737,7 @@ def _split_variant(raw_split: Tokenizer, change: str) -> Tokenizer:
     ],
 )
 def test_split_tokenizers_the_fast_counter_cannot_prove_are_encoded_whole(change: str, reason: str) -> None:
-    custom = _split_variant(_split_family_tokenizer(_LLAMA3_SPLIT, nfc=False), change)
+    custom = _split_variant(_split_family_tokenizer(_LLAMA3_SPLIT), change)
     tok = PromptTokenizer(custom)
     assert tok.counter_refusal is not None and reason in tok.counter_refusal
     for text in [*TEXTS, "caf\u00e9 cafe\u0301 \ufb01", " ".join(TEXTS) * 50]:
