@@ -12,10 +12,14 @@ period, and a burst of keeps would otherwise all pick the same least-loaded deco
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from extproc.decision import Decision, Route
 from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+
+S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 
 
 @dataclass(slots=True)
@@ -36,6 +40,10 @@ class ClusterTracker:
     _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
     _incoming: dict[str, list[_Dispatch]] = field(default_factory=dict)  # keeps, by decode node
     _incoming_totals: dict[str, tuple[int, int]] = field(default_factory=dict)  # (keeps, their tokens)
+    # Each node's state with its overlay, rebuilt only when that node changes: a dispatch touches
+    # one or two nodes, and every decision reads the view.
+    _overlaid_prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
+    _overlaid_decode: dict[str, DecodeNodeState] = field(default_factory=dict)
     _cached: ClusterView | None = None
 
     def update_prefill(self, state: PrefillNodeState) -> None:
@@ -53,6 +61,12 @@ class ClusterTracker:
         self._overlay.pop(node_id, None)
         self._incoming.pop(node_id, None)
         self._incoming_totals.pop(node_id, None)
+        self._changed(node_id)
+
+    def _changed(self, *node_ids: str) -> None:
+        for node_id in node_ids:
+            self._overlaid_prefill.pop(node_id, None)
+            self._overlaid_decode.pop(node_id, None)
         self._cached = None
 
     def record(self, decision: Decision, now: float) -> None:
@@ -65,9 +79,10 @@ class ClusterTracker:
             self._incoming.setdefault(decision.decode_node, []).append(_Dispatch(arrival, tokens))
             keeps, keep_tokens = self._incoming_totals.get(decision.decode_node, (0, 0))
             self._incoming_totals[decision.decode_node] = (keeps + 1, keep_tokens + tokens)
+            self._changed(decision.prefill_node, decision.decode_node)
         else:
             self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
-        self._cached = None
+            self._changed(decision.decode_node)
 
     def _expire(self, node_id: str, reported_at: float) -> None:
         horizon = reported_at - self.dispatch_grace_s
@@ -78,7 +93,7 @@ class ClusterTracker:
         if incoming:
             left = self._incoming[node_id] = [d for d in incoming if d.at > horizon]
             self._incoming_totals[node_id] = (len(left), sum(d.tokens for d in left))
-        self._cached = None
+        self._changed(node_id)
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -86,10 +101,19 @@ class ClusterTracker:
 
     def view(self) -> ClusterView:
         if self._cached is None:
-            prefill = tuple(self._with_overlay_prefill(s) for s in self._prefill.values())
-            decode = tuple(self._with_overlay_decode(s) for s in self._decode.values())
+            prefill = tuple(self._overlaid(self._overlaid_prefill, self._prefill, self._with_overlay_prefill))
+            decode = tuple(self._overlaid(self._overlaid_decode, self._decode, self._with_overlay_decode))
             self._cached = ClusterView(prefill=prefill, decode=decode)
         return self._cached
+
+    @staticmethod
+    def _overlaid(cache: dict[str, S], reported: dict[str, S], overlay: Callable[[S], S]) -> Iterator[S]:
+        """Each reported state with its overlay, from ``cache`` unless its node changed since."""
+        for node_id, state in reported.items():
+            overlaid = cache.get(node_id)
+            if overlaid is None:
+                overlaid = cache[node_id] = overlay(state)
+            yield overlaid
 
     def _with_overlay_prefill(self, s: PrefillNodeState) -> PrefillNodeState:
         extra = self._overlay.get(s.node_id)

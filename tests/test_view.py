@@ -163,6 +163,28 @@ def test_view_is_cached_until_something_changes() -> None:
     assert first.prefill[0].queued_prefill_tokens == ()  # earlier views are not mutated
 
 
+def test_a_dispatch_rebuilds_only_the_nodes_it_touches() -> None:
+    """Every decision reads the view: a keep rebuilds its prefill and decode node, the other
+    nodes' states are the very objects of the last view (and so is a node's after a heartbeat
+    of another)."""
+    tracker = ClusterTracker()
+    for node_id in ("p1", "p2"):
+        tracker.update_prefill(prefill_node(node_id, reported_at=1.0))
+    for node_id in ("d1", "d2"):
+        tracker.update_decode(decode_node(node_id, reported_at=1.0))
+    tracker.record(keep_to("p2", 100, "d2"), 1.1)
+    before = tracker.view()
+    tracker.record(keep_to("p1", 300, "d1"), 1.2)
+    after = tracker.view()
+    assert [n.queued_prefill_tokens for n in after.prefill] == [(300,), (100,)]
+    assert [n.incoming_keep_tokens for n in after.decode] == [300, 100]
+    assert after.prefill[1] is before.prefill[1] and after.decode[1] is before.decode[1]
+    assert after.prefill[0] is not before.prefill[0] and after.decode[0] is not before.decode[0]
+    tracker.update_decode(decode_node("d1", b=4, reported_at=1.3))
+    latest = tracker.view()
+    assert latest.decode[0].decode_tokens == 4 and latest.decode[1] is after.decode[1]
+
+
 def test_overlay_feeds_the_pending_deflection_limit() -> None:
     # Flat models, tau 0.105, candidates (420, 220, 120): a 1000-token prompt on B=20 takes
     # 0.280; p1 queue 5000 -> Eq. 1 = 0.660, so the first request deflects to d1.
