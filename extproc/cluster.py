@@ -409,6 +409,27 @@ class RedisClusterView:
         now = self.now()
         return tuple(i for i, n in self._nodes.items() if now - n.reported_at > self.config.stale_after_s)
 
+    def nodes_report(self) -> dict[str, Any]:
+        """What this dispatcher routes on, for operators and start-up scripts (``GET /nodes``):
+        every node in the view with its role, heartbeat age and staleness, and whether the view
+        is degraded (Redis lost) or built from the static lists (Redis never answered)."""
+        now = self.now()
+        nodes = [
+            {
+                "id": node_id,
+                "role": node.role,
+                "age_s": round(max(0.0, now - node.reported_at), 3),
+                "stale": now - node.reported_at > self.config.stale_after_s,
+                "from_redis": node.from_redis,
+            }
+            for node_id, node in sorted(self._nodes.items())
+        ]
+        return {
+            "status": "degraded" if self.degraded else "ok",
+            "static_fallback": self.static_fallback,
+            "nodes": nodes,
+        }
+
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def running(self) -> bool:

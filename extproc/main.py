@@ -44,7 +44,7 @@ class DispatcherConfig:
 
     host: str = "127.0.0.1"
     port: int = 9000  # ext_proc gRPC
-    metrics_port: int = 9100  # Prometheus /metrics and /health (0 = off)
+    metrics_port: int = 9100  # Prometheus /metrics, /health and /nodes (0 = off)
     redis_url: str = "redis://127.0.0.1:6379/0"
     model_dir: str = ""  # the served model's tokenizer (tokenizer.json + tokenizer_config.json)
     profile: str = DEFAULT_PROFILE  # latency profile: packaged name or JSON path
@@ -200,9 +200,13 @@ async def _start_metrics(
         # Up even when degraded (P/D routing still works); the body says which.
         return web.json_response({"status": "degraded" if cluster.degraded else "ok"})
 
+    async def nodes(_: web.Request) -> web.Response:
+        return web.json_response(cluster.nodes_report())
+
     app = web.Application()
     app.router.add_get("/metrics", prometheus)
     app.router.add_get("/health", health)
+    app.router.add_get("/nodes", nodes)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.metrics_port).start()

@@ -8,9 +8,14 @@ deployment: killing a node, Redis or the dispatcher is a real fault.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -344,22 +349,43 @@ class LocalCluster:
             timeout_s,
         )
 
-    def wait_for_heartbeats(self, timeout_s: float = 15.0) -> None:
-        """Until every node's heartbeat key is in Redis, plus a moment for the dispatchers'
-        next poll (every 50 ms), so the first request sees the whole cluster."""
-        import redis
+    def nodes_unseen(self) -> list[str]:
+        """Ids of the cluster's nodes that some dispatcher does not route on yet: absent from its
+        ``/nodes`` view or stale there (a dispatcher that does not answer sees none of them)."""
+        seen_by_all = {n.node_id for n in self.nodes}
+        for port in self.dispatcher_metrics_ports:
+            try:
+                with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/nodes", timeout=2.0) as resp:
+                    report = json.load(resp)
+                seen_by_all &= {n["id"] for n in report["nodes"] if not n["stale"]}
+            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+                seen_by_all = set()
+        return [n.node_id for n in self.nodes if n.node_id not in seen_by_all]
 
-        client = redis.Redis.from_url(self.redis_url)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                if len(client.keys("kairos:node:*")) == len(self.nodes):
-                    time.sleep(0.3)
-                    return
-                time.sleep(0.05)
-        finally:
-            client.close()
-        raise ProcessError(f"not every node published a heartbeat within {timeout_s:g} s")
+    def wait_for_heartbeats(
+        self,
+        timeout_s: float = 15.0,
+        *,
+        stop: threading.Event | None = None,
+        on_waiting: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        """Until every dispatcher routes on every node with a fresh heartbeat, so that the first
+        request sees the whole cluster. ``on_waiting`` hears each new list of nodes still missing;
+        ``stop`` ends the wait early. Raises :class:`ProcessError` after ``timeout_s``."""
+        stop = stop or threading.Event()
+        deadline, said = time.monotonic() + timeout_s, None
+        while not stop.is_set():
+            unseen = self.nodes_unseen()
+            if not unseen:
+                return
+            if unseen != said and on_waiting is not None:
+                on_waiting(unseen)
+            said = unseen
+            if time.monotonic() >= deadline:
+                raise ProcessError(
+                    f"the dispatchers have no fresh heartbeat from {', '.join(unseen)} after {timeout_s:g} s"
+                )
+            stop.wait(0.1)
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> None:

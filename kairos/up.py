@@ -8,14 +8,13 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from kairos.config import load_config
-from kairos.contracts import REDIS_NODE_KEY
 from kairos.errors import KairosError
 from kairos.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.processes import ProcessError
 from kairos.remote_nodes import RemoteNodesCluster, load_nodes
 from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
@@ -68,27 +67,20 @@ def _cluster(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path
     return VllmCluster(config, workdir, backend=backend)
 
 
-def _await_heartbeats(cluster: LocalCluster, stop: threading.Event, timeout_s: float = 120.0) -> None:
-    """Until every listed node has a heartbeat in Redis; says which are missing meanwhile (the
-    gateway routes on what it has: requests work as soon as one node of each role beats)."""
-    import redis
+def _await_heartbeats(cluster: LocalCluster, stop: threading.Event, timeout_s: float) -> None:
+    """Until every dispatcher routes on every listed node; says which are missing meanwhile. Not
+    fatal: the gateway routes on what it has, so requests work as soon as one node of each role beats."""
 
-    client = redis.Redis.from_url(cluster.redis_url)
-    deadline, said = time.monotonic() + timeout_s, None
+    def waiting(unseen: list[str]) -> None:
+        print(f"waiting for heartbeats from {', '.join(unseen)} ...", flush=True)
+
     try:
-        while not stop.is_set() and time.monotonic() < deadline:
-            missing = [n.node_id for n in cluster.nodes if not client.exists(REDIS_NODE_KEY.format(node_id=n.node_id))]
-            if not missing:
-                print(f"heartbeats from all {len(cluster.nodes)} nodes", flush=True)
-                return
-            if missing != said:
-                print(f"waiting for heartbeats from {', '.join(missing)} ...", flush=True)
-                said = missing
-            stop.wait(0.5)
-        if said:
-            print(f"kairos up: no heartbeat yet from {', '.join(said)}; routing without them", file=sys.stderr)
-    finally:
-        client.close()
+        cluster.wait_for_heartbeats(timeout_s, stop=stop, on_waiting=waiting)
+    except ProcessError as exc:
+        print(f"kairos up: {exc}; routing without them", file=sys.stderr)
+        return
+    if not stop.is_set():
+        print(f"heartbeats from all {len(cluster.nodes)} nodes", flush=True)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -135,7 +127,9 @@ def run_up(args: argparse.Namespace) -> int:
             return 130
         if args.nodes:
             print(f"Redis for the nodes' heartbeat publishers: --redis {cluster.redis_url}", flush=True)
-            _await_heartbeats(cluster, stop)
+        _await_heartbeats(cluster, stop, timeout_s=120.0 if args.nodes else 30.0)
+        if stop.is_set():
+            return 130
         url = cluster.gateway_url
         print(f"\nKairos gateway ready at {url}  (policy {config.policy}, profile {config.profile})")
         print("try:")

@@ -429,6 +429,39 @@ async def test_ages_use_local_receipt_time_of_each_new_seq_not_the_publishers_cl
         await view.stop()
 
 
+async def test_the_nodes_report_says_which_nodes_the_dispatcher_routes_on_and_how_fresh(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    clock = FakeClock(10.0)
+    view = RedisClusterView(view_config(redis, stale_after_s=0.35), clock=clock, registry=registry)
+    try:
+        await client.set("kairos:node:p0", beat("p0", 1), px=5000)
+        await client.set("kairos:node:d0", beat("d0", 1, role="decode"), px=5000)
+        await view.poll_once()
+        clock.t = 10.3  # p0 beats again, d0 does not
+        await client.set("kairos:node:p0", beat("p0", 2), px=5000)
+        await view.poll_once()
+        assert view.nodes_report() == {
+            "status": "ok",
+            "static_fallback": False,
+            "nodes": [
+                {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True},
+                {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True},
+            ],
+        }
+        clock.t = 10.4
+        assert [(n["id"], n["stale"]) for n in view.nodes_report()["nodes"]] == [("d0", True), ("p0", False)]
+
+        redis.stop()  # degraded: the last view stays, its ages grow
+        clock.t = 11.0
+        await view.poll_once()
+        report = view.nodes_report()
+        assert report["status"] == "degraded" and not report["static_fallback"]
+        assert [(n["id"], n["age_s"], n["stale"]) for n in report["nodes"]] == [("d0", 1.0, True), ("p0", 0.7, True)]
+    finally:
+        await view.stop()
+
+
 async def test_a_restarted_publisher_counts_as_new_even_if_its_seq_repeats(
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
