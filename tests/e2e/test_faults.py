@@ -87,7 +87,7 @@ def test_redis_down_keeps_serving_on_the_pd_path_and_deflection_resumes_after(
 
     cluster.start_redis()
     wait_until(lambda: dispatcher_health(cluster) == "ok")
-    time.sleep(0.5)  # publishers beat again
+    wait_until(lambda: cluster.nodes_unseen() == [])  # publishers beat again, the dispatcher sees them
     assert complete(cluster, short)[1]["x-kairos-route"] == "deflect"
 
 
@@ -111,7 +111,8 @@ def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
         engine = cluster.node(node_id).engine
         assert engine is not None
         engine.kill()
-    time.sleep(1.0)  # > the heartbeat TTL: no prefill node is registered any more
+    # Stale, or gone once their keys expire: either way the dispatcher has no prefill node to use.
+    wait_until(lambda: {"p0", "p1"} <= set(cluster.nodes_unseen()))
     prompt = text_of(tokenizer, 3000)
     seen = [complete(cluster, prompt, max_tokens=4)[1] for _ in range(6)]
     assert {(h["x-kairos-route"], h["x-kairos-reason"]) for h in seen} == {("deflect", "deflect_no_prefill_node")}
