@@ -22,11 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import percentiles_us, write_result
-from extproc.algorithm import DeciderConfig, decide
-from extproc.decision import Decision, Reason, Route
-from extproc.latency import load_profile
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from extproc.view import ClusterTracker
+from kairos.core.algorithm import DeciderConfig, decide
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import load_profile
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 
 
 def cluster(decode_nodes: int) -> ClusterView:

@@ -50,17 +50,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
+
 import redis  # noqa: E402
 from bench._common import percentiles_us, write_result  # noqa: E402
 from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, sequential  # noqa: E402
 from bench.noop_extproc import NOOP_ROUTE  # noqa: E402
-from extproc.openai_request import RequestLimits, parse_request  # noqa: E402
-from extproc.tokenizer import PromptTokenizer  # noqa: E402
-from kairos.contracts import REDIS_HEARTBEAT_CHANNEL  # noqa: E402
-from kairos.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
-from kairos.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
-from kairos.tinymodel import _COMMON_TEXT, build_tiny_model  # noqa: E402
-from nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
+from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
+from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
+from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL  # noqa: E402
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
+from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
+from kairos.launcher.tinymodel import _COMMON_TEXT, build_tiny_model  # noqa: E402
 
 HOST = "127.0.0.1"
 MODEL = "kairos-tiny-llama"
@@ -498,7 +499,7 @@ def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict
     group.start(
         ManagedProcess(
             "dispatcher",
-            [py, "-m", "extproc", "--host", HOST, "--port", str(disp_port), "--metrics-port", str(metrics_port),
+            [py, "-m", "kairos.extproc", "--host", HOST, "--port", str(disp_port), "--metrics-port", str(metrics_port),
              "--redis", redis_url, "--model-dir", str(model_dir), "--dispatcher-id", "bench", "--log-level", "INFO"],
             logs / "dispatcher.log",
             ready=http_ready(f"http://{HOST}:{metrics_port}/health"),

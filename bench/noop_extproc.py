@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from extproc.dispatcher import Routed
-from extproc.server import start_grpc_server
-from kairos import contracts as c
+from kairos.extproc.dispatcher import Routed
+from kairos.extproc.server import start_grpc_server
+
+from kairos.common import contracts as c
 
 NOOP_ROUTE = "noop"  # the x-kairos-route this server sets, so the upstream can tell who routed
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kairos.sim.simulator import Simulator
+from kairos.sim.workloads import make_workload
+
 from bench._common import write_result
-from extproc.latency import load_profile
-from extproc.policies import make_policy
-from sim.simulator import Simulator
-from sim.workloads import make_workload
+from kairos.core.latency import load_profile
+from kairos.core.policies import make_policy
 
 
 def main() -> int:

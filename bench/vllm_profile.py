@@ -41,20 +41,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kairos.sim.workloads import make_workload
+
 from bench._common import write_result
-from extproc.latency import load_profile, read_profile_text
-from kairos.local_cluster import LocalClusterConfig
-from kairos.replay import ReplayConfig, replay, summarize
-from kairos.tinymodel import build_tiny_model
-from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
-from sim.workloads import make_workload
+from kairos.core.latency import load_profile, read_profile_text
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.replay import ReplayConfig, replay, summarize
+from kairos.launcher.tinymodel import build_tiny_model
+from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
 MODEL_NAME = "kairos-tiny-llama"
 MAX_PROMPT = 3000  # the tiny model serves 4096; Bursty prompts are scaled by MAX_PROMPT / 32768
 
 
 def run_profile(args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "profiling", *args]
+    cmd = [sys.executable, "-m", "kairos.profiling", *args]
     print("$ kairos profile " + " ".join(args), flush=True)
     subprocess.run(cmd, check=True)
 

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kairos.envoy_config import EnvoySettings, render_envoy_config
-from kairos.local_cluster import LocalClusterConfig
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.local_cluster import LocalClusterConfig
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "envoy.yaml"

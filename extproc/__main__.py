@@ -1,5 +1,5 @@
 import sys
 
-from extproc.main import main
+from kairos.extproc.main import main
 
 sys.exit(main())

@@ -51,16 +51,13 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from kairos.extproc.feedback import TtftFeedback
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from extproc.decision import Decision
-from extproc.feedback import TtftFeedback
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from extproc.view import ClusterTracker
-from kairos.contracts import (
+from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
     REDIS_NODE_KEY,
@@ -69,7 +66,10 @@ from kairos.contracts import (
     REDIS_TTFT_FEEDBACK_STREAM,
     HeartbeatField,
 )
-from kairos.errors import ConfigError, NoHealthyNodeError
+from kairos.common.errors import ConfigError, NoHealthyNodeError
+from kairos.core.decision import Decision
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 
 log = logging.getLogger(__name__)
 

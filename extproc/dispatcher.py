@@ -19,15 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from extproc.decision import Decision, Route
-from extproc.metrics import DispatcherMetrics
-from extproc.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
-from extproc.policies import NoPrefillPoolPolicy, Policy
-from extproc.state import ClusterView
-from extproc.tokenizer import PromptTokenizer
-from kairos import contracts as c
-from kairos.errors import ConfigError, KairosError, NoHealthyNodeError
-from kairos.http_errors import error_json, error_status
+from kairos.extproc.metrics import DispatcherMetrics
+
+from kairos.api.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError, KairosError, NoHealthyNodeError
+from kairos.common.http_errors import error_json, error_status
+from kairos.core.decision import Decision, Route
+from kairos.core.policies import NoPrefillPoolPolicy, Policy
+from kairos.core.state import ClusterView
 
 log = logging.getLogger(__name__)
 

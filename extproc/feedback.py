@@ -23,8 +23,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
-from kairos.contracts import TtftFeedbackField
+from kairos.extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
+
+from kairos.common.contracts import TtftFeedbackField
 
 log = logging.getLogger(__name__)
 

@@ -16,24 +16,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
+from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
+from kairos.extproc.server import start_grpc_server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from extproc.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
-from extproc.cluster import ClusterViewConfig, RedisClusterView
-from extproc.dispatcher import Dispatcher, DispatchSettings, Policies
-from extproc.feedback import DEFAULT_WINDOW, TtftFeedback
-from extproc.latency import DEFAULT_PROFILE, LatencyModels, profile_path
-from extproc.metrics import ClusterCollector, DispatcherMetrics
-from extproc.openai_request import RequestLimits
-from extproc.policies import NoPrefillPoolPolicy, make_policy
-from extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
-from extproc.server import start_grpc_server
-from extproc.tokenizer import PromptTokenizer
-from extproc.view import ClusterTracker
-from kairos.config import load_config
-from kairos.errors import ConfigError, ProfileError
-from kairos.runtime import stop_on_signals
+from kairos.api.openai_request import RequestLimits
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError, ProfileError
+from kairos.common.runtime import stop_on_signals
+from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
+from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
+from kairos.core.policies import NoPrefillPoolPolicy, make_policy
+from kairos.core.view import ClusterTracker
 
 log = logging.getLogger("kairos.dispatcher")
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from extproc.latency import LatencyModels, parse_profile, profile_path, read_profile_text
-from extproc.metrics import DispatcherMetrics
-from kairos.errors import ProfileError
+from kairos.extproc.metrics import DispatcherMetrics
+
+from kairos.common.errors import ProfileError
+from kairos.core.latency import LatencyModels, parse_profile, profile_path, read_profile_text
 
 log = logging.getLogger(__name__)
 

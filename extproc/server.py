@@ -20,9 +20,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from kairos.extproc.dispatcher import Dispatcher, Rejected, Routed
 
-from extproc.dispatcher import Dispatcher, Rejected, Routed
-from kairos import contracts as c
+from kairos.common import contracts as c
 
 log = logging.getLogger(__name__)
 

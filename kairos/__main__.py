@@ -1,5 +1,5 @@
 import sys
 
-from kairos.cli import main
+from kairos.launcher.cli import main
 
 sys.exit(main())

@@ -44,15 +44,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kairos.config import load_config
-from kairos.contracts import (
+from kairos.common.config import load_config
+from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
     HeartbeatField,
 )
-from kairos.errors import ConfigError, KairosError
+from kairos.common.errors import ConfigError, KairosError
 
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import hdrs, web
+from kairos.nodeagent.heartbeat import redact_url
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from redis.asyncio.retry import Retry
@@ -50,12 +51,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from yarl import URL
 
-from kairos import contracts as c
-from kairos.config import load_config
-from kairos.errors import ConfigError, InvalidRequestError, KairosError
-from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
-from kairos.runtime import stop_on_signals
-from nodeagent.heartbeat import redact_url
+from kairos.common import contracts as c
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.common.runtime import stop_on_signals
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m profiling collect|fit|check ...``: the same subcommands as ``kairos profile``."""
+"""``python -m kairos.profiling collect|fit|check ...``: the same subcommands as ``kairos profile``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from profiling.cli import add_subcommands, run
+from kairos.profiling.cli import add_subcommands, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m profiling", description="Kairos profiling: collect | fit | check")
+    parser = argparse.ArgumentParser(
+        prog="python -m kairos.profiling", description="Kairos profiling: collect | fit | check"
+    )
     add_subcommands(parser)
     try:
         args = parser.parse_args(argv)

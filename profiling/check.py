@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from kairos.profiling.dataset import STEP_MODELS, mape, profile_predictions, split_by_model
+from kairos.profiling.records import load_runs, load_transfers
 
-from extproc.latency import LatencyModels
-from kairos import contracts as c
-from kairos.errors import ConfigError
-from profiling.dataset import STEP_MODELS, mape, profile_predictions, split_by_model
-from profiling.records import load_runs, load_transfers
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError
+from kairos.core.latency import LatencyModels
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from kairos.cli_types import floats, ints
-from kairos.errors import KairosError
+from kairos.common.cli_types import floats, ints
+from kairos.common.errors import KairosError
 
 
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
     """The three subcommands, on ``parser`` (the ``profile`` command, or ``python -m profiling``)."""
-    from profiling import plan as p  # constants only: cheap
+    from kairos.profiling import plan as p  # constants only: cheap
 
     sub = parser.add_subparsers(dest="profile_command", required=True)
 
@@ -103,8 +103,8 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    from profiling.collect import CollectConfig, run_collect
-    from profiling.plan import PlanConfig
+    from kairos.profiling.collect import CollectConfig, run_collect
+    from kairos.profiling.plan import PlanConfig
 
     plan = PlanConfig(
         role=args.role,
@@ -142,8 +142,9 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from extproc.latency import DEFAULT_PROFILE, load_profile
-    from profiling.fit import FitConfig, ProfileMeta, fit_profile, format_table, write_plots, write_profile
+    from kairos.profiling.fit import FitConfig, ProfileMeta, fit_profile, format_table, write_plots, write_profile
+
+    from kairos.core.latency import DEFAULT_PROFILE, load_profile
 
     cfg = FitConfig(
         positive=not args.allow_negative,
@@ -166,8 +167,9 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from extproc.latency import load_profile
-    from profiling.check import CheckConfig, check_profile, format_report, report_json
+    from kairos.profiling.check import CheckConfig, check_profile, format_report, report_json
+
+    from kairos.core.latency import load_profile
 
     report = check_profile(load_profile(args.profile), args.dirs, CheckConfig(args.threshold, args.min_samples))
     print(report_json(report) if args.json else format_report(report))

@@ -36,11 +36,11 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from kairos.profiling.plan import MicroPhase, Phase, PlanConfig, TracePhase, plan_phases
+from kairos.profiling.records import MANIFEST_FILE, RecordsError, file_sha256, parse_step
 
-from kairos import contracts as c
-from kairos.errors import ConfigError, KairosError
-from profiling.plan import MicroPhase, Phase, PlanConfig, TracePhase, plan_phases
-from profiling.records import MANIFEST_FILE, RecordsError, file_sha256, parse_step
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError, KairosError
 
 MANIFEST_VERSION = 1
 MIN_PHASE_S = 1.0  # wall seconds of budget below which no new phase starts

@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kairos.profiling import features
+from kairos.profiling.dataset import STEP_MODELS, Floats, Steps, mape, profile_predictions, split_by_model
+from kairos.profiling.records import MANIFEST_FILE, RunFile, TransferRecord, load_runs, load_transfers
 from sklearn.linear_model import LinearRegression
 from sklearn.model_selection import GroupKFold
 
-from extproc.latency import LatencyModels, LinearModel, TransferModel
-from kairos import contracts as c
-from kairos.errors import ProfileError
-from profiling import features
-from profiling.dataset import STEP_MODELS, Floats, Steps, mape, profile_predictions, split_by_model
-from profiling.records import MANIFEST_FILE, RunFile, TransferRecord, load_runs, load_transfers
+from kairos.common import contracts as c
+from kairos.common.errors import ProfileError
+from kairos.core.latency import LatencyModels, LinearModel, TransferModel
 
 MAPE_DEFINITION = (
     "held-out mean absolute percentage error (fraction) over whole steps, by run (GroupKFold); "

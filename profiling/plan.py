@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kairos.errors import ConfigError
-from sim.workloads import DEFAULT_MAX_CONTEXT, WORKLOAD_NAMES, make_workload
+from kairos.sim.workloads import DEFAULT_MAX_CONTEXT, WORKLOAD_NAMES, make_workload
+
+from kairos.common.errors import ConfigError
 
 DEFAULT_RATES = (1.0, 2.0, 4.0)
 DEFAULT_BATCH_SIZES = (4, 8, 16, 32)  # paper §3.2

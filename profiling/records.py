@@ -31,7 +31,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kairos.errors import KairosError
+from kairos.common.errors import KairosError
 
 MANIFEST_FILE = "manifest.json"
 TRANSFERS_FILE = "transfers.jsonl"  # KV transfers: {"tokens", "seconds"[, "bytes"]} per line

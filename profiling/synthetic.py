@@ -15,10 +15,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from extproc.latency import LatencyModels
-from profiling.plan import MicroPhase, Phase, TracePhase
-from profiling.records import MANIFEST_FILE
-from sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, StepTimer, model_step_time
+from kairos.profiling.plan import MicroPhase, Phase, TracePhase
+from kairos.profiling.records import MANIFEST_FILE
+from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, StepTimer, model_step_time
+
+from kairos.core.latency import LatencyModels
 
 # Virtual seconds a phase may run before it is cut (a plan that never drains is a bug).
 MAX_PHASE_S = 1e6

@@ -40,10 +40,12 @@ from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
+from kairos.sim.engine import Engine, EngineConfig, Role, model_step_time
+from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from extproc.latency import DEFAULT_PROFILE, LatencyModels, load_profile
-from extproc.openai_request import (
+from kairos.api.openai_request import (
     NotFoundError,
     ParsedRequest,
     PayloadTooLargeError,
@@ -51,17 +53,15 @@ from extproc.openai_request import (
     RequestLimits,
     parse_request,
 )
-from extproc.tokenizer import PromptTokenizer
-from kairos import contracts as c
-from kairos.config import load_config
-from kairos.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
-from kairos.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
-from kairos.runtime import stop_on_signals
-from sim.engine import Engine, EngineConfig, Role, model_step_time
-from sim.engine import Sequence as EngineSeq
-from sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import contracts as c
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
+from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.common.runtime import stop_on_signals
+from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 
-log = logging.getLogger("sim.emulated_vllm")
+log = logging.getLogger("kairos.sim.emulated_vllm")
 
 NODE_KEY = web.AppKey("node", "EmulatedNode")  # the application's EmulatedNode (tests reach into it)
 KV_PULL_PATH = "/kairos/kv/pull"

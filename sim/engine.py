@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from extproc.latency import LatencyModels, largest_chunk_within
+from kairos.core.latency import LatencyModels, largest_chunk_within
 
 
 class Role(StrEnum):

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from kairos.sim.engine import Sequence, StepPlan
+from kairos.sim.requests import RequestSpec
 
-from extproc.decision import Route
-from sim.engine import Sequence, StepPlan
-from sim.requests import RequestSpec
+from kairos.core.decision import Route
 
 
 @dataclass(slots=True, eq=False)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from sim.engine import Engine, Sequence, StepOutcome, StepPlan
+from kairos.sim.engine import Engine, Sequence, StepOutcome, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
+from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
+from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
+from kairos.sim.requests import RequestSpec
 
-from extproc.decision import Route
-from extproc.latency import LatencyModels
-from extproc.policies import Policy
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from extproc.view import ClusterTracker
-from sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
-from sim.engine import Sequence as EngineSeq
-from sim.metrics import RequestRecord, SimMetrics, summarize
-from sim.requests import RequestSpec
+from kairos.core.decision import Route
+from kairos.core.latency import LatencyModels
+from kairos.core.policies import Policy
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sim.requests import RequestSpec
+from kairos.sim.requests import RequestSpec
 
 __all__ = [
     "TRACE_FORMATS",

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
-
-from sim.requests import RequestSpec
+from kairos.sim.requests import RequestSpec
 
 __all__ = [
     "COMPLETION_P25",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.latency import LatencyModels
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from kairos import contracts as c
+from kairos.common import contracts as c
+from kairos.core.latency import LatencyModels
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 FAR_KNEE = 1_000_000.0  # tokens: never reached unless a test sets its own knee
 BIG_KV = 10_000_000  # tokens of KV capacity: never full unless a test says so

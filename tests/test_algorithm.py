@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from extproc import algorithm as alg
-from extproc.algorithm import (
+from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+from kairos.core import algorithm as alg
+from kairos.core.algorithm import (
     DeciderConfig,
     decide,
     decide_without_prefill_pool,
@@ -23,9 +24,8 @@ from extproc.algorithm import (
     prefill_queue_wait_s,
     prefill_ttft_s,
 )
-from extproc.decision import ChunkStep, Decision, Reason, Route
-from extproc.state import DecodeNodeState, PrefillNodeState
-from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+from kairos.core.decision import ChunkStep, Decision, Reason, Route
+from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
 
 # ---------------------------------------------------------------------------------------------

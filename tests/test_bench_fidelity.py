@@ -17,7 +17,7 @@ from bench.e2e_replay import (
     keep_parts_fidelity,
     scrape_keep_parts,
 )
-from kairos.replay import RequestResult
+from kairos.launcher.replay import RequestResult
 
 
 def served(request_id: str, route: str, node: str, ttft_s: float) -> RequestResult:

@@ -21,10 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry
-
-from extproc.algorithm import DeciderConfig, can_take_deflection, is_fresh
-from extproc.cluster import (
+from kairos.extproc.cluster import (
     ClusterViewConfig,
     MalformedHeartbeat,
     NodeAddress,
@@ -33,19 +30,22 @@ from extproc.cluster import (
     parse_heartbeat,
     redis_error_counter,
 )
-from extproc.decision import Decision, Reason, Route
-from extproc.feedback import TtftFeedback
-from extproc.metrics import DispatcherMetrics
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from extproc.view import ClusterTracker
-from kairos.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
-from kairos.errors import ConfigError, NoHealthyNodeError
-from nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
+from kairos.extproc.feedback import TtftFeedback
+from kairos.extproc.metrics import DispatcherMetrics
+from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
+from prometheus_client import CollectorRegistry
+
+from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
+from kairos.common.errors import ConfigError, NoHealthyNodeError
+from kairos.core.algorithm import DeciderConfig, can_take_deflection, is_fresh
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 from tests.redis_server import RedisServer
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
-LOGGER = "extproc.cluster"
+LOGGER = "kairos.extproc.cluster"
 ERRORS = "kairos_dispatcher_redis_errors_total"
 
 
@@ -828,7 +828,7 @@ async def test_a_reservation_fails_closed_when_redis_is_down(
 WORKER = r"""
 import asyncio, json, random, sys, time
 from prometheus_client import CollectorRegistry
-from extproc.cluster import ClusterViewConfig, RedisClusterView
+from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 
 async def main(url, owner, seed, ttl, race_s):
     view = RedisClusterView(ClusterViewConfig(redis_url=url, reservation_ttl_s=ttl), registry=CollectorRegistry())

@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from kairos.extproc.main import DispatcherConfig
 
-from extproc.main import DispatcherConfig
-from kairos.envoy_config import EnvoySettings, render_envoy_config
-from kairos.errors import ConfigError
-from kairos.local_cluster import LocalClusterConfig
+from kairos.common.errors import ConfigError
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.local_cluster import LocalClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = ROOT / "compose"

@@ -24,13 +24,13 @@ from typing import Any
 
 import pytest
 import yaml
+from kairos.extproc.main import DispatcherConfig
+from kairos.nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
 
-from extproc.main import DispatcherConfig
-from kairos.config import load_config
-from kairos.local_cluster import LocalClusterConfig
-from kairos.vllm_cluster import default_vllm_python
-from kairos.vllm_node import KV_TRANSFER_CONFIG, SCHEDULER_CLS, VllmNodeSpec
-from nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
+from kairos.common.config import load_config
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.vllm_cluster import default_vllm_python
+from kairos.launcher.vllm_node import KV_TRANSFER_CONFIG, SCHEDULER_CLS, VllmNodeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = ROOT / "compose"

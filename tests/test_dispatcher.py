@@ -24,25 +24,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kairos.extproc.dispatcher as dispatcher_module
 import pytest
+from kairos.extproc.cluster import NodeAddress
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
+from kairos.extproc.metrics import DispatcherMetrics
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, normalizers
 
-import extproc.dispatcher as dispatcher_module
-from extproc.algorithm import DeciderConfig
-from extproc.cluster import NodeAddress
-from extproc.decision import Decision, Reason, Route
-from extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
-from extproc.latency import LatencyModels, load_profile
-from extproc.metrics import DispatcherMetrics
-from extproc.openai_request import ParsedRequest, RequestLimits
-from extproc.policies import NoPrefillPoolPolicy, Policy, make_policy
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from extproc.tokenizer import PromptTokenizer
-from extproc.view import ClusterTracker
-from kairos import contracts as c
-from kairos.http_errors import INTERNAL_MESSAGE
-from kairos.tinymodel import build_tiny_model
+from kairos.api.openai_request import ParsedRequest, RequestLimits
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import contracts as c
+from kairos.common.http_errors import INTERNAL_MESSAGE
+from kairos.core.algorithm import DeciderConfig
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import LatencyModels, load_profile
+from kairos.core.policies import NoPrefillPoolPolicy, Policy, make_policy
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
+from kairos.launcher.tinymodel import build_tiny_model
 
 NOW = 100.0
 OWNER = "dispatcher-under-test"
@@ -667,7 +667,7 @@ async def test_pass_through_goes_to_decode_sidecars_round_robin(
 
 async def test_a_bug_in_the_policy_is_a_generic_500(harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h = harness(make_cluster(), policy=ExplodingPolicy())
-    with caplog.at_level("ERROR", logger="extproc.dispatcher"):
+    with caplog.at_level("ERROR", logger="kairos.extproc.dispatcher"):
         rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(100))
 
     assert isinstance(rejected, Rejected), rejected

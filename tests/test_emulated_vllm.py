@@ -19,15 +19,15 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
+from kairos.sim.engine import Engine, EngineConfig, Role
+from kairos.sim.engine import Sequence as Seq
+from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
 
-from extproc.tokenizer import PromptTokenizer
-from kairos.config import load_config
-from kairos.errors import ConfigError
-from kairos.tinymodel import build_tiny_model
-from sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
-from sim.engine import Engine, EngineConfig, Role
-from sim.engine import Sequence as Seq
-from sim.realtime import EngineStoppedError, RealtimeEngine
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError
+from kairos.launcher.tinymodel import build_tiny_model
 
 MODEL = "tiny-llama"
 SCALE = 20.0  # model seconds per wall second: a ~50 ms decode step takes ~2.5 ms
@@ -608,7 +608,7 @@ async def test_cli_listens_and_stops_on_sigterm(model_dir: Path, http: aiohttp.C
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "sim.emulated_vllm",
+        "kairos.sim.emulated_vllm",
         "--node-id",
         "c0",
         "--role",

@@ -7,11 +7,11 @@ import logging
 from typing import Any
 
 import pytest
+from kairos.extproc.feedback import MalformedFeedback, TtftFeedback, parse_entry
+from kairos.extproc.metrics import DispatcherMetrics
 from prometheus_client import CollectorRegistry
 
-from extproc.feedback import MalformedFeedback, TtftFeedback, parse_entry
-from extproc.metrics import DispatcherMetrics
-from kairos.contracts import TtftFeedbackField as F
+from kairos.common.contracts import TtftFeedbackField as F
 
 RATIO = "kairos_dispatcher_ttft_observed_over_predicted"
 MAPE = "kairos_dispatcher_ttft_prediction_mape"
@@ -90,7 +90,7 @@ def test_malformed_entries_are_counted_and_logged_once(
     metrics: DispatcherMetrics, caplog: pytest.LogCaptureFixture
 ) -> None:
     fb = TtftFeedback(metrics, window=10)
-    with caplog.at_level(logging.WARNING, logger="extproc.feedback"):
+    with caplog.at_level(logging.WARNING, logger="kairos.extproc.feedback"):
         accepted = fb.add_entries(
             [(b"1-0", entry(path="?")), (b"2-0", entry("keep", 100, 100)), (b"3-0", entry(observed_ms="x"))]
         )

@@ -20,10 +20,7 @@ from typing import Any, TypeVar
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
-
-from kairos.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField
-from kairos.errors import ConfigError
-from nodeagent.heartbeat import (
+from kairos.nodeagent.heartbeat import (
     EngineState,
     EngineStateError,
     HeartbeatPublisher,
@@ -33,11 +30,14 @@ from nodeagent.heartbeat import (
     main,
     state_endpoint,
 )
+
+from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField
+from kairos.common.errors import ConfigError
 from tests.redis_server import RedisServer, free_port
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
-LOGGER = "nodeagent.heartbeat"
+LOGGER = "kairos.nodeagent.heartbeat"
 
 STATE = EngineState(
     decode_tokens=12,
@@ -468,7 +468,7 @@ async def test_cli_publishes_until_sigterm_then_exits_cleanly_and_deregisters(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "nodeagent.heartbeat",
+        "kairos.nodeagent.heartbeat",
         "--node-id",
         "d7",
         "--role",

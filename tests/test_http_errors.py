@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.openai_request import NotFoundError, PayloadTooLargeError, RequestError
-from extproc.tokenizer import ChatTemplateError, NoChatTemplateError
-from kairos.errors import (
+from kairos.api.openai_request import NotFoundError, PayloadTooLargeError, RequestError
+from kairos.api.tokenizer import ChatTemplateError, NoChatTemplateError
+from kairos.common.errors import (
     ConfigError,
     InvalidRequestError,
     KairosError,
@@ -17,7 +17,7 @@ from kairos.errors import (
     ProfileError,
     UnknownPolicyError,
 )
-from kairos.http_errors import (
+from kairos.common.http_errors import (
     ERROR_TABLE,
     INTERNAL_MESSAGE,
     UpstreamError,

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from extproc.latency import DEFAULT_PROFILE, LatencyModels, load_profile
-from kairos import contracts as c
-from kairos.errors import ProfileError
+from kairos.common import contracts as c
+from kairos.common.errors import ProfileError
+from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 from tests.builders import make_models, models_dict
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kairos.errors import ConfigError
-from kairos.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
+from kairos.common.errors import ConfigError
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
 
 
 @pytest.mark.parametrize(("given", "level"), [("debug", "DEBUG"), ("Warning", "WARNING"), ("INFO", "INFO")])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kairos.extproc.metrics import ClusterCollector
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.metrics import ClusterCollector
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 
 @dataclass

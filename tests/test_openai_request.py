@@ -11,18 +11,18 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from extproc.openai_request import (
+from kairos.api.openai_request import (
     NotFoundError,
     ParsedRequest,
     PayloadTooLargeError,
     RequestLimits,
     parse_request,
 )
-from extproc.tokenizer import PromptTokenizer
-from kairos.config import load_config
-from kairos.errors import ConfigError, InvalidRequestError, KairosError
-from kairos.http_errors import error_body, error_status
-from kairos.tinymodel import build_tiny_model
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.common.http_errors import error_body, error_status
+from kairos.launcher.tinymodel import build_tiny_model
 
 LIMITS = RequestLimits()
 CHAT = "/v1/chat/completions"

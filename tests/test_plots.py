@@ -8,8 +8,7 @@ from typing import Any
 
 import matplotlib.image as mpimg
 import pytest
-
-from sim.plots import format_table, write_plots
+from kairos.sim.plots import format_table, write_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MULTI_RATE_FILES = {"fig4_ttft_tbt.png", "fig5_throughput.png", "fig6_attainment_deflections.png", "ttft_breakdown.png"}

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.algorithm import DeciderConfig, decide
-from extproc.decision import Reason, Route
-from extproc.policies import KairosPolicy, PDPolicy, StaticPolicy, make_policy, parse_policy_spec
-from extproc.state import DecodeNodeState, PrefillNodeState
-from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError, UnknownPolicyError
+from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError, UnknownPolicyError
+from kairos.core.algorithm import DeciderConfig, decide
+from kairos.core.decision import Reason, Route
+from kairos.core.policies import KairosPolicy, PDPolicy, StaticPolicy, make_policy, parse_policy_spec
+from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
 
 FLAT = flat_models()

@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kairos.extproc.main import DispatcherConfig, _on_sighup, build_parser
+from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
 from prometheus_client import CollectorRegistry
 
-from extproc.latency import DEFAULT_PROFILE, load_profile, profile_path
-from extproc.main import DispatcherConfig, _on_sighup, build_parser
-from extproc.metrics import DispatcherMetrics
-from extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
-from kairos import contracts as c
-from kairos.config import load_config
-from kairos.errors import ConfigError, ProfileError
+from kairos.common import contracts as c
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError, ProfileError
+from kairos.core.latency import DEFAULT_PROFILE, load_profile, profile_path
 
 RELOADS = "kairos_dispatcher_profile_reloads_total"
 INFO = "kairos_dispatcher_profile_info"
@@ -155,7 +155,7 @@ async def test_a_bad_file_is_logged_counted_once_and_the_old_models_stay(
 ) -> None:
     before = rig.info()
     rig.path.write_bytes(make(profile_doc("bad")))  # in place, not atomic
-    with caplog.at_level(logging.ERROR, logger="extproc.profile_watch"):
+    with caplog.at_level(logging.ERROR, logger="kairos.extproc.profile_watch"):
         assert await rig.watcher.check() == "error"
         assert await rig.watcher.check() == "unchanged"  # the same bad version: not re-counted
     assert rig.applied == [] and rig.watcher.current.models.name == "v1"

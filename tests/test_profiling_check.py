@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kairos.profiling.__main__ import main
+from kairos.profiling.check import CheckConfig, check_profile, format_report
+from kairos.profiling.fit import write_profile
+from kairos.profiling.plan import PlanConfig, plan_phases
+from kairos.profiling.synthetic import write_runs
 
-from extproc.latency import LatencyModels, load_profile
-from kairos import contracts as c
-from kairos.errors import ConfigError
-from profiling.__main__ import main
-from profiling.check import CheckConfig, check_profile, format_report
-from profiling.fit import write_profile
-from profiling.plan import PlanConfig, plan_phases
-from profiling.synthetic import write_runs
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError
+from kairos.core.latency import LatencyModels, load_profile
 
 TRUTH = load_profile()
 
@@ -108,10 +108,10 @@ def test_cli_exit_codes_and_json(tmp_path: Path, fresh: list[Path], capsys: pyte
 
 
 def test_profile_command_registers_on_the_kairos_parser(fresh: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
-    """What kairos/cli.py does with add_profile_parser: `kairos profile check ...` runs."""
+    """What kairos/launcher/cli.py does with add_profile_parser: `kairos profile check ...` runs."""
     import argparse
 
-    from profiling.cli import add_profile_parser
+    from kairos.profiling.cli import add_profile_parser
 
     parser = argparse.ArgumentParser(prog="kairos")
     add_profile_parser(parser.add_subparsers(dest="command", required=True))

@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
+from kairos.profiling.__main__ import main
+from kairos.profiling.collect import CollectConfig, CollectError, FileSteps, collect
+from kairos.profiling.dataset import profile_predictions, split_by_model
+from kairos.profiling.plan import PlanConfig
+from kairos.profiling.records import MANIFEST_FILE, StepKind, file_sha256, load_runs
 
-from extproc.latency import load_profile
-from kairos import contracts as c
-from kairos.processes import ManagedProcess, free_port, http_ready
-from kairos.tinymodel import build_tiny_model
-from profiling.__main__ import main
-from profiling.collect import CollectConfig, CollectError, FileSteps, collect
-from profiling.dataset import profile_predictions, split_by_model
-from profiling.plan import PlanConfig
-from profiling.records import MANIFEST_FILE, StepKind, file_sha256, load_runs
+from kairos.common import contracts as c
+from kairos.core.latency import load_profile
+from kairos.launcher.processes import ManagedProcess, free_port, http_ready
+from kairos.launcher.tinymodel import build_tiny_model
 
 TIME_SCALE = 100.0
 TRUTH = load_profile()  # the emulated node's default profile
@@ -34,7 +34,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     proc = ManagedProcess(
         "d0-emulated",
-        [sys.executable, "-m", "sim.emulated_vllm", "--node-id", "d0", "--role", "decode", "--port", str(port),
+        [sys.executable, "-m", "kairos.sim.emulated_vllm", "--node-id", "d0", "--role", "decode", "--port", str(port),
          "--model-dir", str(model_dir), "--model", "tiny", "--time-scale", str(TIME_SCALE), "--log-level", "WARNING"],
         work / "d0.log",
         ready=http_ready(f"http://127.0.0.1:{port}/health"),

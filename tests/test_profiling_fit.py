@@ -9,17 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kairos.profiling import features
+from kairos.profiling.__main__ import main
+from kairos.profiling.dataset import profile_predictions
+from kairos.profiling.fit import FitConfig, FitResult, ProfileMeta, fit_profile, format_table, write_profile
+from kairos.profiling.plan import PlanConfig, plan_phases
+from kairos.profiling.records import StepKind, StepRecord
+from kairos.profiling.synthetic import write_runs
+from kairos.sim.engine import Role, StepPlan, model_step_time
 
-from extproc.latency import LatencyModels, load_profile
-from kairos import contracts as c
-from profiling import features
-from profiling.__main__ import main
-from profiling.dataset import profile_predictions
-from profiling.fit import FitConfig, FitResult, ProfileMeta, fit_profile, format_table, write_profile
-from profiling.plan import PlanConfig, plan_phases
-from profiling.records import StepKind, StepRecord
-from profiling.synthetic import write_runs
-from sim.engine import Role, StepPlan, model_step_time
+from kairos.common import contracts as c
+from kairos.core.latency import LatencyModels, load_profile
 from tests.builders import make_models
 
 TRUTH = load_profile()  # the packaged A100 profile: every coefficient non-zero, knees at 1600
@@ -219,7 +219,7 @@ def test_transfer_model_is_fitted_from_transfer_records(tmp_path: Path) -> None:
 
 
 def test_fit_config_is_checked() -> None:
-    from kairos.errors import ProfileError
+    from kairos.common.errors import ProfileError
 
     with pytest.raises(ProfileError, match="knee_step=0"):
         FitConfig(knee_step=0)

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from profiling.records import (
+from kairos.profiling.records import (
     MANIFEST_FILE,
     RecordsError,
     StepKind,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kairos.errors import ConfigError
-from kairos.local_cluster import LocalClusterConfig
-from kairos.remote_nodes import RemoteNode, RemoteNodesCluster, load_nodes
+from kairos.common.errors import ConfigError
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.remote_nodes import RemoteNode, RemoteNodesCluster, load_nodes
 
 GOOD = """
 prefill:

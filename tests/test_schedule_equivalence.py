@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from extproc.algorithm import DEFAULT_CHUNK_CANDIDATES, expand_runs, greedy_schedule
-from extproc.latency import LatencyModels, load_profile
+from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, expand_runs, greedy_schedule
+from kairos.core.latency import LatencyModels, load_profile
 
 MODELS = load_profile()
 

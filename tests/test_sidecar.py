@@ -17,14 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import kairos.nodeagent.sidecar as sidecar_module
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+from kairos.nodeagent.sidecar import (
+    HOP1_KV_TRANSFER_PARAMS,
+    SidecarConfig,
+    SidecarMetrics,
+    TtftFeedbackPublisher,
+    build_app,
+)
 
-import nodeagent.sidecar as sidecar_module
-from kairos import contracts as c
-from kairos.errors import ConfigError
-from nodeagent.sidecar import HOP1_KV_TRANSFER_PARAMS, SidecarConfig, SidecarMetrics, TtftFeedbackPublisher, build_app
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -727,7 +733,7 @@ async def test_redis_down_is_counted_logged_once_and_recovers(
     # The first sample after the restart must get through: a busy CI machine once took longer
     # than the default 0.25 s bound to connect, and that sample was (rightly) lost.
     monkeypatch.setattr(sidecar_module, "_FEEDBACK_TIMEOUT_S", 5.0)
-    caplog.set_level(logging.INFO, logger="nodeagent.sidecar")
+    caplog.set_level(logging.INFO, logger="kairos.nodeagent.sidecar")
     server = RedisServer()  # its port; not started yet: Redis is down
     try:
         url = await rig.start_sidecar(redis_url=server.url)
@@ -802,7 +808,7 @@ def test_cli_listens_and_stops_cleanly_on_sigterm() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "nodeagent.sidecar",
+        "kairos.nodeagent.sidecar",
         "--port",
         "0",
         "--local-vllm",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kairos.sim.requests import RequestSpec
+from kairos.sim.simulator import ClusterConfig, Simulator
+from kairos.sim.workloads import make_workload
 
-from extproc.latency import load_profile
-from extproc.policies import make_policy
-from sim.requests import RequestSpec
-from sim.simulator import ClusterConfig, Simulator
-from sim.workloads import make_workload
+from kairos.core.latency import load_profile
+from kairos.core.policies import make_policy
 
 MODELS = load_profile()
 

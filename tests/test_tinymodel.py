@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from kairos.tinymodel import CHAT_TEMPLATE, MODEL_FILES, STAMP_FILE, _stamp_matches, build_tiny_model, main
+from kairos.launcher.tinymodel import CHAT_TEMPLATE, MODEL_FILES, STAMP_FILE, _stamp_matches, build_tiny_model, main
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +115,7 @@ def test_cli_prints_the_path(model_dir: Path, capsys: pytest.CaptureFixture[str]
 
 def test_module_entry_point(model_dir: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kairos.tinymodel", str(model_dir)],
+        [sys.executable, "-m", "kairos.launcher.tinymodel", str(model_dir)],
         capture_output=True,
         text=True,
         check=True,

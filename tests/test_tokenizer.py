@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-import extproc.tokenizer as tokenizer_module
-from extproc.tokenizer import (
+import kairos.api.tokenizer as tokenizer_module
+from kairos.api.tokenizer import (
     _BYTE_LEVEL_ASCII,
     _GPT2_ASCII,
     _LLAMA3_SPLIT,
@@ -32,8 +32,8 @@ from extproc.tokenizer import (
     _islands,
     detect_content_format,
 )
-from kairos.errors import ConfigError, InvalidRequestError
-from kairos.tinymodel import CHAT_TEMPLATE, build_tiny_model
+from kairos.common.errors import ConfigError, InvalidRequestError
+from kairos.launcher.tinymodel import CHAT_TEMPLATE, build_tiny_model
 
 # A Llama-3-style template: content used as a string, never iterated (vLLM's "string" format).
 STRING_TEMPLATE = (

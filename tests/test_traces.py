@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from sim.requests import RequestSpec
-from sim.traces import (
+from kairos.sim.requests import RequestSpec
+from kairos.sim.traces import (
     TraceError,
     load_trace,
     read_azure_csv,
@@ -19,7 +18,7 @@ from sim.traces import (
     truncate,
     write_jsonl,
 )
-from sim.workloads import make_workload
+from kairos.sim.workloads import make_workload
 
 AZURE_CSV = """\
 TIMESTAMP,ContextTokens,GeneratedTokens

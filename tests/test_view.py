@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.algorithm import DeciderConfig, decide
-from extproc.decision import Decision, Reason, Route
-from extproc.policies import PDPolicy
-from extproc.state import ClusterView
-from extproc.view import ClusterTracker
+from kairos.core.algorithm import DeciderConfig, decide
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.policies import PDPolicy
+from kairos.core.state import ClusterView
+from kairos.core.view import ClusterTracker
 from tests.builders import decode_node, flat_models, prefill_node
 
 

@@ -7,9 +7,8 @@ import re
 
 import numpy as np
 import pytest
-
-from sim.requests import RequestSpec
-from sim.workloads import (
+from kairos.sim.requests import RequestSpec
+from kairos.sim.workloads import (
     COMPLETION_P25,
     COMPLETION_P90,
     PROMPT_P25,

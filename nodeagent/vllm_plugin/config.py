@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kairos.config import load_config
-from kairos.errors import ConfigError
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError
 
 ENV_PREFIX = "KAIROS_VLLM_"
 CONFIG_FILE_ENV = "KAIROS_VLLM_CONFIG"

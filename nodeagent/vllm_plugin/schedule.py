@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kairos import contracts as c
+from kairos.common import contracts as c
 
 SCHEDULE_PARAM = f"vllm_xargs.{c.XARG_CHUNK_SCHEDULE}"
 BUDGET_PARAM = f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}"

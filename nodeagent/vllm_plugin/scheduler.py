@@ -32,16 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kairos.nodeagent.vllm_plugin.config import PluginConfig
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
+from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
+from kairos.nodeagent.vllm_plugin.state_server import StateServer
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from extproc.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
-from kairos.errors import KairosError
-from nodeagent.vllm_plugin.config import PluginConfig
-from nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
-from nodeagent.vllm_plugin.recorder import StepRecorder
-from nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
-from nodeagent.vllm_plugin.state_server import StateServer
+from kairos.common.errors import KairosError
+from kairos.core.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
 
 log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
 

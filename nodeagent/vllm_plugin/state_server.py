@@ -15,7 +15,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from nodeagent.vllm_plugin.recorder import StepRecorder
+from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 
 log = logging.getLogger(__name__)
 

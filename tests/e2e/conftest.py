@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from extproc.tokenizer import PromptTokenizer
-from kairos.local_cluster import LocalCluster, LocalClusterConfig
-from kairos.tinymodel import build_tiny_model
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.tinymodel import build_tiny_model
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly".split()  # noqa: SIM905
 

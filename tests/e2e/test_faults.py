@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.tokenizer import PromptTokenizer
-from kairos.local_cluster import LocalCluster
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.launcher.local_cluster import LocalCluster
 from tests.e2e.conftest import http, post_json, start_cluster, text_of
 
 MODEL = "kairos-tiny-llama"

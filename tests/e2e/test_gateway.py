@@ -12,8 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from extproc.tokenizer import PromptTokenizer
-from kairos.local_cluster import LocalCluster
+from kairos.api.tokenizer import PromptTokenizer
+from kairos.launcher.local_cluster import LocalCluster
 from tests.e2e.conftest import http, post_json, steps_of, text_of
 
 MODEL = "kairos-tiny-llama"

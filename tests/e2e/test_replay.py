@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kairos.cli import main as kairos_main
-from kairos.replay import ReplayConfig, replay, summarize
-from sim.requests import RequestSpec
-from sim.traces import write_jsonl
-from sim.workloads import make_workload
+from kairos.sim.requests import RequestSpec
+from kairos.sim.traces import write_jsonl
+from kairos.sim.workloads import make_workload
+
+from kairos.launcher.cli import main as kairos_main
+from kairos.launcher.replay import ReplayConfig, replay, summarize
 from tests.e2e.conftest import start_cluster
 
 TIME_SCALE = 2.0
@@ -102,7 +103,7 @@ def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model
 
 
 def test_replay_reports_unreachable_gateway_as_errors_within_the_deadline() -> None:
-    from kairos.processes import free_port
+    from kairos.launcher.processes import free_port
 
     trace = _small_trace(3)
     config = ReplayConfig(url=f"http://127.0.0.1:{free_port()}", request_timeout_s=2.0, deadline_s=10.0)

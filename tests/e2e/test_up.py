@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kairos.local_cluster import LocalCluster, LocalClusterConfig
-from kairos.processes import free_port
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.processes import free_port
 
 
 def _processes() -> list[str]:
@@ -48,7 +48,7 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
     port = free_port()
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.cli", "--log-level", "debug", "up", "--port", str(port),
+        [sys.executable, "-m", "kairos.launcher.cli", "--log-level", "debug", "up", "--port", str(port),
          "--workdir", str(workdir), "--model-dir", str(model_dir), "--time-scale", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,  # its own process group, as a shell job has
@@ -114,7 +114,7 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         )
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.cli", "up", "--nodes", str(nodes_file), "--port", str(port),
+        [sys.executable, "-m", "kairos.launcher.cli", "up", "--nodes", str(nodes_file), "--port", str(port),
          "--redis-port", str(redis_port), "--workdir", str(tmp_path / "up"), "--model-dir", str(model_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kairos.local_cluster import LocalClusterConfig
-from kairos.processes import ProcessError
-from kairos.tinymodel import build_tiny_model
-from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.processes import ProcessError
+from kairos.launcher.tinymodel import build_tiny_model
+from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 from tests import timings
 from tests.e2e.conftest import post_json
 

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEDULER_CLS = "nodeagent.vllm_plugin.scheduler.KairosScheduler"
+SCHEDULER_CLS = "kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler"
 # A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
 # node compute the prompt itself: the request is served late instead of failed with a 500.
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}

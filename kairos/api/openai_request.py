@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from extproc.tokenizer import PromptTokenizer, json_type, text_part_key
-from kairos.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
+from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"

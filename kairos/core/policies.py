@@ -11,11 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc import algorithm as alg
-from extproc.decision import Decision, Reason, Route
-from extproc.latency import LatencyModels
-from extproc.state import ClusterView
-from kairos.errors import UnknownPolicyError
+from kairos.common.errors import UnknownPolicyError
+from kairos.core import algorithm as alg
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import LatencyModels
+from kairos.core.state import ClusterView
 
 
 class Policy(Protocol):

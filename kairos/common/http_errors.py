@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from kairos.errors import KairosError
+from kairos.common.errors import KairosError
 
 
 class UpstreamError(KairosError):

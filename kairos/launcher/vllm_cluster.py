@@ -13,10 +13,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kairos.errors import ConfigError
-from kairos.local_cluster import LOOPBACK, LocalCluster, NodeProcs
-from kairos.processes import ManagedProcess, free_port, http_ready
-from kairos.vllm_node import VllmNodeSpec
+from kairos.common.errors import ConfigError
+from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
+from kairos.launcher.processes import ManagedProcess, free_port, http_ready
+from kairos.launcher.vllm_node import VllmNodeSpec
 
 DEFAULT_VLLM_VENV = ".venv-vllm"  # what scripts/vllm_env.sh builds
 
@@ -45,7 +45,7 @@ def default_vllm_python(repo: Path | None = None) -> str:
     env = os.environ.get("KAIROS_VLLM_PYTHON")
     if env:
         return env
-    root = repo or Path(__file__).resolve().parent.parent
+    root = repo or Path(__file__).resolve().parents[2]
     return str(root / DEFAULT_VLLM_VENV / "bin" / "python")
 
 

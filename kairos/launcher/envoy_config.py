@@ -7,9 +7,9 @@ from pathlib import Path
 
 import jinja2
 
-from kairos.errors import ConfigError
+from kairos.common.errors import ConfigError
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml.j2"
 # How Envoy finds its upstreams: STATIC takes IP addresses as they are (kairos up, loopback);
 # STRICT_DNS resolves host names and keeps re-resolving them (docker compose service names).
 CLUSTER_TYPES = ("STATIC", "STRICT_DNS")

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kairos import replay, up
-from kairos.cli_types import floats, ints
-from kairos.config import load_config
-from kairos.errors import KairosError
-from kairos.local_cluster import LOG_LEVELS
-from profiling.cli import add_profile_parser
+from kairos.common.cli_types import floats, ints
+from kairos.common.config import load_config
+from kairos.common.errors import KairosError
+from kairos.launcher import replay, up
+from kairos.launcher.local_cluster import LOG_LEVELS
+from kairos.profiling.cli import add_profile_parser
 
 
 def _add_sim(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +53,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from sim.experiment import SimSettings, print_progress, run_sweep
-    from sim.plots import format_table, write_plots
+    from kairos.sim.experiment import SimSettings, print_progress, run_sweep
+    from kairos.sim.plots import format_table, write_plots
 
     overrides: dict[str, Any] = {
         "workload": args.workload,
@@ -110,11 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMPONENTS = (
-    ("dispatcher", "extproc.main", "run the dispatcher (Envoy ext_proc service)"),
-    ("sidecar", "nodeagent.sidecar", "run a decode-node sidecar"),
-    ("heartbeat", "nodeagent.heartbeat", "run a node's heartbeat publisher"),
-    ("emulated-node", "sim.emulated_vllm", "run an emulated vLLM node"),
-    ("tiny-model", "kairos.tinymodel", "build the tiny Llama model directory"),
+    ("dispatcher", "kairos.extproc.main", "run the dispatcher (Envoy ext_proc service)"),
+    ("sidecar", "kairos.nodeagent.sidecar", "run a decode-node sidecar"),
+    ("heartbeat", "kairos.nodeagent.heartbeat", "run a node's heartbeat publisher"),
+    ("emulated-node", "kairos.sim.emulated_vllm", "run an emulated vLLM node"),
+    ("tiny-model", "kairos.launcher.tinymodel", "build the tiny Llama model directory"),
 )
 
 

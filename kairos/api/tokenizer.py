@@ -71,7 +71,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer, models
 
-from kairos.errors import ConfigError, InvalidRequestError
+from kairos.common.errors import ConfigError, InvalidRequestError
 
 ContentFormat = Literal["string", "openai"]
 ContentFormatOption = Literal["auto", "string", "openai"]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kairos.errors import KairosError
+from kairos.common.errors import KairosError
 
 
 class ProcessError(KairosError):

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from extproc.decision import Decision, Route
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.decision import Decision, Route
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from kairos.errors import ConfigError
-from kairos.local_cluster import LocalCluster, NodeProcs
+from kairos.common.errors import ConfigError
+from kairos.launcher.local_cluster import LocalCluster, NodeProcs
 
 log = logging.getLogger(__name__)
 

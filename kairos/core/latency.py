@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kairos import contracts as c
-from kairos.errors import ProfileError
+from kairos.common import contracts as c
+from kairos.common.errors import ProfileError
 
 DEFAULT_PROFILE = "deepseek-v2-lite-a100"
 
@@ -270,9 +270,10 @@ def read_profile_text(name_or_path: str | Path = DEFAULT_PROFILE) -> tuple[str, 
             raise ProfileError(f"profile file {path} does not exist")
         text, source = path.read_text(), str(path)
     else:
-        packaged = resources.files("extproc") / "profiles" / f"{name_or_path}.json"
+        profiles = resources.files("kairos.core") / "profiles"
+        packaged = profiles / f"{name_or_path}.json"
         if not packaged.is_file():
-            known = sorted(p.name.removesuffix(".json") for p in (resources.files("extproc") / "profiles").iterdir())
+            known = sorted(p.name.removesuffix(".json") for p in profiles.iterdir())
             raise ProfileError(f"unknown profile {str(name_or_path)!r}; packaged profiles: {known}")
         text, source = packaged.read_text(), f"packaged:{name_or_path}"
     return text, source

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from kairos.errors import ConfigError
+from kairos.common.errors import ConfigError
 
 T = TypeVar("T")
 

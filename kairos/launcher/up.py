@@ -11,12 +11,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kairos.config import load_config
-from kairos.errors import KairosError
-from kairos.local_cluster import LocalCluster, LocalClusterConfig
-from kairos.processes import ProcessError
-from kairos.remote_nodes import RemoteNodesCluster, load_nodes
-from kairos.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
+from kairos.common.config import load_config
+from kairos.common.errors import KairosError
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.processes import ProcessError
+from kairos.launcher.remote_nodes import RemoteNodesCluster, load_nodes
+from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -11,10 +11,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from extproc.decision import Decision, Reason, Route
-from extproc.latency import LatencyModels
-from extproc.state import ClusterView, DecodeNodeState, PrefillNodeState
-from kairos.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import LatencyModels
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 DEFAULT_CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)
 

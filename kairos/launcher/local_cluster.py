@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kairos.envoy_config import EnvoySettings, render_envoy_config
-from kairos.errors import ConfigError
-from kairos.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
+from kairos.common.errors import ConfigError
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
 
 LOOPBACK = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
@@ -147,7 +147,7 @@ class LocalCluster:
         return nodes + [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
 
     def _build_model(self) -> Path:
-        from kairos.tinymodel import build_tiny_model
+        from kairos.launcher.tinymodel import build_tiny_model
 
         return build_tiny_model(self.workdir / "model")
 
@@ -192,7 +192,7 @@ class LocalCluster:
         return ManagedProcess(
             f"{node.node_id}-vllm",
             self._py(
-                "sim.emulated_vllm",
+                "kairos.sim.emulated_vllm",
                 "--node-id",
                 node.node_id,
                 "--role",
@@ -229,7 +229,7 @@ class LocalCluster:
                 ManagedProcess(
                     f"{node.node_id}-sidecar",
                     self._py(
-                        "nodeagent.sidecar",
+                        "kairos.nodeagent.sidecar",
                         "--host",
                         LOOPBACK,
                         "--port",
@@ -255,7 +255,7 @@ class LocalCluster:
             ManagedProcess(
                 f"{node.node_id}-heartbeat",
                 self._py(
-                    "nodeagent.heartbeat",
+                    "kairos.nodeagent.heartbeat",
                     "--node-id",
                     node.node_id,
                     "--role",
@@ -284,7 +284,7 @@ class LocalCluster:
         proc = ManagedProcess(
             f"dispatcher{index}",
             self._py(
-                "extproc",
+                "kairos.extproc",
                 "--host",
                 LOOPBACK,
                 "--port",

@@ -36,10 +36,10 @@ from typing import Any, TextIO
 import aiohttp
 import numpy as np
 
-from kairos import contracts as c
-from kairos.config import load_config
-from kairos.errors import ConfigError
-from sim.requests import RequestSpec
+from kairos.common import contracts as c
+from kairos.common.config import load_config
+from kairos.common.errors import ConfigError
+from kairos.sim.requests import RequestSpec
 
 ROUTES = ("keep", "deflect")
 # Without a tokenizer: BOS (id 1 in Llama-style vocabularies) and then ids 100..199, valid in any
@@ -130,8 +130,8 @@ class RequestResult:
 # ---------------------------------------------------------------------------------------------
 def requests_for(config: ReplayConfig) -> list[RequestSpec]:
     """The requests ``config`` describes, in arrival order."""
-    from sim.traces import load_trace, rescale_to_rate, truncate
-    from sim.workloads import make_workload
+    from kairos.sim.traces import load_trace, rescale_to_rate, truncate
+    from kairos.sim.workloads import make_workload
 
     if config.trace:
         reqs = load_trace(config.trace)
@@ -156,7 +156,7 @@ class PromptBuilder:
 
     def __init__(self, model_dir: str = "") -> None:
         if model_dir:
-            from extproc.tokenizer import PromptTokenizer
+            from kairos.api.tokenizer import PromptTokenizer
 
             tok = PromptTokenizer.from_dir(Path(model_dir))
             pattern = tok.encode(_PATTERN_TEXT * 4, add_special_tokens=False)
