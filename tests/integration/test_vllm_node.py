@@ -4,6 +4,7 @@ dispatcher's token counts equal to vLLM's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -13,10 +14,10 @@ from typing import Any
 import pytest
 
 import redis
-from extproc.latency import load_profile
-from kairos import contracts as c
-from kairos.processes import free_port
-from kairos.vllm_cluster import VllmCluster
+from kairos.common import contracts as c
+from kairos.core.latency import load_profile
+from kairos.launcher.processes import free_port
+from kairos.launcher.vllm_cluster import VllmCluster
 from tests.e2e.conftest import post_json
 from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric, sample, scrape
 
@@ -207,18 +208,28 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
                 beats.append((time.monotonic(), json.loads(raw)))
             time.sleep(0.01)
 
+    stop_load = threading.Event()
+
+    def keep_busy(i: int) -> None:  # one client: a request after another until the sampling ends
+        for n in itertools.count():
+            if stop_load.is_set():
+                return
+            direct(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + 10 * n + i), 200))
+
+    def busy_samples() -> int:
+        return sum(1 for s in samples if s[1] > 0)
+
     watcher = threading.Thread(target=watch_heartbeats)
     watcher.start()
-    load = [
-        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + i), 400)))
-        for i in range(6)
-    ]
+    load = [threading.Thread(target=keep_busy, args=(i,)) for i in range(6)]
     try:
         for i, t in enumerate(load):
             t.start()
             time.sleep(0.05 * i)
-        url = f"http://{node.url}/metrics"
-        while any(t.is_alive() for t in load):
+        # Sample until enough were taken under load: on a starved host one scrape of the busy
+        # server took 2-3 s (CI once got 5 samples from a fixed batch of requests).
+        url, deadline = f"http://{node.url}/metrics", time.monotonic() + 90
+        while busy_samples() < 30 and time.monotonic() < deadline:
             before = time.monotonic()
             text = scrape(url)  # one scrape: the three values are of one moment
             at = (before + time.monotonic()) / 2
@@ -232,6 +243,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
             )
             time.sleep(0.03)
     finally:
+        stop_load.set()
         for t in load:
             t.join(timeout=120)
         stop.set()
