@@ -34,16 +34,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kairos.sim.requests import RequestSpec
-from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_workload
-
 from bench._common import write_result
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig, RequestResult, format_summary, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
+from kairos.sim.requests import RequestSpec
+from kairos.sim.simulator import ClusterConfig, Simulator
+from kairos.sim.workloads import make_workload
 
 TTFT_SLO_S = 4.0
 TBT_SLO_MS = 70.0

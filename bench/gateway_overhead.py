@@ -3,7 +3,7 @@
 One run starts a fast upstream (``bench/loadgen.py upstream``: answers a fixed small completion
 JSON at once), redis-server, the real dispatcher (``python -m extproc``) with a tiny-model
 tokenizer, a minimal Envoy (listener -> router -> static cluster), the real Kairos Envoy
-(``kairos.envoy_config.render_envoy_config``) and the same Kairos Envoy config in front of the
+(``kairos.launcher.envoy_config.render_envoy_config``) and the same Kairos Envoy config in front of the
 no-op ext_proc server (``bench/noop_extproc.py``: the real gRPC service with nothing to decide),
 and writes one prefill and one decode node's heartbeat to Redis every 100 ms (the decode node's
 sidecar is the upstream, so every routed request lands there). Then, side by side:
@@ -50,8 +50,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
-
 import redis  # noqa: E402
 from bench._common import percentiles_us, write_result  # noqa: E402
 from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, sequential  # noqa: E402
@@ -62,6 +60,7 @@ from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
 from kairos.launcher.tinymodel import _COMMON_TEXT, build_tiny_model  # noqa: E402
+from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
 
 HOST = "127.0.0.1"
 MODEL = "kairos-tiny-llama"

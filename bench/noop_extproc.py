@@ -1,7 +1,7 @@
 """The Kairos ext_proc service with nothing to decide: the floor under the gateway's overhead.
 
-It runs the real gRPC service (:class:`extproc.server.ExternalProcessor` on
-:func:`extproc.server.start_grpc_server`, so the same grpc.aio server, options and answer
+It runs the real gRPC service (:class:`kairos.extproc.server.ExternalProcessor` on
+:func:`kairos.extproc.server.start_grpc_server`, so the same grpc.aio server, options and answer
 encoding) in front of a dispatcher stand-in that routes every request to one fixed upstream at
 once: no JSON parse, no token count, no policy, no Redis. ``bench/gateway_overhead.py`` puts
 Envoy + this beside Envoy + the real dispatcher: what this adds over Envoy alone is the floor of
@@ -21,10 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kairos.common import contracts as c
 from kairos.extproc.dispatcher import Routed
 from kairos.extproc.server import start_grpc_server
-
-from kairos.common import contracts as c
 
 NOOP_ROUTE = "noop"  # the x-kairos-route this server sets, so the upstream can tell who routed
 

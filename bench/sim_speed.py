@@ -13,12 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kairos.sim.simulator import Simulator
-from kairos.sim.workloads import make_workload
-
 from bench._common import write_result
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
+from kairos.sim.simulator import Simulator
+from kairos.sim.workloads import make_workload
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from kairos.launcher.local_cluster import LocalClusterConfig
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "envoy.yaml"
 
-# The compose topology (docker-compose.yml); tests/test_compose.py checks that they agree.
+# The compose topology (docker-compose.yml); tests/component/test_compose.py checks that they agree.
 DISPATCHER_PORT = 9000
 SIDECAR_PORT = 8200
 DISPATCHERS = ("dispatcher",)

@@ -2,7 +2,7 @@
 
 A background task polls Redis every ``poll_s`` (at least twice per heartbeat period): a SCAN of
 ``kairos:node:*`` every few polls finds the nodes, one MGET per poll reads all their heartbeats.
-Each heartbeat with a new ``seq`` updates the :class:`~extproc.view.ClusterTracker`, stamped with
+Each heartbeat with a new ``seq`` updates the :class:`~kairos.core.view.ClusterTracker`, stamped with
 the LOCAL monotonic time at which this dispatcher first saw that seq. Ages therefore never
 depend on the publisher's clock (its ``sent_at`` is informational): a node whose clock runs an
 hour ahead is as fresh as its beats are new. Nodes whose key disappeared (expired: the node or
@@ -24,7 +24,7 @@ Degraded modes (design principle 6):
   node id. This is plain P/D routing.
 * Reservations while Redis is unreachable return False: never deflect on a guess.
 
-TTFT feedback: when given a :class:`~extproc.feedback.TtftFeedback`, each successful poll also
+TTFT feedback: when given a :class:`~kairos.extproc.feedback.TtftFeedback`, each successful poll also
 reads the sidecars' new entries of the ``kairos:ttft-feedback`` stream (one non-blocking XREAD
 from the last id read; at start-up it begins at the stream's end, as ``$`` would). A failed
 XREAD only pauses the feedback: it never marks the view degraded.
@@ -51,7 +51,6 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from kairos.extproc.feedback import TtftFeedback
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -70,6 +69,7 @@ from kairos.common.errors import ConfigError, NoHealthyNodeError
 from kairos.core.decision import Decision
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
+from kairos.extproc.feedback import TtftFeedback
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class NodeAddress(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """One parsed heartbeat (every :class:`~kairos.contracts.HeartbeatField`)."""
+    """One parsed heartbeat (every :class:`~kairos.common.contracts.HeartbeatField`)."""
 
     node_id: str
     role: str
@@ -479,7 +479,7 @@ class RedisClusterView:
 
     async def wait_ready(self, timeout: float) -> None:
         """Return once at least one prefill and one decode node are in the view; raise
-        :class:`~kairos.errors.NoHealthyNodeError` after ``timeout`` seconds."""
+        :class:`~kairos.common.errors.NoHealthyNodeError` after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

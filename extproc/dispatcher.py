@@ -3,7 +3,7 @@
 ``Dispatcher.route(method, path, headers, body)`` parses the OpenAI request, counts its prompt
 tokens, runs the routing policy on the live cluster view, reserves a decode node for a
 deflection, and returns a :class:`Routed` (upstream + header mutations) or a :class:`Rejected`
-(an HTTP error to answer directly). The gRPC server in :mod:`extproc.server` only translates.
+(an HTTP error to answer directly). The gRPC server in :mod:`kairos.extproc.server` only translates.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.extproc.metrics import DispatcherMetrics
-
 from kairos.api.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
@@ -29,6 +27,7 @@ from kairos.common.http_errors import error_json, error_status
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
 from kairos.core.state import ClusterView
+from kairos.extproc.metrics import DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class NodeAddressLike(Protocol):
 
 
 class ClusterSource(Protocol):
-    """What the dispatcher needs from the live cluster view (``extproc.cluster``)."""
+    """What the dispatcher needs from the live cluster view (``kairos.extproc.cluster``)."""
 
     @property
     def degraded(self) -> bool: ...

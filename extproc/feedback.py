@@ -3,8 +3,8 @@
 The dispatcher never sees responses (Envoy skips response processing on purpose: it would cost an
 ext_proc round trip per response). The sidecars do: after each request's first token a sidecar
 given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to the capped stream
-:data:`~kairos.contracts.REDIS_TTFT_FEEDBACK_STREAM`. The cluster view's poller
-(:class:`extproc.cluster.RedisClusterView`) XREADs the new entries and hands them to
+:data:`~kairos.common.contracts.REDIS_TTFT_FEEDBACK_STREAM`. The cluster view's poller
+(:class:`kairos.extproc.cluster.RedisClusterView`) XREADs the new entries and hands them to
 :class:`TtftFeedback`, which exports per path (keep, deflect):
 
 - ``kairos_dispatcher_ttft_observed_over_predicted{path}``: a histogram of observed / predicted;
@@ -12,7 +12,7 @@ given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to t
   the last ``window`` samples (the same definition as the simulator's ``ttft_prediction_mape``).
 
 A MAPE that drifts up means the latency profile no longer matches the cluster: re-profile, and
-the dispatcher picks the new file up without a restart (:mod:`extproc.profile_watch`).
+the dispatcher picks the new file up without a restart (:mod:`kairos.extproc.profile_watch`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kairos.extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
-
 from kairos.common.contracts import TtftFeedbackField
+from kairos.extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ StreamEntry = tuple[bytes | str, Mapping[bytes | str, bytes | str]]
 
 
 class MalformedFeedback(ValueError):
-    """A stream entry that does not follow :class:`~kairos.contracts.TtftFeedbackField`."""
+    """A stream entry that does not follow :class:`~kairos.common.contracts.TtftFeedbackField`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
-from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
-from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
-from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
-from kairos.extproc.server import start_grpc_server
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -34,6 +28,12 @@ from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from kairos.core.policies import NoPrefillPoolPolicy, make_policy
 from kairos.core.view import ClusterTracker
+from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
+from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
+from kairos.extproc.server import start_grpc_server
 
 log = logging.getLogger("kairos.dispatcher")
 

@@ -53,7 +53,7 @@ class DispatcherMetrics:
             registry=r,
         )
 
-        # Latency profile hot reload (extproc.profile_watch).
+        # Latency profile hot reload (kairos.extproc.profile_watch).
         self.profile_reloads = Counter(
             "kairos_dispatcher_profile_reloads",
             "Reloads of a changed latency profile file: ok = swapped in, error = rejected (old models kept)",
@@ -68,7 +68,7 @@ class DispatcherMetrics:
             ["name", "hash", "source"],
             registry=r,
         )
-        # Live model error from the sidecars' TTFT samples (extproc.feedback, via Redis).
+        # Live model error from the sidecars' TTFT samples (kairos.extproc.feedback, via Redis).
         self.ttft_observed_over_predicted = Histogram(
             "kairos_dispatcher_ttft_observed_over_predicted",
             "Observed TTFT at the decode sidecar divided by this path's predicted TTFT (samples from every sidecar)",

@@ -4,7 +4,7 @@ A profile given as a file path is watched: every ``interval_s`` the watcher comp
 (inode, mtime_ns, size) with the version it last read, and on SIGHUP it re-reads at once. A
 changed file is read, parsed and validated in full in a worker thread (never on the request
 path), then handed to ``apply``, which swaps the models in with one attribute assignment
-(:attr:`extproc.dispatcher.Dispatcher.policies`): the next decision reads the new models, a
+(:attr:`kairos.extproc.dispatcher.Dispatcher.policies`): the next decision reads the new models, a
 decision already running finishes on the ones it started with.
 
 A file that does not parse or validate (a writer caught mid-write, invalid JSON, a schema error,
@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kairos.extproc.metrics import DispatcherMetrics
-
 from kairos.common.errors import ProfileError
 from kairos.core.latency import LatencyModels, parse_profile, profile_path, read_profile_text
+from kairos.extproc.metrics import DispatcherMetrics
 
 log = logging.getLogger(__name__)
 

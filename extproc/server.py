@@ -1,5 +1,5 @@
 """The Envoy ext_proc gRPC service: translates between Envoy's processing stream and the
-:class:`~extproc.dispatcher.Dispatcher`.
+:class:`~kairos.extproc.dispatcher.Dispatcher`.
 
 Per HTTP request Envoy opens one ``Process`` stream and sends the request headers, then (body
 mode BUFFERED) the whole body. We answer the headers message with an empty response and put
@@ -20,9 +20,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from kairos.extproc.dispatcher import Dispatcher, Rejected, Routed
 
 from kairos.common import contracts as c
+from kairos.extproc.dispatcher import Dispatcher, Rejected, Routed
 
 log = logging.getLogger(__name__)
 

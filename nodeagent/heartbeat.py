@@ -17,7 +17,7 @@ Failure policy:
 Beats are scheduled on a monotonic grid (start + k x period), so slow reads do not accumulate
 drift: a beat that overruns its slot skips the slots it missed instead of bunching up.
 
-Run it as ``python -m nodeagent.heartbeat --node-id d0 --role decode --url 127.0.0.1:8101
+Run it as ``python -m kairos.nodeagent.heartbeat --node-id d0 --role decode --url 127.0.0.1:8101
 --sidecar 127.0.0.1:8201 --redis redis://127.0.0.1:6379/0``; SIGTERM or SIGINT stops it
 cleanly and removes the node's key (if it still holds this publisher's last beat).
 """
@@ -489,7 +489,7 @@ class HeartbeatPublisher:
 # ---------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m nodeagent.heartbeat",
+        prog="python -m kairos.nodeagent.heartbeat",
         description="Publish this node's engine state to Redis every heartbeat period. Settings come from "
         "defaults < --config YAML (section 'heartbeat') < KAIROS_HEARTBEAT_* environment < flags.",
     )

@@ -20,7 +20,7 @@ Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLL
 Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
 calls hosts on its allowlist (static hosts plus those the live cluster view knows).
 
-Run: ``python -m nodeagent.sidecar --port 8201 --local-vllm 127.0.0.1:8101 --allow-prefill 127.0.0.1:8001``
+Run: ``python -m kairos.nodeagent.sidecar --port 8201 --local-vllm 127.0.0.1:8101 --allow-prefill 127.0.0.1:8001``
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from urllib.parse import urlsplit
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import hdrs, web
-from kairos.nodeagent.heartbeat import redact_url
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from redis.asyncio.retry import Retry
@@ -56,6 +55,7 @@ from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.runtime import stop_on_signals
+from kairos.nodeagent.heartbeat import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -541,7 +541,7 @@ async def _metrics(request: web.Request) -> web.Response:
 # Request side
 # --------------------------------------------------------------------------------------------
 class PayloadTooLargeError(InvalidRequestError):
-    """The request body exceeds ``SidecarConfig.max_body_bytes`` (413, by kairos.http_errors' table)."""
+    """The request body exceeds ``SidecarConfig.max_body_bytes`` (413, by kairos.common.http_errors' table)."""
 
     code = "payload_too_large"
 
@@ -958,7 +958,7 @@ def _ms(seconds: float | None) -> str:
 # CLI
 # --------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nodeagent.sidecar", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kairos.nodeagent.sidecar", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="YAML file; its 'sidecar' section holds SidecarConfig fields")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8201; 0 for any free port)")

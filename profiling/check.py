@@ -1,7 +1,7 @@
 """Check a profile against fresh step records: ``kairos profile check PROFILE DIR...``.
 
 Each model's MAPE on the fresh records (through the dispatcher's own evaluator,
-:func:`profiling.dataset.profile_predictions`) is compared with the held-out MAPE the profile
+:func:`kairos.profiling.dataset.profile_predictions`) is compared with the held-out MAPE the profile
 stores; a model has *drifted* when the fresh MAPE exceeds the stored one (0 when the profile
 stores none) by more than the threshold. Models with too few fresh rows are reported, not judged.
 """
@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from kairos.profiling.dataset import STEP_MODELS, mape, profile_predictions, split_by_model
-from kairos.profiling.records import load_runs, load_transfers
 
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
 from kairos.core.latency import LatencyModels
+from kairos.profiling.dataset import STEP_MODELS, mape, profile_predictions, split_by_model
+from kairos.profiling.records import load_runs, load_transfers
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     col.add_argument("--time-scale", type=float, default=1.0, help="the emulated node's --time-scale (1)")
     col.add_argument("--step-log", type=Path, help="the vLLM step recorder's JSONL file (instead of /kairos/steps)")
     col.add_argument("--model", help="served model name (default: the first of GET /v1/models)")
-    col.add_argument("--workload", default="bursty", help="sim.workloads name for the traces (bursty)")
+    col.add_argument("--workload", default="bursty", help="kairos.sim.workloads name for the traces (bursty)")
     col.add_argument("--seed", type=int, default=0)
     col.add_argument(
         "--max-prompt-tokens",
@@ -142,9 +142,8 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from kairos.profiling.fit import FitConfig, ProfileMeta, fit_profile, format_table, write_plots, write_profile
-
     from kairos.core.latency import DEFAULT_PROFILE, load_profile
+    from kairos.profiling.fit import FitConfig, ProfileMeta, fit_profile, format_table, write_plots, write_profile
 
     cfg = FitConfig(
         positive=not args.allow_negative,
@@ -167,9 +166,8 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kairos.profiling.check import CheckConfig, check_profile, format_report, report_json
-
     from kairos.core.latency import load_profile
+    from kairos.profiling.check import CheckConfig, check_profile, format_report, report_json
 
     report = check_profile(load_profile(args.profile), args.dirs, CheckConfig(args.threshold, args.min_samples))
     print(report_json(report) if args.json else format_report(report))

@@ -2,7 +2,7 @@
 ``kairos profile collect --node URL --role prefill|decode --out DIR``.
 
 The node is anything that speaks vLLM's OpenAI HTTP API: an emulated node
-(``python -m sim.emulated_vllm``) or real vLLM. Prompts are sent as token ids (exact lengths on
+(``python -m kairos.sim.emulated_vllm``) or real vLLM. Prompts are sent as token ids (exact lengths on
 any tokenizer; random ids per request, so prefix caching never shortens a prefill), with
 ``ignore_eos`` so completions run to ``max_tokens``. The microbenchmark's chunk schedule goes in
 ``vllm_xargs.kairos_chunk_schedule``, which the emulated node and vLLM with the Kairos scheduler
@@ -12,7 +12,7 @@ Step records come from ``GET /kairos/steps?since=N`` (the emulated node), polled
 runs so the node's bounded step log never overflows, or from the step recorder's JSONL file
 (``--step-log FILE``, real vLLM; it wins when given). Their durations are model seconds: an
 emulated node run with ``--time-scale S`` sleeps ``duration / S`` but records ``duration``
-(``sim.realtime``), and trace arrivals, planned in model seconds, are sent ``S`` times faster
+(``kairos.sim.realtime``), and trace arrivals, planned in model seconds, are sent ``S`` times faster
 (``--time-scale`` here must match the node's).
 
 Each phase writes ``DIR/<phase>.jsonl`` (one run for the fitter) and updates
@@ -36,11 +36,11 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from kairos.profiling.plan import MicroPhase, Phase, PlanConfig, TracePhase, plan_phases
-from kairos.profiling.records import MANIFEST_FILE, RecordsError, file_sha256, parse_step
 
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError, KairosError
+from kairos.profiling.plan import MicroPhase, Phase, PlanConfig, TracePhase, plan_phases
+from kairos.profiling.records import MANIFEST_FILE, RecordsError, file_sha256, parse_step
 
 MANIFEST_VERSION = 1
 MIN_PHASE_S = 1.0  # wall seconds of budget below which no new phase starts

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from kairos.profiling.records import StepKind, StepRecord
 from numpy.typing import NDArray
 
 from kairos.common import contracts as c
 from kairos.core.latency import LatencyModels
+from kairos.profiling.records import StepKind, StepRecord
 
 # Which step kind each step model is fitted and measured on.
 MODEL_KIND = {c.PREFILL_STEP: StepKind.PREFILL, c.DECODE_STEP: StepKind.DECODE, c.MIXED_INCREMENT: StepKind.MIXED}

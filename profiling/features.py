@@ -1,10 +1,10 @@
 """The feature vectors of the profile's linear models, built in exactly one place per model.
 
-:mod:`extproc.latency` evaluates these models as hand-written scalar dot products on the hot
+:mod:`kairos.core.latency` evaluates these models as hand-written scalar dot products on the hot
 path; this module builds the same features, vectorised, for the fitter and the checker. The
 formulas here mirror ``LatencyModels.prefill_step_s``, ``decode_step_s`` and
 ``mixed_increment_s`` term by term, in the column order of
-``kairos.contracts.LINEAR_MODEL_FEATURES``; ``tests/test_profiling_fit.py`` checks that a
+``kairos.common.contracts.LINEAR_MODEL_FEATURES``; ``tests/unit/test_profiling_fit.py`` checks that a
 ``LatencyModels`` built from fitted coefficients reproduces the fitter's own predictions, so the
 two cannot drift apart unnoticed.
 """

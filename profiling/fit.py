@@ -1,7 +1,7 @@
 """Fit a latency profile to step records (paper §5.2): ``kairos profile fit DIR... --out FILE``.
 
 Each step model is a scikit-learn ``LinearRegression`` over the contract's features
-(:mod:`profiling.features`, the same formulas :mod:`extproc.latency` evaluates), by default with
+(:mod:`kairos.profiling.features`, the same formulas :mod:`kairos.core.latency` evaluates), by default with
 non-negative coefficients (``positive=True``: every feature is a cost that can only add time;
 the intercept stays free). Order matters: the decode model T0(B, K) is fitted first on
 decode-only steps, then the mixed increment on ``duration - T0(B, K)`` of the mixed steps. The
@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kairos.profiling import features
-from kairos.profiling.dataset import STEP_MODELS, Floats, Steps, mape, profile_predictions, split_by_model
-from kairos.profiling.records import MANIFEST_FILE, RunFile, TransferRecord, load_runs, load_transfers
 from sklearn.linear_model import LinearRegression
 from sklearn.model_selection import GroupKFold
 
 from kairos.common import contracts as c
 from kairos.common.errors import ProfileError
 from kairos.core.latency import LatencyModels, LinearModel, TransferModel
+from kairos.profiling import features
+from kairos.profiling.dataset import STEP_MODELS, Floats, Steps, mape, profile_predictions, split_by_model
+from kairos.profiling.records import MANIFEST_FILE, RunFile, TransferRecord, load_runs, load_transfers
 
 MAPE_DEFINITION = (
     "held-out mean absolute percentage error (fraction) over whole steps, by run (GroupKFold); "

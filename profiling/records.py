@@ -1,7 +1,7 @@
 """Engine step records: the profiler's input, one JSON object per engine step.
 
 The schema is the one the emulated vLLM node serves at ``GET /kairos/steps?since=N``
-(``sim.realtime.RealtimeEngine._record``) and the vLLM step recorder writes as JSONL::
+(``kairos.sim.realtime.RealtimeEngine._record``) and the vLLM step recorder writes as JSONL::
 
     {"index": 17,            # engine step counter (per node)
      "start": 12.031,        # model seconds when the step started
@@ -53,7 +53,7 @@ class StepKind(StrEnum):
 
 def classify(decode_tokens: int, prefill_tokens: int, role: str | None) -> StepKind:
     """Which model costs a step, as the engine model and the dispatcher use them
-    (``sim.engine.model_step_time``): a prefill node's chunk-only steps are prefill steps;
+    (``kairos.sim.engine.model_step_time``): a prefill node's chunk-only steps are prefill steps;
     every other step with chunks is T0(B, K) + Delta T, even with B = 0 on a decode node
     (a deflected prefill running alone). Unknown role: a chunk-only step counts as prefill."""
     if prefill_tokens <= 0:

@@ -1,6 +1,6 @@
 """Step records from the engine model in virtual time: the collection plan without a server.
 
-:func:`simulate_phase` runs one :mod:`profiling.plan` phase on a :class:`sim.engine.Engine`
+:func:`simulate_phase` runs one :mod:`kairos.profiling.plan` phase on a :class:`kairos.sim.engine.Engine`
 costed by a profile (``model_step_time``, exactly what an emulated node does), advancing a
 virtual clock by each step's duration, and returns the records an emulated node would serve
 from ``/kairos/steps`` for it. Fitting such records must give back the profile's own
@@ -15,11 +15,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kairos.core.latency import LatencyModels
 from kairos.profiling.plan import MicroPhase, Phase, TracePhase
 from kairos.profiling.records import MANIFEST_FILE
 from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, StepTimer, model_step_time
-
-from kairos.core.latency import LatencyModels
 
 # Virtual seconds a phase may run before it is cut (a plan that never drains is a bug).
 MAX_PHASE_S = 1e6
@@ -47,7 +46,7 @@ class _Driver:
 
 
 def _record(plan: StepPlan, duration: float) -> dict[str, Any]:
-    # The shape of sim.realtime.RealtimeEngine._record.
+    # The shape of kairos.sim.realtime.RealtimeEngine._record.
     return {
         "index": plan.index,
         "start": plan.start,

@@ -5,7 +5,7 @@ nothing else. What the node does:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: the prompt is counted with the model's
   tokenizer (exactly vLLM's ``usage.prompt_tokens``), the engine model runs it in wall time
-  (:mod:`sim.realtime`) and exactly ``max_tokens`` dummy tokens come back (vLLM with
+  (:mod:`kairos.sim.realtime`) and exactly ``max_tokens`` dummy tokens come back (vLLM with
   ``ignore_eos``), as JSON or as vLLM's SSE chunks, each token written when its step ends.
 - The P/D two-hop protocol of vLLM's NixlConnector (``toy_proxy_server.py``): a prefill node
   asked for ``kv_transfer_params.do_remote_decode`` prefills, holds the KV and answers with
@@ -17,7 +17,7 @@ nothing else. What the node does:
 - ``GET /v1/models``, ``/health``, ``/metrics`` (vLLM's metric names), ``/kairos/state`` (what the
   heartbeat publisher reads) and ``/kairos/steps?since=N`` (the step log).
 
-    python -m sim.emulated_vllm --node-id d0 --role decode --port 8101 --model-dir DIR --time-scale 10
+    python -m kairos.sim.emulated_vllm --node-id d0 --role decode --port 8101 --model-dir DIR --time-scale 10
 """
 
 from __future__ import annotations
@@ -40,9 +40,6 @@ from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
-from kairos.sim.engine import Engine, EngineConfig, Role, model_step_time
-from kairos.sim.engine import Sequence as EngineSeq
-from kairos.sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kairos.api.openai_request import (
@@ -60,6 +57,9 @@ from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, 
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.runtime import stop_on_signals
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
+from kairos.sim.engine import Engine, EngineConfig, Role, model_step_time
+from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
 
 log = logging.getLogger("kairos.sim.emulated_vllm")
 
@@ -847,7 +847,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> KairosError:
 async def _errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Every error is answered with the OpenAI error JSON of kairos.http_errors."""
+    """Every error is answered with the OpenAI error JSON of kairos.common.http_errors."""
     try:
         try:
             return await handler(request)
@@ -907,7 +907,7 @@ ENV_PREFIX = "KAIROS_EMU_"
 
 def _arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m sim.emulated_vllm",
+        prog="python -m kairos.sim.emulated_vllm",
         description="An emulated vLLM node: vLLM's OpenAI API over the Kairos engine model, in wall time.",
     )
     p.add_argument("--config", type=Path, help="YAML file with EmulatedNodeConfig fields")

@@ -14,14 +14,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
+from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
+from kairos.core.latency import DEFAULT_PROFILE, load_profile
+from kairos.core.policies import make_policy, split_policy_list
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.traces import load_trace, rescale_to_rate, truncate
 from kairos.sim.workloads import WORKLOAD_NAMES, make_workload
-
-from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
-from kairos.core.latency import DEFAULT_PROFILE, load_profile
-from kairos.core.policies import make_policy, split_policy_list
 
 
 @dataclass(frozen=True)

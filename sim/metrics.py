@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from kairos.sim.engine import Sequence, StepPlan
-from kairos.sim.requests import RequestSpec
 
 from kairos.core.decision import Route
+from kairos.sim.engine import Sequence, StepPlan
+from kairos.sim.requests import RequestSpec
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,7 @@
 """Figures and a terminal table for `kairos sim` result records.
 
 Each record is a plain dict for one (policy, request rate) run, with the keys that
-`sim.metrics.summarize` produces plus ``policy``, ``policy_spec``, ``rps``, ``workload``,
+`kairos.sim.metrics.summarize` produces plus ``policy``, ``policy_spec``, ``rps``, ``workload``,
 ``tbt_slo_ms`` and ``ttft_slo_s``. The figures follow the paper: Figure 4 (P95 TTFT / TBT vs
 RPS), Figure 5 (throughput), Figure 6 (SLO attainment and deflections), Table 3 (P95 TTFT
 breakdown, drawn as stacked bars) and, for a single-rate comparison, Figure 2 / Table 4.

@@ -1,6 +1,6 @@
 """The engine model driven by wall time: the emulated vLLM node's step loop.
 
-The :class:`~sim.engine.Engine` never reads a clock; the simulator advances it in virtual time,
+The :class:`~kairos.sim.engine.Engine` never reads a clock; the simulator advances it in virtual time,
 and :class:`RealtimeEngine` advances the very same object in wall time (SimPy's
 ``RealtimeEnvironment`` idea): plan a step, sleep for its modelled duration divided by
 ``time_scale``, apply it, hand each sequence's tokens to whoever waits on them, plan the next.

@@ -1,7 +1,7 @@
 """The discrete-event simulator of a disaggregated cluster under a routing policy.
 
 An event loop of ``(time, seq, kind, payload)``: arrivals, engine step ends, KV transfer ends
-and heartbeats. Nodes run the shared :class:`~sim.engine.Engine`; the dispatcher is the same
+and heartbeats. Nodes run the shared :class:`~kairos.sim.engine.Engine`; the dispatcher is the same
 policy code the gateway runs, reading heartbeats that are up to one period old (the Oracle
 reads the engines directly).
 """
@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
-from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
-from kairos.sim.engine import Sequence as EngineSeq
-from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
-from kairos.sim.requests import RequestSpec
 
 from kairos.core.decision import Route
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
+from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
+from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
+from kairos.sim.requests import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)

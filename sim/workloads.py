@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
+
 from kairos.sim.requests import RequestSpec
 
 __all__ = [

@@ -42,7 +42,7 @@ def models_dict(
     bandwidth_bytes_per_s: float = 1e6,
     transfer_latency_s: float = 0.001,
 ) -> dict[str, Any]:
-    """A profile dict in the file format of :mod:`kairos.contracts`."""
+    """A profile dict in the file format of :mod:`kairos.common.contracts`."""
     return {
         "schema_version": c.PROFILE_SCHEMA_VERSION,
         "name": "test-round",

@@ -100,7 +100,7 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
     """Validate one OpenAI request and count its prompt; raise a ``KairosError`` with a code otherwise.
 
     ``path`` may carry a query string. Long prompts make this take milliseconds: call it from a
-    thread pool on an event loop (see ``extproc.tokenizer``).
+    thread pool on an event loop (see ``kairos.api.tokenizer``).
     """
     route = path.split("?", 1)[0]
     kind = _ROUTES.get(route)

@@ -243,7 +243,7 @@ def _template_from_config(config: Mapping[str, Any], source: Path) -> str | None
 # Exact counting without Encodings (the GPT-2 and Llama 3 / Qwen2 families: byte-level BPE)
 # ---------------------------------------------------------------------------------------------
 # Oniguruma's \s on ASCII, as the ByteLevel pre-tokenizer applies it: tab, LF, VT, FF, CR and
-# space; not \x1c-\x1f, which Python's \s includes. tests/test_tokenizer.py checks every ASCII
+# space; not \x1c-\x1f, which Python's \s includes. tests/unit/test_tokenizer.py checks every ASCII
 # character against the pre-tokenizer itself.
 _ASCII_SPACE = "\t\n\x0b\x0c\r "
 # ByteLevel's regex  's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -255,7 +255,7 @@ _GPT2_ASCII = re.compile(
 # Llama 3's and Qwen2's pre-tokenizer: Split on one of these regexes (tokenizer.json's pattern
 # strings), each match isolated, then ByteLevel without its own regex. Each has an ASCII twin
 # below, built as _GPT2_ASCII is (\p{L} = [A-Za-z], \p{N} = [0-9], \s = _ASCII_SPACE, the
-# case-insensitive contractions spelled out); tests/test_tokenizer.py checks them exhaustively.
+# case-insensitive contractions spelled out); tests/unit/test_tokenizer.py checks them exhaustively.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"

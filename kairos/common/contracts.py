@@ -45,7 +45,7 @@ KNEE_MODELS = (PREFILL_STEP, MIXED_INCREMENT)
 HEADER_PREFIX = "x-kairos-"  # every client-sent header with this prefix is removed at the edge
 H_REQUEST_ID = "x-request-id"  # one id for the whole request, on both sidecar hops
 H_ROUTE = "x-kairos-route"  # "keep" or "deflect"
-H_REASON = "x-kairos-reason"  # the Decision's reason (extproc.decision.Reason value)
+H_REASON = "x-kairos-reason"  # the Decision's reason (kairos.core.decision.Reason value)
 H_DECODE_NODE = "x-kairos-decode-node"  # node id of the decode node chosen
 H_PREFILL_HOST = "x-kairos-prefill-host"  # keep: host:port of the prefill node's vLLM server
 # deflect: prompt tokens per step, comma-separated, e.g. "1020,508,508,252"

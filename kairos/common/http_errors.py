@@ -3,7 +3,7 @@
 Every component (the ext_proc server answering Envoy with an immediate response, the decode
 sidecar, the emulated engine) calls these functions, so a given error looks the same whichever
 part raised it. The mapping goes by ``KairosError.code``, so subclasses defined in other modules
-(``extproc.openai_request.PayloadTooLargeError``, ...) need no import here. Anything that is
+(``kairos.api.openai_request.PayloadTooLargeError``, ...) need no import here. Anything that is
 not a known code is a 500 with a generic message: the caller logs the exception, the client
 never sees internals.
 

@@ -2,7 +2,7 @@
 
 Algorithm 1 evaluates hundreds of steps per request, so every model here is a hand-written dot
 product over a fixed feature vector (well under a microsecond), never ``sklearn.predict``
-(about 200 µs). The feature order is the contract in :mod:`kairos.contracts`; the profiler
+(about 200 µs). The feature order is the contract in :mod:`kairos.common.contracts`; the profiler
 fits exactly these features.
 """
 

@@ -145,7 +145,7 @@ class KairosPolicy:
 class NoPrefillPoolPolicy:
     """The gateway's degraded mode, not a routing policy to compare: with no prefill node
     registered, a decode node prefills the request itself (see
-    :func:`extproc.algorithm.decide_without_prefill_pool`)."""
+    :func:`kairos.core.algorithm.decide_without_prefill_pool`)."""
 
     models: LatencyModels
     config: alg.DeciderConfig

@@ -35,7 +35,7 @@ class LocalClusterConfig:
     decode_nodes: int = 2
     dispatchers: int = 1
     gateway_port: int = 8000
-    model_dir: str = ""  # tokenizer of the served model (built by kairos.tinymodel when empty)
+    model_dir: str = ""  # tokenizer of the served model (built by kairos.launcher.tinymodel when empty)
     model_name: str = "kairos-tiny-llama"
     profile: str = "deepseek-v2-lite-a100"  # packaged name, or a JSON path the dispatchers watch
     profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)

@@ -9,7 +9,7 @@ test needs (the text it generates is noise, the token accounting is real).
 Everything is deterministic for a given ``(vocab_size, seed)``, so token counts asserted in
 tests stay exact across machines. A stamp file makes a second build of the same directory free.
 
-    python -m kairos.tinymodel OUT_DIR [--vocab-size 4096] [--seed 0]
+    python -m kairos.launcher.tinymodel OUT_DIR [--vocab-size 4096] [--seed 0]
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kairos.tinymodel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kairos.launcher.tinymodel", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model files into")
     parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")

@@ -1,6 +1,6 @@
 """A local cluster whose nodes are real vLLM servers (with the Kairos plugins and NixlConnector)
 instead of emulated ones; Redis, Envoy, the dispatcher, sidecars and publishers are the same
-processes as in :class:`~kairos.local_cluster.LocalCluster`.
+processes as in :class:`~kairos.launcher.local_cluster.LocalCluster`.
 
 Used by the integration tier (vLLM on CPU with a tiny model) and by ``kairos up --backend vllm``.
 vLLM takes tens of seconds to start, so every engine is launched before the first is waited on.

@@ -3,7 +3,7 @@
 One place builds them, so ``kairos up --backend vllm``, the integration tests and the README's
 node recipe cannot drift apart. A node is vLLM's OpenAI server with:
 
-- ``--scheduler-cls`` = :class:`nodeagent.vllm_plugin.scheduler.KairosScheduler` (chunk
+- ``--scheduler-cls`` = :class:`kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler` (chunk
   schedules, state reporter, step recorder), configured by ``KAIROS_VLLM_*`` variables;
 - NixlConnector for the prefill-to-decode KV hand-off (``kv_both`` on every node, as vLLM's
   P/D examples do; the sidecar's two hops decide who sends and who pulls), with a failed pull
@@ -11,7 +11,7 @@ node recipe cannot drift apart. A node is vLLM's OpenAI server with:
 - on CPU (``device="cpu"``): an explicit KV-cache size, no thread pinning, one OpenMP thread,
   and NIXL over TCP with a CPU KV buffer.
 
-This module only builds argv and env; :mod:`kairos.local_cluster` runs them.
+This module only builds argv and env; :mod:`kairos.launcher.local_cluster` runs them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The engine-state snapshot a vLLM node hands its heartbeat publisher.
 
 The scheduler turns its queues into plain :class:`PendingPrefill` rows and calls
-:func:`build_state`; the result is the JSON object ``nodeagent.heartbeat.EngineState`` reads
+:func:`build_state`; the result is the JSON object ``kairos.nodeagent.heartbeat.EngineState`` reads
 (the same one the emulated node serves), plus request counts and KV usage as vLLM's own
 ``/metrics`` define them, so an operator can hold the two side by side.
 """

@@ -1,6 +1,6 @@
 """``KairosScheduler``: vLLM's scheduler, plus the three things a Kairos node needs.
 
-Start vLLM with ``--scheduler-cls nodeagent.vllm_plugin.scheduler.KairosScheduler``.
+Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler``.
 
 1. **Chunk schedules.** A request whose ``vllm_xargs`` carry ``kairos_chunk_schedule`` (a
    deflected prefill) gets at most the schedule's i-th size of prompt tokens in its i-th prefill
@@ -32,16 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kairos.nodeagent.vllm_plugin.config import PluginConfig
-from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
-from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
-from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
-from kairos.nodeagent.vllm_plugin.state_server import StateServer
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kairos.common.errors import KairosError
 from kairos.core.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
+from kairos.nodeagent.vllm_plugin.config import PluginConfig
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
+from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
+from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
 log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kairos.nodeagent.vllm_plugin.schedule import parse_chunk_plan
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+from kairos.nodeagent.vllm_plugin.schedule import parse_chunk_plan
 
 
 class KairosScheduleValidator(LogitsProcessor):

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kairos.sim.requests import RequestSpec
-from kairos.sim.workloads import make_workload
 from prometheus_client.parser import text_string_to_metric_families
 
 from kairos.common import contracts as c
 from kairos.core.latency import load_profile
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.replay import ReplayConfig, RequestResult, replay
+from kairos.sim.requests import RequestSpec
+from kairos.sim.workloads import make_workload
 from tests.e2e.conftest import http, start_cluster
 
 TIME_SCALE = 2.0

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kairos.launcher.cli import main as kairos_main
+from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.sim.requests import RequestSpec
 from kairos.sim.traces import write_jsonl
 from kairos.sim.workloads import make_workload
-
-from kairos.launcher.cli import main as kairos_main
-from kairos.launcher.replay import ReplayConfig, replay, summarize
 from tests.e2e.conftest import start_cluster
 
 TIME_SCALE = 2.0

@@ -61,7 +61,7 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
         assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
         # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
         logs = workdir / "logs"
-        assert "DEBUG extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()
+        assert "DEBUG kairos.extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()
         assert any(" path=" in f.read_text() for f in logs.glob("d*-sidecar.log"))
 
         ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from kairos.profiling.collect import CollectConfig, run_collect
-from kairos.profiling.fit import ProfileMeta, fit_profile
-from kairos.profiling.plan import PlanConfig
 
 from kairos.core.latency import load_profile
 from kairos.launcher.vllm_cluster import VllmCluster
+from kairos.profiling.collect import CollectConfig, run_collect
+from kairos.profiling.fit import ProfileMeta, fit_profile
+from kairos.profiling.plan import PlanConfig
 
 pytestmark = pytest.mark.vllm
 

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+
 from kairos.sim.requests import RequestSpec
 from kairos.sim.workloads import (
     COMPLETION_P25,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kairos.profiling.records import (
     MANIFEST_FILE,
     RecordsError,

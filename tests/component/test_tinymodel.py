@@ -119,7 +119,7 @@ def test_module_entry_point(model_dir: Path) -> None:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         timeout=60,
     )
     assert out.stdout == f"{model_dir}\n"

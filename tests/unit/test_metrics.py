@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kairos.extproc.metrics import ClusterCollector
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.extproc.metrics import ClusterCollector
 
 
 @dataclass

@@ -19,19 +19,19 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
-from kairos.sim.engine import Engine, EngineConfig, Role
-from kairos.sim.engine import Sequence as Seq
-from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
 from kairos.launcher.tinymodel import build_tiny_model
+from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
+from kairos.sim.engine import Engine, EngineConfig, Role
+from kairos.sim.engine import Sequence as Seq
+from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
 
 MODEL = "tiny-llama"
 SCALE = 20.0  # model seconds per wall second: a ~50 ms decode step takes ~2.5 ms
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import kairos.nodeagent.sidecar as sidecar_module
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+
+import kairos.nodeagent.sidecar as sidecar_module
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError
 from kairos.nodeagent.sidecar import (
     HOP1_KV_TRANSFER_PARAMS,
     SidecarConfig,
@@ -28,12 +31,9 @@ from kairos.nodeagent.sidecar import (
     TtftFeedbackPublisher,
     build_app,
 )
-
-from kairos.common import contracts as c
-from kairos.common.errors import ConfigError
 from tests.redis_server import RedisServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What a NixlConnector prefill node puts in its reply (the shape vLLM returns).
 PREFILL_KV = {
     "do_remote_prefill": True,

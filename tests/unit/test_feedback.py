@@ -7,11 +7,11 @@ import logging
 from typing import Any
 
 import pytest
-from kairos.extproc.feedback import MalformedFeedback, TtftFeedback, parse_entry
-from kairos.extproc.metrics import DispatcherMetrics
 from prometheus_client import CollectorRegistry
 
 from kairos.common.contracts import TtftFeedbackField as F
+from kairos.extproc.feedback import MalformedFeedback, TtftFeedback, parse_entry
+from kairos.extproc.metrics import DispatcherMetrics
 
 RATIO = "kairos_dispatcher_ttft_observed_over_predicted"
 MAPE = "kairos_dispatcher_ttft_prediction_mape"

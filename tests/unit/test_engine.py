@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, model_step_time
 
 from kairos.core.latency import load_profile
+from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, model_step_time
 
 MODELS = load_profile()
 

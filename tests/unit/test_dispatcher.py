@@ -1,7 +1,7 @@
 """Dispatcher.route: parsing, the policy on the live view, reservations and the answer it builds.
 
-The cluster is an in-memory fake of ``extproc.cluster.RedisClusterView``: a real
-:class:`~extproc.view.ClusterTracker` fed with node states, a dict of addresses, and a
+The cluster is an in-memory fake of ``kairos.extproc.cluster.RedisClusterView``: a real
+:class:`~kairos.core.view.ClusterTracker` fed with node states, a dict of addresses, and a
 ``try_reserve`` that records its calls and refuses the nodes a test names (and everything while
 degraded, as the real one does). Policies are the real ones on the packaged latency profile, the
 tokenizer is the tiny model's, and the clock is frozen at ``NOW``.
@@ -24,14 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kairos.extproc.dispatcher as dispatcher_module
 import pytest
-from kairos.extproc.cluster import NodeAddress
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
-from kairos.extproc.metrics import DispatcherMetrics
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, normalizers
 
+import kairos.extproc.dispatcher as dispatcher_module
 from kairos.api.openai_request import ParsedRequest, RequestLimits
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
@@ -42,6 +39,9 @@ from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import NoPrefillPoolPolicy, Policy, make_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
+from kairos.extproc.cluster import NodeAddress
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
+from kairos.extproc.metrics import DispatcherMetrics
 from kairos.launcher.tinymodel import build_tiny_model
 
 NOW = 100.0

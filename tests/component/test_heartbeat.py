@@ -20,6 +20,9 @@ from typing import Any, TypeVar
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+
+from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField
+from kairos.common.errors import ConfigError
 from kairos.nodeagent.heartbeat import (
     EngineState,
     EngineStateError,
@@ -30,13 +33,10 @@ from kairos.nodeagent.heartbeat import (
     main,
     state_endpoint,
 )
-
-from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField
-from kairos.common.errors import ConfigError
 from tests.redis_server import RedisServer, free_port
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOGGER = "kairos.nodeagent.heartbeat"
 
 STATE = EngineState(

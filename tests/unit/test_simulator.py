@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from kairos.sim.requests import RequestSpec
-from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_workload
 
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
+from kairos.sim.requests import RequestSpec
+from kairos.sim.simulator import ClusterConfig, Simulator
+from kairos.sim.workloads import make_workload
 
 MODELS = load_profile()
 

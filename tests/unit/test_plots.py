@@ -1,4 +1,4 @@
-"""Tests for sim.plots: figure files from synthetic `kairos sim` records, and the text table."""
+"""Tests for kairos.sim.plots: figure files from synthetic `kairos sim` records, and the text table."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import matplotlib.image as mpimg
 import pytest
+
 from kairos.sim.plots import format_table, write_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

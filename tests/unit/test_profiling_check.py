@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kairos.common import contracts as c
+from kairos.common.errors import ConfigError
+from kairos.core.latency import LatencyModels, load_profile
 from kairos.profiling.__main__ import main
 from kairos.profiling.check import CheckConfig, check_profile, format_report
 from kairos.profiling.fit import write_profile
 from kairos.profiling.plan import PlanConfig, plan_phases
 from kairos.profiling.synthetic import write_runs
-
-from kairos.common import contracts as c
-from kairos.common.errors import ConfigError
-from kairos.core.latency import LatencyModels, load_profile
 
 TRUTH = load_profile()
 

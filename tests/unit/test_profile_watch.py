@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kairos.extproc.main import DispatcherConfig, _on_sighup, build_parser
-from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
 from prometheus_client import CollectorRegistry
 
 from kairos.common import contracts as c
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, ProfileError
 from kairos.core.latency import DEFAULT_PROFILE, load_profile, profile_path
+from kairos.extproc.main import DispatcherConfig, _on_sighup, build_parser
+from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
 
 RELOADS = "kairos_dispatcher_profile_reloads_total"
 INFO = "kairos_dispatcher_profile_info"

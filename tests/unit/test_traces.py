@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kairos.sim.requests import RequestSpec
 from kairos.sim.traces import (
     TraceError,

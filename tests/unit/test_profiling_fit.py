@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from kairos.common import contracts as c
+from kairos.core.latency import LatencyModels, load_profile
 from kairos.profiling import features
 from kairos.profiling.__main__ import main
 from kairos.profiling.dataset import profile_predictions
@@ -17,9 +20,6 @@ from kairos.profiling.plan import PlanConfig, plan_phases
 from kairos.profiling.records import StepKind, StepRecord
 from kairos.profiling.synthetic import write_runs
 from kairos.sim.engine import Role, StepPlan, model_step_time
-
-from kairos.common import contracts as c
-from kairos.core.latency import LatencyModels, load_profile
 from tests.builders import make_models
 
 TRUTH = load_profile()  # the packaged A100 profile: every coefficient non-zero, knees at 1600
@@ -144,7 +144,7 @@ def test_profile_evaluates_exactly_as_sklearn_predicts(fitted: FitResult, tmp_pa
 
 
 def test_feature_builders_match_the_evaluator_on_random_rows() -> None:
-    """features.py and extproc.latency compute the same terms, knee on either side."""
+    """features.py and kairos.core.latency compute the same terms, knee on either side."""
     rng = np.random.default_rng(3)
     n = 200
     chi = rng.integers(1, 4096, n).astype(float)

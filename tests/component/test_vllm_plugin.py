@@ -11,16 +11,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from kairos.common.errors import ConfigError
+from kairos.core.latency import largest_chunk_within, load_profile
+from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
 from kairos.nodeagent.heartbeat import EngineState
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
-
-from kairos.common.errors import ConfigError
-from kairos.core.latency import largest_chunk_within, load_profile
-from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
 
 
 # -- schedule -----------------------------------------------------------------------------------

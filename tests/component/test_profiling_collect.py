@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
-from kairos.profiling.__main__ import main
-from kairos.profiling.collect import CollectConfig, CollectError, FileSteps, collect
-from kairos.profiling.dataset import profile_predictions, split_by_model
-from kairos.profiling.plan import PlanConfig
-from kairos.profiling.records import MANIFEST_FILE, StepKind, file_sha256, load_runs
 
 from kairos.common import contracts as c
 from kairos.core.latency import load_profile
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.tinymodel import build_tiny_model
+from kairos.profiling.__main__ import main
+from kairos.profiling.collect import CollectConfig, CollectError, FileSteps, collect
+from kairos.profiling.dataset import profile_predictions, split_by_model
+from kairos.profiling.plan import PlanConfig
+from kairos.profiling.records import MANIFEST_FILE, StepKind, file_sha256, load_runs
 
 TIME_SCALE = 100.0
 TRUTH = load_profile()  # the emulated node's default profile

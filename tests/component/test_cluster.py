@@ -21,6 +21,14 @@ from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
+from kairos.common.errors import ConfigError, NoHealthyNodeError
+from kairos.core.algorithm import DeciderConfig, can_take_deflection, is_fresh
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import (
     ClusterViewConfig,
     MalformedHeartbeat,
@@ -33,18 +41,10 @@ from kairos.extproc.cluster import (
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
-from prometheus_client import CollectorRegistry
-
-from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
-from kairos.common.errors import ConfigError, NoHealthyNodeError
-from kairos.core.algorithm import DeciderConfig, can_take_deflection, is_fresh
-from kairos.core.decision import Decision, Reason, Route
-from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
-from kairos.core.view import ClusterTracker
 from tests.redis_server import RedisServer
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOGGER = "kairos.extproc.cluster"
 ERRORS = "kairos_dispatcher_redis_errors_total"
 

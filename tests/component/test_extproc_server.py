@@ -18,9 +18,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
-from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.server import start_grpc_server
 from prometheus_client import CollectorRegistry
 
 from bench.noop_extproc import NOOP_ROUTE, FixedRoute
@@ -28,8 +25,11 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import Policy, make_policy
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
+from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.server import start_grpc_server
 from kairos.launcher.tinymodel import build_tiny_model
-from tests.test_dispatcher import (
+from tests.unit.test_dispatcher import (
     ADDRESSES,
     LOADED_QUEUE,
     NOW,

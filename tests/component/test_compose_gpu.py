@@ -1,6 +1,6 @@
 """compose/docker-compose.gpu.yml, the GPU override: real vLLM nodes with the Kairos plugins in
 place of the emulated engines. The override is merged onto docker-compose.yml the way compose
-merges files, then checked against ``kairos.vllm_node.VllmNodeSpec(device="gpu")``, the base file
+merges files, then checked against ``kairos.launcher.vllm_node.VllmNodeSpec(device="gpu")``, the base file
 and the dispatcher. Pure parsing (no docker daemon, no GPU); a compose CLI and vLLM's own argument
 parser (``.venv-vllm``) add checks where they are installed."""
 
@@ -24,15 +24,15 @@ from typing import Any
 
 import pytest
 import yaml
-from kairos.extproc.main import DispatcherConfig
-from kairos.nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
 
 from kairos.common.config import load_config
+from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import default_vllm_python
 from kairos.launcher.vllm_node import KV_TRANSFER_CONFIG, SCHEDULER_CLS, VllmNodeSpec
+from kairos.nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 BASE_FILE = COMPOSE_DIR / "docker-compose.yml"
 GPU_FILE = COMPOSE_DIR / "docker-compose.gpu.yml"

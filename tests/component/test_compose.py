@@ -17,13 +17,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from kairos.extproc.main import DispatcherConfig
 
 from kairos.common.errors import ConfigError
+from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 ENVOY_FILE = COMPOSE_DIR / "envoy.yaml"
