@@ -56,7 +56,7 @@ from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop
 from bench.noop_extproc import NOOP_ROUTE  # noqa: E402
 from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
 from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
-from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL  # noqa: E402
+from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, encode_heartbeat  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
 from kairos.launcher.tinymodel import _COMMON_TEXT, build_tiny_model  # noqa: E402
@@ -161,7 +161,7 @@ class FakeHeartbeats:
         self.beats += 1
         pipe = self._client.pipeline(transaction=False)
         for cfg in self._configs:
-            payload = json.dumps(build_heartbeat(cfg, self._state, self.beats, time.time()), separators=(",", ":"))
+            payload = encode_heartbeat(build_heartbeat(cfg, self._state, self.beats, time.time()))
             pipe.set(cfg.key, payload, px=cfg.ttl_ms)
             pipe.publish(REDIS_HEARTBEAT_CHANNEL, payload)
         pipe.execute()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -63,7 +62,9 @@ from kairos.common.contracts import (
     REDIS_NODE_PATTERN,
     REDIS_RESERVATION_KEY,
     REDIS_TTFT_FEEDBACK_STREAM,
-    HeartbeatField,
+    Heartbeat,
+    MalformedHeartbeat,
+    parse_heartbeat,
 )
 from kairos.common.errors import ConfigError, NoHealthyNodeError
 from kairos.core.decision import Decision
@@ -193,95 +194,6 @@ class NodeAddress(NamedTuple):
     url: str
     sidecar: str
     model: str
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """One parsed heartbeat (every :class:`~kairos.common.contracts.HeartbeatField`)."""
-
-    node_id: str
-    role: str
-    url: str
-    sidecar: str
-    seq: int
-    sent_at: float
-    decode_tokens: int
-    kv_tokens: int
-    kv_capacity_tokens: int
-    queued_prefill_tokens: tuple[int, ...]
-    scheduled_prefill_tokens: tuple[int, ...]
-    max_step_tokens: int
-    model: str
-
-    @property
-    def address(self) -> NodeAddress:
-        return NodeAddress(self.role, self.url, self.sidecar, self.model)
-
-
-class MalformedHeartbeat(ValueError):
-    """A heartbeat value that does not follow the contract."""
-
-
-def _int(data: Mapping[str, Any], name: str, minimum: int = 0) -> int:
-    value = data[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise MalformedHeartbeat(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _str(data: Mapping[str, Any], name: str) -> str:
-    value = data[name]
-    if not isinstance(value, str):
-        raise MalformedHeartbeat(f"{name} must be a string, got {value!r}")
-    return value
-
-
-def _ints(data: Mapping[str, Any], name: str) -> tuple[int, ...]:
-    value = data[name]
-    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
-        raise MalformedHeartbeat(f"{name} must be a list of ints >= 0, got {value!r}")
-    return tuple(value)
-
-
-def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
-    """Parse and check one heartbeat JSON; ``node_id`` (from the key) must match its node_id."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedHeartbeat(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise MalformedHeartbeat(f"expected a JSON object, got {type(data).__name__}")
-    f = HeartbeatField
-    missing = [name for name in f.ALL if name not in data]
-    if missing:
-        raise MalformedHeartbeat(f"missing fields {missing}")
-    sent_at = data[f.SENT_AT]
-    if not isinstance(sent_at, int | float) or isinstance(sent_at, bool) or not math.isfinite(sent_at):
-        raise MalformedHeartbeat(f"sent_at must be a number, got {sent_at!r}")
-    hb = Heartbeat(
-        node_id=_str(data, f.NODE_ID),
-        role=_str(data, f.ROLE),
-        url=_str(data, f.URL),
-        sidecar=_str(data, f.SIDECAR),
-        seq=_int(data, f.SEQ),
-        sent_at=float(sent_at),
-        decode_tokens=_int(data, f.DECODE_TOKENS),
-        kv_tokens=_int(data, f.KV_TOKENS),
-        kv_capacity_tokens=_int(data, f.KV_CAPACITY_TOKENS),
-        queued_prefill_tokens=_ints(data, f.QUEUED_PREFILL_TOKENS),
-        scheduled_prefill_tokens=_ints(data, f.SCHEDULED_PREFILL_TOKENS),
-        max_step_tokens=_int(data, f.MAX_STEP_TOKENS, minimum=1),
-        model=_str(data, f.MODEL),
-    )
-    if node_id is not None and hb.node_id != node_id:
-        raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
-    if hb.role not in (PREFILL, DECODE):
-        raise MalformedHeartbeat(f"role must be 'prefill' or 'decode', got {hb.role!r}")
-    if not hb.url:
-        raise MalformedHeartbeat("url is empty")
-    if hb.role == DECODE and not hb.sidecar:
-        raise MalformedHeartbeat("a decode node needs a sidecar address (the dispatcher routes to it)")
-    return hb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -695,7 +607,7 @@ class RedisClusterView:
                 hb.seq,
             )
         self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True)
-        self._addresses[hb.node_id] = hb.address
+        self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
         if hb.role == PREFILL:
             self.tracker.update_prefill(
                 PrefillNodeState(hb.node_id, hb.queued_prefill_tokens, chunk_tokens=hb.max_step_tokens, reported_at=now)

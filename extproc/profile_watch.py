@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kairos.common.aio import cancel_and_wait
 from kairos.common.errors import ProfileError
 from kairos.core.latency import LatencyModels, parse_profile, profile_path, read_profile_text
 from kairos.extproc.metrics import DispatcherMetrics
@@ -161,9 +162,7 @@ class ProfileWatcher:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     def request_reload(self) -> None:
         """Re-read the file at once, changed or not (the SIGHUP handler)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import signal
@@ -41,18 +40,19 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
-from kairos.common.config import load_config
+from kairos.common.config import check_hostport, load_config
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
-    HeartbeatField,
+    Heartbeat,
+    Role,
+    encode_heartbeat,
 )
 from kairos.common.errors import ConfigError, KairosError
+from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def state_endpoint(address: str) -> str:
     (``/kairos/state`` is added when it has none)."""
     text = address.strip()
     if "://" not in text:
-        _check_hostport("state url", text)
+        check_hostport("state url", text)
         return f"http://{text}{STATE_PATH}"
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -190,7 +190,7 @@ class HttpStateSource:
                     raise EngineStateError(f"GET {self.endpoint}: HTTP {resp.status}: {body}")
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise EngineStateError(f"GET {self.endpoint}: {_describe(exc)}") from exc
+            raise EngineStateError(f"GET {self.endpoint}: {describe(exc)}") from exc
         return EngineState.from_mapping(data)
 
     async def aclose(self) -> None:
@@ -202,27 +202,6 @@ class HttpStateSource:
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
-def _check_hostport(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}: expected host:port, got {value!r}")
-
-
-def _check_redis_url(name: str, value: str) -> None:
-    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {value!r}")
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, fit for a log line."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit((parts.scheme, f"{user}:***@{netloc}", parts.path, parts.query, parts.fragment))
-
-
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
     """One node's heartbeat publisher."""
@@ -244,14 +223,14 @@ class PublisherConfig:
             raise ConfigError(f"node_id must be non-empty without spaces or glob characters, got {self.node_id!r}")
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
-        _check_hostport("url", self.url)
+        check_hostport("url", self.url)
         if self.role == "decode":
             if not self.sidecar:
                 raise ConfigError(f"decode node {self.node_id}: sidecar (host:port) is required")
-            _check_hostport("sidecar", self.sidecar)
+            check_hostport("sidecar", self.sidecar)
         elif self.sidecar:
             raise ConfigError(f"prefill node {self.node_id}: sidecar must be empty, got {self.sidecar!r}")
-        _check_redis_url("redis_url", self.redis_url)
+        check_redis_url("redis_url", self.redis_url)
         if not self.period_s > 0:
             raise ConfigError(f"period_s must be > 0, got {self.period_s}")
         if not self.ttl_s > self.period_s:
@@ -277,72 +256,26 @@ class PublisherConfig:
         return state_endpoint(self.state_url or self.url)
 
 
-def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_at: float) -> dict[str, Any]:
-    """The heartbeat object (every :class:`HeartbeatField`), ready for ``json.dumps``."""
-    f = HeartbeatField
-    beat: dict[str, Any] = {
-        f.NODE_ID: config.node_id,
-        f.ROLE: config.role,
-        f.URL: config.url,
-        f.SIDECAR: config.sidecar,
-        f.SEQ: seq,
-        f.SENT_AT: sent_at,
-        f.DECODE_TOKENS: state.decode_tokens,
-        f.KV_TOKENS: state.kv_tokens,
-        f.KV_CAPACITY_TOKENS: state.kv_capacity_tokens,
-        f.QUEUED_PREFILL_TOKENS: list(state.queued_prefill_tokens),
-        f.SCHEDULED_PREFILL_TOKENS: list(state.scheduled_prefill_tokens),
-        f.MAX_STEP_TOKENS: state.max_step_tokens,
-        f.MODEL: state.model,
-    }
-    optional = {
-        f.RUNNING_REQUESTS: state.running_requests,
-        f.WAITING_REQUESTS: state.waiting_requests,
-        f.KV_USAGE: state.kv_usage,
-    }
-    beat |= {k: v for k, v in optional.items() if v is not None}
-    return beat
-
-
-def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
-    """A fail-fast client: bounded connect/command time, no hidden retries (the caller's loop
-    retries every period; redis-py reconnects on the next command after an error)."""
-    return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_at: float) -> Heartbeat:
+    """The node's heartbeat for this beat (encode it with :func:`encode_heartbeat`)."""
+    return Heartbeat(
+        node_id=config.node_id,
+        role=Role(config.role),
+        url=config.url,
+        sidecar=config.sidecar,
+        seq=seq,
+        sent_at=sent_at,
+        decode_tokens=state.decode_tokens,
+        kv_tokens=state.kv_tokens,
+        kv_capacity_tokens=state.kv_capacity_tokens,
+        queued_prefill_tokens=state.queued_prefill_tokens,
+        scheduled_prefill_tokens=state.scheduled_prefill_tokens,
+        max_step_tokens=state.max_step_tokens,
+        model=state.model,
+        running_requests=state.running_requests,
+        waiting_requests=state.waiting_requests,
+        kv_usage=state.kv_usage,
     )
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().rstrip(".")
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class _Outage:
-    """Logs the first failure of an outage at WARNING and its end at INFO, nothing in between."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self._log = logger
-        self.since: float | None = None  # monotonic start of the current outage
-        self.failures = 0  # failures in the current outage
-
-    @property
-    def active(self) -> bool:
-        return self.since is not None
-
-    def fail(self, message: str, *args: Any) -> None:
-        self.failures += 1
-        if self.since is None:
-            self.since = time.monotonic()
-            self._log.warning(message, *args)
-
-    def ok(self, message: str, **fields: Any) -> None:
-        """End the outage, if any: ``message`` may use %(after).1f (seconds) and %(failures)d."""
-        if self.since is not None:
-            self._log.info(message, {"after": time.monotonic() - self.since, "failures": self.failures, **fields})
-            self.since, self.failures = None, 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,8 +297,8 @@ class HeartbeatPublisher:
         self._stop = asyncio.Event()
         self._running = False
         self._last_payload: str | None = None  # the last JSON Redis acknowledged
-        self._state_outage = _Outage(log)
-        self._redis_outage = _Outage(log)
+        self._state_outage = Outage(log)
+        self._redis_outage = Outage(log)
 
     @property
     def running(self) -> bool:
@@ -381,7 +314,7 @@ class HeartbeatPublisher:
             raise RuntimeError(f"heartbeat publisher for {self.config.node_id} is already running")
         self._running = True
         cfg = self.config
-        client = redis_client(cfg.redis_url, cfg.redis_timeout_s)
+        client = fail_fast_client(cfg.redis_url, cfg.redis_timeout_s)
         loop = asyncio.get_running_loop()
         log.info(
             "heartbeat for %s node %s (%s%s) to %s every %.0f ms, key %s expires after %.0f ms; state from %s",
@@ -426,7 +359,7 @@ class HeartbeatPublisher:
                 "engine state unavailable for node %s at %s: %s; not publishing, so %s expires within %.0f ms",
                 cfg.node_id,
                 cfg.state_endpoint,
-                _describe(exc) if not isinstance(exc, TimeoutError) else f"no answer in {cfg.state_timeout_s} s",
+                describe(exc) if not isinstance(exc, TimeoutError) else f"no answer in {cfg.state_timeout_s} s",
                 cfg.key,
                 cfg.ttl_s * 1000,
             )
@@ -436,7 +369,7 @@ class HeartbeatPublisher:
             node=cfg.node_id,
         )
         self.seq += 1
-        payload = json.dumps(build_heartbeat(cfg, state, self.seq, time.time()), separators=(",", ":"))
+        payload = encode_heartbeat(build_heartbeat(cfg, state, self.seq, time.time()))
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.set(cfg.key, payload, px=cfg.ttl_ms)
@@ -446,7 +379,7 @@ class HeartbeatPublisher:
             self._redis_outage.fail(
                 "redis unreachable at %s: %s; heartbeats of node %s are not published, retrying every %.0f ms",
                 redact_url(cfg.redis_url),
-                _describe(exc),
+                describe(exc),
                 cfg.node_id,
                 cfg.period_s * 1000,
             )
@@ -470,7 +403,7 @@ class HeartbeatPublisher:
                 "node %s: could not delete %s on shutdown (%s); it expires within %.0f ms",
                 self.config.node_id,
                 self.config.key,
-                _describe(exc),
+                describe(exc),
                 self.config.ttl_s * 1000,
             )
             return

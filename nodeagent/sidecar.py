@@ -51,11 +51,12 @@ from redis.exceptions import RedisError
 from yarl import URL
 
 from kairos.common import contracts as c
+from kairos.common.aio import cancel_and_wait
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.common.redis_client import redact_url
 from kairos.common.runtime import stop_on_signals
-from kairos.nodeagent.heartbeat import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -289,9 +290,7 @@ class TtftFeedbackPublisher:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

@@ -99,3 +99,10 @@ def load_config(
         return cls(**converted)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from exc
+
+
+def check_hostport(name: str, value: str) -> None:
+    """Raise :class:`~kairos.common.errors.ConfigError` unless ``value`` is ``host:port``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: expected host:port, got {value!r}")

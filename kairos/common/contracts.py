@@ -6,6 +6,21 @@ the profiler, used by the simulator).
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Role(StrEnum):
+    """A node's role, as heartbeats, configs and command lines spell it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 # ---------------------------------------------------------------------------------------------
 # Latency profile file (JSON)
 # ---------------------------------------------------------------------------------------------
@@ -151,3 +166,135 @@ class TtftFeedbackField:
     OBSERVED_MS = "observed_ms"  # arrival at the sidecar to the first body byte relayed, ms
 
     ALL = (REQUEST_ID, PATH, NODE, PREDICTED_MS, OBSERVED_MS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The heartbeat: one encoder (the node's publisher), one decoder (every dispatcher)
+# ---------------------------------------------------------------------------------------------
+class MalformedHeartbeat(ValueError):
+    """A heartbeat value that does not follow the contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """One heartbeat (every :class:`HeartbeatField`, by the same names)."""
+
+    node_id: str
+    role: Role
+    url: str  # host:port of the node's vLLM server
+    sidecar: str  # host:port of the decode sidecar ("" on prefill nodes)
+    seq: int
+    sent_at: float  # publisher's unix time (informational: ages use the receiver's clock)
+    decode_tokens: int
+    kv_tokens: int
+    kv_capacity_tokens: int
+    queued_prefill_tokens: tuple[int, ...]
+    scheduled_prefill_tokens: tuple[int, ...]
+    max_step_tokens: int
+    model: str
+    running_requests: int | None = None
+    waiting_requests: int | None = None
+    kv_usage: float | None = None
+
+
+def encode_heartbeat(hb: Heartbeat) -> str:
+    """The heartbeat's compact JSON, as SET in :data:`REDIS_NODE_KEY` and PUBLISHed."""
+    f = HeartbeatField
+    beat: dict[str, Any] = {
+        f.NODE_ID: hb.node_id,
+        f.ROLE: str(hb.role),
+        f.URL: hb.url,
+        f.SIDECAR: hb.sidecar,
+        f.SEQ: hb.seq,
+        f.SENT_AT: hb.sent_at,
+        f.DECODE_TOKENS: hb.decode_tokens,
+        f.KV_TOKENS: hb.kv_tokens,
+        f.KV_CAPACITY_TOKENS: hb.kv_capacity_tokens,
+        f.QUEUED_PREFILL_TOKENS: list(hb.queued_prefill_tokens),
+        f.SCHEDULED_PREFILL_TOKENS: list(hb.scheduled_prefill_tokens),
+        f.MAX_STEP_TOKENS: hb.max_step_tokens,
+        f.MODEL: hb.model,
+    }
+    optional = {
+        f.RUNNING_REQUESTS: hb.running_requests,
+        f.WAITING_REQUESTS: hb.waiting_requests,
+        f.KV_USAGE: hb.kv_usage,
+    }
+    beat |= {k: v for k, v in optional.items() if v is not None}
+    return json.dumps(beat, separators=(",", ":"))
+
+
+def _hb_int(data: Mapping[str, Any], name: str, minimum: int = 0) -> int:
+    value = data[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MalformedHeartbeat(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _hb_str(data: Mapping[str, Any], name: str) -> str:
+    value = data[name]
+    if not isinstance(value, str):
+        raise MalformedHeartbeat(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _hb_ints(data: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    value = data[name]
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        raise MalformedHeartbeat(f"{name} must be a list of ints >= 0, got {value!r}")
+    return tuple(value)
+
+
+def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = data.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok or (kind is int and not isinstance(value, int)):
+        raise MalformedHeartbeat(f"{name} must be {'an int' if kind is int else 'a number'} >= 0, got {value!r}")
+    return kind(value)
+
+
+def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
+    """Parse and check one heartbeat JSON; ``node_id`` (from the key) must match its node_id."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedHeartbeat(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise MalformedHeartbeat(f"expected a JSON object, got {type(data).__name__}")
+    f = HeartbeatField
+    missing = [name for name in f.ALL if name not in data]
+    if missing:
+        raise MalformedHeartbeat(f"missing fields {missing}")
+    sent_at = data[f.SENT_AT]
+    if not isinstance(sent_at, int | float) or isinstance(sent_at, bool) or not math.isfinite(sent_at):
+        raise MalformedHeartbeat(f"sent_at must be a number, got {sent_at!r}")
+    role = _hb_str(data, f.ROLE)
+    if role not in tuple(Role):
+        raise MalformedHeartbeat(f"role must be 'prefill' or 'decode', got {role!r}")
+    hb = Heartbeat(
+        node_id=_hb_str(data, f.NODE_ID),
+        role=Role(role),
+        url=_hb_str(data, f.URL),
+        sidecar=_hb_str(data, f.SIDECAR),
+        seq=_hb_int(data, f.SEQ),
+        sent_at=float(sent_at),
+        decode_tokens=_hb_int(data, f.DECODE_TOKENS),
+        kv_tokens=_hb_int(data, f.KV_TOKENS),
+        kv_capacity_tokens=_hb_int(data, f.KV_CAPACITY_TOKENS),
+        queued_prefill_tokens=_hb_ints(data, f.QUEUED_PREFILL_TOKENS),
+        scheduled_prefill_tokens=_hb_ints(data, f.SCHEDULED_PREFILL_TOKENS),
+        max_step_tokens=_hb_int(data, f.MAX_STEP_TOKENS, minimum=1),
+        model=_hb_str(data, f.MODEL),
+        running_requests=_hb_optional(data, f.RUNNING_REQUESTS, int),
+        waiting_requests=_hb_optional(data, f.WAITING_REQUESTS, int),
+        kv_usage=_hb_optional(data, f.KV_USAGE, float),
+    )
+    if node_id is not None and hb.node_id != node_id:
+        raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
+    if not hb.url:
+        raise MalformedHeartbeat("url is empty")
+    if hb.role is Role.DECODE and not hb.sidecar:
+        raise MalformedHeartbeat("a decode node needs a sidecar address (the dispatcher routes to it)")
+    return hb

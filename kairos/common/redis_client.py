@@ -1,0 +1,90 @@
+"""Redis helpers every Kairos process shares: one client set-up, URL redaction, outage logging.
+
+- :func:`fail_fast_client`: bounded connect and command times and no hidden retries, because
+  every caller (the dispatcher's poller, the heartbeat publisher, the sidecar's feedback writer)
+  already retries on its own period, and a retry with backoff would hold its loop.
+- :func:`redact_url`: a Redis URL fit for a log line.
+- :class:`Outage`: log the first failure of an outage at WARNING and its end at INFO, nothing
+  in between, so a Redis restart costs two log lines, not one per poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from kairos.common.errors import ConfigError
+
+# What a failed Redis round trip raises: OSError covers refused sockets and asyncio timeouts.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_redis_url(name: str, value: str) -> None:
+    """Raise :class:`~kairos.common.errors.ConfigError` unless ``value`` is a Redis URL."""
+    if urlsplit(value).scheme not in REDIS_URL_SCHEMES:
+        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {value!r}")
+
+
+def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client whose every connect and command gives up after ``timeout_s``, never retried.
+    redis-py reconnects by itself on the next command after an error."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, fit for a log line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query, parts.fragment))
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, for one log line (no traceback)."""
+    text = str(exc).strip().rstrip(".")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Outage:
+    """Logs the first failure of an outage at WARNING and its end at INFO, nothing in between."""
+
+    def __init__(self, logger: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._clock = clock
+        self.since: float | None = None  # clock time of the current outage's first failure
+        self.failures = 0  # failures in the current outage
+
+    def fail(self, message: str, *args: Any) -> bool:
+        """Count a failure; log ``message`` if it starts an outage. True if it did."""
+        self.failures += 1
+        if self.since is not None:
+            return False
+        self.since = self._clock()
+        self._log.warning(message, *args)
+        return True
+
+    def ok(self, message: str, **fields: Any) -> float | None:
+        """End the outage, if any, logging ``message``: it may use %(after).2f (seconds) and
+        %(failures)d besides ``fields``. Returns the outage's length, or None if there was none."""
+        if self.since is None:
+            return None
+        after = self._clock() - self.since
+        self._log.info(message, {"after": after, "failures": self.failures, **fields})
+        self.since, self.failures = None, 0
+        return after
