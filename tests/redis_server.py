@@ -9,8 +9,7 @@ Each server runs in its own temporary directory with persistence off (``--save '
 ``--appendonly no``), is stopped by its PID (SIGTERM, then SIGKILL after a grace period) and
 never outlives the test: ``stop()`` runs on context exit and at interpreter exit.
 
-To use the fixture ``redis_server`` in a test module without defining one, add
-``pytest_plugins = ["tests.redis_server"]`` to a conftest.py.
+Tests get a started one from the suite-wide ``redis`` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,10 +22,7 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -158,10 +154,3 @@ class RedisServer:
 def _stop_all() -> None:
     for server in list(_live):
         server.close()
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A started :class:`RedisServer`, closed after the test."""
-    with RedisServer() as server:
-        yield server

@@ -4,7 +4,6 @@ aiohttp server. Periods are 20 ms so the whole file runs in a few seconds."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import json
 import logging
@@ -12,10 +11,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -34,8 +33,8 @@ from kairos.nodeagent.heartbeat import (
     state_endpoint,
 )
 from tests.redis_server import RedisServer, free_port
+from tests.waiting import eventually
 
-T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
 LOGGER = "kairos.nodeagent.heartbeat"
 
@@ -81,26 +80,6 @@ def config(redis: str, **kw: Any) -> PublisherConfig:
         "redis_timeout_s": 2.0,  # generous: a stopped Redis refuses at once; a busy CI host is slow
     }
     return PublisherConfig(**{**base, **kw})
-
-
-async def eventually(probe: Callable[[], Awaitable[T] | T], timeout_s: float = 2.0, what: str = "condition") -> T:
-    """Call (and await) ``probe()`` every 5 ms until it returns something truthy; fail after the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        await asyncio.sleep(0.005)
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
 
 
 @pytest.fixture

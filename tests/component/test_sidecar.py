@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from kairos.nodeagent.sidecar import (
     build_app,
 )
 from tests.redis_server import RedisServer
+from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a NixlConnector prefill node puts in its reply (the shape vLLM returns).
@@ -609,26 +610,12 @@ async def test_other_gets_are_proxied_to_the_local_vllm(rig: Rig) -> None:
 # ---------------------------------------------------------------------------------------------
 # TTFT feedback to Redis
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 async def _feedback_entries(url: str) -> list[dict[str, str]]:
     client = aioredis.Redis.from_url(url, decode_responses=True)
     try:
         return [fields for _id, fields in await client.xrange(c.REDIS_TTFT_FEEDBACK_STREAM)]
     finally:
         await client.aclose()
-
-
-async def _eventually(probe: Callable[[], Awaitable[Any]], timeout_s: float = 3.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := await probe()):
-        assert time.monotonic() < deadline, "not reached in time"
-        await asyncio.sleep(0.01)
-    return value
 
 
 async def _sidecar_metrics(rig: Rig, url: str) -> str:
@@ -654,7 +641,7 @@ async def test_ttft_feedback_is_one_xadd_per_routed_request_after_its_first_toke
         assert resp.status == 200
         await resp.content.readuntil(b"\n\n")  # the first token
         # Sent while the response is still streaming: after the first token, not at the end.
-        (entry,) = await _eventually(lambda: _feedback_entries(redis.url))
+        (entry,) = await eventually(lambda: _feedback_entries(redis.url))
         rig.decode.gate.set()
         await resp.read()
     assert set(entry) == set(c.TtftFeedbackField.ALL)
@@ -675,19 +662,31 @@ async def test_ttft_feedback_is_one_xadd_per_routed_request_after_its_first_toke
     async with rig.http.post(f"{url}/v1/completions", json=COMPLETION) as resp:
         assert resp.status == 200
 
-    async def two() -> bool:
-        return len(await _feedback_entries(redis.url)) >= 2
+    # A marker with a prediction, after them: the one writer XADDs in offer order, and a sample is
+    # offered before its response is sent, so once the marker is in the stream a wrong sample for
+    # the two requests above would be there too.
+    marker = {**DEFLECT_PREDICTED, c.H_REQUEST_ID: "req-marker"}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=marker) as resp:
+        assert resp.status == 200
 
-    await _eventually(two)
-    await asyncio.sleep(0.1)  # time for a wrong third XADD to land
-    entries = await _feedback_entries(redis.url)
+    async def up_to_the_marker() -> list[dict[str, str]] | None:
+        entries = await _feedback_entries(redis.url)
+        return entries if entries and entries[-1]["request_id"] == "req-marker" else None
+
+    entries = await eventually(up_to_the_marker, what="the marker's feedback sample")
     assert [(e["request_id"], e["path"], e["predicted_ms"]) for e in entries] == [
         ("req-deflect", "deflect", "250.000"),
         ("req-keep", "keep", "120.500"),
+        ("req-marker", "deflect", "250.000"),
     ]
     assert entries[1]["node"] == rig.decode.url  # no decode node header: the local vLLM names it
-    text = await _sidecar_metrics(rig, url)
-    assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 2
+
+    async def counted() -> str | None:  # the writer counts "sent" once XADD's reply is back: just after
+        text = await _sidecar_metrics(rig, url)
+        return text if _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") >= 3 else None
+
+    text = await eventually(counted, what="3 samples counted sent")
+    assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 3
     assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="error") == 0
 
 
@@ -695,7 +694,7 @@ async def test_ttft_feedback_without_a_redis_url_uses_no_redis(rig: Rig, redis: 
     url = await rig.start_sidecar()
     async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
         assert resp.status == 200
-    await asyncio.sleep(0.05)
+    # No wait: a sample is offered at the response's first byte, so the sidecar had its chance.
     assert await _feedback_entries(redis.url) == []
     assert _metric(await _sidecar_metrics(rig, url), "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
 
@@ -740,18 +739,26 @@ async def test_redis_down_is_counted_logged_once_and_recovers(
         for _ in range(4):
             async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
                 assert resp.status == 200
-        text = await _eventually(lambda: _errors_seen(rig, url))
+        text = await eventually(lambda: _errors_seen(rig, url))
         assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
         down = [r for r in caplog.records if "TTFT feedback: redis at" in r.getMessage() and "failed" in r.getMessage()]
         assert len(down) == 1 and down[0].levelno == logging.WARNING
         assert "requests are not affected" in down[0].getMessage()
 
         server.start()
-        await asyncio.sleep(0.25)  # past the retry pause
+        # The pause is 0.2 s of loop time from the last failure, which came before _errors_seen saw
+        # all 4 samples counted; a sleep lasts at least its 0.25 s of loop time, so this is a
+        # deadline the sleep cannot miss, however slow the machine (slower only sleeps longer).
+        await asyncio.sleep(0.25)
         async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
             assert resp.status == 200
-        assert len(await _eventually(lambda: _feedback_entries(server.url))) == 1
-        text = await _sidecar_metrics(rig, url)
+
+        async def sent() -> str | None:  # counted and logged ("answers again") once XADD's reply is back
+            text = await _sidecar_metrics(rig, url)
+            return text if _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") >= 1 else None
+
+        text = await eventually(sent, what="the first sample after the restart sent")
+        assert len(await _feedback_entries(server.url)) == 1
         lost = sum(_metric(text, "kairos_sidecar_ttft_feedback_total", outcome=o) for o in ("error", "dropped"))
         assert lost == 4 and _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 1
         back = [r for r in caplog.records if "answers again" in r.getMessage()]
