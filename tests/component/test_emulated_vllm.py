@@ -4,12 +4,13 @@ the P/D two-hop protocol, deflected chunk schedules, state/metrics, errors and t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig,
 from kairos.sim.engine import Engine, EngineConfig, Role
 from kairos.sim.engine import Sequence as Seq
 from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
+from tests.waiting import eventually
 
 MODEL = "tiny-llama"
 SCALE = 20.0  # model seconds per wall second: a ~50 ms decode step takes ~2.5 ms
@@ -114,13 +116,6 @@ def sample(samples: dict[str, float], name: str, **labels: str) -> float:
     want = {"engine": "0", "model_name": MODEL, **labels}
     key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(want.items())) + "}"
     return samples[key]
-
-
-async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 def ids(n: int) -> list[int]:
@@ -253,7 +248,7 @@ async def test_two_hop_prefill_then_decode_pulls_the_kv(
     async def released() -> bool:
         return (await get_json(http, f"{prefill.url}/kairos/state"))["kv_tokens"] == 0
 
-    await until(released)  # freed once the modelled transfer has been read
+    await eventually(released, what="the prefill node freed the pulled KV")  # once the modelled transfer was read
     # The same parameters again: the KV is gone, the client gets a clear 400 at once.
     status, again = await post(http, f"{decode.url}/v1/completions", {**client_body, "kv_transfer_params": kv})
     assert "does not hold" in assert_openai_error(status, again, 400)
@@ -376,7 +371,7 @@ async def test_unpulled_kv_is_released_after_the_hold_timeout(
         async def released() -> bool:
             return (await get_json(http, f"{p.url}/kairos/state"))["kv_tokens"] == 0
 
-        await until(released, timeout=2.0)
+        await eventually(released, what="the unpulled KV released")
         hop2 = {"model": MODEL, "prompt": ids(64), "max_tokens": 3, "kv_transfer_params": reply["kv_transfer_params"]}
         status, err = await post(http, f"{decode.url}/v1/completions", hop2)
         assert "expired" in assert_openai_error(status, err, 400)
@@ -448,8 +443,8 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             s = await get_json(http, f"{d.url}/kairos/state")
             return s["decode_tokens"] == 2 and s["queued_prefill_tokens"] == [200, 200, 200]
 
-        await until(two_running_three_waiting)
-        await until(state_shows_it)
+        await eventually(two_running_three_waiting, what="2 running, 3 waiting in the metrics")
+        await eventually(state_shows_it, what="2 decoding, 3 queued in the state")
         state = await get_json(http, f"{d.url}/kairos/state")
         assert set(state) == {
             "decode_tokens",
@@ -489,7 +484,8 @@ async def test_client_disconnect_mid_stream_stops_the_sequence(decode: Node, htt
         s = await get_json(http, f"{decode.url}/kairos/state")
         return s["decode_tokens"] == 0 and s["kv_tokens"] == 0
 
-    await until(idle, timeout=3.0)
+    await eventually(idle, what="the aborted sequence gone")
+    # An abort, not the end of the ~12 s stream: far fewer than its 5000 tokens were generated.
     assert sample(await metrics(http, decode.url), "vllm:generation_tokens_total") < 5000
     status, ok = await post(
         http, f"{decode.url}/v1/completions", {"model": MODEL, "prompt": "still fine", "max_tokens": 2}
@@ -546,6 +542,8 @@ def test_config_validation(model_dir: Path) -> None:
 # The wall-time driver on its own
 # ---------------------------------------------------------------------------------------------
 async def test_realtime_engine_streams_tokens_and_queues_transfers_for_kv_room() -> None:
+    """Asserts model time, step indices and counts, never wall time: on a starved host the step
+    loop falls behind and resynchronises (model time jumps ahead), and that must not fail it."""
     engine = Engine(
         EngineConfig("r0", Role.DECODE, 256, kv_capacity_tokens=1000), lambda role, plan: 0.05, track_tokens=True
     )
@@ -553,21 +551,34 @@ async def test_realtime_engine_streams_tokens_and_queues_transfers_for_kv_room()
     rt.start()
     try:
         await rt.reserve_kv(600)
-        first = rt.accept_transferred(Seq("first", 600, 4), 600)
         # 600 + 600 > 1000: the second transfer waits for room, a cancelled third gives up its place.
+        # Both queue before the first sequence runs, so nothing can free room while this is checked.
         second_room = asyncio.create_task(rt.reserve_kv(600))
-        third_room = asyncio.create_task(rt.reserve_kv(100))
-        await asyncio.sleep(0.002)
-        assert not second_room.done() and rt.pending_transfers == 2
+        third_room = asyncio.create_task(rt.reserve_kv(100))  # would fit, but waits behind the second
+        await eventually(lambda: rt.pending_transfers == 2, what="two transfers waiting for room")
+        assert not second_room.done() and not third_room.done()
         third_room.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await third_room
+        assert rt.pending_transfers == 1 and not second_room.done()
+
+        first = rt.accept_transferred(Seq("first", 600, 4), 600)
         events = [e async for e in first]
-        assert [(e.index, e.last) for e in events] == [(1, False), (2, False), (3, False), (4, True)]
-        assert [e.at for e in events] == pytest.approx([events[0].at + 0.05 * i for i in range(4)])
-        await asyncio.wait_for(second_room, 1.0)  # granted once the first sequence freed its KV
-        assert engine.kv_reserved == 600 and rt.pending_transfers == 0
+        assert [(e.index, e.step) for e in events] == [(1, 0), (2, 1), (3, 2), (4, 3)]  # one token a step
+        assert [e.last for e in events] == [False, False, False, True]
+        # Each token lands at the model-time end of the step that made it, and steps last their
+        # modelled 0.05 s; a resync may only open a gap between steps, never shorten one.
+        steps = rt.steps_since(0)[:4]
+        assert [s["duration"] for s in steps] == [0.05] * 4
+        assert [e.at for e in events] == pytest.approx([s["start"] + s["duration"] for s in steps])
+        assert all(b.at - a.at >= 0.05 - 1e-9 for a, b in itertools.pairwise(events))
+        if rt.resyncs == 0:  # on time: the steps chain back to back in model time
+            assert [e.at for e in events] == pytest.approx([events[0].at + 0.05 * i for i in range(4)])
+        await asyncio.wait_for(second_room, 30.0)  # granted as the first sequence freed its KV
+        assert engine.kv_reserved == 600 and rt.pending_transfers == 0  # the cancelled third took none
         rt.unreserve_kv(600)
         plain = rt.submit(Seq("plain", 200, 2))
-        assert [e.step for e in [e async for e in plain]] == [engine.step_index - 2, engine.step_index - 1]
+        assert [e.step for e in [e async for e in plain]] == [4, 5] == [engine.step_index - 2, engine.step_index - 1]
         assert (engine.kv_used, engine.kv_reserved) == (0, 0)
         assert [s["chunks"] for s in rt.steps_since(4)] == [[{"request_id": "plain", "tokens": 200, "cached": 0}], []]
     finally:
@@ -581,7 +592,7 @@ async def test_realtime_engine_streams_tokens_and_queues_transfers_for_kv_room()
 # ---------------------------------------------------------------------------------------------
 async def test_time_scale_divides_wall_time(model_dir: Path, http: aiohttp.ClientSession) -> None:
     body = {"model": MODEL, "prompt": ids(1000), "max_tokens": 60}
-    walls, model = {}, {}
+    walls, model, resyncs = {}, {}, {}
     for scale in (10.0, 40.0):
         async with running(model_dir, f"t{int(scale)}", Role.DECODE, time_scale=scale) as d:
             started = time.perf_counter()
@@ -593,15 +604,19 @@ async def test_time_scale_divides_wall_time(model_dir: Path, http: aiohttp.Clien
             # Steps chain back to back in model time, whatever the timer overshoot on the wall,
             # unless the loop fell over MAX_LAG_S behind (a starved CI host) and dropped that time.
             assert d.node.rt is not None
+            resyncs[scale] = d.node.rt.resyncs
             if d.node.rt.resyncs == 0:
                 span = steps[-1]["start"] + steps[-1]["duration"] - steps[0]["start"]
                 assert span == pytest.approx(model[scale])
     # Same model time either way (60 steps of ~46 ms: ~2.8 s). A step never ends early, so the
-    # wall time is at least model time over the scale; the upper bound is loose (a shared, busy
-    # machine) but still far below the 2.8 s an unscaled engine would take.
+    # wall time is at least model time over the scale. The upper bound is loose (a shared, busy
+    # machine) but still far below the 2.8 s an unscaled engine would take; it holds only while
+    # the step loop kept up: a starved loop resyncs (counted) and then drops wall time on purpose.
     assert model[10.0] == pytest.approx(model[40.0]) and model[10.0] > 2.0
     for scale, wall in walls.items():
-        assert model[scale] / scale <= wall <= model[scale] / scale * 3 + 0.8, (scale, wall, model[scale])
+        assert model[scale] / scale <= wall, (scale, wall, model[scale])
+        if resyncs[scale] == 0:
+            assert wall <= model[scale] / scale * 3 + 0.8, (scale, wall, model[scale])
 
 
 async def test_cli_listens_and_stops_on_sigterm(model_dir: Path, http: aiohttp.ClientSession) -> None:
