@@ -43,6 +43,7 @@ from kairos.extproc.cluster import NodeAddress
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.launcher.tinymodel import build_tiny_model
+from tests.waiting import eventually
 
 NOW = 100.0
 OWNER = "dispatcher-under-test"
@@ -748,24 +749,25 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
 ) -> None:
     """While a slow parse runs in the pool, a small request on the same dispatcher completes."""
     original = dispatcher_module.parse_request
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
     def slow_for_long_bodies(
         path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits
     ) -> ParsedRequest:
         if len(body) > 16_384:
-            assert release.wait(5), "the small request never finished"
+            started.set()
+            assert release.wait(30), "the small request never finished"
         return original(path, body, tokenizer, limits)
 
     monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
     h = harness(make_cluster())
     long_body = completion_body(50, size=300_000)  # over count_inline_bytes: parsed in the pool
     long_task = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, long_body))
-    await asyncio.sleep(0)
+    await eventually(started.is_set, what="the long body's parse running in the pool")
     small = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(60))
     assert not long_task.done()
     release.set()
-    long = await asyncio.wait_for(long_task, 5)
+    long = await asyncio.wait_for(long_task, 30)
 
     assert isinstance(small, Routed) and isinstance(long, Routed)
     assert small.decision is not None and small.decision.prompt_tokens == 60

@@ -22,6 +22,7 @@ from kairos.core.latency import DEFAULT_PROFILE, load_profile, profile_path
 from kairos.extproc.main import DispatcherConfig, _on_sighup, build_parser
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
+from tests.waiting import eventually
 
 RELOADS = "kairos_dispatcher_profile_reloads_total"
 INFO = "kairos_dispatcher_profile_info"
@@ -195,11 +196,30 @@ async def test_a_version_the_dispatcher_cannot_use_is_an_error(rig: Rig) -> None
 # ---------------------------------------------------------------------------------------------
 # The watcher's task: interval, disabled, SIGHUP
 # ---------------------------------------------------------------------------------------------
-async def eventually(probe: Any, timeout_s: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not probe():
-        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
-        await asyncio.sleep(0.005)
+def count_checks(rig: Rig) -> list[bool]:
+    """Record each check() the watcher's own task makes (its ``force`` flag), in a list."""
+    calls: list[bool] = []
+    check = rig.watcher.check
+
+    async def counted(force: bool = False) -> str:
+        calls.append(force)
+        return await check(force=force)
+
+    rig.watcher.check = counted  # type: ignore[method-assign]
+    return calls
+
+
+async def periodic_checks_pass(tmp_path: Path, checks: int = 10) -> None:
+    """A positive signal that a watcher had its chance to check: a second watcher on its own file,
+    every 10 ms, has made ``checks`` checks (>= 0.1 s of loop time, however slow the machine)."""
+    (tmp_path / "control").mkdir(exist_ok=True)
+    control = Rig(tmp_path / "control", interval_s=0.01)
+    made = count_checks(control)
+    await control.watcher.start()
+    try:
+        await eventually(lambda: len(made) >= checks, what=f"{checks} checks of a 10 ms watcher")
+    finally:
+        await control.watcher.stop()
 
 
 async def test_the_periodic_check_picks_a_change_up(tmp_path: Path) -> None:
@@ -216,11 +236,13 @@ async def test_interval_zero_disables_the_periodic_check_but_not_sighup(tmp_path
     rig = Rig(tmp_path, interval_s=0.0)
     await rig.watcher.start()
     try:
+        checks = count_checks(rig)
         write_atomically(rig.path, dump(profile_doc("v2")))
-        await asyncio.sleep(0.2)
-        assert rig.applied == [] and rig.reloads("ok") == 0
+        await periodic_checks_pass(tmp_path)
+        assert checks == [] and rig.applied == [] and rig.reloads("ok") == 0
         rig.watcher.request_reload()
         await eventually(lambda: rig.names == ["v2"])
+        assert checks == [True]  # the one SIGHUP-style check, forced
     finally:
         await rig.watcher.stop()
 
@@ -240,11 +262,14 @@ async def test_sighup_reloads_at_once(tmp_path: Path) -> None:
 
 async def test_stop_ends_the_task(tmp_path: Path) -> None:
     rig = Rig(tmp_path, interval_s=0.01)
+    checks = count_checks(rig)
     await rig.watcher.start()
+    await eventually(lambda: checks, what="a first periodic check")
     await rig.watcher.stop()
+    made = len(checks)
     write_atomically(rig.path, dump(profile_doc("v2")))
-    await asyncio.sleep(0.1)
-    assert rig.applied == []
+    await periodic_checks_pass(tmp_path)  # ten periods of the stopped watcher's 10 ms
+    assert len(checks) == made and rig.applied == []
 
 
 # ---------------------------------------------------------------------------------------------
