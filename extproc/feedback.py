@@ -20,15 +20,19 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kairos.common.contracts import TtftFeedbackField
+import redis.asyncio as aioredis
+
+from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
+from kairos.common.redis_client import REDIS_ERRORS, Outage, describe
 from kairos.extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 200  # samples per path in the rolling MAPE
+FEEDBACK_BATCH = 1000  # stream entries per XREAD: 20,000 samples/s at 50 ms polls
 
 # One XREAD entry as redis-py returns it: (id, {field: value}), bytes unless decode_responses.
 StreamEntry = tuple[bytes | str, Mapping[bytes | str, bytes | str]]
@@ -132,5 +136,44 @@ class TtftFeedback:
         errors = self._errors[path]
         return math.fsum(errors) / len(errors) if errors else None
 
-    def window_of(self, path: str) -> Sequence[float]:
-        return tuple(self._errors[path])
+
+class FeedbackReader:
+    """Reads the stream's new entries into a :class:`TtftFeedback`, one non-blocking XREAD per
+    call from the last id read (the cluster view's poller calls it after each good poll).
+
+    XREAD without BLOCK: a poll must not wait. "$" means nothing to a non-blocking XREAD (it would
+    always answer empty), so the first read finds the stream's last id with XREVRANGE and
+    continues from there: entries written before the dispatcher started are not replayed. A
+    failed read only pauses the feedback; it never marks the view degraded.
+    """
+
+    def __init__(self, feedback: TtftFeedback, on_error: Callable[[], None], source: str) -> None:
+        self.feedback = feedback
+        self._on_error = on_error  # counts a failed round trip
+        self._last_id: bytes | str | None = None  # None: find the stream's end first
+        self._outage = Outage(log)
+        self._source = source  # the (redacted) Redis URL, for log lines
+
+    async def read(self, client: aioredis.Redis) -> None:
+        stream = REDIS_TTFT_FEEDBACK_STREAM
+        try:
+            if self._last_id is None:
+                last = await client.xrevrange(stream, count=1)
+                self._last_id = last[0][0] if last else b"0-0"
+            reply = await client.xread({stream: self._last_id}, count=FEEDBACK_BATCH)
+        except REDIS_ERRORS as exc:
+            self._on_error()
+            self._outage.fail(
+                "cannot read the TTFT feedback stream %s at %s: %s; the model-error metrics pause until it "
+                "reads again (routing is not affected)",
+                stream,
+                self._source,
+                describe(exc),
+            )
+            return
+        self._outage.ok("reading the TTFT feedback stream %(stream)s again", stream=stream)
+        # RESP2 answers [[stream, entries]], a RESP3 connection may answer {stream: entries}.
+        for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():
+            if entries:
+                self._last_id = entries[-1][0]
+                self.feedback.add_entries(entries)

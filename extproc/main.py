@@ -31,11 +31,14 @@ from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
 from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
+from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
 from kairos.extproc.server import start_grpc_server
 
 log = logging.getLogger("kairos.dispatcher")
+
+_VIEW, _MEMBERSHIP = ClusterViewConfig(), MembershipConfig()  # their defaults are the dispatcher's
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class DispatcherConfig:
     host: str = "127.0.0.1"
     port: int = 9000  # ext_proc gRPC
     metrics_port: int = 9100  # Prometheus /metrics, /health and /nodes (0 = off)
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = _VIEW.redis_url
     model_dir: str = ""  # the served model's tokenizer (tokenizer.json + tokenizer_config.json)
     profile: str = DEFAULT_PROFILE  # latency profile: packaged name or JSON path
     # A profile file is re-read when its (inode, mtime, size) changes, checked this often;
@@ -59,12 +62,23 @@ class DispatcherConfig:
     tbt_slo_ms: float = 70.0
     ttft_slo_s: float = 4.0
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
-    stale_after_s: float = 0.35
     max_pending_deflections: int | None = 1
     node_step_guard: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
     max_model_len: int = 32768
     dispatcher_id: str = ""  # reservation owner; a random id when empty
+    # The cluster view (kairos.extproc.cluster and .membership say what each does).
+    poll_s: float = _VIEW.poll_s
+    scan_every_polls: int = _VIEW.scan_every_polls
+    redis_timeout_s: float = _VIEW.redis_timeout_s
+    reservation_ttl_s: float = _VIEW.reservation_ttl_s
+    stale_after_s: float = _MEMBERSHIP.stale_after_s  # the decider gets the same value
+    recovery_grace_s: float = _MEMBERSHIP.recovery_grace_s
+    forget_malformed_after_s: float = _MEMBERSHIP.forget_malformed_after_s
+    last_resort_s: float = _MEMBERSHIP.last_resort_s
+    # A dispatch stays in the overlay until a beat taken this long after it arrives: one poll of
+    # delay on our side plus the sidecar hop.
+    dispatch_grace_s: float = 0.1
     # Used only while Redis has never answered: "id=host:port" for prefill vLLMs and
     # "id=host:port" of decode sidecars (plain P/D routing until heartbeats arrive).
     fallback_prefill: tuple[str, ...] = ()
@@ -79,6 +93,26 @@ class DispatcherConfig:
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
         if self.ttft_feedback_window < 0:
             raise ConfigError(f"ttft_feedback_window must be >= 0 (0 = off), got {self.ttft_feedback_window}")
+        if not self.dispatch_grace_s >= 0:
+            raise ConfigError(f"dispatch_grace_s must be >= 0, got {self.dispatch_grace_s}")
+        self.cluster_view()  # its own cross-field checks, at start-up
+
+    def cluster_view(self) -> ClusterViewConfig:
+        return ClusterViewConfig(
+            redis_url=self.redis_url,
+            poll_s=self.poll_s,
+            scan_every_polls=self.scan_every_polls,
+            redis_timeout_s=self.redis_timeout_s,
+            reservation_ttl_s=self.reservation_ttl_s,
+            membership=MembershipConfig(
+                stale_after_s=self.stale_after_s,
+                recovery_grace_s=self.recovery_grace_s,
+                forget_malformed_after_s=self.forget_malformed_after_s,
+                last_resort_s=self.last_resort_s,
+                fallback_prefill=self.fallback_prefill,
+                fallback_decode=self.fallback_decode,
+            ),
+        )
 
     def decider(self) -> DeciderConfig:
         return DeciderConfig(
@@ -108,15 +142,8 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
     metrics = DispatcherMetrics()
     metrics.set_profile(profile.models.name, profile.digest, profile.source)
     cluster = RedisClusterView(
-        ClusterViewConfig(
-            redis_url=config.redis_url,
-            stale_after_s=config.stale_after_s,
-            fallback_prefill=config.fallback_prefill,
-            fallback_decode=config.fallback_decode,
-        ),
-        # A dispatch stays in the overlay until a beat taken well after it arrives: one poll of
-        # delay on our side plus the sidecar hop.
-        tracker=ClusterTracker(dispatch_grace_s=0.1),
+        config.cluster_view(),
+        tracker=ClusterTracker(dispatch_grace_s=config.dispatch_grace_s),
         registry=metrics.registry,
         feedback=TtftFeedback(metrics, config.ttft_feedback_window) if config.ttft_feedback_window else None,
     )

@@ -1,0 +1,365 @@
+"""Which nodes the dispatcher routes on: the membership rules, pure and clock-free.
+
+:class:`Membership` takes what one Redis poll returned (each heartbeat key's node id and raw
+value) or the fact that the poll failed, with the poll's ``now``, and answers with the view it
+feeds into the :class:`~kairos.core.view.ClusterTracker` and the :data:`Event` list of what
+changed. It does no I/O and reads no clock, so every rule is a table-driven unit test; the Redis
+poller (:mod:`kairos.extproc.cluster`) only fetches, feeds and logs.
+
+The rules (design principle 6):
+
+* A heartbeat with a new ``(seq, sent_at)`` refreshes its node, stamped ``now`` (the receiver's
+  clock: the publisher's clock never matters). The same beat again keeps aging; a node with no
+  new beat for ``stale_after_s`` is stale (kept for keep routing, never deflected to).
+* A key gone from Redis (expired: the node or its engine died) removes the node, except:
+  - during the **recovery grace** (``recovery_grace_s`` after Redis answers again following an
+    outage, or for the first time after the static fallback), when publishers are re-publishing
+    into an empty Redis and the view should not flash empty;
+  - as a **last resort**: when every key of a role is gone at once (a starved host or a stalled
+    agent is likelier than every node dying together), those nodes stay, stale, for up to
+    ``last_resort_s`` after their last beat.
+* A **malformed** value keeps the node's last good state (aging) until it is
+  ``forget_malformed_after_s`` old, then the node leaves as if its key had expired. A node that
+  reports another **role** than before leaves and joins again as the new role.
+* Redis **unreachable** after it had answered: ``degraded``; the last view stays as it is and
+  ages (so it turns stale: keep routing only). Redis unreachable **since start**: the view is the
+  config's **static node lists**, refreshed at every failed poll, with zero load and, on decode
+  nodes, a KV capacity of 0 so that no prompt fits: plain P/D routing, never a deflection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from kairos.common.config import check_hostport
+from kairos.common.contracts import HEARTBEAT_TTL_S, Heartbeat, MalformedHeartbeat, Role, parse_heartbeat
+from kairos.common.errors import ConfigError
+from kairos.core.state import DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+class StaticNode(NamedTuple):
+    """A node of the static fallback lists."""
+
+    node_id: str
+    role: Role
+    url: str  # host:port of the node's vLLM server
+    sidecar: str  # host:port of the decode sidecar ("" on prefill nodes)
+
+
+def parse_static_node(role: Role, entry: str) -> StaticNode:
+    """A fallback list entry: ``p0=127.0.0.1:8001`` (prefill: its vLLM server); ``d0=127.0.0.1:8201``
+    (decode: the sidecar the dispatcher routes to) or ``d0=127.0.0.1:8101+127.0.0.1:8201`` (decode:
+    its vLLM server, then its sidecar)."""
+    node_id, sep, rest = (x.strip() for x in entry.partition("="))
+    if not sep or not node_id:
+        raise ConfigError(f"fallback {role} node {entry!r}: expected id=host:port")
+    if role is Role.PREFILL:
+        url, sidecar = rest, ""
+        check_hostport(f"fallback prefill node {node_id} url", url)
+    else:
+        url, plus, sidecar = (x.strip() for x in rest.partition("+"))
+        if not plus:
+            url, sidecar = "", rest
+        elif url:
+            check_hostport(f"fallback decode node {node_id} url", url)
+        check_hostport(f"fallback decode node {node_id} sidecar", sidecar)
+    return StaticNode(node_id, role, url, sidecar)
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """The membership rules' time limits (seconds) and the static fallback lists."""
+
+    stale_after_s: float = 0.35  # no new seq for this long: the node is stale (the decider gets the same value)
+    # Publishers need up to one period to re-publish into a restarted, empty Redis.
+    recovery_grace_s: float = HEARTBEAT_TTL_S
+    forget_malformed_after_s: float = HEARTBEAT_TTL_S
+    last_resort_s: float = 30.0
+    fallback_prefill: tuple[str, ...] = ()  # "id=host:port" of each prefill vLLM
+    fallback_decode: tuple[str, ...] = ()  # "id=sidecar_host:port" or "id=vllm_host:port+sidecar_host:port"
+
+    def __post_init__(self) -> None:
+        if not self.stale_after_s > 0:
+            raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
+        for name in ("recovery_grace_s", "forget_malformed_after_s", "last_resort_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        ids = [n.node_id for n in self.static_nodes()]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ConfigError(f"fallback node ids must be unique, repeated: {dupes}")
+
+    def static_nodes(self) -> tuple[StaticNode, ...]:
+        return tuple(parse_static_node(Role.PREFILL, e) for e in self.fallback_prefill) + tuple(
+            parse_static_node(Role.DECODE, e) for e in self.fallback_decode
+        )
+
+
+class NodeAddress(NamedTuple):
+    """Where a node is reached; the dispatcher routes to ``sidecar`` and names ``url`` of the
+    prefill node in the keep header."""
+
+    role: Role
+    url: str
+    sidecar: str
+    model: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Events: what changed, for the poller to log and count
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeJoined:
+    heartbeat: Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLeft:
+    node_id: str
+    role: Role
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatMalformed:
+    """First malformed value of a node (reported once until it is valid again)."""
+
+    node_id: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatValidAgain:
+    node_id: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class LastResortKept:
+    """Every heartbeat of ``role`` expired at once; its nodes stay, stale (reported once)."""
+
+    role: Role
+    keep_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RedisLost:
+    """The first failed poll of an outage."""
+
+    ever_connected: bool  # False: no heartbeat seen yet since start
+    prefill_nodes: int  # nodes in the view now (the last view, or the static lists)
+    decode_nodes: int
+    stale_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RedisBack:
+    """The first successful poll after an outage (or after the static fallback)."""
+
+    after_s: float
+    failed_polls: int
+    again: bool  # False: the first answer since start
+    leaving_static: bool
+
+
+Event = NodeJoined | NodeLeft | HeartbeatMalformed | HeartbeatValidAgain | LastResortKept | RedisLost | RedisBack
+
+
+@dataclass(slots=True)
+class _Node:
+    """What membership remembers of a node between polls."""
+
+    role: Role
+    seq: int
+    sent_at: float
+    reported_at: float  # poll time when this (seq, sent_at) was first seen
+    from_redis: bool  # False for a static fallback node
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Membership:
+    """The nodes in the view, kept by the rules above; feeds ``tracker`` with their states."""
+
+    config: MembershipConfig = field(default_factory=MembershipConfig)
+    tracker: ClusterTracker = field(default_factory=ClusterTracker)
+    degraded: bool = False  # the last poll failed after Redis had answered, or Redis never answered
+    static_fallback: bool = False  # the view is the static lists (Redis never answered)
+    _nodes: dict[str, _Node] = field(default_factory=dict)
+    _addresses: dict[str, NodeAddress] = field(default_factory=dict)
+    _malformed: set[str] = field(default_factory=set)  # nodes whose key holds a malformed value
+    _last_resort: set[Role] = field(default_factory=set)  # roles kept as a last resort
+    _ever_connected: bool = False
+    _recovered_at: float | None = None  # start of the recovery grace
+    _outage_since: float | None = None
+    _outage_failures: int = 0
+
+    # -- reading -----------------------------------------------------------------------------
+    def addresses(self) -> Mapping[str, NodeAddress]:
+        """node_id -> address of every node in the view (read-only, live)."""
+        return MappingProxyType(self._addresses)
+
+    def recovering(self, now: float) -> bool:
+        """Within the recovery grace: nodes missing from Redis are not removed yet."""
+        return self._recovered_at is not None and now - self._recovered_at < self.config.recovery_grace_s
+
+    def is_stale(self, node_id: str, now: float) -> bool:
+        return now - self._nodes[node_id].reported_at > self.config.stale_after_s
+
+    def stale_node_ids(self, now: float) -> tuple[str, ...]:
+        """Nodes with no new heartbeat for ``stale_after_s`` (not deflection targets)."""
+        return tuple(i for i in self._nodes if self.is_stale(i, now))
+
+    def report(self, now: float) -> dict[str, Any]:
+        """Every node with its role, heartbeat age and staleness, and the view's status
+        (the dispatcher's ``GET /nodes``)."""
+        nodes = [
+            {
+                "id": node_id,
+                "role": str(node.role),
+                "age_s": round(max(0.0, now - node.reported_at), 3),
+                "stale": self.is_stale(node_id, now),
+                "from_redis": node.from_redis,
+            }
+            for node_id, node in sorted(self._nodes.items())
+        ]
+        status = "degraded" if self.degraded else "ok"
+        return {"status": status, "static_fallback": self.static_fallback, "nodes": nodes}
+
+    def counts(self) -> tuple[int, int]:
+        """(prefill, decode) nodes in the view."""
+        roles = [n.role for n in self._nodes.values()]
+        return roles.count(Role.PREFILL), roles.count(Role.DECODE)
+
+    # -- a poll ------------------------------------------------------------------------------
+    def poll_failed(self, now: float) -> list[Event]:
+        """Redis did not answer this poll."""
+        self.degraded = True
+        self._outage_failures += 1
+        first = self._outage_since is None
+        if first:
+            self._outage_since = now
+        if not self._ever_connected:
+            self._apply_static(now)
+        if not first:
+            return []
+        prefill, decode = self.counts()
+        return [RedisLost(self._ever_connected, prefill, decode, self.config.stale_after_s)]
+
+    def poll_succeeded(self, beats: Iterable[tuple[str, bytes | str | None]], now: float) -> list[Event]:
+        """Redis answered with ``(node_id, raw heartbeat)`` for each key it holds; ``None`` for a
+        key that expired between its SCAN and its read."""
+        events: list[Event] = []
+        if self._outage_since is not None:
+            events.append(RedisBack(now - self._outage_since, self._outage_failures, self._ever_connected,
+                                    self.static_fallback))
+            self._recovered_at = now
+        self._outage_since, self._outage_failures = None, 0
+        self._ever_connected = True
+        self.degraded = self.static_fallback = False
+
+        seen: set[str] = set()
+        for node_id, raw in beats:
+            if raw is None:
+                continue
+            seen.add(node_id)
+            try:
+                hb = parse_heartbeat(raw, node_id)
+            except MalformedHeartbeat as exc:
+                events.extend(self._malformed_beat(node_id, str(exc), now))
+                continue
+            events.extend(self._beat(hb, now))
+        self._malformed &= seen
+        events.extend(self._absent(seen, now))
+        return events
+
+    def _beat(self, hb: Heartbeat, now: float) -> list[Event]:
+        events: list[Event] = []
+        if hb.node_id in self._malformed:
+            self._malformed.discard(hb.node_id)
+            events.append(HeartbeatValidAgain(hb.node_id, hb.seq))
+        node = self._nodes.get(hb.node_id)
+        if node is not None and node.from_redis and (node.seq, node.sent_at) == (hb.seq, hb.sent_at):
+            return events  # the same beat as last poll: it keeps aging
+        if node is not None and node.role != hb.role:
+            events.append(self._remove(hb.node_id, f"it now reports role {hb.role}"))
+            node = None
+        if node is None or not node.from_redis:
+            events.append(NodeJoined(hb))
+        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True)
+        self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
+        if hb.role is Role.PREFILL:
+            self.tracker.update_prefill(
+                PrefillNodeState(hb.node_id, hb.queued_prefill_tokens, chunk_tokens=hb.max_step_tokens, reported_at=now)
+            )
+        else:
+            self.tracker.update_decode(
+                DecodeNodeState(
+                    hb.node_id,
+                    hb.decode_tokens,
+                    hb.kv_tokens,
+                    hb.kv_capacity_tokens,
+                    reported_at=now,
+                    prefill_backlog_tokens=hb.scheduled_prefill_tokens,
+                )
+            )
+        return events
+
+    def _malformed_beat(self, node_id: str, error: str, now: float) -> list[Event]:
+        events: list[Event] = []
+        if node_id not in self._malformed:
+            self._malformed.add(node_id)
+            events.append(HeartbeatMalformed(node_id, error))
+        node = self._nodes.get(node_id)
+        if node is not None and now - node.reported_at >= self.config.forget_malformed_after_s:
+            events.append(self._remove(node_id, f"no valid heartbeat for {now - node.reported_at:.2f} s"))
+        return events
+
+    def _absent(self, seen: set[str], now: float) -> list[Event]:
+        """Apply the rules to the nodes whose key is gone."""
+        events: list[Event] = []
+        missing = [i for i in self._nodes if i not in seen]
+        if not self.recovering(now):
+            roles_seen = {self._nodes[i].role for i in seen if i in self._nodes}
+            for node_id in missing:
+                node = self._nodes[node_id]
+                last_resort = node.from_redis and node.role not in roles_seen
+                if last_resort and now - node.reported_at < self.config.last_resort_s:
+                    if node.role not in self._last_resort:
+                        self._last_resort.add(node.role)
+                        events.append(LastResortKept(node.role, self.config.last_resort_s))
+                    continue
+                reason = "its heartbeat key expired" if node.from_redis else "it is a static node and redis now answers"
+                events.append(self._remove(node_id, reason))
+        self._last_resort &= {self._nodes[i].role for i in self._nodes if i not in seen}
+        return events
+
+    def _remove(self, node_id: str, reason: str) -> NodeLeft:
+        node = self._nodes.pop(node_id)
+        self._addresses.pop(node_id, None)
+        self.tracker.remove(node_id)
+        return NodeLeft(node_id, node.role, reason)
+
+    def _apply_static(self, now: float) -> None:
+        """Static fallback (Redis never answered): zero load, fresh every poll, never deflectable."""
+        for n in self.config.static_nodes():
+            self._nodes[n.node_id] = _Node(n.role, -1, math.nan, now, from_redis=False)
+            self._addresses[n.node_id] = NodeAddress(n.role, n.url, n.sidecar, "")
+            if n.role is Role.PREFILL:
+                # chunk_tokens is unknown; 1 token per step keeps the field valid and is never used
+                # to choose between static nodes, which all have the same (empty) queue.
+                self.tracker.update_prefill(PrefillNodeState(n.node_id, (), chunk_tokens=1, reported_at=now))
+            else:
+                # kv_capacity_tokens=0: no prompt fits, so the decision core never deflects here.
+                self.tracker.update_decode(DecodeNodeState(n.node_id, 0, 0, 0, reported_at=now))
+        self.static_fallback = bool(self._nodes)

@@ -1,0 +1,90 @@
+"""The heartbeat contract: the publisher's encoder and the dispatcher's decoder agree, and the
+decoder refuses every violation with a message that names it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kairos.common.contracts import (
+    Heartbeat,
+    HeartbeatField,
+    MalformedHeartbeat,
+    Role,
+    encode_heartbeat,
+    parse_heartbeat,
+)
+
+BEAT = Heartbeat(
+    node_id="d0",
+    role=Role.DECODE,
+    url="10.0.0.1:8100",
+    sidecar="10.0.0.1:8200",
+    seq=42,
+    sent_at=1_700_000_000.25,
+    decode_tokens=7,
+    kv_tokens=21_000,
+    kv_capacity_tokens=100_000,
+    queued_prefill_tokens=(2048, 512),
+    scheduled_prefill_tokens=(900,),
+    max_step_tokens=4096,
+    model="tiny",
+)
+
+
+def test_encode_then_parse_is_the_identity() -> None:
+    assert parse_heartbeat(encode_heartbeat(BEAT), "d0") == BEAT
+    prefill = Heartbeat(**{**_fields(BEAT), "node_id": "p0", "role": Role.PREFILL, "sidecar": ""})
+    assert parse_heartbeat(encode_heartbeat(prefill).encode(), "p0") == prefill  # bytes, as MGET returns
+
+
+def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -> None:
+    assert set(json.loads(encode_heartbeat(BEAT))) == set(HeartbeatField.ALL)
+    full = Heartbeat(**{**_fields(BEAT), "running_requests": 3, "waiting_requests": 0, "kv_usage": 0.25})
+    raw = encode_heartbeat(full)
+    assert set(json.loads(raw)) == set(HeartbeatField.ALL) | set(HeartbeatField.OPTIONAL)
+    assert parse_heartbeat(raw, "d0") == full
+
+
+def _fields(hb: Heartbeat) -> dict[str, Any]:
+    return {name: getattr(hb, name) for name in Heartbeat.__slots__}
+
+
+def _raw(**changes: Any) -> str:
+    data = json.loads(encode_heartbeat(BEAT))
+    data.update(changes)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("[]", "expected a JSON object"),
+        ("{", "not JSON"),
+        (json.dumps({"node_id": "d0"}), "missing fields"),
+        (_raw(seq=-1), "seq must be an int >= 0"),
+        (_raw(seq=True), "seq must be an int >= 0"),
+        (_raw(sent_at="now"), "sent_at must be a number"),
+        (_raw(queued_prefill_tokens=[1, True]), "queued_prefill_tokens must be a list of ints"),
+        (_raw(role="router"), "role must be 'prefill' or 'decode'"),
+        (_raw(url=""), "url is empty"),
+        (_raw(model=None), "model must be a string"),
+        (_raw(max_step_tokens=0), "max_step_tokens must be an int >= 1"),
+        (_raw(node_id="d1"), "node_id 'd1' does not match its key's 'd0'"),
+        (_raw(sidecar=""), "a decode node needs a sidecar address"),
+        (_raw(kv_usage=-0.5), "kv_usage must be a number >= 0"),
+        (_raw(running_requests=1.5), "running_requests must be an int >= 0"),
+    ],
+)
+def test_parse_heartbeat_rejects_contract_violations(raw: str, message: str) -> None:
+    with pytest.raises(MalformedHeartbeat) as info:
+        parse_heartbeat(raw, "d0")
+    assert message in str(info.value)
+
+
+def test_nan_sent_at_is_refused() -> None:
+    raw = encode_heartbeat(BEAT).replace('"sent_at":1700000000.25', '"sent_at":NaN')
+    with pytest.raises(MalformedHeartbeat, match="sent_at must be a number"):
+        parse_heartbeat(raw, "d0")

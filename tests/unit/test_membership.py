@@ -1,0 +1,318 @@
+"""The membership rules as tables: "these heartbeats at these times -> this view, these events".
+
+Each case is a script of polls. A poll gives what Redis held (node id -> heartbeat JSON; the
+node's key is absent when it is not listed), or ``DOWN`` for a failed poll, and the poll's time.
+After each poll the test compares, exactly: the nodes in the view with the ``reported_at`` of
+their state, the stale ones, degraded/static flags and the events. No Redis, no clock, no sleep.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kairos.common.contracts import HeartbeatField, Role
+from kairos.common.errors import ConfigError
+from kairos.core.state import DecodeNodeState, PrefillNodeState
+from kairos.extproc.membership import (
+    Event,
+    HeartbeatMalformed,
+    HeartbeatValidAgain,
+    LastResortKept,
+    Membership,
+    MembershipConfig,
+    NodeAddress,
+    NodeJoined,
+    NodeLeft,
+    RedisBack,
+    RedisLost,
+    StaticNode,
+)
+
+DOWN = None  # a poll that Redis did not answer
+
+
+def beat(node_id: str, seq: int = 1, *, role: str | None = None, sent_at: float = 1000.0, **fields: Any) -> str:
+    """A heartbeat JSON; the role follows the id's first letter unless given."""
+    role = role or ("decode" if node_id.startswith("d") else "prefill")
+    data = {
+        HeartbeatField.NODE_ID: node_id,
+        HeartbeatField.ROLE: role,
+        HeartbeatField.URL: "10.0.0.1:8100",
+        HeartbeatField.SIDECAR: "10.0.0.1:8200" if role == "decode" else "",
+        HeartbeatField.SEQ: seq,
+        HeartbeatField.SENT_AT: sent_at,
+        HeartbeatField.DECODE_TOKENS: 0,
+        HeartbeatField.KV_TOKENS: 0,
+        HeartbeatField.KV_CAPACITY_TOKENS: 50_000,
+        HeartbeatField.QUEUED_PREFILL_TOKENS: [],
+        HeartbeatField.SCHEDULED_PREFILL_TOKENS: [],
+        HeartbeatField.MAX_STEP_TOKENS: 512,
+        HeartbeatField.MODEL: "m",
+    }
+    data.update(fields)
+    return json.dumps(data)
+
+
+def event_text(event: Event) -> str:
+    match event:
+        case NodeJoined(hb):
+            return f"joined {hb.node_id} {hb.role}"
+        case NodeLeft(node_id, role, reason):
+            return f"left {node_id} {role}: {reason}"
+        case HeartbeatMalformed(node_id, error):
+            return f"malformed {node_id}: {error}"
+        case HeartbeatValidAgain(node_id, seq):
+            return f"valid again {node_id} seq {seq}"
+        case LastResortKept(role, keep_s):
+            return f"last resort {role} {keep_s:g} s"
+        case RedisLost(ever, prefill, decode, _):
+            return f"redis lost ({'after' if ever else 'before'} first answer, {prefill}P {decode}D)"
+        case RedisBack(after, failed, again, leaving):
+            return f"redis back{' again' if again else ''} after {after:g} s, {failed} failed" + (
+                ", leaving static" if leaving else ""
+            )
+    raise AssertionError(event)
+
+
+@dataclass(frozen=True)
+class Poll:
+    t: float
+    redis: Mapping[str, str | None] | None  # node id -> heartbeat (None: expired after its SCAN); DOWN
+    nodes: Mapping[str, float]  # node id -> reported_at of its state in the tracker's view
+    stale: frozenset[str] = frozenset()
+    events: tuple[str, ...] = ()
+    degraded: bool = False
+    static: bool = False
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    polls: tuple[Poll, ...]
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+CONFIG = {"stale_after_s": 0.35, "recovery_grace_s": 0.5, "forget_malformed_after_s": 0.5, "last_resort_s": 30.0}
+STATIC = {"fallback_prefill": ("p0=10.0.0.1:8001", "p1=10.0.0.2:8001"), "fallback_decode": ("d0=10.0.1.1:8201",)}
+
+CASES = [
+    Case("a new seq refreshes the node at poll time; the same beat again ages it into staleness", (
+        Poll(10.0, {"p0": beat("p0", 1)}, {"p0": 10.0}, events=("joined p0 prefill",)),
+        Poll(10.3, {"p0": beat("p0", 1)}, {"p0": 10.0}),
+        Poll(10.4, {"p0": beat("p0", 1)}, {"p0": 10.0}, stale=frozenset({"p0"})),
+        Poll(10.5, {"p0": beat("p0", 2)}, {"p0": 10.5}),
+    )),
+    Case("the publisher's clock never matters: sent_at an hour ahead or behind", (
+        Poll(10.0, {"p0": beat("p0", 1, sent_at=5000.0), "d0": beat("d0", 1, sent_at=-2000.0)},
+             {"p0": 10.0, "d0": 10.0}, events=("joined p0 prefill", "joined d0 decode")),
+        Poll(10.4, {"p0": beat("p0", 2, sent_at=5000.1), "d0": beat("d0", 1, sent_at=-2000.0)},
+             {"p0": 10.4, "d0": 10.0}, stale=frozenset({"d0"})),
+    )),
+    Case("a restarted publisher counts as new even though its seq starts again", (
+        Poll(10.0, {"p0": beat("p0", 7, sent_at=1000.0)}, {"p0": 10.0}, events=("joined p0 prefill",)),
+        Poll(11.0, {"p0": beat("p0", 1, sent_at=1001.0)}, {"p0": 11.0}),
+    )),
+    Case("an expired key removes its node at the next poll, while the role has other nodes", (
+        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1")}, {"d0": 0.0, "d1": 0.0},
+             events=("joined d0 decode", "joined d1 decode")),
+        Poll(0.1, {"d1": beat("d1", 2)}, {"d1": 0.1}, events=("left d0 decode: its heartbeat key expired",)),
+    )),
+    Case("a key that expired between its SCAN and its MGET counts as gone", (
+        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1")}, {"d0": 0.0, "d1": 0.0},
+             events=("joined d0 decode", "joined d1 decode")),
+        Poll(0.1, {"d0": None, "d1": beat("d1", 2)}, {"d1": 0.1},
+             events=("left d0 decode: its heartbeat key expired",)),
+    )),
+    Case("every key of a role gone at once: its nodes stay, stale, as a last resort until one beats", (
+        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1"), "p0": beat("p0")}, {"d0": 0.0, "d1": 0.0, "p0": 0.0},
+             events=("joined d0 decode", "joined d1 decode", "joined p0 prefill")),
+        Poll(1.0, {"p0": beat("p0", 2)}, {"d0": 0.0, "d1": 0.0, "p0": 1.0}, stale=frozenset({"d0", "d1"}),
+             events=("last resort decode 30 s",)),
+        Poll(1.1, {"p0": beat("p0", 2)}, {"d0": 0.0, "d1": 0.0, "p0": 1.0}, stale=frozenset({"d0", "d1"})),
+        Poll(1.2, {"p0": beat("p0", 2), "d1": beat("d1", 2)}, {"d1": 1.2, "p0": 1.0},
+             events=("left d0 decode: its heartbeat key expired",)),
+    )),
+    Case("the last resort ends last_resort_s after the node's last beat", (
+        Poll(0.0, {"d0": beat("d0"), "p0": beat("p0")}, {"d0": 0.0, "p0": 0.0},
+             events=("joined d0 decode", "joined p0 prefill")),
+        Poll(4.0, {"p0": beat("p0", 2)}, {"d0": 0.0, "p0": 4.0}, stale=frozenset({"d0"}),
+             events=("last resort decode 5 s",)),
+        Poll(5.0, {"p0": beat("p0", 3)}, {"p0": 5.0}, events=("left d0 decode: its heartbeat key expired",)),
+        # p0's key goes too, its last beat 0 s old: a last resort, logged again (a new episode)
+        Poll(5.1, {}, {"p0": 5.0}, events=("last resort prefill 5 s",)),
+        Poll(10.0, {}, {}, events=("left p0 prefill: its heartbeat key expired",)),
+    ), {"last_resort_s": 5.0}),
+    Case("last_resort_s = 0: every expired node leaves at once", (
+        Poll(0.0, {"d0": beat("d0")}, {"d0": 0.0}, events=("joined d0 decode",)),
+        Poll(0.1, {}, {}, events=("left d0 decode: its heartbeat key expired",)),
+    ), {"last_resort_s": 0.0}),
+    Case("malformed values are ignored and reported once per node until valid again", (
+        Poll(0.0, {"b1": "not json", "b2": json.dumps({"node_id": "b2"}), "b3": beat("someone-else"),
+                   "b4": beat("b4", role="decode", sidecar=""), "p0": beat("p0")}, {"p0": 0.0},
+             events=("malformed b1: not JSON: Expecting value: line 1 column 1 (char 0)",
+                     "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
+                     "malformed b3: node_id 'someone-else' does not match its key's 'b3'",
+                     "malformed b4: a decode node needs a sidecar address (the dispatcher routes to it)",
+                     "joined p0 prefill")),
+        Poll(0.1, {"b1": "not json", "p0": beat("p0", 2)}, {"p0": 0.1}),
+        Poll(0.2, {"b1": beat("b1", 1)}, {"b1": 0.2}, events=(
+            "valid again b1 seq 1", "joined b1 prefill", "left p0 prefill: its heartbeat key expired")),
+    )),
+    Case("a known node that turns malformed keeps its last good state, then is forgotten", (
+        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+        Poll(0.3, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0},
+             events=("malformed p0: max_step_tokens must be an int >= 1, got 0",)),
+        Poll(0.4, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0}, stale=frozenset({"p0"})),
+        Poll(0.5, {"p0": beat("p0", 2, max_step_tokens=0)}, {},
+             events=("left p0 prefill: no valid heartbeat for 0.50 s",)),
+        Poll(0.6, {"p0": beat("p0", 3)}, {"p0": 0.6}, events=("valid again p0 seq 3", "joined p0 prefill")),
+    )),
+    Case("a node that reports another role leaves and joins again as that role", (
+        Poll(1.0, {"n0": beat("n0", 1, role="prefill")}, {"n0": 1.0}, events=("joined n0 prefill",)),
+        Poll(2.0, {"n0": beat("n0", 2, role="decode")}, {"n0": 2.0},
+             events=("left n0 prefill: it now reports role decode", "joined n0 decode")),
+    )),
+    Case("redis lost after it answered: degraded, the last view stays and ages; back: it heals", (
+        Poll(0.0, {"p0": beat("p0"), "d0": beat("d0")}, {"p0": 0.0, "d0": 0.0},
+             events=("joined p0 prefill", "joined d0 decode")),
+        Poll(0.1, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True, events=("redis lost (after first answer, 1P 1D)",)),
+        Poll(0.2, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True),
+        Poll(0.4, DOWN, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}), degraded=True),
+        # Redis restarted empty: the grace keeps the nodes while publishers re-publish.
+        Poll(0.5, {}, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}),
+             events=("redis back again after 0.4 s, 3 failed",)),
+        Poll(0.6, {"p0": beat("p0", 2)}, {"p0": 0.6, "d0": 0.0}, stale=frozenset({"d0"})),
+        Poll(0.95, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 0.95, "d0": 0.95}),
+    )),
+    Case("after the recovery grace, nodes still missing leave", (
+        Poll(0.0, {"p0": beat("p0"), "d0": beat("d0"), "d1": beat("d1")}, {"p0": 0.0, "d0": 0.0, "d1": 0.0},
+             events=("joined p0 prefill", "joined d0 decode", "joined d1 decode")),
+        Poll(1.0, DOWN, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, stale=frozenset({"p0", "d0", "d1"}), degraded=True,
+             events=("redis lost (after first answer, 1P 2D)",)),
+        Poll(2.0, {"p0": beat("p0", 2), "d0": beat("d0", 2)}, {"p0": 2.0, "d0": 2.0, "d1": 0.0},
+             stale=frozenset({"d1"}), events=("redis back again after 1 s, 1 failed",)),
+        Poll(2.5, {"p0": beat("p0", 3), "d0": beat("d0", 3)}, {"p0": 2.5, "d0": 2.5},
+             events=("left d1 decode: its heartbeat key expired",)),
+    )),
+    Case("redis never up: the static lists, refreshed each poll, never deflectable; redis up replaces them", (
+        Poll(100.0, DOWN, {"p0": 100.0, "p1": 100.0, "d0": 100.0}, degraded=True, static=True,
+             events=("redis lost (before first answer, 2P 1D)",)),
+        Poll(101.0, DOWN, {"p0": 101.0, "p1": 101.0, "d0": 101.0}, degraded=True, static=True),
+        Poll(102.0, {"p0": beat("p0"), "d9": beat("d9")}, {"p0": 102.0, "p1": 101.0, "d0": 101.0, "d9": 102.0},
+             stale=frozenset({"p1", "d0"}),
+             events=("redis back after 2 s, 2 failed, leaving static", "joined p0 prefill", "joined d9 decode")),
+        Poll(102.5, {"p0": beat("p0"), "d9": beat("d9")}, {"p0": 102.0, "d9": 102.0}, stale=frozenset({"p0", "d9"}),
+             events=("left p1 prefill: it is a static node and redis now answers",
+                     "left d0 decode: it is a static node and redis now answers")),
+    ), STATIC),
+    Case("redis never up and no static lists: an empty view", (
+        Poll(0.0, DOWN, {}, degraded=True, events=("redis lost (before first answer, 0P 0D)",)),
+        Poll(0.1, DOWN, {}, degraded=True),
+    )),
+]
+
+
+def nodes_in_view(m: Membership) -> dict[str, float]:
+    view = m.tracker.view()
+    return {n.node_id: n.reported_at for n in (*view.prefill, *view.decode)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_membership_rules(case: Case) -> None:
+    m = Membership(MembershipConfig(**{**CONFIG, **case.config}))
+    for i, poll in enumerate(case.polls):
+        events = m.poll_failed(poll.t) if poll.redis is DOWN else m.poll_succeeded(poll.redis.items(), poll.t)
+        got = (nodes_in_view(m), frozenset(m.stale_node_ids(poll.t)), tuple(map(event_text, events)),
+               m.degraded, m.static_fallback)
+        want = (dict(poll.nodes), poll.stale, poll.events, poll.degraded, poll.static)
+        assert got == want, f"poll {i} at t={poll.t}"
+        assert set(m.addresses()) == set(poll.nodes), f"poll {i}: addresses and view disagree"
+
+
+def test_the_view_carries_each_heartbeats_load_and_address() -> None:
+    m = Membership(MembershipConfig())
+    m.poll_succeeded(
+        [
+            ("p0", beat("p0", queued_prefill_tokens=[3000, 500], max_step_tokens=2048)),
+            ("d0", beat("d0", decode_tokens=7, kv_tokens=21_000, scheduled_prefill_tokens=[900], model="tiny")),
+        ],
+        5.0,
+    )
+    view = m.tracker.view()
+    assert view.prefill == (PrefillNodeState("p0", (3000, 500), 2048, 5.0),)
+    assert view.decode == (DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,)),)
+    assert dict(m.addresses()) == {
+        "p0": NodeAddress(Role.PREFILL, "10.0.0.1:8100", "", "m"),
+        "d0": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "tiny"),
+    }
+
+
+def test_static_nodes_have_zero_load_and_no_kv_room() -> None:
+    m = Membership(MembershipConfig(**STATIC))
+    m.poll_failed(7.0)
+    view = m.tracker.view()
+    assert view.prefill == (PrefillNodeState("p0", (), 1, 7.0), PrefillNodeState("p1", (), 1, 7.0))
+    assert view.decode == (DecodeNodeState("d0", 0, 0, 0, 7.0),)  # kv capacity 0: no prompt fits
+    assert m.addresses()["d0"] == NodeAddress(Role.DECODE, "", "10.0.1.1:8201", "")
+
+
+def test_the_nodes_report() -> None:
+    m = Membership(MembershipConfig(stale_after_s=0.35))
+    m.poll_succeeded([("p0", beat("p0", 1)), ("d0", beat("d0", 1))], 10.0)
+    m.poll_succeeded([("p0", beat("p0", 2)), ("d0", beat("d0", 1))], 10.3)
+    assert m.report(10.3) == {
+        "status": "ok",
+        "static_fallback": False,
+        "nodes": [
+            {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True},
+            {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True},
+        ],
+    }
+    assert [(n["id"], n["stale"]) for n in m.report(10.4)["nodes"]] == [("d0", True), ("p0", False)]
+    m.poll_failed(11.0)
+    report = m.report(11.0)
+    assert report["status"] == "degraded" and not report["static_fallback"]
+    assert [(n["id"], n["age_s"], n["stale"]) for n in report["nodes"]] == [("d0", 1.0, True), ("p0", 0.7, True)]
+
+
+def test_recovering_is_the_grace_after_redis_answers_again() -> None:
+    m = Membership(MembershipConfig(recovery_grace_s=0.5))
+    m.poll_succeeded([], 0.0)
+    assert not m.recovering(0.0)  # the first answer ever, with no outage before: no grace
+    m.poll_failed(1.0)
+    m.poll_succeeded([], 2.0)
+    assert m.recovering(2.0) and m.recovering(2.49) and not m.recovering(2.5)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"stale_after_s": 0.0}, "stale_after_s must be > 0"),
+        ({"recovery_grace_s": -1.0}, "recovery_grace_s must be >= 0"),
+        ({"last_resort_s": -1.0}, "last_resort_s must be >= 0"),
+        ({"fallback_prefill": ("127.0.0.1:8001",)}, "expected id=host:port"),
+        ({"fallback_prefill": ("p0=127.0.0.1",)}, "fallback prefill node p0 url: expected host:port"),
+        ({"fallback_decode": ("d0=127.0.0.1:8101+sidecar",)}, "d0 sidecar: expected host:port"),
+        ({"fallback_decode": ("d0=vllm+127.0.0.1:8201",)}, "d0 url: expected host:port"),
+        ({"fallback_prefill": ("n=h:1",), "fallback_decode": ("n=h:2+h:3",)}, "repeated: ['n']"),
+    ],
+)
+def test_invalid_membership_configs_are_rejected(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        MembershipConfig(**changes)
+    assert message in info.value.message
+
+
+def test_static_nodes_parse() -> None:
+    cfg = MembershipConfig(
+        fallback_prefill=(" p0 = 10.0.0.1:8001 ",), fallback_decode=("d0=10.0.0.2:8101+10.0.0.2:8201",)
+    )
+    assert cfg.static_nodes() == (
+        StaticNode("p0", Role.PREFILL, "10.0.0.1:8001", ""),
+        StaticNode("d0", Role.DECODE, "10.0.0.2:8101", "10.0.0.2:8201"),
+    )
