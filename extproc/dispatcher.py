@@ -46,6 +46,10 @@ class ClusterSource(Protocol):
     @property
     def degraded(self) -> bool: ...
 
+    def now(self) -> float:
+        """The clock every ``reported_at`` in the view is on: the one time base of a decision."""
+        ...
+
     def view(self) -> ClusterView: ...
 
     def record(self, decision: Decision, now: float) -> None: ...
@@ -117,7 +121,6 @@ class Dispatcher:
         cluster: ClusterSource,
         metrics: DispatcherMetrics,
         settings: DispatchSettings = DispatchSettings(),
-        clock: callable = time.monotonic,  # type: ignore[valid-type]
         no_prefill_policy: NoPrefillPoolPolicy | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -128,7 +131,7 @@ class Dispatcher:
         self.metrics = metrics
         self.settings = settings
         self.owner = settings.dispatcher_id or f"dispatcher-{uuid.uuid4().hex[:8]}"
-        self._clock = clock
+        self._clock = cluster.now  # one clock: the view's, so ages and dispatch times agree
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kairos-tokenize")
         self._python_counts = tokenizer.counter_refusal is None  # see DispatchSettings.count_inline_bytes
         self._rr = itertools.count()

@@ -32,7 +32,6 @@ from kairos.launcher.tinymodel import build_tiny_model
 from tests.unit.test_dispatcher import (
     ADDRESSES,
     LOADED_QUEUE,
-    NOW,
     OWNER,
     SIDECAR,
     ExplodingPolicy,
@@ -85,7 +84,6 @@ async def gateway(tokenizer: PromptTokenizer, models: LatencyModels) -> AsyncIte
             cluster,
             DispatcherMetrics(CollectorRegistry()),
             DispatchSettings(dispatcher_id=OWNER),
-            clock=lambda: NOW,
         )
         dispatchers.append(dispatcher)
         server, port = await start_grpc_server(dispatcher, "127.0.0.1", 0)

@@ -75,6 +75,9 @@ class FakeCluster:
     reservations: list[tuple[str, str]] = field(default_factory=list)  # (node_id, owner) per call
     recorded: list[tuple[Decision, float]] = field(default_factory=list)
 
+    def now(self) -> float:
+        return NOW
+
     def view(self) -> ClusterView:
         return self.tracker.view()
 
@@ -173,7 +176,6 @@ def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Harne
             cluster,
             metrics,
             settings or DispatchSettings(dispatcher_id=OWNER),
-            clock=lambda: NOW,
             no_prefill_policy=no_prefill_policy,
         )
         built.append(dispatcher)
