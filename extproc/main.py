@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kairos.api.openai_request import RequestLimits
 from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, ProfileError
 from kairos.common.runtime import stop_on_signals
@@ -57,15 +58,15 @@ class DispatcherConfig:
     # Rolling MAPE window (samples per path) of the sidecars' TTFT feedback; 0 = do not read it.
     ttft_feedback_window: int = DEFAULT_WINDOW
     policy: str = "kairos"  # routing policy spec: kairos, pd, oracle is simulator-only
-    alpha: float = 1.3
-    beta: float = 1.0
-    tbt_slo_ms: float = 70.0
-    ttft_slo_s: float = 4.0
+    alpha: float = defaults.ALPHA
+    beta: float = defaults.BETA
+    tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
+    ttft_slo_s: float = defaults.TTFT_SLO_S
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
     max_pending_deflections: int | None = 1
     node_step_guard: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
-    max_model_len: int = 32768
+    max_model_len: int = defaults.MAX_MODEL_LEN
     dispatcher_id: str = ""  # reservation owner; a random id when empty
     # The cluster view (kairos.extproc.cluster and .membership say what each does).
     poll_s: float = _VIEW.poll_s

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from kairos.common import defaults
 from kairos.common.config import check_hostport
 from kairos.common.contracts import HEARTBEAT_TTL_S, Heartbeat, MalformedHeartbeat, Role, parse_heartbeat
 from kairos.common.errors import ConfigError
@@ -78,7 +79,7 @@ def parse_static_node(role: Role, entry: str) -> StaticNode:
 class MembershipConfig:
     """The membership rules' time limits (seconds) and the static fallback lists."""
 
-    stale_after_s: float = 0.35  # no new seq for this long: the node is stale (the decider gets the same value)
+    stale_after_s: float = defaults.STALE_AFTER_S  # no new seq for this long: stale (the decider's value too)
     # Publishers need up to one period to re-publish into a restarted, empty Redis.
     recovery_grace_s: float = HEARTBEAT_TTL_S
     forget_malformed_after_s: float = HEARTBEAT_TTL_S

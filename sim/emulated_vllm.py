@@ -52,6 +52,7 @@ from kairos.api.openai_request import (
 )
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
@@ -93,9 +94,9 @@ class EmulatedNodeConfig:
     port: int = 0  # 0 = any free port (printed at start-up)
     model: str = ""  # served model id (vLLM's --served-model-name); empty = model_dir, as vLLM does
     profile: str = DEFAULT_PROFILE  # latency profile, packaged name or JSON path
-    max_model_len: int = 32768  # prompt + output tokens per request (vLLM's --max-model-len)
+    max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens per request (vLLM's --max-model-len)
     max_step_tokens: int = 2048  # tokens per engine step (vLLM's --max-num-batched-tokens)
-    kv_capacity_tokens: int = 1_300_000  # KV cache size in tokens
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV cache size in tokens
     max_running: int = 256  # resident sequences (vLLM's --max-num-seqs)
     time_scale: float = 1.0  # 10 = ten times faster than real time
     kv_hold_timeout_s: float = 120.0  # prefill node: model seconds it keeps KV nobody has pulled

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kairos.common import defaults
 from kairos.core.latency import LatencyModels, largest_chunk_within
 
 
@@ -38,7 +39,7 @@ class EngineConfig:
     node_id: str
     role: Role
     max_step_tokens: int = 2048  # token budget per step (vLLM's max_num_batched_tokens)
-    kv_capacity_tokens: int = 1_300_000  # KV-cache size in tokens (A100 80 GB, DeepSeek-V2-Lite)
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV-cache size in tokens (A100 80 GB, DeepSeek-V2-Lite)
     max_running: int = 256  # most sequences resident at once (vLLM's max_num_seqs)
 
     def __post_init__(self) -> None:

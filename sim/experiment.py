@@ -14,6 +14,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
+from kairos.common import defaults
+from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, load_profile
 from kairos.core.policies import make_policy, split_policy_list
@@ -38,14 +40,14 @@ class SimSettings:
     profile: str = DEFAULT_PROFILE  # packaged profile name or profile file path
     prefill_nodes: int = 2
     decode_nodes: int = 2
-    prefill_step_tokens: int = 2048
-    decode_step_tokens: int = 4096
-    kv_capacity_tokens: int = 1_300_000
-    heartbeat_s: float = 0.1
-    tbt_slo_s: float = 0.070
-    ttft_slo_s: float = 4.0
+    prefill_step_tokens: int = defaults.PREFILL_STEP_TOKENS
+    decode_step_tokens: int = defaults.DECODE_STEP_TOKENS
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS
+    heartbeat_s: float = HEARTBEAT_PERIOD_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
+    ttft_slo_s: float = defaults.TTFT_SLO_S
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
-    stale_after_s: float = 0.35
+    stale_after_s: float = defaults.STALE_AFTER_S
     jobs: int = 0  # parallel simulations; 0 = one per CPU core
 
     def __post_init__(self) -> None:

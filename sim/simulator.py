@@ -17,6 +17,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from kairos.common import defaults
+from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.decision import Route
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
@@ -34,10 +36,10 @@ class ClusterConfig:
 
     prefill_nodes: int = 2
     decode_nodes: int = 2
-    prefill_step_tokens: int = 2048  # chi_p: the prefill nodes' token budget per step
-    decode_step_tokens: int = 4096  # decode nodes' budget per step (>= B + the largest chunk)
-    kv_capacity_tokens: int = 1_300_000  # per node
-    heartbeat_s: float = 0.1  # Delta_h
+    prefill_step_tokens: int = defaults.PREFILL_STEP_TOKENS  # chi_p: the prefill nodes' token budget per step
+    decode_step_tokens: int = defaults.DECODE_STEP_TOKENS  # decode nodes' budget per step (>= B + the largest chunk)
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # per node
+    heartbeat_s: float = HEARTBEAT_PERIOD_S  # Delta_h
     error: float = 0.0  # mean absolute relative error of the true step time vs the model
     seed: int = 0  # seeds the ground-truth error
 
@@ -94,8 +96,8 @@ class Simulator:
         policy: Policy,
         models: LatencyModels,
         cluster: ClusterConfig | None = None,
-        tbt_slo_s: float = 0.070,
-        ttft_slo_s: float = 4.0,
+        tbt_slo_s: float = defaults.TBT_SLO_S,
+        ttft_slo_s: float = defaults.TTFT_SLO_S,
     ) -> None:
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.policy = policy

@@ -22,6 +22,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from kairos.common import defaults
 from kairos.sim.requests import RequestSpec
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
     "make_workload",
 ]
 
-DEFAULT_MAX_CONTEXT = 32768
+DEFAULT_MAX_CONTEXT = defaults.MAX_MODEL_LEN  # prompts are truncated to the context
 
 # Quantiles of the production distribution that define the strata of Table 1 ("low" = below P25,
 # "high" = above P90). Prompt quantiles are the paper's; completion quantiles are those of the fitted

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
+from kairos.common import defaults
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -56,7 +57,7 @@ class RequestLimits:
     """What the gateway accepts; ``max_model_len`` must equal the served model's."""
 
     max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 before JSON parsing
-    max_model_len: int = 32768  # prompt + output tokens, vLLM's --max-model-len
+    max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens, vLLM's --max-model-len
     default_max_tokens: int = 16  # completions without max_tokens (vLLM's default); chat uses the rest of the context
 
     def __post_init__(self) -> None:

@@ -11,24 +11,25 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from kairos.common import defaults
 from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
-DEFAULT_CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)
+DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
 
 
 @dataclass(frozen=True, slots=True)
 class DeciderConfig:
     """Knobs of Algorithm 1. Defaults are the paper's (§6.1)."""
 
-    alpha: float = 1.3  # deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1
-    beta: float = 1.0  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
-    tbt_slo_s: float = 0.070  # tau
-    ttft_slo_s: float = 4.0  # TTFT SLO of Eq. 7
+    alpha: float = defaults.ALPHA  # deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1
+    beta: float = defaults.BETA  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
+    tbt_slo_s: float = defaults.TBT_SLO_S  # tau
+    ttft_slo_s: float = defaults.TTFT_SLO_S  # TTFT SLO of Eq. 7
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES  # strictly decreasing step sizes
-    stale_after_s: float = 0.35  # a heartbeat older than this makes a node ineligible to deflect to
+    stale_after_s: float = defaults.STALE_AFTER_S  # a heartbeat older than this makes a node ineligible to deflect to
     # Deflected prefills a decode node may hold in flight (reported backlog + own dispatches since
     # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
     # deflection is then scheduled behind the node's backlog.

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.errors import ProfileError
 
-DEFAULT_PROFILE = "deepseek-v2-lite-a100"
+DEFAULT_PROFILE = defaults.PROFILE
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kairos.common import defaults
+from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.common.errors import ConfigError
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
@@ -37,19 +39,19 @@ class LocalClusterConfig:
     gateway_port: int = 8000
     model_dir: str = ""  # tokenizer of the served model (built by kairos.launcher.tinymodel when empty)
     model_name: str = "kairos-tiny-llama"
-    profile: str = "deepseek-v2-lite-a100"  # packaged name, or a JSON path the dispatchers watch
+    profile: str = defaults.PROFILE  # packaged name, or a JSON path the dispatchers watch
     profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
     time_scale: float = 1.0  # emulated nodes run this many times faster than real time
     policy: str = "kairos"
-    alpha: float = 1.3
-    beta: float = 1.0
-    tbt_slo_ms: float = 70.0
-    ttft_slo_s: float = 4.0
-    max_model_len: int = 32768
-    kv_capacity_tokens: int = 1_300_000
-    prefill_step_tokens: int = 2048
-    decode_step_tokens: int = 4096
-    heartbeat_ms: float = 100.0
+    alpha: float = defaults.ALPHA
+    beta: float = defaults.BETA
+    tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    max_model_len: int = defaults.MAX_MODEL_LEN
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS
+    prefill_step_tokens: int = defaults.PREFILL_STEP_TOKENS
+    decode_step_tokens: int = defaults.DECODE_STEP_TOKENS
+    heartbeat_ms: float = HEARTBEAT_PERIOD_S * 1e3  # the flag's unit
     redis_port: int = 0
     # Loopback unless nodes on other machines must reach Redis (their publishers) and clients
     # must reach Envoy: then 0.0.0.0 or this machine's address.

@@ -37,6 +37,7 @@ import aiohttp
 import numpy as np
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
 from kairos.sim.requests import RequestSpec
@@ -66,8 +67,8 @@ class ReplayConfig:
     seed: int = 1
     cv: float | None = None  # inter-arrival CV of the workload (None = its default)
     time_scale: float = 1.0  # the emulated nodes' time scale: arrivals / S, reported times x S
-    ttft_slo_s: float = 4.0
-    tbt_slo_ms: float = 70.0
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
     request_timeout_s: float = 300.0  # wall seconds per request
     deadline_s: float = 0.0  # wall seconds for the whole replay; 0 = last arrival + request_timeout_s
 

@@ -25,13 +25,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kairos.common import defaults
+
 # Bump when anything below changes what is written: stale stamps then force a rebuild.
 BUILDER_VERSION = 1
 STAMP_FILE = ".kairos-tinymodel.json"
 
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN)  # trained first, so ids 0, 1, 2
-MAX_MODEL_LEN = 32768
+MAX_MODEL_LEN = defaults.MAX_MODEL_LEN
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json")
 
 # Zephyr-style turns: a role header, the content, EOS closing the turn (so a model that stops on

@@ -1,0 +1,100 @@
+"""Each default is written once (kairos.common.defaults): every config, the compose files and
+the README agree with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kairos.common import defaults
+from kairos.common.contracts import HEARTBEAT_PERIOD_S
+from kairos.core.algorithm import DeciderConfig
+from kairos.core.latency import DEFAULT_PROFILE
+from kairos.extproc.main import DispatcherConfig
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.replay import ReplayConfig
+from kairos.sim.experiment import SimSettings
+from kairos.sim.simulator import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The paper's values (§6.1): a change here is a change of the method, not a refactor.
+PAPER = {
+    "ALPHA": 1.3,
+    "BETA": 1.0,
+    "TBT_SLO_S": 0.070,
+    "TTFT_SLO_S": 4.0,
+    "CHUNK_CANDIDATES": (2048, 1024, 512, 256, 128),
+}
+
+
+def test_the_papers_values() -> None:
+    assert {name: getattr(defaults, name) for name in PAPER} == PAPER
+    assert HEARTBEAT_PERIOD_S == 0.1
+
+
+def fields(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (DeciderConfig(), {"alpha": defaults.ALPHA, "beta": defaults.BETA, "tbt_slo_s": defaults.TBT_SLO_S,
+                           "ttft_slo_s": defaults.TTFT_SLO_S, "chunk_candidates": defaults.CHUNK_CANDIDATES,
+                           "stale_after_s": defaults.STALE_AFTER_S}),
+        (DispatcherConfig(model_dir="m"), {"alpha": defaults.ALPHA, "beta": defaults.BETA,
+                                           "tbt_slo_ms": defaults.TBT_SLO_S * 1e3, "ttft_slo_s": defaults.TTFT_SLO_S,
+                                           "stale_after_s": defaults.STALE_AFTER_S, "profile": defaults.PROFILE,
+                                           "max_model_len": defaults.MAX_MODEL_LEN}),
+        (LocalClusterConfig(), {"alpha": defaults.ALPHA, "beta": defaults.BETA, "tbt_slo_ms": defaults.TBT_SLO_S * 1e3,
+                                "ttft_slo_s": defaults.TTFT_SLO_S, "profile": defaults.PROFILE,
+                                "max_model_len": defaults.MAX_MODEL_LEN,
+                                "kv_capacity_tokens": defaults.KV_CAPACITY_TOKENS,
+                                "prefill_step_tokens": defaults.PREFILL_STEP_TOKENS,
+                                "decode_step_tokens": defaults.DECODE_STEP_TOKENS,
+                                "heartbeat_ms": HEARTBEAT_PERIOD_S * 1e3}),
+        (ReplayConfig(), {"ttft_slo_s": defaults.TTFT_SLO_S, "tbt_slo_ms": defaults.TBT_SLO_S * 1e3}),
+        (SimSettings(), {"tbt_slo_s": defaults.TBT_SLO_S, "ttft_slo_s": defaults.TTFT_SLO_S,
+                         "stale_after_s": defaults.STALE_AFTER_S, "profile": defaults.PROFILE,
+                         "kv_capacity_tokens": defaults.KV_CAPACITY_TOKENS, "heartbeat_s": HEARTBEAT_PERIOD_S,
+                         "prefill_step_tokens": defaults.PREFILL_STEP_TOKENS,
+                         "decode_step_tokens": defaults.DECODE_STEP_TOKENS,
+                         "chunk_candidates": defaults.CHUNK_CANDIDATES}),
+        (ClusterConfig(), {"kv_capacity_tokens": defaults.KV_CAPACITY_TOKENS, "heartbeat_s": HEARTBEAT_PERIOD_S,
+                           "prefill_step_tokens": defaults.PREFILL_STEP_TOKENS,
+                           "decode_step_tokens": defaults.DECODE_STEP_TOKENS}),
+    ],
+    ids=lambda x: type(x).__name__ if dataclasses.is_dataclass(x) else "",
+)
+def test_every_config_defaults_to_the_shared_values(config: Any, expected: dict[str, Any]) -> None:
+    got = fields(config)
+    assert {k: got[k] for k in expected} == expected
+    assert DEFAULT_PROFILE == defaults.PROFILE
+
+
+def flag_values(command: list[str]) -> dict[str, str]:
+    return {flag: value for flag, value in itertools.pairwise(command) if flag.startswith("--")}
+
+
+@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.gpu.yml"])
+def test_the_compose_dispatcher_runs_the_shared_defaults(compose_file: str) -> None:
+    spec = yaml.safe_load((ROOT / "compose" / compose_file).read_text())
+    flags = flag_values(spec["services"]["dispatcher"]["command"])
+    assert float(flags["--alpha"]) == defaults.ALPHA
+    assert float(flags["--beta"]) == defaults.BETA
+    assert float(flags["--tbt-slo-ms"]) == defaults.TBT_SLO_S * 1e3
+    assert float(flags["--ttft-slo-s"]) == defaults.TTFT_SLO_S
+    assert int(flags["--max-model-len"]) == defaults.MAX_MODEL_LEN
+
+
+def test_the_readme_states_the_shared_defaults() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"alpha {defaults.ALPHA:g}" in readme
+    assert f"tau {defaults.TBT_SLO_S * 1e3:g} ms" in readme
+    assert f"TTFT SLO {defaults.TTFT_SLO_S:g} s" in readme
