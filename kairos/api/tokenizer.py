@@ -741,14 +741,6 @@ class PromptTokenizer:
             return len(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
-    def count_completion_prompts(self, prompt: str | Sequence[Any]) -> list[int]:
-        """One count per prompt of any OpenAI prompt form: str, list[int], list[str], list[list[int]]."""
-        if isinstance(prompt, str) or _is_token_ids(prompt):
-            return [self.count_completion_prompt(prompt)]
-        if isinstance(prompt, Sequence):
-            return [self.count_completion_prompt(p) for p in prompt]
-        raise TypeError(f"a completion prompt is a string or a list, got {type(prompt).__name__}")
-
     # -- chat ---------------------------------------------------------------------------------
     def render_chat(
         self,

@@ -108,14 +108,6 @@ def test_token_ids_are_counted_as_given(tok: PromptTokenizer) -> None:
         tok.count_completion_prompt(3)  # type: ignore[arg-type]
 
 
-def test_batch_forms_give_one_count_per_prompt(tok: PromptTokenizer, raw: Tokenizer) -> None:
-    counts = [len(raw.encode(t).ids) for t in TEXTS[:3]]
-    assert tok.count_completion_prompts(TEXTS[:3]) == counts
-    assert tok.count_completion_prompts(TEXTS[0]) == counts[:1]
-    assert tok.count_completion_prompts([1, 2, 3]) == [3]
-    assert tok.count_completion_prompts([[1, 2], [3], [4, 5, 6]]) == [2, 1, 3]
-
-
 def test_decode_round_trips(tok: PromptTokenizer) -> None:
     text = TEXTS[4]
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
