@@ -9,6 +9,10 @@ test needs (the text it generates is noise, the token accounting is real).
 Everything is deterministic for a given ``(vocab_size, seed)``, so token counts asserted in
 tests stay exact across machines. A stamp file makes a second build of the same directory free.
 
+It ships, though tests use it most: ``kairos up`` (the README's main command) builds it for the
+emulated cluster's tokenizer, and ``kairos tiny-model`` and the compose file's one-shot ``model``
+service build it for users with no model at hand.
+
     python -m kairos.launcher.tinymodel OUT_DIR [--vocab-size 4096] [--seed 0]
 """
 
