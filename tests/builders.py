@@ -11,9 +11,11 @@ Default models (every coefficient can be overridden by keyword):
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kairos.common import contracts as c
+from kairos.common.contracts import Heartbeat, Role, encode_heartbeat
 from kairos.core.latency import LatencyModels
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
@@ -123,3 +125,29 @@ def decode_node(
 
 def view(prefill: tuple[PrefillNodeState, ...] = (), decode: tuple[DecodeNodeState, ...] = ()) -> ClusterView:
     return ClusterView(prefill=tuple(prefill), decode=tuple(decode))
+
+
+def heartbeat_json(
+    node_id: str, seq: int = 1, *, role: str | None = None, sent_at: float = 1000.0, **fields: Any
+) -> str:
+    """A heartbeat value as a publisher SETs it (role from the id's first letter unless given:
+    ``d*`` decode, anything else prefill); ``fields`` override any heartbeat field."""
+    role = role or ("decode" if node_id.startswith("d") else "prefill")
+    hb = Heartbeat(
+        node_id=node_id,
+        role=Role(role),
+        url="10.0.0.1:8100",
+        sidecar="10.0.0.1:8200" if role == "decode" else "",
+        seq=seq,
+        sent_at=sent_at,
+        decode_tokens=0,
+        kv_tokens=0,
+        kv_capacity_tokens=50_000,
+        queued_prefill_tokens=(),
+        scheduled_prefill_tokens=(),
+        max_step_tokens=512,
+        model="m",
+    )
+    data = json.loads(encode_heartbeat(hb))
+    data.update(fields)
+    return json.dumps(data)

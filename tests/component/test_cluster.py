@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, HeartbeatField, TtftFeedbackField
+from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
 from kairos.common.errors import NoHealthyNodeError
 from kairos.core.algorithm import DeciderConfig, can_take_deflection
 from kairos.core.decision import Decision, Reason, Route
@@ -35,6 +35,7 @@ from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig, NodeAddress
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
+from tests.builders import heartbeat_json as beat
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
@@ -316,26 +317,6 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
 # ---------------------------------------------------------------------------------------------
 # Heartbeat values written straight into Redis
 # ---------------------------------------------------------------------------------------------
-def beat(node_id: str, seq: int, *, role: str = "prefill", sent_at: float | None = None, **fields: Any) -> str:
-    data = {
-        HeartbeatField.NODE_ID: node_id,
-        HeartbeatField.ROLE: role,
-        HeartbeatField.URL: "127.0.0.1:8001",
-        HeartbeatField.SIDECAR: "127.0.0.1:8201" if role == "decode" else "",
-        HeartbeatField.SEQ: seq,
-        HeartbeatField.SENT_AT: time.time() if sent_at is None else sent_at,
-        HeartbeatField.DECODE_TOKENS: 0,
-        HeartbeatField.KV_TOKENS: 0,
-        HeartbeatField.KV_CAPACITY_TOKENS: 50_000,
-        HeartbeatField.QUEUED_PREFILL_TOKENS: [],
-        HeartbeatField.SCHEDULED_PREFILL_TOKENS: [],
-        HeartbeatField.MAX_STEP_TOKENS: 512,
-        HeartbeatField.MODEL: "m",
-    }
-    data.update(fields)
-    return json.dumps(data)
-
-
 # ---------------------------------------------------------------------------------------------
 # Static fallback
 # ---------------------------------------------------------------------------------------------

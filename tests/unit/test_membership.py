@@ -32,30 +32,9 @@ from kairos.extproc.membership import (
     RedisLost,
     StaticNode,
 )
+from tests.builders import heartbeat_json as beat
 
 DOWN = None  # a poll that Redis did not answer
-
-
-def beat(node_id: str, seq: int = 1, *, role: str | None = None, sent_at: float = 1000.0, **fields: Any) -> str:
-    """A heartbeat JSON; the role follows the id's first letter unless given."""
-    role = role or ("decode" if node_id.startswith("d") else "prefill")
-    data = {
-        HeartbeatField.NODE_ID: node_id,
-        HeartbeatField.ROLE: role,
-        HeartbeatField.URL: "10.0.0.1:8100",
-        HeartbeatField.SIDECAR: "10.0.0.1:8200" if role == "decode" else "",
-        HeartbeatField.SEQ: seq,
-        HeartbeatField.SENT_AT: sent_at,
-        HeartbeatField.DECODE_TOKENS: 0,
-        HeartbeatField.KV_TOKENS: 0,
-        HeartbeatField.KV_CAPACITY_TOKENS: 50_000,
-        HeartbeatField.QUEUED_PREFILL_TOKENS: [],
-        HeartbeatField.SCHEDULED_PREFILL_TOKENS: [],
-        HeartbeatField.MAX_STEP_TOKENS: 512,
-        HeartbeatField.MODEL: "m",
-    }
-    data.update(fields)
-    return json.dumps(data)
 
 
 def event_text(event: Event) -> str:
