@@ -4,7 +4,6 @@ vLLM nodes: the path each request takes, exact usage, streaming, and bad input."
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.launcher.local_cluster import LocalCluster
-from tests.e2e.conftest import http, post_json, steps_of, text_of
+from tests.e2e.conftest import http, load_prefill_queues, post_json, steps_of, text_of
 
 MODEL = "kairos-tiny-llama"
 
@@ -50,25 +49,10 @@ def test_keep_request_prefills_on_a_prefill_node_and_decodes_on_a_decode_node(
     assert 'source="external_kv_transfer"' in metrics.decode()
 
 
-def _load_prefill_queues(cluster: LocalCluster, tokenizer: PromptTokenizer, n: int = 4) -> list[threading.Thread]:
-    """Keep both prefill nodes busy for seconds with long prompts (too long to deflect)."""
-    long_prompt = text_of(tokenizer, 16_000)
-
-    def send() -> None:
-        post_json(f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 1})
-
-    threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    time.sleep(0.3)  # dispatched and visible in the next heartbeats
-    return threads
-
-
 def test_deflected_request_runs_on_one_decode_node_with_exactly_its_schedule(
     cluster: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
-    threads = _load_prefill_queues(cluster, tokenizer)
+    threads = load_prefill_queues(cluster, tokenizer)
     prompt = text_of(tokenizer, 1500)
     request_id = rid()
     status, headers, body = post_json(

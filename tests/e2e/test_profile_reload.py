@@ -10,10 +10,7 @@ import json
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,7 +20,8 @@ from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.replay import ReplayConfig, RequestResult, replay
 from kairos.sim.requests import RequestSpec
 from kairos.sim.workloads import make_workload
-from tests.e2e.conftest import http, start_cluster
+from tests.e2e.conftest import http, start_cluster, wait_for_fresh_polls
+from tests.waiting import wait_until
 
 TIME_SCALE = 2.0
 RELOAD_S = 0.2  # the dispatcher's file check period in this test
@@ -45,7 +43,7 @@ def _profile(name: str, decode_scale: float) -> bytes:
 
 
 def _metrics(cluster: LocalCluster) -> dict[str, list[tuple[dict[str, str], float]]]:
-    _, _, raw = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}/metrics", timeout=5)
+    _, _, raw = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}/metrics", timeout=30)
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(raw.decode()):
         for s in family.samples:
@@ -62,11 +60,9 @@ def _profile_in_use(cluster: LocalCluster) -> str:
     return labels["name"]
 
 
-def _wait(probe: Callable[[], Any], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not probe():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
+def _decisions(cluster: LocalCluster) -> float:
+    # No series before the first decision (its labels are the route and reason).
+    return sum(v for _, v in _metrics(cluster).get("kairos_dispatcher_decisions_total", []))
 
 
 def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path: Path, model_dir: Path) -> None:
@@ -93,25 +89,28 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
         assert _profile_in_use(cluster) == "e2e-v1"
         assert _reloads(cluster) == {"ok": 0, "error": 0}
         replayer.start()
-        time.sleep(1.0)  # requests are flowing
+        wait_until(lambda: _decisions(cluster) >= 3, what="requests flowing through the dispatcher")
 
         # 1. Atomic: a temporary file renamed over the profile.
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(_profile("e2e-v2", 1.1))
         os.replace(tmp, path)
-        _wait(lambda: _profile_in_use(cluster) == "e2e-v2", "the atomic rewrite swapped in")
+        wait_until(lambda: _profile_in_use(cluster) == "e2e-v2", what="the atomic rewrite swapped in")
         assert _reloads(cluster) == {"ok": 1, "error": 0}
 
         # 2. Not atomic: the file truncated and half written (a writer caught mid-write)...
         v3 = _profile("e2e-v3", 0.9)
         path.write_bytes(v3[: len(v3) // 2])
-        _wait(lambda: _reloads(cluster)["error"] >= 1, "the partial file rejected")
-        time.sleep(3 * RELOAD_S)  # several checks of the same bad version: still one error, old models
+        wait_until(lambda: _reloads(cluster)["error"] >= 1, what="the partial file rejected")
+        # Several checks of the same bad version: still one error, old models. The dispatcher's
+        # loop taking 7 newer heartbeats of a node (>= 0.6 s of its own polling, beats are 0.1 s
+        # apart) is its checks' chance, every RELOAD_S on the same loop, however slow the host.
+        wait_for_fresh_polls(cluster, polls=round(3 * RELOAD_S / c.HEARTBEAT_PERIOD_S) + 1)
         assert _profile_in_use(cluster) == "e2e-v2"
         errors = _reloads(cluster)["error"]
         # ...then the full write.
         path.write_bytes(v3)
-        _wait(lambda: _profile_in_use(cluster) == "e2e-v3", "the completed rewrite swapped in")
+        wait_until(lambda: _profile_in_use(cluster) == "e2e-v3", what="the completed rewrite swapped in")
         reloads = _reloads(cluster)
         # Each truncation may be seen as one more bad version (a check between truncate and write).
         assert reloads["ok"] == 2 and 1 <= errors <= reloads["error"] <= errors + 1, reloads
@@ -121,7 +120,7 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
         dispatcher = cluster.dispatcher_procs[0]
         os.kill(dispatcher.pid, signal.SIGHUP)
         log = cluster.workdir / "logs" / "dispatcher0.log"
-        _wait(lambda: "its content is the one in use, e2e-v3" in log.read_text(), "SIGHUP re-read")
+        wait_until(lambda: "its content is the one in use, e2e-v3" in log.read_text(), what="SIGHUP re-read")
 
         replayer.join(timeout=120)
         assert not replayer.is_alive()
@@ -142,7 +141,7 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
             m = _metrics(cluster)
             return sum(v for _, v in m["kairos_dispatcher_ttft_observed_over_predicted_count"])
 
-        _wait(lambda: samples() == len(trace), "every request's TTFT sample read by the dispatcher")
+        wait_until(lambda: samples() == len(trace), what="every request's TTFT sample read by the dispatcher")
         mape = {labels["path"]: v for labels, v in _metrics(cluster)["kairos_dispatcher_ttft_prediction_mape"]}
         assert set(mape) == {"keep", "deflect"} and all(v >= 0 for v in mape.values()), mape
     finally:
