@@ -1,14 +1,29 @@
-"""Suite-wide fixtures and hooks: the ``redis`` fixture (a real redis-server) and the wall times
-that tiers recorded (tests/timings.py)."""
+"""Suite-wide fixtures and hooks: each test marked with its tier (its folder), the ``redis``
+fixture (a real redis-server) and the wall times that tiers recorded (tests/timings.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests import timings
 from tests.redis_server import RedisServer
+
+TIERS = ("unit", "component", "e2e", "integration")
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, so ``-m unit`` works as ``tests/unit`` does; a test outside
+    the tier folders is a collection error."""
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        tier = path.relative_to(_TESTS).parts[0] if path.is_relative_to(_TESTS) else None
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in a tier folder, one of tests/{{{','.join(TIERS)}}}")
+        item.add_marker(tier)
 
 
 @pytest.fixture
