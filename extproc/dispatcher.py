@@ -189,9 +189,9 @@ class Dispatcher:
             assert decision.prefill_node is not None
             set_headers.append((c.H_PREFILL_HOST, addresses[decision.prefill_node].url))
         else:
-            set_headers.append((c.H_CHUNK_SCHEDULE, ",".join(str(x) for x in decision.chunk_sizes)))
+            set_headers.append((c.H_CHUNK_SCHEDULE, c.encode_chunk_schedule(decision.chunk_sizes)))
             if decision.step_budget_s is not None:
-                set_headers.append((c.H_STEP_BUDGET_MS, f"{decision.step_budget_s * 1e3:.3f}"))
+                set_headers.append((c.H_STEP_BUDGET_MS, c.encode_step_budget_ms(decision.step_budget_s * 1e3)))
         primary = addresses[decision.decode_node].sidecar
         destinations = (primary, *self._fallbacks(primary, addresses))
         overwritten = {name for name, _ in set_headers}
@@ -205,7 +205,7 @@ class Dispatcher:
             request.prompt_tokens,
             decision.decode_node,
             decision.prefill_node or "-",
-            ",".join(map(str, decision.chunk_sizes)) or "-",
+            c.encode_chunk_schedule(decision.chunk_sizes) or "-",
             _ms(decision.predicted_ttft_prefill_s),
             _ms(decision.predicted_ttft_decode_s),
             elapsed * 1e3,
@@ -286,7 +286,7 @@ class Dispatcher:
         """GET /v1/models, /health, /metrics, ...: any live decode sidecar proxies them to its
         vLLM unchanged."""
         addresses = self.cluster.addresses()
-        sidecars = sorted({a.sidecar for a in addresses.values() if a.role == "decode" and a.sidecar})
+        sidecars = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar})
         if not sidecars:
             raise NoHealthyNodeError("no decode node is available")
         i = next(self._rr) % len(sidecars)
@@ -295,7 +295,7 @@ class Dispatcher:
 
     @staticmethod
     def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
-        others = sorted({a.sidecar for a in addresses.values() if a.role == "decode" and a.sidecar} - {primary})
+        others = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar} - {primary})
         return tuple(others[:1])
 
 

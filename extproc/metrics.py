@@ -8,6 +8,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from kairos.common.contracts import Role
 from kairos.core.decision import Decision
 from kairos.core.state import ClusterView
 
@@ -122,9 +123,9 @@ class ClusterCollector:
             labels=["node", "role"],
         )
         for node in view.prefill:
-            age.add_metric([node.node_id, "prefill"], max(0.0, now - node.reported_at))
+            age.add_metric([node.node_id, Role.PREFILL], max(0.0, now - node.reported_at))
         for node in view.decode:
-            age.add_metric([node.node_id, "decode"], max(0.0, now - node.reported_at))
+            age.add_metric([node.node_id, Role.DECODE], max(0.0, now - node.reported_at))
         yield age
         degraded = GaugeMetricFamily("kairos_dispatcher_degraded", "1 while Redis is unreachable (P/D routing only)")
         degraded.add_metric([], 1.0 if self.cluster.degraded else 0.0)

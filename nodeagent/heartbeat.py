@@ -32,10 +32,10 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -47,101 +47,27 @@ from kairos.common.contracts import (
     HEARTBEAT_TTL_S,
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
+    STATE_PATH,
+    EngineState,
+    EngineStateError,
     Heartbeat,
     Role,
     encode_heartbeat,
+    parse_engine_state,
 )
-from kairos.common.errors import ConfigError, KairosError
+from kairos.common.errors import ConfigError
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
-STATE_PATH = "/kairos/state"  # where the (emulated) vLLM server serves its EngineState JSON
 
 # Compare-and-delete: remove the node's key only if it still holds this publisher's last beat
 # (a newer publisher for the same node id may already have taken it over).
 _DELETE_IF_OURS = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class EngineStateError(KairosError):
-    """The engine's state could not be read or is malformed."""
-
-    code = "engine_state_unavailable"
-
-
 # ---------------------------------------------------------------------------------------------
-# Engine state
+# Engine state (the contract, EngineState and its codec, is kairos.common.contracts')
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class EngineState:
-    """What the engine reports each beat (the heartbeat's load fields, by the same names)."""
-
-    decode_tokens: int  # B: running decodes, one token each per step
-    kv_tokens: int  # K: KV-cache tokens in use
-    kv_capacity_tokens: int  # KV-cache tokens the engine can hold
-    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
-    scheduled_prefill_tokens: tuple[int, ...]  # remaining tokens of deflected (scheduled) prefills
-    max_step_tokens: int  # the engine's token budget per step (max_num_batched_tokens)
-    model: str  # served model name
-    # Reported by real vLLM (the Kairos scheduler plugin); None where the engine does not say.
-    running_requests: int | None = None
-    waiting_requests: int | None = None
-    kv_usage: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("decode_tokens", "kv_tokens", "kv_capacity_tokens", "max_step_tokens"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
-        if self.max_step_tokens < 1:
-            raise EngineStateError(f"engine state: max_step_tokens must be >= 1, got {self.max_step_tokens}")
-        for name in ("queued_prefill_tokens", "scheduled_prefill_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(_is_int(x) and x >= 0 for x in value):
-                raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
-        if not isinstance(self.model, str):
-            raise EngineStateError(f"engine state: model must be a string, got {self.model!r}")
-        for name in ("running_requests", "waiting_requests"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
-        usage = self.kv_usage
-        if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
-            raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
-
-    @classmethod
-    def from_mapping(cls, data: Any) -> EngineState:
-        """Build from decoded JSON (lists become tuples); unknown keys are ignored."""
-        if not isinstance(data, Mapping):
-            raise EngineStateError(f"engine state: expected a JSON object, got {type(data).__name__}")
-        names = (
-            "decode_tokens",
-            "kv_tokens",
-            "kv_capacity_tokens",
-            "queued_prefill_tokens",
-            "scheduled_prefill_tokens",
-            "max_step_tokens",
-            "model",
-        )
-        missing = [n for n in names if n not in data]
-        if missing:
-            raise EngineStateError(f"engine state: missing fields {missing}")
-        values = {n: data[n] for n in names}
-        for name in ("queued_prefill_tokens", "scheduled_prefill_tokens"):
-            if not isinstance(values[name], list | tuple):
-                raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
-            values[name] = tuple(values[name])
-        for name in ("running_requests", "waiting_requests", "kv_usage"):
-            if data.get(name) is not None:
-                values[name] = data[name]
-        return cls(**values)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @runtime_checkable
 class EngineStateSource(Protocol):
     """Where a publisher reads the engine's state; any exception means "engine unavailable"."""
@@ -150,8 +76,8 @@ class EngineStateSource(Protocol):
 
 
 def state_endpoint(address: str) -> str:
-    """``host:port`` -> ``http://host:port/kairos/state``; a full http(s) URL keeps its path
-    (``/kairos/state`` is added when it has none)."""
+    """``host:port`` -> ``http://host:port`` + :data:`STATE_PATH`; a full http(s) URL keeps its
+    path (:data:`STATE_PATH` is added when it has none)."""
     text = address.strip()
     if "://" not in text:
         check_hostport("state url", text)
@@ -164,7 +90,7 @@ def state_endpoint(address: str) -> str:
 
 
 class HttpStateSource:
-    """Reads ``GET http://host:port/kairos/state`` through one reused aiohttp session.
+    """Reads the engine state (``GET`` :func:`state_endpoint`) through one reused aiohttp session.
 
     The session is created on the first read (inside the running loop); ``aclose()`` closes it.
     """
@@ -188,10 +114,10 @@ class HttpStateSource:
                 if resp.status != 200:
                     body = (await resp.text())[:200]
                     raise EngineStateError(f"GET {self.endpoint}: HTTP {resp.status}: {body}")
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineStateError(f"GET {self.endpoint}: {describe(exc)}") from exc
-        return EngineState.from_mapping(data)
+        return parse_engine_state(raw)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -221,10 +147,10 @@ class PublisherConfig:
     def __post_init__(self) -> None:
         if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
             raise ConfigError(f"node_id must be non-empty without spaces or glob characters, got {self.node_id!r}")
-        if self.role not in ROLES:
-            raise ConfigError(f"role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.role not in tuple(Role):
+            raise ConfigError(f"role must be one of {[str(r) for r in Role]}, got {self.role!r}")
         check_hostport("url", self.url)
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             if not self.sidecar:
                 raise ConfigError(f"decode node {self.node_id}: sidecar (host:port) is required")
             check_hostport("sidecar", self.sidecar)
@@ -428,11 +354,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="YAML file with a 'heartbeat' section")
     p.add_argument("--node-id", dest="node_id", help="node id, unique in the cluster")
-    p.add_argument("--role", choices=ROLES)
+    p.add_argument("--role", choices=[str(r) for r in Role])
     p.add_argument("--url", help="host:port of this node's vLLM server")
     p.add_argument("--sidecar", help="host:port of the decode sidecar (decode nodes only)")
     p.add_argument("--redis", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
-    p.add_argument("--state-url", dest="state_url", help="where /kairos/state is served (default: --url)")
+    p.add_argument("--state-url", dest="state_url", help=f"where {STATE_PATH} is served (default: --url)")
     period = p.add_mutually_exclusive_group()
     period.add_argument(
         "--period-s", dest="period_s", type=float, help=f"heartbeat period (default {HEARTBEAT_PERIOD_S})"

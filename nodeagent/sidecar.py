@@ -589,16 +589,16 @@ def _forward_headers(incoming: CIMultiDictProxy[str], rid: str) -> CIMultiDict[s
 def _scrub_xargs(body: dict[str, Any], rid: str) -> dict[str, Any] | None:
     """A copy of ``body`` without client-sent ``kairos_*`` vllm_xargs, or None when it has none:
     a chunk schedule is the dispatcher's to set, as the edge strips ``x-kairos-*`` headers."""
-    xargs = body.get("vllm_xargs")
-    if not isinstance(xargs, dict) or not any(str(k).startswith("kairos_") for k in xargs):
+    xargs = body.get(c.VLLM_XARGS)
+    if not isinstance(xargs, dict) or not any(str(k).startswith(c.XARG_PREFIX) for k in xargs):
         return None
-    kept = {k: v for k, v in xargs.items() if not str(k).startswith("kairos_")}
-    log.warning("request %s: removed client-sent vllm_xargs %s", rid, sorted(set(xargs) - set(kept)))
+    kept = {k: v for k, v in xargs.items() if not str(k).startswith(c.XARG_PREFIX)}
+    log.warning("request %s: removed client-sent %s %s", rid, c.VLLM_XARGS, sorted(set(xargs) - set(kept)))
     out = dict(body)
     if kept:
-        out["vllm_xargs"] = kept
+        out[c.VLLM_XARGS] = kept
     else:
-        del out["vllm_xargs"]
+        del out[c.VLLM_XARGS]
     return out
 
 
@@ -644,29 +644,18 @@ def _deflect_body(state: _State, body: dict[str, Any], headers: CIMultiDictProxy
     if raw_schedule is None:
         _count(state, "2", "bad_routing_headers")
         raise _bad_routing(rid, f"{c.H_ROUTE}=deflect without {c.H_CHUNK_SCHEDULE}")
-    try:
-        schedule = [int(x) for x in raw_schedule.split(",")]
-    except ValueError:
-        schedule = []
-    if not schedule or min(schedule) < 1:
-        _count(state, "2", "bad_routing_headers")
-        raise _bad_routing(rid, f"{c.H_CHUNK_SCHEDULE}={raw_schedule!r} is not a list of positive integers")
-    xargs = body.get("vllm_xargs")
-    if xargs is not None and not isinstance(xargs, dict):
-        raise InvalidRequestError(f"vllm_xargs must be an object, got {type(xargs).__name__}")
-    merged = dict(xargs or {})  # the client's own xargs, kairos_* already scrubbed
-    merged[c.XARG_CHUNK_SCHEDULE] = schedule
     raw_budget = headers.get(c.H_STEP_BUDGET_MS)
-    if raw_budget is not None:
-        try:
-            budget = float(raw_budget)
-        except ValueError:
-            budget = math.nan
-        if not (0 < budget < math.inf):
-            _count(state, "2", "bad_routing_headers")
-            raise _bad_routing(rid, f"{c.H_STEP_BUDGET_MS}={raw_budget!r} is not a positive number")
-        merged[c.XARG_STEP_BUDGET_MS] = budget
-    return {**body, "vllm_xargs": merged}
+    try:
+        schedule = c.parse_chunk_schedule_header(raw_schedule)
+        budget_ms = None if raw_budget is None else c.parse_step_budget_ms(raw_budget)
+    except c.MalformedSchedule as exc:
+        _count(state, "2", "bad_routing_headers")
+        raise _bad_routing(rid, str(exc)) from None
+    xargs = body.get(c.VLLM_XARGS)
+    if xargs is not None and not isinstance(xargs, dict):
+        raise InvalidRequestError(f"{c.VLLM_XARGS} must be an object, got {type(xargs).__name__}")
+    # The client's own xargs (kairos_* already scrubbed) and the dispatcher's schedule.
+    return {**body, c.VLLM_XARGS: {**(xargs or {}), **c.schedule_xargs(schedule, budget_ms)}}
 
 
 def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -118,7 +118,7 @@ class HttpSteps:
     """``GET /kairos/steps?since=N``: a cursor over the node's bounded step log."""
 
     def __init__(self, http: aiohttp.ClientSession, base: str) -> None:
-        self.http, self.url = http, f"{base}/kairos/steps"
+        self.http, self.url = http, f"{base}{c.STEPS_PATH}"
         self.cursor = 0
         self.lost = 0  # steps that left the node's log before a poll saw them
         self.node_id: str | None = None
@@ -127,18 +127,20 @@ class HttpSteps:
     def description(self) -> str:
         return f"GET {self.url}"
 
-    async def _get(self, since: int) -> dict[str, Any]:
+    async def _get(self, since: int) -> c.StepsPage:
         try:
-            async with self.http.get(self.url, params={"since": str(since)}) as resp:
+            async with self.http.get(self.url, params={c.STEPS_SINCE: str(since)}) as resp:
                 if resp.status != 200:
                     raise CollectError(f"GET {self.url}: HTTP {resp.status}")
-                data = await resp.json()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise CollectError(f"GET {self.url}: {exc!r}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
-            raise CollectError(f"GET {self.url}: not a step log (expected {{'steps': [...], 'next_index': N}})")
-        self.node_id = data.get("node_id", self.node_id)
-        return data
+        try:
+            page = c.parse_steps_page(raw)
+        except c.MalformedStepRecord as exc:
+            raise CollectError(f"GET {self.url}: {exc}") from None
+        self.node_id = page.node_id or self.node_id
+        return page
 
     async def available(self) -> bool:
         try:
@@ -148,21 +150,19 @@ class HttpSteps:
         return True
 
     async def mark(self) -> None:
-        self.cursor = int((await self._get(2**62))["next_index"])
+        self.cursor = (await self._get(2**62)).next_index
         self.lost = 0
 
     async def fetch(self) -> list[dict[str, Any]]:
-        data = await self._get(self.cursor)
-        steps = data["steps"]
-        nxt = int(data["next_index"])
-        if nxt < self.cursor:
+        page = await self._get(self.cursor)
+        if page.next_index < self.cursor:
             raise CollectError(
-                f"{self.url}: the step index went back from {self.cursor} to {nxt}: did the node restart?"
+                f"{self.url}: the step index went back from {self.cursor} to {page.next_index}: did the node restart?"
             )
-        if steps and steps[0].get("index", self.cursor) > self.cursor:
-            self.lost += steps[0]["index"] - self.cursor
-        self.cursor = nxt
-        return steps
+        if page.steps and page.steps[0].get(c.StepField.INDEX, self.cursor) > self.cursor:
+            self.lost += page.steps[0][c.StepField.INDEX] - self.cursor
+        self.cursor = page.next_index
+        return list(page.steps)
 
 
 class FileSteps:
@@ -266,7 +266,7 @@ class Collector:
             "stream": stream,
         }
         if xargs:
-            body["vllm_xargs"] = xargs
+            body[c.VLLM_XARGS] = xargs
         return body
 
     def _fail(self, st: PhaseState, message: str) -> None:
@@ -354,7 +354,7 @@ class Collector:
                     return False
                 await asyncio.sleep(0.01)
             for probe in phase.probes:
-                xargs = {c.XARG_CHUNK_SCHEDULE: probe.schedule}
+                xargs = c.schedule_xargs(probe.schedule)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return False
@@ -410,15 +410,16 @@ class Collector:
 
     def _run_file(self, phase: Phase, records: list[dict[str, Any]]) -> Path:
         node = self.source.node_id or self.cfg.node
+        f = c.StepField
         by_index: dict[tuple[Any, int], dict[str, Any]] = {}
         for i, rec in enumerate(records):
-            where = f"{self.source.description} (phase {phase.name}, step {rec.get('index', f'#{i}')})"
+            where = f"{self.source.description} (phase {phase.name}, step {rec.get(f.INDEX, f'#{i}')})"
             try:
                 parse_step(rec, where, phase.name, self.cfg.plan.role)
             except RecordsError as exc:
                 raise CollectError(exc.message) from exc
-            rec = {"node": node, "role": self.cfg.plan.role, **rec, "phase": phase.name}
-            by_index[(rec["node"], rec["index"])] = rec
+            rec = {f.NODE: node, f.ROLE: self.cfg.plan.role, **rec, "phase": phase.name}
+            by_index[(rec[f.NODE], rec[f.INDEX])] = rec
         path = self.cfg.out_dir / f"{phase.name}.jsonl"
         tmp = path.with_name(path.name + ".part")
         tmp.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for _, r in sorted(by_index.items())))

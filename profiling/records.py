@@ -1,7 +1,8 @@
 """Engine step records: the profiler's input, one JSON object per engine step.
 
-The schema is the one the emulated vLLM node serves at ``GET /kairos/steps?since=N``
-(``kairos.sim.realtime.RealtimeEngine._record``) and the vLLM step recorder writes as JSONL::
+The schema is ``kairos.common.contracts``' step record (:class:`~kairos.common.contracts.StepField`,
+decoded by :func:`~kairos.common.contracts.parse_step_record`), as the emulated vLLM node serves it
+at ``GET /kairos/steps?since=N`` and the vLLM step recorder writes it as JSONL::
 
     {"index": 17,            # engine step counter (per node)
      "start": 12.031,        # model seconds when the step started
@@ -31,11 +32,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kairos.common.contracts import MalformedStepRecord, Role, StepChunk, parse_step_record
 from kairos.common.errors import KairosError
 
 MANIFEST_FILE = "manifest.json"
 TRANSFERS_FILE = "transfers.jsonl"  # KV transfers: {"tokens", "seconds"[, "bytes"]} per line
-ROLES = ("prefill", "decode")
 
 
 class RecordsError(KairosError):
@@ -58,16 +59,9 @@ def classify(decode_tokens: int, prefill_tokens: int, role: str | None) -> StepK
     (a deflected prefill running alone). Unknown role: a chunk-only step counts as prefill."""
     if prefill_tokens <= 0:
         return StepKind.DECODE if decode_tokens > 0 else StepKind.EMPTY
-    if decode_tokens == 0 and role != "decode":
+    if decode_tokens == 0 and role != Role.DECODE:
         return StepKind.PREFILL
     return StepKind.MIXED
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRecord:
-    request_id: str
-    tokens: int  # prompt tokens of this request processed in the step
-    cached: int  # this request's prompt tokens already computed before the step
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +74,8 @@ class StepRecord:
     duration: float  # model seconds
     decode_tokens: int  # B
     kv_tokens: int  # K at step start
-    chunks: tuple[ChunkRecord, ...]
-    role: str | None = None  # node role, None when neither the record nor the manifest says
+    chunks: tuple[StepChunk, ...]
+    role: Role | None = None  # node role, None when neither the record nor the manifest says
     node: str | None = None
 
     @property
@@ -143,45 +137,22 @@ def _int_field(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
 
 
 def parse_step(obj: Any, where: str, run: str, role: str | None = None) -> StepRecord:
-    """Validate one step object; ``where`` (``file:line``) starts every error message."""
-    if not isinstance(obj, dict):
-        raise RecordsError(f"{where}: a step record is a JSON object, got {type(obj).__name__}")
-    index = _int_field(obj, "index", where, 0)
-    for key in ("start", "duration"):
-        if key not in obj:
-            raise RecordsError(f"{where}: missing key {key!r}")
-        if not _is_number(obj[key]):
-            raise RecordsError(f"{where}: {key} must be a finite number of seconds, got {json.dumps(obj[key])}")
-    if obj["duration"] <= 0:
-        raise RecordsError(f"{where}: duration must be > 0 seconds, got {obj['duration']}")
-    decode_tokens = _int_field(obj, "decode_tokens", where, 0)
-    kv_tokens = _int_field(obj, "kv_tokens", where, 0)
-    raw_chunks = obj.get("chunks")
-    if not isinstance(raw_chunks, list):
-        raise RecordsError(f"{where}: chunks must be a list, got {json.dumps(raw_chunks)}")
-    chunks = []
-    for i, ch in enumerate(raw_chunks):
-        at = f"{where}: chunks[{i}]"
-        if not isinstance(ch, dict):
-            raise RecordsError(f"{at} must be an object, got {json.dumps(ch)}")
-        rid = ch.get("request_id")
-        if not isinstance(rid, str):
-            raise RecordsError(f"{at}.request_id must be a string, got {json.dumps(rid)}")
-        chunks.append(ChunkRecord(rid, _int_field(ch, "tokens", f"{at}", 1), _int_field(ch, "cached", f"{at}", 0)))
-    rec_role = obj.get("role", role)
-    if rec_role is not None and rec_role not in ROLES:
-        raise RecordsError(f"{where}: role must be one of {list(ROLES)}, got {json.dumps(rec_role)}")
-    node = obj.get("node")
+    """Validate one step object; ``where`` (``file:line``) starts every error message, ``role``
+    (the manifest's) applies when the record names none."""
+    try:
+        step = parse_step_record(obj)
+    except MalformedStepRecord as exc:
+        raise RecordsError(f"{where}: {exc}") from None
     return StepRecord(
         run=run,
-        index=index,
-        start=float(obj["start"]),
-        duration=float(obj["duration"]),
-        decode_tokens=decode_tokens,
-        kv_tokens=kv_tokens,
-        chunks=tuple(chunks),
-        role=rec_role,
-        node=None if node is None else str(node),
+        index=step.index,
+        start=step.start,
+        duration=step.duration,
+        decode_tokens=step.decode_tokens,
+        kv_tokens=step.kv_tokens,
+        chunks=step.chunks,
+        role=step.role if step.role is not None or role is None else Role(role),
+        node=step.node,
     )
 
 
@@ -228,7 +199,7 @@ def _manifest_role(directory: Path) -> str | None:
         role = json.loads(path.read_text()).get("role")
     except (OSError, ValueError, AttributeError) as exc:
         raise RecordsError(f"{path}: not a readable manifest ({exc})") from exc
-    return role if role in ROLES else None
+    return role if role in tuple(Role) else None
 
 
 def record_files(paths: Iterable[Path | str]) -> list[tuple[Path, str | None]]:

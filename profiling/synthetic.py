@@ -15,21 +15,22 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from kairos.common.contracts import Role, encode_step_record
 from kairos.core.latency import LatencyModels
 from kairos.profiling.plan import MicroPhase, Phase, TracePhase
 from kairos.profiling.records import MANIFEST_FILE
-from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, StepTimer, model_step_time
+from kairos.sim.engine import Engine, EngineConfig, Sequence, StepTimer, model_step_time
 
 # Virtual seconds a phase may run before it is cut (a plan that never drains is a bug).
 MAX_PHASE_S = 1e6
 
 
 class _Driver:
-    def __init__(self, engine: Engine, role: str, node: str) -> None:
+    def __init__(self, engine: Engine, node: str) -> None:
         self.engine = engine
         self.now = 0.0
         self.records: list[dict[str, Any]] = []
-        self.extra = {"node": node, "role": role}
+        self.node = node
 
     def step(self) -> bool:
         """Run one step; False when the engine has nothing to run."""
@@ -39,22 +40,10 @@ class _Driver:
         duration = self.engine.step_duration(plan)
         self.now += duration
         self.engine.finish_step(plan, self.now, duration)
-        self.records.append(_record(plan, duration) | self.extra)
+        self.records.append(encode_step_record(plan.record(duration, self.node, self.engine.config.role)))
         if self.now > MAX_PHASE_S:
             raise RuntimeError(f"phase ran past {MAX_PHASE_S} virtual seconds")
         return True
-
-
-def _record(plan: StepPlan, duration: float) -> dict[str, Any]:
-    # The shape of kairos.sim.realtime.RealtimeEngine._record.
-    return {
-        "index": plan.index,
-        "start": plan.start,
-        "duration": duration,
-        "decode_tokens": plan.decode_tokens,
-        "kv_tokens": plan.kv_tokens,
-        "chunks": [{"request_id": c.seq.request_id, "tokens": c.tokens, "cached": c.cached} for c in plan.chunks],
-    }
 
 
 def _trace(d: _Driver, phase: TracePhase) -> None:
@@ -97,7 +86,7 @@ def simulate_phase(
     ``timer``, e.g. a noisy ground truth)."""
     config = EngineConfig(node, Role(role), max_step_tokens=max_step_tokens)
     engine = Engine(config, timer or model_step_time(models))
-    d = _Driver(engine, role, node)
+    d = _Driver(engine, node)
     if isinstance(phase, TracePhase):
         _trace(d, phase)
     else:

@@ -13,7 +13,8 @@ nothing else. What the node does:
   room, pulls from the prefill node (``POST /kairos/kv/pull``), waits the modelled transfer time
   and decodes.
 - Deflected prefills: ``vllm_xargs.kairos_chunk_schedule`` (and ``kairos_step_budget_ms``) make
-  the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does.
+  the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does; a
+  malformed one is refused by the plugin's own parser with vLLM's very answer (status, body).
 - ``GET /v1/models``, ``/health``, ``/metrics`` (vLLM's metric names), ``/kairos/state`` (what the
   heartbeat publisher reads) and ``/kairos/steps?since=N`` (the step log).
 
@@ -54,11 +55,12 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
+from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.runtime import stop_on_signals
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
-from kairos.sim.engine import Engine, EngineConfig, Role, model_step_time
+from kairos.sim.engine import Engine, EngineConfig, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
 from kairos.sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
 
@@ -69,6 +71,7 @@ KV_PULL_PATH = "/kairos/kv/pull"
 KV_BLOCK_TOKENS = 16  # vLLM's default block size: remote_block_ids has one id per 16 prompt tokens
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # One short word per output token: the text is noise, the token accounting is what matters.
 _WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna", " aliqua", " enim")
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
@@ -297,8 +300,12 @@ class EmulatedNode:
         n = parsed.body.get("n")
         if n is not None and n != 1:
             raise RequestError(f"n must be 1 on this emulated node (one choice per request), got {_dumps(n)}", "n")
-        plan = self._plan(parsed)
         rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+        try:
+            plan = self._plan(parsed)
+        except c.MalformedSchedule as exc:
+            log.debug("request %s: %s", rid, exc)
+            return await _invalid_params(request, parsed, rid, str(exc))
         log.debug(
             "request %s: %s %s prompt=%d max_tokens=%d",
             rid,
@@ -344,23 +351,17 @@ class EmulatedNode:
         return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, self.limits)
 
     def _plan(self, parsed: ParsedRequest) -> _Plan:
-        """Which of the four ways the request runs here; every malformed extension is a 400."""
+        """Which of the four ways the request runs here; every malformed extension is a 400
+        (:class:`~kairos.common.contracts.MalformedSchedule` the one vLLM's validator plugin gives)."""
         body, role = parsed.body, self.config.role
         params = body.get(c.KV_TRANSFER_PARAMS)
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"{c.KV_TRANSFER_PARAMS} must be an object", c.KV_TRANSFER_PARAMS)
         params = params or {}
         remote_decode, remote_prefill = params.get("do_remote_decode") is True, params.get("do_remote_prefill") is True
-        xargs = body.get("vllm_xargs")
-        if xargs is not None and not isinstance(xargs, dict):
-            raise RequestError("vllm_xargs must be an object", "vllm_xargs")
-        xargs = xargs or {}
-        deflect = xargs.get(c.XARG_CHUNK_SCHEDULE) is not None
-        if not deflect and xargs.get(c.XARG_STEP_BUDGET_MS) is not None:
-            raise RequestError(
-                f"vllm_xargs.{c.XARG_STEP_BUDGET_MS} needs vllm_xargs.{c.XARG_CHUNK_SCHEDULE}",
-                f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}",
-            )
+        xargs = _vllm_xargs(body.get(c.VLLM_XARGS))
+        chunk_plan = c.parse_schedule_xargs(xargs)  # what the validator plugin runs in vLLM
+        deflect = chunk_plan is not None
         if sum((remote_decode, remote_prefill, deflect)) > 1:
             raise RequestError(
                 "a request is either a prefill hop (do_remote_decode), a decode hop (do_remote_prefill) or a "
@@ -388,10 +389,11 @@ class EmulatedNode:
                 )
             _check_pull_params(params, parsed.prompt_tokens)
             return _Plan("remote_prefill", kv_params=params)
-        if deflect:
-            schedule = _parse_schedule(xargs.get(c.XARG_CHUNK_SCHEDULE), self.config.max_step_tokens)
-            budget_ms = xargs.get(c.XARG_STEP_BUDGET_MS)
-            budget_s = None if budget_ms is None else _parse_budget_ms(budget_ms) / 1e3
+        if chunk_plan is not None:
+            if max(chunk_plan.sizes) > self.config.max_step_tokens:
+                # As the scheduler plugin: vLLM's validator cannot see the engine's limit.
+                log.warning("chunks over max_step_tokens=%d run capped at it", self.config.max_step_tokens)
+            budget_s = chunk_plan.step_budget_s
             if budget_s is not None:
                 # The engine defers a chunk whose step would exceed the budget; if even a one-token
                 # step on an otherwise empty node exceeds it, the request (and every deflected
@@ -400,11 +402,11 @@ class EmulatedNode:
                 floor_s = self.models.mixed_step_s(1, p - 1, 0, p - 1)
                 if budget_s < floor_s:
                     raise RequestError(
-                        f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}={budget_ms} is below the {floor_s * 1e3:.2f} ms "
+                        f"{c.BUDGET_PARAM}={xargs[c.XARG_STEP_BUDGET_MS]} is below the {floor_s * 1e3:.2f} ms "
                         f"this node needs for a one-token step of a {p}-token prompt: it could never run",
-                        f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}",
+                        c.BUDGET_PARAM,
                     )
-            return _Plan("deflect", schedule=schedule, step_budget_s=budget_s)
+            return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s)
         return _Plan("plain")
 
     async def _drain(self, out: _Output, stream: TokenStream, arrival: float) -> None:
@@ -414,13 +416,7 @@ class EmulatedNode:
     async def _stream(
         self, request: web.Request, out: _Output, stream: TokenStream, arrival: float
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": out.rid,
-            }
-        )
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": out.rid})
         try:
             await resp.prepare(request)
             if out.parsed.kind == "chat":
@@ -642,30 +638,25 @@ class EmulatedNode:
 
     async def state(self, request: web.Request) -> web.Response:
         snap = self.engine.engine.snapshot()
-        return web.json_response(
-            {
-                "decode_tokens": snap.decode_tokens,
-                "kv_tokens": snap.kv_tokens,
-                "kv_capacity_tokens": snap.kv_capacity_tokens,
-                "queued_prefill_tokens": list(snap.queued_prefill_tokens),
-                "scheduled_prefill_tokens": list(snap.scheduled_prefill_tokens),
-                "max_step_tokens": snap.max_step_tokens,
-                "model": self.config.model,
-            }
+        state = c.EngineState(
+            decode_tokens=snap.decode_tokens,
+            kv_tokens=snap.kv_tokens,
+            kv_capacity_tokens=snap.kv_capacity_tokens,
+            queued_prefill_tokens=snap.queued_prefill_tokens,
+            scheduled_prefill_tokens=snap.scheduled_prefill_tokens,
+            max_step_tokens=snap.max_step_tokens,
+            model=self.config.model,
         )
+        return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 
     async def steps(self, request: web.Request) -> web.Response:
-        raw = request.query.get("since", "0")
         try:
-            since = int(raw)
-        except ValueError:
-            since = -1
-        if since < 0:
-            raise RequestError(f"since must be a non-negative integer, got {raw!r}", "since")
+            since = c.parse_steps_since(request.query.get(c.STEPS_SINCE, "0"))
+        except ValueError as exc:
+            raise RequestError(str(exc), c.STEPS_SINCE) from None
         rt = self.engine
-        return web.json_response(
-            {"node_id": self.config.node_id, "next_index": rt.engine.step_index, "steps": rt.steps_since(since)}
-        )
+        page = c.encode_steps_page(self.config.node_id, rt.engine.step_index, rt.steps_since(since))
+        return web.Response(text=page, content_type="application/json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -788,22 +779,39 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_schedule(value: Any, max_step_tokens: int) -> tuple[int, ...]:
-    param = f"vllm_xargs.{c.XARG_CHUNK_SCHEDULE}"
-    if not isinstance(value, list) or not value or not all(_is_int(x) and x > 0 for x in value):
-        raise RequestError(f"{param} must be a non-empty array of positive integers, got {_dumps(value)}", param)
-    too_big = [x for x in value if x > max_step_tokens]
-    if too_big:
-        # The engine would silently cap such a chunk: say so instead of running another schedule.
-        raise RequestError(f"{param} has chunks {too_big} over this node's max_step_tokens of {max_step_tokens}", param)
-    return tuple(value)
+def _vllm_xargs(value: Any) -> dict[str, Any]:
+    """``vllm_xargs`` as vLLM's request schema hands them to its plugins: ``dict[str, str | int |
+    float | list[str | int | float]]`` in pydantic's lax mode, which turns a boolean into an int
+    (``[true]`` is the schedule ``[1]``). vLLM refuses any other value before a plugin sees it."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"{c.VLLM_XARGS} must be an object", c.VLLM_XARGS)
+    return {key: _xarg_value(key, v) for key, v in value.items()}
 
 
-def _parse_budget_ms(value: Any) -> float:
-    param = f"vllm_xargs.{c.XARG_STEP_BUDGET_MS}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
-        raise RequestError(f"{param} must be a positive number of milliseconds, got {_dumps(value)}", param)
-    return float(value)
+def _xarg_value(key: str, value: Any) -> Any:
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(x, str | int | float) for x in items):
+        param = f"{c.VLLM_XARGS}.{key}"
+        raise RequestError(f"{param} must be a string, a number or an array of them, got {_dumps(value)}", param)
+    coerced = [int(x) if isinstance(x, bool) else x for x in items]
+    return coerced if isinstance(value, list) else coerced[0]
+
+
+async def _invalid_params(request: web.Request, parsed: ParsedRequest, rid: str, message: str) -> web.StreamResponse:
+    """vLLM's answer when a logits processor's ``validate_params`` raises ValueError (vLLM 0.32:
+    ``VLLMValidationError``, ``create_error_response``): a 400 with its error body, compact JSON as
+    its JSONResponse writes it; a streamed request has its 200 and headers sent before the engine
+    sees the request, so it gets that body as its one event (``json.dumps``' default spacing)."""
+    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    if not parsed.stream:
+        return web.Response(status=400, body=_dumps(body).encode(), content_type="application/json")
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": rid})
+    await resp.prepare(request)
+    await resp.write(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode())
+    await resp.write_eof()
+    return resp
 
 
 def _check_pull_params(params: dict[str, Any], prompt_tokens: int) -> None:
@@ -894,8 +902,8 @@ def build_app(config: EmulatedNodeConfig) -> web.Application:
     app.router.add_get("/v1/models", node.models_list)
     app.router.add_get("/health", node.health)
     app.router.add_get("/metrics", node.metrics_text)
-    app.router.add_get("/kairos/state", node.state)
-    app.router.add_get("/kairos/steps", node.steps)
+    app.router.add_get(c.STATE_PATH, node.state)
+    app.router.add_get(c.STEPS_PATH, node.steps)
     app.router.add_post(KV_PULL_PATH, node.kv_pull)
     return app
 

@@ -21,15 +21,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from kairos.common import defaults
+from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.core.latency import LatencyModels, largest_chunk_within
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +106,11 @@ class StepPlan:
     @property
     def step_tokens(self) -> int:
         return self.decode_tokens + self.prefill_tokens
+
+    def record(self, duration: float, node: str | None = None, role: Role | None = None) -> EngineStep:
+        """The step's record (encode it with ``kairos.common.contracts.encode_step_record``)."""
+        chunks = tuple(StepChunk(c.seq.request_id, c.tokens, c.cached) for c in self.chunks)
+        return EngineStep(self.index, self.start, duration, self.decode_tokens, self.kv_tokens, chunks, node, role)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from kairos.common.contracts import StepField, encode_step_record
 from kairos.sim.engine import Engine, Sequence, StepOutcome, StepPlan
 
 log = logging.getLogger(__name__)
@@ -227,18 +228,7 @@ class RealtimeEngine:
             )
 
     def _record(self, plan: StepPlan, duration: float) -> None:
-        self.steps.append(
-            {
-                "index": plan.index,
-                "start": plan.start,
-                "duration": duration,
-                "decode_tokens": plan.decode_tokens,
-                "kv_tokens": plan.kv_tokens,
-                "chunks": [
-                    {"request_id": c.seq.request_id, "tokens": c.tokens, "cached": c.cached} for c in plan.chunks
-                ],
-            }
-        )
+        self.steps.append(encode_step_record(plan.record(duration)))
 
     def _dispatch(self, outcome: StepOutcome) -> None:
         end = outcome.plan.start + outcome.duration
@@ -273,7 +263,7 @@ class RealtimeEngine:
 
     # -- reporting ---------------------------------------------------------------------------
     def steps_since(self, index: int) -> list[dict[str, Any]]:
-        return [s for s in self.steps if s["index"] >= index]
+        return [s for s in self.steps if s[StepField.INDEX] >= index]
 
     @property
     def pending_transfers(self) -> int:

@@ -1,17 +1,22 @@
 """Contracts shared by several parts of Kairos.
 
 Nothing else defines these names: the profile file schema (read by the dispatcher, written by
-the profiler, used by the simulator).
+the profiler, used by the simulator), the dispatcher's headers, the Redis keys, and the node-side
+wire formats (heartbeats, the engine state at :data:`STATE_PATH`, step records at
+:data:`STEPS_PATH`, chunk schedules in headers and ``vllm_xargs``), each with its one encoder and
+its one decoder, which both sides call.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+from kairos.common.errors import KairosError
 
 
 class Role(StrEnum):
@@ -93,8 +98,13 @@ ENVOY_DESTINATION_KEY = "x-gateway-destination-endpoint"  # value: "primary,fall
 # ``vllm_xargs`` (vLLM copies it into sampling_params.extra_args, where the scheduler plugin
 # reads it). Chunks are prompt tokens per step; the last size repeats if the prompt outlasts
 # the schedule. At most one scheduled prefill advances per step on a node.
+VLLM_XARGS = "vllm_xargs"  # the body's object of extension arguments
+XARG_PREFIX = "kairos_"  # every Kairos argument in it: the dispatcher's to set, never a client's
 XARG_CHUNK_SCHEDULE = "kairos_chunk_schedule"  # list[int]
 XARG_STEP_BUDGET_MS = "kairos_step_budget_ms"  # float, optional: enforce per-step budget
+SCHEDULE_PARAM = f"{VLLM_XARGS}.{XARG_CHUNK_SCHEDULE}"  # as error messages name them
+BUDGET_PARAM = f"{VLLM_XARGS}.{XARG_STEP_BUDGET_MS}"
+MAX_SCHEDULE_CHUNKS = 4096  # the plugin's cap; a 32K prompt in 128-token chunks needs 256
 KV_TRANSFER_PARAMS = "kv_transfer_params"  # vLLM's P/D hand-off field, request and response
 
 # ---------------------------------------------------------------------------------------------
@@ -298,3 +308,410 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
     if hb.role is Role.DECODE and not hb.sidecar:
         raise MalformedHeartbeat("a decode node needs a sidecar address (the dispatcher routes to it)")
     return hb
+
+
+# ---------------------------------------------------------------------------------------------
+# A deflected prefill's chunk schedule and step budget. The dispatcher encodes the headers, the
+# sidecar decodes them and builds the vllm_xargs, the vLLM plugin (and the emulated node, so it
+# answers as vLLM does) decodes those.
+# ---------------------------------------------------------------------------------------------
+class MalformedSchedule(ValueError):
+    """A malformed chunk schedule or step budget. A ValueError: raised in the validator plugin's
+    ``validate_params``, vLLM answers it with an HTTP 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Prompt tokens per step for one deflected prefill; the last size repeats."""
+
+    sizes: tuple[int, ...]
+    step_budget_s: float | None = None  # longest step this prefill may cause on the node
+
+    def cap(self, step: int) -> int:
+        """Most prompt tokens the request may take in its ``step``-th chunk (0-based)."""
+        return self.sizes[min(step, len(self.sizes) - 1)]
+
+
+def _check_chunk_count(name: str, count: int) -> None:
+    if count > MAX_SCHEDULE_CHUNKS:
+        raise MalformedSchedule(f"{name} has {count} chunks, more than {MAX_SCHEDULE_CHUNKS}")
+
+
+def encode_chunk_schedule(sizes: Iterable[int]) -> str:
+    """The :data:`H_CHUNK_SCHEDULE` value: prompt tokens per step, comma-separated."""
+    return ",".join(str(x) for x in sizes)
+
+
+def parse_chunk_schedule_header(value: str) -> tuple[int, ...]:
+    """Decode :data:`H_CHUNK_SCHEDULE`; :class:`MalformedSchedule` unless it is 1 to
+    :data:`MAX_SCHEDULE_CHUNKS` positive integers."""
+    try:
+        sizes = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise MalformedSchedule(f"{H_CHUNK_SCHEDULE}={value!r} is not a list of positive integers")
+    _check_chunk_count(H_CHUNK_SCHEDULE, len(sizes))
+    return sizes
+
+
+def encode_step_budget_ms(budget_ms: float) -> str:
+    """The :data:`H_STEP_BUDGET_MS` value (microsecond resolution)."""
+    return f"{budget_ms:.3f}"
+
+
+def parse_step_budget_ms(value: str) -> float:
+    """Decode :data:`H_STEP_BUDGET_MS` (milliseconds, as ``vllm_xargs`` carries it)."""
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = math.nan
+    if not 0 < budget < math.inf:
+        raise MalformedSchedule(f"{H_STEP_BUDGET_MS}={value!r} is not a positive number")
+    return budget
+
+
+def schedule_xargs(sizes: Sequence[int], step_budget_ms: float | None = None) -> dict[str, Any]:
+    """The :data:`VLLM_XARGS` entries that carry a schedule (merge them into the body's own)."""
+    xargs: dict[str, Any] = {XARG_CHUNK_SCHEDULE: list(sizes)}
+    if step_budget_ms is not None:
+        xargs[XARG_STEP_BUDGET_MS] = step_budget_ms
+    return xargs
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | None:
+    """The request's :class:`ChunkPlan` from its ``vllm_xargs`` (vLLM's
+    ``sampling_params.extra_args``), or None when it carries no schedule.
+
+    Raises :class:`MalformedSchedule` for a schedule that is not 1 to :data:`MAX_SCHEDULE_CHUNKS`
+    positive integers, a budget that is not a positive number of milliseconds, or a budget
+    without a schedule. A chunk over the node's per-step token budget is not an error: the
+    engine caps it (vLLM's validator cannot see the engine's limits).
+    """
+    if not extra_args:
+        return None
+    raw, budget = extra_args.get(XARG_CHUNK_SCHEDULE), extra_args.get(XARG_STEP_BUDGET_MS)
+    if raw is None:
+        if budget is not None:
+            raise MalformedSchedule(f"{BUDGET_PARAM} needs {SCHEDULE_PARAM}")
+        return None
+    if not isinstance(raw, list | tuple) or not raw or not all(_is_int(x) and x > 0 for x in raw):
+        raise MalformedSchedule(f"{SCHEDULE_PARAM} must be a non-empty array of positive integers, got {raw!r}")
+    _check_chunk_count(SCHEDULE_PARAM, len(raw))
+    budget_s: float | None = None
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
+            raise MalformedSchedule(f"{BUDGET_PARAM} must be a positive number of milliseconds, got {budget!r}")
+        budget_s = float(budget) / 1e3
+    return ChunkPlan(tuple(raw), budget_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine state: what a node's vLLM (its Kairos scheduler plugin) or emulated vLLM serves at
+# STATE_PATH for its heartbeat publisher. One encoder (both servers), one decoder (the publisher).
+# ---------------------------------------------------------------------------------------------
+STATE_PATH = "/kairos/state"
+
+
+class EngineStateField:
+    """Fields of the engine-state JSON object: the heartbeat's load fields, by the same names."""
+
+    DECODE_TOKENS = HeartbeatField.DECODE_TOKENS  # B: running decodes, one token each per step
+    KV_TOKENS = HeartbeatField.KV_TOKENS  # K: KV-cache tokens in use
+    KV_CAPACITY_TOKENS = HeartbeatField.KV_CAPACITY_TOKENS
+    QUEUED_PREFILL_TOKENS = HeartbeatField.QUEUED_PREFILL_TOKENS  # list[int], FIFO
+    SCHEDULED_PREFILL_TOKENS = HeartbeatField.SCHEDULED_PREFILL_TOKENS  # list[int], deflected prefills
+    MAX_STEP_TOKENS = HeartbeatField.MAX_STEP_TOKENS  # max_num_batched_tokens
+    MODEL = HeartbeatField.MODEL
+    # Optional: real vLLM reports these (the Kairos scheduler plugin), as its /metrics defines them.
+    RUNNING_REQUESTS = HeartbeatField.RUNNING_REQUESTS
+    WAITING_REQUESTS = HeartbeatField.WAITING_REQUESTS
+    KV_USAGE = HeartbeatField.KV_USAGE
+    AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
+
+    REQUIRED = (
+        DECODE_TOKENS,
+        KV_TOKENS,
+        KV_CAPACITY_TOKENS,
+        QUEUED_PREFILL_TOKENS,
+        SCHEDULED_PREFILL_TOKENS,
+        MAX_STEP_TOKENS,
+        MODEL,
+    )
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, AS_OF)
+
+
+class EngineStateError(KairosError):
+    """The engine's state could not be read or is malformed."""
+
+    code = "engine_state_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the engine reports each beat (every :class:`EngineStateField`, by the same names)."""
+
+    decode_tokens: int
+    kv_tokens: int
+    kv_capacity_tokens: int
+    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
+    scheduled_prefill_tokens: tuple[int, ...]  # remaining tokens of deflected (scheduled) prefills
+    max_step_tokens: int
+    model: str
+    running_requests: int | None = None  # None where the engine does not say
+    waiting_requests: int | None = None
+    kv_usage: float | None = None
+    as_of: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("decode_tokens", "kv_tokens", "kv_capacity_tokens", "max_step_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        if self.max_step_tokens < 1:
+            raise EngineStateError(f"engine state: max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        for name in ("queued_prefill_tokens", "scheduled_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(_is_int(x) and x >= 0 for x in value):
+                raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
+        if not isinstance(self.model, str):
+            raise EngineStateError(f"engine state: model must be a string, got {self.model!r}")
+        for name in ("running_requests", "waiting_requests"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        usage = self.kv_usage
+        if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
+            raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
+        as_of = self.as_of
+        if as_of is not None and (
+            isinstance(as_of, bool) or not isinstance(as_of, int | float) or not math.isfinite(as_of)
+        ):
+            raise EngineStateError(f"engine state: as_of must be a finite number, got {as_of!r}")
+
+
+def encode_engine_state(state: EngineState) -> str:
+    """The state's compact JSON, as served at :data:`STATE_PATH`; unset optional fields left out."""
+    f = EngineStateField
+    out: dict[str, Any] = {
+        f.DECODE_TOKENS: state.decode_tokens,
+        f.KV_TOKENS: state.kv_tokens,
+        f.KV_CAPACITY_TOKENS: state.kv_capacity_tokens,
+        f.QUEUED_PREFILL_TOKENS: list(state.queued_prefill_tokens),
+        f.SCHEDULED_PREFILL_TOKENS: list(state.scheduled_prefill_tokens),
+        f.MAX_STEP_TOKENS: state.max_step_tokens,
+        f.MODEL: state.model,
+    }
+    optional = {
+        f.RUNNING_REQUESTS: state.running_requests,
+        f.WAITING_REQUESTS: state.waiting_requests,
+        f.KV_USAGE: state.kv_usage,
+        f.AS_OF: state.as_of,
+    }
+    out |= {k: v for k, v in optional.items() if v is not None}
+    return json.dumps(out, separators=(",", ":"))
+
+
+def parse_engine_state(raw: bytes | str) -> EngineState:
+    """Parse and check one engine-state JSON (lists become tuples; unknown keys are ignored)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EngineStateError(f"engine state: not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise EngineStateError(f"engine state: expected a JSON object, got {type(data).__name__}")
+    f = EngineStateField
+    missing = [n for n in f.REQUIRED if n not in data]
+    if missing:
+        raise EngineStateError(f"engine state: missing fields {missing}")
+    values = {n: data[n] for n in f.REQUIRED}
+    for name in (f.QUEUED_PREFILL_TOKENS, f.SCHEDULED_PREFILL_TOKENS):
+        if not isinstance(values[name], list):
+            raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
+        values[name] = tuple(values[name])
+    values |= {n: data[n] for n in f.OPTIONAL if data.get(n) is not None}
+    return EngineState(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step records: one JSON object per engine step, written by the vLLM step recorder (JSONL and
+# STEPS_PATH), the emulated node (STEPS_PATH) and the profiler's virtual engine; read by the
+# profiler. Times are model seconds (wall seconds on real vLLM).
+# ---------------------------------------------------------------------------------------------
+STEPS_PATH = "/kairos/steps"  # GET ?since=N: a page of the node's newest step records
+STEPS_SINCE = "since"  # the query parameter: the first step index wanted
+
+
+class StepField:
+    """Fields of one step record (the first six required; extra keys are allowed)."""
+
+    INDEX = "index"  # int, the engine's step counter (per node)
+    START = "start"  # float, model seconds when the step started
+    DURATION = "duration"  # float > 0, model seconds the step took
+    DECODE_TOKENS = "decode_tokens"  # B: running decodes in the step, one token each
+    KV_TOKENS = "kv_tokens"  # K: KV tokens held by the node at the step's start
+    CHUNKS = "chunks"  # list of ChunkField objects: the step's prefill chunks
+    NODE = "node"  # optional: the node's id
+    ROLE = "role"  # optional: the node's role (decides how a chunk-only step is costed)
+
+    REQUIRED = (INDEX, START, DURATION, DECODE_TOKENS, KV_TOKENS, CHUNKS)
+
+
+class ChunkField:
+    """Fields of one prefill chunk of a step record."""
+
+    REQUEST_ID = "request_id"
+    TOKENS = "tokens"  # prompt tokens of this request processed in the step (>= 1)
+    CACHED = "cached"  # this request's prompt tokens already computed before the step
+
+
+class StepsPageField:
+    """Fields of the :data:`STEPS_PATH` answer."""
+
+    NODE_ID = "node_id"
+    NEXT_INDEX = "next_index"  # one past the newest step's index
+    STEPS = "steps"  # the records with index >= since that the node still holds, oldest first
+
+
+class MalformedStepRecord(ValueError):
+    """A step record (or page of them) that does not follow the contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    request_id: str
+    tokens: int
+    cached: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """One engine step (every :class:`StepField`)."""
+
+    index: int
+    start: float
+    duration: float
+    decode_tokens: int
+    kv_tokens: int
+    chunks: tuple[StepChunk, ...]
+    node: str | None = None
+    role: Role | None = None
+
+
+def encode_step_record(step: EngineStep) -> dict[str, Any]:
+    """The step's JSON object (dump it as one JSONL line or in a steps page); node and role only when set."""
+    f, ch = StepField, ChunkField
+    out: dict[str, Any] = {
+        f.INDEX: step.index,
+        f.START: step.start,
+        f.DURATION: step.duration,
+        f.DECODE_TOKENS: step.decode_tokens,
+        f.KV_TOKENS: step.kv_tokens,
+        f.CHUNKS: [{ch.REQUEST_ID: c.request_id, ch.TOKENS: c.tokens, ch.CACHED: c.cached} for c in step.chunks],
+    }
+    if step.node is not None:
+        out[f.NODE] = step.node
+    if step.role is not None:
+        out[f.ROLE] = str(step.role)
+    return out
+
+
+def _step_int(obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
+    if key not in obj:
+        raise MalformedStepRecord(f"{where}missing key {key!r}")
+    value = obj[key]
+    if not _is_int(value) or value < minimum:
+        raise MalformedStepRecord(f"{where}{key} must be an integer >= {minimum}, got {json.dumps(value)}")
+    return value
+
+
+def parse_step_record(obj: Any) -> EngineStep:
+    """Check one decoded step record; the message of a :class:`MalformedStepRecord` names the field."""
+    f, ch = StepField, ChunkField
+    if not isinstance(obj, dict):
+        raise MalformedStepRecord(f"a step record is a JSON object, got {type(obj).__name__}")
+    index = _step_int(obj, f.INDEX, "", 0)
+    for key in (f.START, f.DURATION):
+        if key not in obj:
+            raise MalformedStepRecord(f"missing key {key!r}")
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise MalformedStepRecord(f"{key} must be a finite number of seconds, got {json.dumps(value)}")
+    if obj[f.DURATION] <= 0:
+        raise MalformedStepRecord(f"duration must be > 0 seconds, got {obj[f.DURATION]}")
+    decode_tokens = _step_int(obj, f.DECODE_TOKENS, "", 0)
+    kv_tokens = _step_int(obj, f.KV_TOKENS, "", 0)
+    raw_chunks = obj.get(f.CHUNKS)
+    if not isinstance(raw_chunks, list):
+        raise MalformedStepRecord(f"chunks must be a list, got {json.dumps(raw_chunks)}")
+    chunks = []
+    for i, chunk in enumerate(raw_chunks):
+        at = f"{f.CHUNKS}[{i}]"
+        if not isinstance(chunk, dict):
+            raise MalformedStepRecord(f"{at} must be an object, got {json.dumps(chunk)}")
+        rid = chunk.get(ch.REQUEST_ID)
+        if not isinstance(rid, str):
+            raise MalformedStepRecord(f"{at}.{ch.REQUEST_ID} must be a string, got {json.dumps(rid)}")
+        tokens = _step_int(chunk, ch.TOKENS, f"{at}: ", 1)
+        chunks.append(StepChunk(rid, tokens, _step_int(chunk, ch.CACHED, f"{at}: ", 0)))
+    role = obj.get(f.ROLE)
+    if role is not None and role not in tuple(Role):
+        raise MalformedStepRecord(f"role must be one of {[str(r) for r in Role]}, got {json.dumps(role)}")
+    node = obj.get(f.NODE)
+    return EngineStep(
+        index=index,
+        start=float(obj[f.START]),
+        duration=float(obj[f.DURATION]),
+        decode_tokens=decode_tokens,
+        kv_tokens=kv_tokens,
+        chunks=tuple(chunks),
+        node=None if node is None else str(node),
+        role=None if role is None else Role(role),
+    )
+
+
+def parse_steps_since(value: str) -> int:
+    """The :data:`STEPS_SINCE` query value; ValueError unless a non-negative integer."""
+    try:
+        since = int(value)
+    except ValueError:
+        since = -1
+    if since < 0:
+        raise ValueError(f"{STEPS_SINCE} must be a non-negative integer, got {value!r}")
+    return since
+
+
+@dataclass(frozen=True, slots=True)
+class StepsPage:
+    """One :data:`STEPS_PATH` answer; the records stay JSON objects (check each with
+    :func:`parse_step_record`), so a reader can keep them as the node wrote them."""
+
+    node_id: str | None
+    next_index: int
+    steps: tuple[dict[str, Any], ...]
+
+
+def encode_steps_page(node_id: str, next_index: int, steps: Iterable[dict[str, Any]]) -> str:
+    """The :data:`STEPS_PATH` answer's JSON; ``steps`` are :func:`encode_step_record` objects."""
+    f = StepsPageField
+    return json.dumps({f.NODE_ID: node_id, f.NEXT_INDEX: next_index, f.STEPS: list(steps)}, separators=(",", ":"))
+
+
+def parse_steps_page(raw: bytes | str) -> StepsPage:
+    f = StepsPageField
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedStepRecord(f"a steps page is not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get(f.STEPS), list) or not _is_int(data.get(f.NEXT_INDEX)):
+        raise MalformedStepRecord(
+            f"not a step log (expected {{{f.STEPS!r}: [...], {f.NEXT_INDEX!r}: N}}), got {str(raw)[:200]}"
+        )
+    if not all(isinstance(s, dict) for s in data[f.STEPS]):
+        raise MalformedStepRecord("a steps page holds JSON objects only")
+    node_id = data.get(f.NODE_ID)
+    return StepsPage(None if node_id is None else str(node_id), data[f.NEXT_INDEX], tuple(data[f.STEPS]))

@@ -8,9 +8,10 @@ entry point or by ``--scheduler-cls``:
   records steps;
 - :mod:`.validator` -- a no-op logits processor whose ``validate_params`` rejects a malformed
   schedule in the API server with an HTTP 400, before it reaches the engine;
-- :mod:`.schedule`, :mod:`.engine_state`, :mod:`.recorder`, :mod:`.state_server` -- the
-  vLLM-free parts (parsing, the heartbeat snapshot, the step log, the local HTTP channel), so
-  they are unit-tested without vLLM installed.
+- :mod:`.engine_state`, :mod:`.recorder`, :mod:`.state_server` -- the vLLM-free parts (the
+  heartbeat snapshot, the step log, the local HTTP channel), so they are tested without vLLM
+  installed; what they parse and write (schedules, engine state, step records) is
+  :mod:`kairos.common.contracts`'.
 
 Only :mod:`.scheduler` and :mod:`.validator` import vLLM.
 """

@@ -1,17 +1,18 @@
 """The engine-state snapshot a vLLM node hands its heartbeat publisher.
 
 The scheduler turns its queues into plain :class:`PendingPrefill` rows and calls
-:func:`build_state`; the result is the JSON object ``kairos.nodeagent.heartbeat.EngineState`` reads
-(the same one the emulated node serves), plus request counts and KV usage as vLLM's own
-``/metrics`` define them, so an operator can hold the two side by side.
+:func:`build_state`; the result is the :class:`~kairos.common.contracts.EngineState` the heartbeat
+publisher reads (the one the emulated node serves too), plus request counts and KV usage as
+vLLM's own ``/metrics`` define them, so an operator can hold the two side by side.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from kairos.common.contracts import EngineState
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,26 +34,22 @@ def build_state(
     running_requests: int,
     waiting_requests: int,
     kv_usage: float,
-) -> dict[str, object]:
+) -> EngineState:
     queued: list[int] = []
     scheduled: list[int] = []
     for p in prefills:
         if p.remaining > 0:
             (scheduled if p.scheduled else queued).append(p.remaining)
-    return {
-        "decode_tokens": decode_tokens,
-        "kv_tokens": kv_tokens,
-        "kv_capacity_tokens": kv_capacity_tokens,
-        "queued_prefill_tokens": queued,
-        "scheduled_prefill_tokens": scheduled,
-        "max_step_tokens": max_step_tokens,
-        "model": model,
-        "running_requests": running_requests,
-        "waiting_requests": waiting_requests,
-        "kv_usage": round(kv_usage, 6),
-        "as_of": time.time(),
-    }
-
-
-def encode_state(state: dict[str, object]) -> bytes:
-    return json.dumps(state, separators=(",", ":")).encode()
+    return EngineState(
+        decode_tokens=decode_tokens,
+        kv_tokens=kv_tokens,
+        kv_capacity_tokens=kv_capacity_tokens,
+        queued_prefill_tokens=tuple(queued),
+        scheduled_prefill_tokens=tuple(scheduled),
+        max_step_tokens=max_step_tokens,
+        model=model,
+        running_requests=running_requests,
+        waiting_requests=waiting_requests,
+        kv_usage=round(kv_usage, 6),
+        as_of=time.time(),
+    )

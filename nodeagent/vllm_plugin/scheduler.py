@@ -35,12 +35,21 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from kairos.common.contracts import (
+    ChunkPlan,
+    EngineState,
+    EngineStateError,
+    EngineStep,
+    MalformedSchedule,
+    StepChunk,
+    encode_engine_state,
+    parse_schedule_xargs,
+)
 from kairos.common.errors import KairosError
 from kairos.core.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
-from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
-from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
 log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
@@ -75,7 +84,7 @@ class KairosScheduler(Scheduler):
             else None
         )
         self._step_index = 0
-        self._pending_step: tuple[int, float, int, int, list[dict[str, Any]]] | None = None
+        self._pending_step: tuple[int, float, int, int, tuple[StepChunk, ...]] | None = None
         self._server = (
             StateServer(self.kairos.state_host, self.kairos.state_port, self._recorder)
             if self.kairos.state_port
@@ -96,8 +105,8 @@ class KairosScheduler(Scheduler):
         super().add_request(request)
         extra = request.sampling_params.extra_args if request.sampling_params else None
         try:
-            plan = parse_chunk_plan(extra)
-        except ScheduleError as exc:
+            plan = parse_schedule_xargs(extra)
+        except MalformedSchedule as exc:
             # The validator plugin answers this with a 400 in the API server; reaching here means
             # it is not installed. Running another schedule silently would be worse than failing.
             log.error("kairos: request %s aborted: %s", request.request_id, exc)
@@ -133,7 +142,7 @@ class KairosScheduler(Scheduler):
 
         output = super().schedule(*args, **kwargs)
 
-        chunks: list[dict[str, Any]] = []
+        chunks: list[StepChunk] = []
         step_decodes = 0
         for rid, n in output.num_scheduled_tokens.items():
             request = self.requests[rid]
@@ -141,11 +150,11 @@ class KairosScheduler(Scheduler):
             if cached >= request.num_prompt_tokens:
                 step_decodes += 1
                 continue
-            chunks.append({"request_id": rid, "tokens": n, "cached": cached})
+            chunks.append(StepChunk(rid, n, cached))
             if rid in self._chunk_steps:
                 self._chunk_steps[rid] += 1
         if self._recorder is not None and output.total_num_scheduled_tokens > 0:
-            self._pending_step = (self._step_index, time.time(), step_decodes, kv, chunks)
+            self._pending_step = (self._step_index, time.time(), step_decodes, kv, tuple(chunks))
             self._step_index += 1
         return output
 
@@ -201,14 +210,7 @@ class KairosScheduler(Scheduler):
         if self._pending_step is not None and self._recorder is not None:
             index, start, decodes, kv, chunks = self._pending_step
             self._pending_step = None
-            self._recorder.record(
-                index=index,
-                start=start,
-                duration=ended - start,
-                decode_tokens=decodes,
-                kv_tokens=kv,
-                chunks=chunks,
-            )
+            self._recorder.record(EngineStep(index, start, ended - start, decodes, kv, chunks))
         result = super().update_from_output(scheduler_output, model_runner_output)
         if len(self._plans) > len(self.requests) or any(rid not in self.requests for rid in self._plans):
             for rid in [r for r in self._plans if r not in self.requests]:
@@ -238,13 +240,19 @@ class KairosScheduler(Scheduler):
         if not force and counts == self._last_counts and now - self._last_state_at < self.kairos.state_refresh_s:
             return
         self._last_state_at, self._last_counts = now, counts
-        self._server.publish(encode_state(self._snapshot(counts)))
+        try:
+            state = self._snapshot(counts)
+        except EngineStateError as exc:  # our bug must not stop the engine: the node leaves the cluster
+            log.error("kairos: engine state withdrawn: %s", exc.message)
+            self._server.publish(None)
+            return
+        self._server.publish(encode_engine_state(state).encode())
 
     def _request_counts(self) -> tuple[int, int]:
         running, waiting = self.get_request_counts()
         return running, waiting - len(self.deferred_waiting)  # as vLLM's num_requests_waiting
 
-    def _snapshot(self, counts: tuple[int, int]) -> dict[str, object]:
+    def _snapshot(self, counts: tuple[int, int]) -> EngineState:
         decodes = kv = 0
         prefills: list[PendingPrefill] = []
         for r in self.running:

@@ -2,8 +2,8 @@
 
 A daemon thread serves ``GET /kairos/state`` (the newest snapshot, as bytes the scheduler
 thread swapped in whole) and ``GET /kairos/steps?since=N`` (the step recorder's ring) on
-loopback. The publisher polls it every heartbeat period, so the engine never writes to Redis
-and a slow reader never slows a step.
+loopback (paths and formats: :mod:`kairos.common.contracts`). The publisher polls it every
+heartbeat period, so the engine never writes to Redis and a slow reader never slows a step.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from kairos.common.contracts import STATE_PATH, STEPS_PATH, STEPS_SINCE, encode_steps_page, parse_steps_since
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 
 log = logging.getLogger(__name__)
-
-STATE_PATH = "/kairos/state"
-STEPS_PATH = "/kairos/steps"
 
 
 class StateServer:
@@ -39,7 +37,7 @@ class StateServer:
                     else:
                         self._reply(HTTPStatus.OK, body)
                 elif url.path == STEPS_PATH:
-                    self._steps(parse_qs(url.query).get("since", ["0"])[0])
+                    self._steps(parse_qs(url.query).get(STEPS_SINCE, ["0"])[0])
                 else:
                     self._reply(HTTPStatus.NOT_FOUND, _error(f"no route {url.path}; try {STATE_PATH}"))
 
@@ -48,15 +46,12 @@ class StateServer:
                     self._reply(HTTPStatus.NOT_FOUND, _error("step recorder is off (KAIROS_VLLM_RECORD_STEPS=1)"))
                     return
                 try:
-                    start = int(since)
-                except ValueError:
-                    start = -1
-                if start < 0:
-                    self._reply(HTTPStatus.BAD_REQUEST, _error(f"since must be a non-negative integer, got {since!r}"))
+                    start = parse_steps_since(since)
+                except ValueError as exc:
+                    self._reply(HTTPStatus.BAD_REQUEST, _error(str(exc)))
                     return
                 rec = server._recorder
-                body = {"node_id": rec.node, "next_index": rec.next_index, "steps": rec.since(start)}
-                self._reply(HTTPStatus.OK, json.dumps(body).encode())
+                self._reply(HTTPStatus.OK, encode_steps_page(rec.node, rec.next_index, rec.since(start)).encode())
 
             def _reply(self, status: HTTPStatus, body: bytes) -> None:
                 try:
@@ -80,7 +75,8 @@ class StateServer:
         self._thread.start()
         log.info("kairos: engine state on http://%s:%d%s", host, self.port, STATE_PATH)
 
-    def publish(self, snapshot: bytes) -> None:
+    def publish(self, snapshot: bytes | None) -> None:
+        """The newest state JSON; None withdraws it (503: the publisher stops beating)."""
         self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
 
     def close(self) -> None:

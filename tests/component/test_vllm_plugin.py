@@ -1,6 +1,7 @@
-"""The vLLM plugins' vLLM-free parts: schedule parsing, the state snapshot, the step recorder,
-the loopback state server and the node command line. (The scheduler itself runs inside real
-vLLM in tests/integration.)"""
+"""The vLLM plugins' vLLM-free parts: the state snapshot, the step recorder, the loopback state
+server and the node command line. (Schedule parsing is the contracts'; tests/unit/test_contracts.py
+and tests/component/test_schedule_parity.py. The scheduler itself runs inside real vLLM in
+tests/integration.)"""
 
 from __future__ import annotations
 
@@ -12,68 +13,24 @@ from pathlib import Path
 
 import pytest
 
+from kairos.common.contracts import (
+    EngineStep,
+    StepChunk,
+    encode_engine_state,
+    parse_engine_state,
+    parse_step_record,
+    parse_steps_page,
+)
 from kairos.common.errors import ConfigError
 from kairos.core.latency import largest_chunk_within, load_profile
 from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
-from kairos.nodeagent.heartbeat import EngineState
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
-from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state, encode_state
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
-from kairos.nodeagent.vllm_plugin.schedule import ChunkPlan, ScheduleError, parse_chunk_plan
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
 
-# -- schedule -----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("xargs", "plan"),
-    [
-        (None, None),
-        ({}, None),
-        ({"other": 1}, None),
-        ({"kairos_chunk_schedule": [512]}, ChunkPlan((512,))),
-        ({"kairos_chunk_schedule": [1020, 508, 252]}, ChunkPlan((1020, 508, 252))),
-        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 63}, ChunkPlan((256,), 0.063)),
-        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 62.5}, ChunkPlan((256,), 0.0625)),
-    ],
-)
-def test_parse_chunk_plan_accepts(xargs: dict | None, plan: ChunkPlan | None) -> None:
-    assert parse_chunk_plan(xargs) == plan
-
-
-@pytest.mark.parametrize(
-    ("xargs", "message"),
-    [
-        ({"kairos_chunk_schedule": []}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": [0]}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": [-5, 10]}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": [1.5]}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": [True]}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": "512,256"}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": 512}, "non-empty array of positive integers"),
-        ({"kairos_chunk_schedule": [1] * 5000}, "more than 4096"),
-        ({"kairos_step_budget_ms": 60}, "needs vllm_xargs.kairos_chunk_schedule"),
-        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": 0}, "positive number of milliseconds"),
-        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": "60"}, "positive number of milliseconds"),
-        ({"kairos_chunk_schedule": [8], "kairos_step_budget_ms": float("inf")}, "positive number of milliseconds"),
-    ],
-)
-def test_parse_chunk_plan_rejects(xargs: dict, message: str) -> None:
-    with pytest.raises(ScheduleError, match=message):
-        parse_chunk_plan(xargs)
-    assert issubclass(ScheduleError, ValueError)  # what vLLM turns into an HTTP 400
-
-
-def test_parse_chunk_plan_checks_the_step_budget_when_known() -> None:
-    assert parse_chunk_plan({"kairos_chunk_schedule": [512]}, max_step_tokens=512) == ChunkPlan((512,))
-    with pytest.raises(ScheduleError, match=r"chunks \[600\] over this node's max_num_batched_tokens of 512"):
-        parse_chunk_plan({"kairos_chunk_schedule": [600, 100]}, max_step_tokens=512)
-
-
-def test_chunk_plan_repeats_its_last_size() -> None:
-    plan = ChunkPlan((1024, 512, 256))
-    assert [plan.cap(i) for i in range(6)] == [1024, 512, 256, 256, 256, 256]
-
-
+# -- step budget guard ---------------------------------------------------------------------------
 def test_largest_chunk_within_is_the_largest_that_fits() -> None:
     models = load_profile()
     b, k, cached = 24, 24 * 3569, 2048
@@ -102,23 +59,18 @@ def test_state_snapshot_is_what_the_publisher_reads() -> None:
         waiting_requests=2,
         kv_usage=0.0312,
     )
-    parsed = EngineState.from_mapping(json.loads(encode_state(state)))
+    parsed = parse_engine_state(encode_engine_state(state).encode())
+    assert parsed == state
     assert parsed.decode_tokens == 3 and parsed.kv_tokens == 4100 and parsed.kv_capacity_tokens == 131072
     assert parsed.queued_prefill_tokens == (500, 7)  # FIFO, finished prefills left out
     assert parsed.scheduled_prefill_tokens == (900,)
-    assert (state["running_requests"], state["waiting_requests"], state["kv_usage"]) == (4, 2, 0.0312)
+    assert (parsed.running_requests, parsed.waiting_requests, parsed.kv_usage) == (4, 2, 0.0312)
+    assert parsed.as_of is not None
 
 
 # -- step recorder and state server --------------------------------------------------------------
 def _record(rec: StepRecorder, index: int) -> None:
-    rec.record(
-        index=index,
-        start=100.0 + index,
-        duration=0.01,
-        decode_tokens=2,
-        kv_tokens=300,
-        chunks=[{"request_id": "r1", "tokens": 128, "cached": 128 * index}],
-    )
+    rec.record(EngineStep(index, 100.0 + index, 0.01, 2, 300, (StepChunk("r1", 128, 128 * index),)))
 
 
 def test_step_recorder_keeps_a_ring_and_appends_jsonl(tmp_path: Path) -> None:
@@ -141,6 +93,7 @@ def test_step_recorder_keeps_a_ring_and_appends_jsonl(tmp_path: Path) -> None:
         "chunks": [{"request_id": "r1", "tokens": 128, "cached": 128}],
         "node": "d0",
     }
+    assert parse_step_record(lines[1]) == EngineStep(1, 101.0, 0.01, 2, 300, (StepChunk("r1", 128, 128),), "d0")
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -164,8 +117,9 @@ def test_state_server_serves_the_newest_snapshot_and_steps() -> None:
         _record(rec, 0)
         _record(rec, 1)
         status, body = _get(f"{base}/kairos/steps?since=1")
-        assert status == 200 and body["node_id"] == "d0" and body["next_index"] == 2
-        assert [s["index"] for s in body["steps"]] == [1]
+        page = parse_steps_page(json.dumps(body))
+        assert status == 200 and page.node_id == "d0" and page.next_index == 2
+        assert [parse_step_record(s).index for s in page.steps] == [1]
         assert _get(f"{base}/kairos/steps?since=x")[0] == 400
         assert _get(f"{base}/kairos/steps?since=-1")[0] == 400
         assert _get(f"{base}/nope")[0] == 404
