@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from kairos.common.cli_types import floats, ints
+from kairos.common.contracts import Role
 from kairos.common.errors import KairosError
 
 
@@ -36,7 +37,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
         "manifest.json into --out. Step records come from GET /kairos/steps (emulated node) or --step-log.",
     )
     col.add_argument("--node", required=True, help="the node's OpenAI server, e.g. http://127.0.0.1:8101")
-    col.add_argument("--role", required=True, choices=("prefill", "decode"))
+    col.add_argument("--role", required=True, choices=[str(r) for r in Role])
     col.add_argument("--out", required=True, type=Path, help="directory for the run files and manifest.json")
     col.add_argument("--rates", type=floats, default=p.DEFAULT_RATES, help="trace rates in requests/s (1,2,4)")
     col.add_argument("--duration-s", type=float, default=60.0, help="model seconds of arrivals per rate (60)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.sim.workloads import DEFAULT_MAX_CONTEXT, WORKLOAD_NAMES, make_workload
 
@@ -103,7 +104,7 @@ class PlanConfig:
     chunks: tuple[int, ...] = DEFAULT_CHUNKS
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
+        if self.role not in tuple(Role):
             raise ConfigError(f"role must be prefill or decode, got {self.role!r}")
         if self.workload.lower() not in WORKLOAD_NAMES:
             raise ConfigError(f"unknown workload {self.workload!r}; known: {', '.join(WORKLOAD_NAMES)}")
@@ -145,7 +146,7 @@ def trace_phase(cfg: PlanConfig, rate: float, seed: int) -> TracePhase:
     requests = []
     for s in specs:
         prompt = cfg.scaled(s.prompt_tokens)
-        out = 1 if cfg.role == "prefill" else max(1, min(s.output_tokens, cfg.max_output_tokens))
+        out = 1 if cfg.role == Role.PREFILL else max(1, min(s.output_tokens, cfg.max_output_tokens))
         requests.append(TraceRequest(s.arrival_s, prompt, min(out, cfg.max_model_len - prompt)))
     return TracePhase(f"trace-r{_rate_label(rate)}", rate, tuple(requests))
 
@@ -169,7 +170,7 @@ def micro_phase(cfg: PlanConfig, batch: int, context: int) -> MicroPhase | None:
 def plan_phases(cfg: PlanConfig) -> list[Phase]:
     """Every phase, in run order: the traces (by rate), then the microbenchmark (by B, K)."""
     phases: list[Phase] = [trace_phase(cfg, rate, cfg.seed + i) for i, rate in enumerate(cfg.rates)]
-    if cfg.role == "decode" and cfg.micro:
+    if cfg.role == Role.DECODE and cfg.micro:
         for b in cfg.batch_sizes:
             for k in cfg.contexts:
                 phase = micro_phase(cfg, b, k)

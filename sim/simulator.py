@@ -18,13 +18,13 @@ from enum import IntEnum
 import numpy as np
 
 from kairos.common import defaults
-from kairos.common.contracts import HEARTBEAT_PERIOD_S
+from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.core.decision import Route
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
-from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, Role, StepPlan, StepTimer, model_step_time
+from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
 from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
 from kairos.sim.requests import RequestSpec

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kairos.common import defaults
-from kairos.common.contracts import HEARTBEAT_PERIOD_S
+from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
@@ -78,7 +78,7 @@ class LocalClusterConfig:
 @dataclass
 class NodeProcs:
     node_id: str
-    role: str
+    role: Role
     vllm_port: int
     sidecar_port: int | None
     host: str = LOOPBACK  # where the node's vLLM and sidecar listen (another machine for --nodes)
@@ -145,8 +145,8 @@ class LocalCluster:
 
     def plan_nodes(self) -> list[NodeProcs]:
         cfg = self.config
-        nodes = [NodeProcs(f"p{i}", "prefill", free_port(), None) for i in range(cfg.prefill_nodes)]
-        return nodes + [NodeProcs(f"d{i}", "decode", free_port(), free_port()) for i in range(cfg.decode_nodes)]
+        nodes = [NodeProcs(f"p{i}", Role.PREFILL, free_port(), None) for i in range(cfg.prefill_nodes)]
+        return nodes + [NodeProcs(f"d{i}", Role.DECODE, free_port(), free_port()) for i in range(cfg.decode_nodes)]
 
     def _build_model(self) -> Path:
         from kairos.launcher.tinymodel import build_tiny_model
@@ -190,7 +190,7 @@ class LocalCluster:
 
     def engine_process(self, node: NodeProcs) -> ManagedProcess:
         cfg = self.config
-        step_tokens = cfg.prefill_step_tokens if node.role == "prefill" else cfg.decode_step_tokens
+        step_tokens = cfg.prefill_step_tokens if node.role == Role.PREFILL else cfg.decode_step_tokens
         return ManagedProcess(
             f"{node.node_id}-vllm",
             self._py(
@@ -226,7 +226,7 @@ class LocalCluster:
 
     def start_agents(self, node: NodeProcs, timeout_s: float = 30.0) -> None:
         """The sidecar (decode nodes) and the heartbeat publisher beside a running engine."""
-        if node.role == "decode":
+        if node.role == Role.DECODE:
             node.sidecar = self.group.start(
                 ManagedProcess(
                     f"{node.node_id}-sidecar",
@@ -239,7 +239,7 @@ class LocalCluster:
                         "--local-vllm",
                         node.url,
                         "--allow-prefill",
-                        ",".join(n.url for n in self.nodes if n.role == "prefill"),
+                        ",".join(n.url for n in self.nodes if n.role == Role.PREFILL),
                         "--redis",  # TTFT feedback for the dispatchers
                         self.redis_url,
                         "--log-level",
@@ -316,9 +316,9 @@ class LocalCluster:
                 "--dispatcher-id",
                 f"dispatcher{index}",
                 "--fallback-prefill",
-                ",".join(f"{n.node_id}={n.url}" for n in self.nodes if n.role == "prefill"),
+                ",".join(f"{n.node_id}={n.url}" for n in self.nodes if n.role == Role.PREFILL),
                 "--fallback-decode",
-                ",".join(f"{n.node_id}={n.sidecar_url}" for n in self.nodes if n.role == "decode"),
+                ",".join(f"{n.node_id}={n.sidecar_url}" for n in self.nodes if n.role == Role.DECODE),
                 "--log-level",
                 cfg.log_level,
             ),
@@ -334,7 +334,7 @@ class LocalCluster:
             listen_port=self.gateway_port,
             admin_port=admin_port,
             dispatchers=tuple(f"{LOOPBACK}:{p}" for p in self.dispatcher_ports),
-            sidecars=tuple(n.sidecar_url for n in self.nodes if n.role == "decode"),
+            sidecars=tuple(n.sidecar_url for n in self.nodes if n.role == Role.DECODE),
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(render_envoy_config(settings))

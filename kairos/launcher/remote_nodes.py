@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.local_cluster import LocalCluster, NodeProcs
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class RemoteNode:
     node_id: str
-    role: str
+    role: Role
     url: str  # IP:port of its vLLM server
     sidecar: str = ""  # IP:port of its sidecar (decode nodes)
 
@@ -57,10 +58,10 @@ def load_nodes(path: Path) -> tuple[RemoteNode, ...]:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"nodes file {path}: {exc}") from exc
-    if not isinstance(data, dict) or set(data) - {"prefill", "decode"}:
+    if not isinstance(data, dict) or set(data) - set(Role):
         raise ConfigError(f"nodes file {path}: expected a mapping with 'prefill' and 'decode' lists")
     nodes: list[RemoteNode] = []
-    for role in ("prefill", "decode"):
+    for role in Role:
         entries = data.get(role) or []
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"nodes file {path}: '{role}' must list at least one node")
@@ -73,7 +74,7 @@ def load_nodes(path: Path) -> tuple[RemoteNode, ...]:
                 raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
             _address(f"{where}.url", entry.get("url"))
             sidecar = entry.get("sidecar", "")
-            if role == "decode":
+            if role is Role.DECODE:
                 _address(f"{where}.sidecar", sidecar)
             elif sidecar:
                 raise ConfigError(f"{where}: a prefill node has no sidecar")

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
@@ -59,7 +60,7 @@ class VllmCluster(LocalCluster):
         return f"{LOOPBACK}:{self.state_ports[node.node_id]}"
 
     def steps_url(self, node_id: str) -> str:
-        return f"http://{LOOPBACK}:{self.state_ports[node_id]}/kairos/steps"
+        return f"http://{LOOPBACK}:{self.state_ports[node_id]}{STEPS_PATH}"
 
     def start_nodes(self, timeout_s: float = 60.0) -> None:
         backend = self.backend
@@ -93,11 +94,11 @@ class VllmCluster(LocalCluster):
             state_port=self.state_ports[node.node_id],
             nixl_port=free_port(),
             max_model_len=cfg.max_model_len,
-            max_num_batched_tokens=cfg.prefill_step_tokens if node.role == "prefill" else cfg.decode_step_tokens,
+            max_num_batched_tokens=cfg.prefill_step_tokens if node.role == Role.PREFILL else cfg.decode_step_tokens,
             kv_cache_bytes=backend.kv_cache_bytes,
             device=backend.device,
             load_format=backend.load_format,
-            profile=cfg.profile if node.role == "decode" else "",
+            profile=cfg.profile if node.role == Role.DECODE else "",
             step_log=str(self.workdir / "steps" / f"{node.node_id}.jsonl") if backend.record_steps else "",
             record_steps=backend.record_steps,
             workdir=workdir,

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kairos.common.contracts import Role
+
 SCHEDULER_CLS = "kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler"
 # A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
 # node compute the prompt itself: the request is served late instead of failed with a 500.
@@ -29,7 +31,7 @@ KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv
 @dataclass(frozen=True, slots=True)
 class VllmNodeSpec:
     node_id: str
-    role: str  # "prefill" or "decode"
+    role: Role
     python: str  # the interpreter of the environment vLLM (and kairos-gateway) is installed in
     model_dir: Path
     served_model_name: str
