@@ -35,9 +35,22 @@ def redis() -> Iterator[RedisServer]:
         yield server
 
 
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add up each tier's test time (setup, call and teardown), printed at the end."""
+    parts = report.nodeid.split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+        _TIER_SECONDS[parts[1]] = _TIER_SECONDS.get(parts[1], 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not timings.RECORDED:
+    if not timings.RECORDED and not _TIER_SECONDS:
         return
     terminalreporter.section("tier timings")
+    for tier in TIERS:
+        if tier in _TIER_SECONDS:
+            terminalreporter.write_line(f"tests/{tier}: {_TIER_SECONDS[tier]:.1f} s in its tests")
     for label, seconds in timings.RECORDED:
         terminalreporter.write_line(f"{label}: {seconds:.1f} s")

@@ -116,7 +116,7 @@ class RedisServer:
                 return False
             if _ping(self.port):
                 return True
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval
         self.stop()
         return False
 

@@ -20,6 +20,7 @@ from kairos.launcher.processes import free_port
 from kairos.launcher.vllm_cluster import VllmCluster
 from tests.e2e.conftest import post_json
 from tests.integration.conftest import MODEL_NAME, chunks_of, get_json, metric, sample, scrape
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -182,13 +183,9 @@ def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: Vl
             assert predicted <= budget_s + 1e-9, (s, ch)
 
 
-def _wait_for_decodes(cluster: VllmCluster, n: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if get_json(f"http://{cluster.state_url(cluster.node('d0'))}/kairos/state")["decode_tokens"] >= n:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"d0 never had {n} running decodes")
+def _wait_for_decodes(cluster: VllmCluster, n: int) -> None:
+    url = f"http://{cluster.state_url(cluster.node('d0'))}/kairos/state"
+    wait_until(lambda: get_json(url)["decode_tokens"] >= n, timeout_s=60.0, what=f"{n} running decodes on d0")
 
 
 # -- heartbeats agree with vLLM's /metrics -----------------------------------------------------------
@@ -198,7 +195,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     client = redis.Redis.from_url(cluster.redis_url)
     period_s = cluster.config.heartbeat_ms / 1e3
     beats: list[tuple[float, dict[str, Any]]] = []
-    samples: list[tuple[float, float, float, float]] = []
+    samples: list[tuple[float, float, float, float, float]] = []  # scrape start, end, running, waiting, usage
     stop = threading.Event()
 
     def watch_heartbeats() -> None:
@@ -206,7 +203,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
             raw = client.get(c.REDIS_NODE_KEY.format(node_id="d0"))
             if raw:
                 beats.append((time.monotonic(), json.loads(raw)))
-            time.sleep(0.01)
+            time.sleep(0.01)  # poll interval: ten reads per 100 ms heartbeat period
 
     stop_load = threading.Event()
 
@@ -217,7 +214,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
             direct(cluster, "d0", completion(token_prompt(200 + 40 * i, 80 + 10 * n + i), 200))
 
     def busy_samples() -> int:
-        return sum(1 for s in samples if s[1] > 0)
+        return sum(1 for s in samples if s[2] > 0)
 
     watcher = threading.Thread(target=watch_heartbeats)
     watcher.start()
@@ -225,23 +222,23 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     try:
         for i, t in enumerate(load):
             t.start()
-            time.sleep(0.05 * i)
+            time.sleep(0.05 * i)  # pacing: the clients' requests start apart, not in lockstep
         # Sample until enough were taken under load: on a starved host one scrape of the busy
         # server took 2-3 s (CI once got 5 samples from a fixed batch of requests).
         url, deadline = f"http://{node.url}/metrics", time.monotonic() + 90
         while busy_samples() < 30 and time.monotonic() < deadline:
             before = time.monotonic()
-            text = scrape(url)  # one scrape: the three values are of one moment
-            at = (before + time.monotonic()) / 2
+            text = scrape(url)  # one scrape: the three values are of one moment, somewhere in it
             samples.append(
                 (
-                    at,
+                    before,
+                    time.monotonic(),
                     sample(text, "vllm:num_requests_running"),
                     sample(text, "vllm:num_requests_waiting"),
                     sample(text, "vllm:kv_cache_usage_perc"),
                 )
             )
-            time.sleep(0.03)
+            time.sleep(0.03)  # pacing the sampler
     finally:
         stop_load.set()
         for t in load:
@@ -249,14 +246,17 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
         stop.set()
         watcher.join()
 
-    busy = [s for s in samples if s[1] > 0]
+    busy = [s for s in samples if s[2] > 0]
     assert len(busy) >= 10, f"too few samples under load: {len(busy)}"
     misses = []
-    for at, running, waiting, usage in busy:
+    window = max(3 * period_s, 1.0)
+    for started, ended, running, waiting, usage in busy:
         # vLLM's metrics lag its engine by up to one stat interval; a heartbeat is up to one period
         # old, and on a starved host the publisher's reads time out for up to a second (CI: 13 of
-        # 14 samples had no beat within 3 periods). A wrong reporter agrees in no window at all.
-        near = [b for t, b in beats if abs(t - at) <= max(3 * period_s, 1.0)]
+        # 14 samples had no beat within 3 periods). The scrape's moment is anywhere in it (one took
+        # 2-3 s on a starved host), so the window spans the whole scrape. A wrong reporter agrees
+        # in no window at all.
+        near = [b for t, b in beats if started - window <= t <= ended + window]
         agree = [
             b
             for b in near
@@ -265,7 +265,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
             and abs(b.get(c.HeartbeatField.KV_USAGE, -1) - usage) <= 0.02
         ]
         if not agree:
-            misses.append((round(at, 3), running, waiting, usage))
+            misses.append((round(started, 3), running, waiting, usage))
     # A wrong reporter misses nearly every sample (CI once missed 32 of 103 on a starved host).
     assert len(misses) <= len(busy) // 2, (
         f"{len(misses)}/{len(busy)} metric samples with no agreeing heartbeat: {misses[:5]}"
