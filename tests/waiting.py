@@ -19,6 +19,11 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 30.0
 
 
+def _short(value: object, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 async def eventually(
     probe: Callable[[], Awaitable[T] | T],
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -34,7 +39,7 @@ async def eventually(
         if value:
             return value  # type: ignore[return-value]
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
+            raise AssertionError(f"{what} not reached within {timeout_s} s (last probe: {_short(value)})")
         await asyncio.sleep(interval_s)
 
 
@@ -51,5 +56,5 @@ def wait_until(
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
+            raise AssertionError(f"{what} not reached within {timeout_s} s (last probe: {_short(value)})")
         time.sleep(interval_s)
