@@ -580,7 +580,7 @@ def _forward_headers(incoming: CIMultiDictProxy[str], rid: str) -> CIMultiDict[s
         if lower in _REQUEST_DROP or lower in named_in_connection or lower.startswith(c.HEADER_PREFIX):
             continue
         out.add(name, value)
-    out["X-Request-Id"] = rid
+    out[c.H_REQUEST_ID] = rid
     # Identity unless the client asked otherwise: hop 2 is relayed byte for byte anyway.
     out[hdrs.ACCEPT_ENCODING] = incoming.get(hdrs.ACCEPT_ENCODING, "identity")
     return out
@@ -726,7 +726,7 @@ async def _hop1(
         # its answer is the client's to see, as it would be without disaggregation.
         _count(state, "1", "status_4xx")
         log.info("request %s: prefill node %s answered %d; relayed to the client", rid, prefill_host, status)
-        return web.Response(status=status, body=raw, headers={hdrs.CONTENT_TYPE: content_type, "X-Request-Id": rid})
+        return web.Response(status=status, body=raw, headers={hdrs.CONTENT_TYPE: content_type, c.H_REQUEST_ID: rid})
     if status >= 300:
         _count(state, "1", f"status_{status // 100}xx")
         snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
@@ -796,7 +796,7 @@ async def _relay(
             for k, v in resp.headers.items()
             if k.lower() not in _RESPONSE_DROP and k.lower() not in _named_in_connection(resp.headers)
         )
-        out_headers.setdefault("X-Request-Id", rid)
+        out_headers.setdefault(c.H_REQUEST_ID, rid)
         for name in c.ECHOED_RESPONSE_HEADERS:  # the dispatcher's decision, for the client to see
             if name in request.headers:
                 out_headers[name] = request.headers[name]
@@ -910,7 +910,7 @@ def _error_response(exc: BaseException, rid: str) -> web.Response:
     return web.Response(
         status=error_status(exc),
         body=error_json(exc),
-        headers={hdrs.CONTENT_TYPE: "application/json", "X-Request-Id": rid},
+        headers={hdrs.CONTENT_TYPE: "application/json", c.H_REQUEST_ID: rid},
     )
 
 

@@ -303,9 +303,9 @@ class EmulatedNode:
         rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
         try:
             plan = self._plan(parsed)
-        except c.MalformedSchedule as exc:
-            log.debug("request %s: %s", rid, exc)
-            return await _invalid_params(request, parsed, rid, str(exc))
+        except _VllmValidationError as exc:
+            log.debug("request %s: %s", rid, exc.message)
+            return await _vllm_rejection(request, parsed.stream and exc.in_engine, rid, exc)
         log.debug(
             "request %s: %s %s prompt=%d max_tokens=%d",
             rid,
@@ -341,7 +341,7 @@ class EmulatedNode:
                 rt.abort(seq)  # the client went away (or the handler was cancelled)
         kv_params = self._hold(seq, request) if plan.mode == "remote_decode" else None
         log.debug("request %s: done, %d tokens", rid, out.tokens)
-        return web.json_response(out.response(kv_params), headers={"X-Request-Id": rid}, dumps=_dumps)
+        return web.json_response(out.response(kv_params), headers={c.H_REQUEST_ID: rid}, dumps=_dumps)
 
     async def _parse(self, path: str, body: bytes) -> ParsedRequest:
         if len(body) <= TOKENIZE_INLINE_BYTES:
@@ -352,7 +352,7 @@ class EmulatedNode:
 
     def _plan(self, parsed: ParsedRequest) -> _Plan:
         """Which of the four ways the request runs here; every malformed extension is a 400
-        (:class:`~kairos.common.contracts.MalformedSchedule` the one vLLM's validator plugin gives)."""
+        (:class:`_VllmValidationError` where vLLM itself refuses it, as vLLM answers)."""
         body, role = parsed.body, self.config.role
         params = body.get(c.KV_TRANSFER_PARAMS)
         if params is not None and not isinstance(params, dict):
@@ -360,7 +360,11 @@ class EmulatedNode:
         params = params or {}
         remote_decode, remote_prefill = params.get("do_remote_decode") is True, params.get("do_remote_prefill") is True
         xargs = _vllm_xargs(body.get(c.VLLM_XARGS))
-        chunk_plan = c.parse_schedule_xargs(xargs)  # what the validator plugin runs in vLLM
+        _check_extra_args(xargs, params)
+        try:
+            chunk_plan = c.parse_schedule_xargs(xargs)  # what the validator plugin runs in vLLM
+        except c.MalformedSchedule as exc:
+            raise _VllmValidationError(str(exc), in_engine=True) from None
         deflect = chunk_plan is not None
         if sum((remote_decode, remote_prefill, deflect)) > 1:
             raise RequestError(
@@ -416,7 +420,7 @@ class EmulatedNode:
     async def _stream(
         self, request: web.Request, out: _Output, stream: TokenStream, arrival: float
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": out.rid})
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: out.rid})
         try:
             await resp.prepare(request)
             if out.parsed.kind == "chat":
@@ -560,7 +564,7 @@ class EmulatedNode:
         }
         url = f"http://{prefill}{KV_PULL_PATH}"
         try:
-            async with self.http.post(url, json=payload, headers={"X-Request-Id": rid}) as resp:
+            async with self.http.post(url, json=payload, headers={c.H_REQUEST_ID: rid}) as resp:
                 status, raw = resp.status, await resp.read()
         except TimeoutError:
             raise UpstreamTimeoutError(f"prefill node {prefill} did not answer the KV pull in time") from None
@@ -799,15 +803,44 @@ def _xarg_value(key: str, value: Any) -> Any:
     return coerced if isinstance(value, list) else coerced[0]
 
 
-async def _invalid_params(request: web.Request, parsed: ParsedRequest, rid: str, message: str) -> web.StreamResponse:
-    """vLLM's answer when a logits processor's ``validate_params`` raises ValueError (vLLM 0.32:
-    ``VLLMValidationError``, ``create_error_response``): a 400 with its error body, compact JSON as
-    its JSONResponse writes it; a streamed request has its 200 and headers sent before the engine
-    sees the request, so it gets that body as its one event (``json.dumps``' default spacing)."""
-    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
-    if not parsed.stream:
+# vLLM's SamplingParams._verify_extra_args: its engine transport (MessagePack) carries 64-bit
+# integers only. The " (parameter=extra_args)" is how VLLMValidationError renders its parameter.
+_EXTRA_ARGS_RANGE = "extra_args integers must be between -2**63 and 2**64 - 1. (parameter=extra_args)"
+
+
+class _VllmValidationError(Exception):
+    """A request vLLM refuses with its own ``VLLMValidationError`` (answered by :func:`_vllm_rejection`)."""
+
+    def __init__(self, message: str, param: str | None = None, *, in_engine: bool = False) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+        self.in_engine = in_engine  # raised as the engine takes the request: a stream's 200 is out
+
+
+def _check_extra_args(*values: Any) -> None:
+    """vLLM's range check over the request's extra_args (its vllm_xargs and kv_transfer_params)."""
+    pending = list(values)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, int) and not -(2**63) <= value < 2**64:
+            raise _VllmValidationError(_EXTRA_ARGS_RANGE, "extra_args")
+        if isinstance(value, dict):
+            pending.extend((*value.keys(), *value.values()))
+        elif isinstance(value, list):
+            pending.extend(value)
+
+
+async def _vllm_rejection(
+    request: web.Request, as_event: bool, rid: str, exc: _VllmValidationError
+) -> web.StreamResponse:
+    """vLLM 0.32's answer to a ``VLLMValidationError`` (``create_error_response``; a logits
+    processor's ValueError in ``validate_params`` becomes one): a 400 with its error body, compact
+    JSON as its JSONResponse writes it; a streamed request refused by the engine has had its 200 and
+    headers sent, so it gets that body as its one event (``json.dumps``' default spacing)."""
+    body = {"error": {"message": exc.message, "type": "BadRequestError", "param": exc.param, "code": 400}}
+    if not as_event:
         return web.Response(status=400, body=_dumps(body).encode(), content_type="application/json")
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": rid})
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: rid})
     await resp.prepare(request)
     await resp.write(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode())
     await resp.write_eof()

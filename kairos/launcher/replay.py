@@ -245,7 +245,7 @@ async def _one(
         async with session.post(
             url,
             data=body,
-            headers={"Content-Type": "application/json", "X-Request-Id": spec.request_id},
+            headers={"Content-Type": "application/json", c.H_REQUEST_ID: spec.request_id},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             res.status = resp.status

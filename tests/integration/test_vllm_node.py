@@ -146,7 +146,10 @@ def test_plain_requests_are_scheduled_as_vllm_does(vllm_cluster: VllmCluster) ->
 def test_malformed_schedule_is_a_400_from_vllm(vllm_cluster: VllmCluster, xargs: dict, message: str) -> None:
     url = f"http://{vllm_cluster.node('d0').url}/v1/completions"
     status, _, out = post_json(url, completion("hello there", 2, vllm_xargs=xargs))
-    assert status == 400
+    with pytest.raises(c.MalformedSchedule) as refused:  # the plugin's parser, which the emulated node runs too
+        c.parse_schedule_xargs(xargs)
+    error = {"message": str(refused.value), "type": "BadRequestError", "param": None, "code": 400}
+    assert (status, out) == (400, {"error": error})  # tests/component/test_schedule_parity.py: the same
     assert message in out["error"]["message"]
     assert direct(vllm_cluster, "d0", completion("still serving", 2))["usage"]["completion_tokens"] == 2
 
