@@ -45,8 +45,6 @@ import redis.asyncio as aioredis
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from yarl import URL
 
@@ -55,7 +53,7 @@ from kairos.common.aio import cancel_and_wait
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
-from kairos.common.redis_client import redact_url
+from kairos.common.redis_client import fail_fast_client, redact_url
 from kairos.common.runtime import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -273,12 +271,7 @@ class TtftFeedbackPublisher:
 
     async def start(self) -> None:
         # Fail fast, no hidden retries: a sample is worth less than the time a retry would take.
-        self._client = aioredis.Redis.from_url(
-            self.redis_url,
-            socket_timeout=self._timeout_s,
-            socket_connect_timeout=self._timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self._client = fail_fast_client(self.redis_url, self._timeout_s)
         self._task = asyncio.create_task(self._run(), name="kairos-ttft-feedback")
         log.info(
             "TTFT feedback to %s stream %s (MAXLEN ~%d)",

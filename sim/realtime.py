@@ -18,12 +18,12 @@ starts its next step at the current model time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from kairos.common.aio import cancel_and_wait
 from kairos.common.contracts import StepField, encode_step_record
 from kairos.sim.engine import Engine, Sequence, StepOutcome, StepPlan
 
@@ -110,9 +110,7 @@ class RealtimeEngine:
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._fail_all(EngineStoppedError(f"engine {self.engine.config.node_id} stopped"))
 
     @property
