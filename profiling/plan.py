@@ -12,8 +12,8 @@ Two kinds of phase (paper §5.1 and §3.2):
   prefill grows), one after another.
 
 The HTTP collector (:mod:`kairos.profiling.collect`) and the virtual-time driver
-(:mod:`kairos.profiling.synthetic`) run the very same plans. Lengths are in tokens; arrival times in
-model seconds.
+(``tests/synthetic_runs.py``, the profiler's end-to-end test) run the very same plans. Lengths are
+in tokens; arrival times in model seconds.
 """
 
 from __future__ import annotations

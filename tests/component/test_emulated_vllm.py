@@ -23,10 +23,11 @@ from aiohttp import web
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.config import load_config
+from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
-from kairos.sim.engine import Engine, EngineConfig, Role
+from kairos.sim.engine import Engine, EngineConfig
 from kairos.sim.engine import Sequence as Seq
 from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
 from tests.waiting import eventually
@@ -426,8 +427,10 @@ async def test_malformed_chunk_schedule_is_a_400(
 # State and metrics
 # ---------------------------------------------------------------------------------------------
 async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http: aiohttp.ClientSession) -> None:
-    # Two sequences resident at most: of five concurrent requests, three wait.
-    async with running(model_dir, "d1", Role.DECODE, max_running=2, max_step_tokens=1024) as d:
+    # Two sequences resident at most: of five concurrent requests, three wait. Four times slower
+    # than the other tests, so the first two decode for 1.2 s of wall time: a starved host must
+    # still be able to scrape the metrics and the state while that state lasts.
+    async with running(model_dir, "d1", Role.DECODE, max_running=2, max_step_tokens=1024, time_scale=SCALE / 4) as d:
         body = {"model": MODEL, "prompt": ids(200), "max_tokens": 120}
         tasks = [asyncio.create_task(post(http, f"{d.url}/v1/completions", body)) for _ in range(5)]
 

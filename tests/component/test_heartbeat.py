@@ -157,14 +157,16 @@ async def test_a_failing_engine_stops_the_beats_so_the_key_expires_and_they_resu
     try:
         await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
         source.fail = True
-        failed_at = time.monotonic()
+        reads = len(source.reads)
+        await eventually(lambda: len(source.reads) > reads, what="a failed read")
+        published = publisher.published  # a beat in flight when the engine failed counts before this
 
         async def gone() -> bool:
             return not await client.exists("kairos:node:d0")
 
-        await eventually(gone, timeout_s=cfg.ttl_s + 0.5, what="key expiry")
-        assert time.monotonic() - failed_at <= cfg.ttl_s + 0.5
-        published = publisher.published
+        # No beat after a failed read, so the key expires by its TTL (however slow the host).
+        await eventually(gone, what="key expiry")
+        assert publisher.published == published
         reads = len(source.reads)
         await eventually(lambda: len(source.reads) >= reads + 3, what="three more failed reads")
         assert publisher.published == published  # nothing published while the engine is down

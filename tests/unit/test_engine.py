@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kairos.common.contracts import Role
 from kairos.core.latency import load_profile
-from kairos.sim.engine import Engine, EngineConfig, Role, Sequence, StepPlan, model_step_time
+from kairos.sim.engine import Engine, EngineConfig, Sequence, StepPlan, model_step_time
 
 MODELS = load_profile()
 

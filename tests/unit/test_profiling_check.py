@@ -16,7 +16,7 @@ from kairos.profiling.__main__ import main
 from kairos.profiling.check import CheckConfig, check_profile, format_report
 from kairos.profiling.fit import write_profile
 from kairos.profiling.plan import PlanConfig, plan_phases
-from kairos.profiling.synthetic import write_runs
+from tests.synthetic_runs import write_runs
 
 TRUTH = load_profile()
 

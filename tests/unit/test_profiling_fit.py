@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kairos.common import contracts as c
+from kairos.common.contracts import Role
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.profiling import features
 from kairos.profiling.__main__ import main
@@ -18,9 +19,9 @@ from kairos.profiling.dataset import profile_predictions
 from kairos.profiling.fit import FitConfig, FitResult, ProfileMeta, fit_profile, format_table, write_profile
 from kairos.profiling.plan import PlanConfig, plan_phases
 from kairos.profiling.records import StepKind, StepRecord
-from kairos.profiling.synthetic import write_runs
-from kairos.sim.engine import Role, StepPlan, model_step_time
+from kairos.sim.engine import StepPlan, model_step_time
 from tests.builders import make_models
+from tests.synthetic_runs import write_runs
 
 TRUTH = load_profile()  # the packaged A100 profile: every coefficient non-zero, knees at 1600
 # A second truth with other knees and magnitudes, so a fit cannot pass by being tuned to one.

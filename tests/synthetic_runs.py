@@ -4,8 +4,8 @@
 costed by a profile (``model_step_time``, exactly what an emulated node does), advancing a
 virtual clock by each step's duration, and returns the records an emulated node would serve
 from ``/kairos/steps`` for it. Fitting such records must give back the profile's own
-coefficients: that is the pipeline's end-to-end test, and a quick way to see what a
-collection plan measures before spending accelerator time on it.
+coefficients: that is the pipeline's end-to-end test. A test utility (it ships in no package):
+nothing but the profiling tests runs it.
 """
 
 from __future__ import annotations
