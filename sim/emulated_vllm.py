@@ -398,18 +398,6 @@ class EmulatedNode:
                 # As the scheduler plugin: vLLM's validator cannot see the engine's limit.
                 log.warning("chunks over max_step_tokens=%d run capped at it", self.config.max_step_tokens)
             budget_s = chunk_plan.step_budget_s
-            if budget_s is not None:
-                # The engine defers a chunk whose step would exceed the budget; if even a one-token
-                # step on an otherwise empty node exceeds it, the request (and every deflected
-                # prefill queued behind it) would wait forever.
-                p = parsed.prompt_tokens
-                floor_s = self.models.mixed_step_s(1, p - 1, 0, p - 1)
-                if budget_s < floor_s:
-                    raise RequestError(
-                        f"{c.BUDGET_PARAM}={xargs[c.XARG_STEP_BUDGET_MS]} is below the {floor_s * 1e3:.2f} ms "
-                        f"this node needs for a one-token step of a {p}-token prompt: it could never run",
-                        c.BUDGET_PARAM,
-                    )
             return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s)
         return _Plan("plain")
 

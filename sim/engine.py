@@ -238,7 +238,9 @@ class Engine:
                     continue  # one deflected prefill at a time
                 scheduled_taken = True
             n = min(seq.next_chunk(), budget)
-            if seq.step_budget_s is not None and self.guard is not None:
+            # The budget protects running decodes' TBT: with none running it does not apply (as
+            # in the vLLM plugin), so a deflected prefill on an idle node never waits forever.
+            if seq.step_budget_s is not None and self.guard is not None and b > 0:
                 n = self._fit_chunk(n, seq, b)
                 if n == 0:
                     continue  # not even one token fits this step: wait for the batch to shrink

@@ -408,7 +408,6 @@ async def test_deflected_request_runs_exactly_its_chunk_schedule(decode: Node, h
         ({"kairos_chunk_schedule": [None]}, "a string, a number or an array of them"),
         ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 0}, "positive number of milliseconds"),
         ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": "70"}, "positive number of milliseconds"),
-        ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 1.0}, "could never run"),
         ({"kairos_step_budget_ms": 70.0}, "needs vllm_xargs.kairos_chunk_schedule"),
         ("schedule", "vllm_xargs must be an object"),
     ],

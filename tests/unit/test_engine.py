@@ -145,6 +145,14 @@ def test_step_guard_defers_the_chunk_when_not_one_token_fits() -> None:
     assert plan is not None and plan.chunks == () and plan.decode_tokens == 1
 
 
+def test_the_step_budget_does_not_apply_while_no_decode_runs() -> None:
+    # As the vLLM plugin: the budget protects decodes' TBT; an idle node runs the chunk whole.
+    engine = make(Role.DECODE, budget=4096, kv=2_000_000, guard=True)
+    engine.submit(Sequence("x", 100, 2, schedule=(50,), step_budget_s=0.001))
+    plan = engine.plan_step(0.0)
+    assert plan is not None and [c.tokens for c in plan.chunks] == [50] and plan.decode_tokens == 0
+
+
 def test_model_timer_uses_the_prefill_model_on_prefill_nodes_and_eq4_elsewhere() -> None:
     timer = model_step_time(MODELS)
     engine = make()
