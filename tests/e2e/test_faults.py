@@ -1,5 +1,10 @@
 """Faults through the real stack: Redis gone and back, a decode node dying, every prefill node
-dying, two dispatcher replicas racing for one decode node, and the dispatcher itself gone."""
+dying, two dispatcher replicas racing for one decode node, and the dispatcher itself gone.
+
+No test depends on another: each destructive test either starts from :func:`whole_and_idle`,
+which puts back what an earlier (or a failed) test took down and waits until every dispatcher
+routes on exactly the whole, idle cluster, or has a cluster of its own (the dispatchers killed
+for good)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,18 @@ import redis as redis_sync
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.launcher.local_cluster import LocalCluster
-from tests.e2e.conftest import decisions, http, load_prefill_queues, post_json, start_cluster, text_of
+from kairos.launcher.processes import tcp_ready
+from tests.e2e.conftest import (
+    decisions,
+    heartbeat_of,
+    http,
+    load_prefill_queues,
+    post_json,
+    start_cluster,
+    steps_of,
+    text_of,
+    wait_for_fresh_polls,
+)
 from tests.waiting import wait_until
 
 MODEL = "kairos-tiny-llama"
@@ -34,6 +50,12 @@ def dispatcher_nodes(cluster: LocalCluster, index: int = 0) -> list[str]:
     """Ids of the nodes in the dispatcher's view, from its /nodes report."""
     _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/nodes")
     return [n["id"] for n in json.loads(body)["nodes"]]
+
+
+def fresh_nodes(cluster: LocalCluster, index: int = 0) -> list[str]:
+    """Ids of the nodes in the dispatcher's view with a fresh heartbeat (not stale)."""
+    _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/nodes")
+    return sorted(n["id"] for n in json.loads(body)["nodes"] if not n["stale"])
 
 
 def redis_errors(cluster: LocalCluster, index: int = 0) -> float:
@@ -51,6 +73,47 @@ def complete(cluster: LocalCluster, prompt: str, max_tokens: int = 2,
     return status, headers
 
 
+def _reservations(cluster: LocalCluster) -> list[bytes]:
+    client = redis_sync.Redis.from_url(cluster.redis_url, socket_timeout=10)
+    try:
+        return list(client.scan_iter(c.REDIS_RESERVATION_KEY.format(node_id="*")))
+    finally:
+        client.close()
+
+
+def _idle(beat: dict[str, object] | None) -> bool:
+    return (
+        beat is not None
+        and not beat[c.HeartbeatField.QUEUED_PREFILL_TOKENS]
+        and not beat[c.HeartbeatField.SCHEDULED_PREFILL_TOKENS]
+        and beat[c.HeartbeatField.DECODE_TOKENS] == 0
+    )
+
+
+def whole_and_idle(cluster: LocalCluster) -> None:
+    """The state every test on a shared cluster starts from, whatever ran (or failed) before it:
+    Redis up, every node's engine up (a killed one restarted on its port; its publisher and
+    sidecar never stopped), every dispatcher healthy with exactly the cluster's nodes in its view,
+    all fresh, every node idle, no deflection reservation left, and every dispatcher has polled
+    since, so the first request is decided on that view."""
+    assert all(d.alive() for d in cluster.dispatcher_procs), "a dispatcher died; no test here kills a shared one"
+    if cluster.redis is None or not cluster.redis.alive():
+        cluster.start_redis()
+    for node in cluster.nodes:
+        if node.engine is None or not node.engine.alive():
+            node.engine = cluster.group.start(cluster.engine_process(node), 60.0)
+        assert node.publisher is not None and node.publisher.alive(), node.node_id
+        assert node.sidecar is None or node.sidecar.alive(), node.node_id
+    everyone = sorted(n.node_id for n in cluster.nodes)
+    for index in range(len(cluster.dispatcher_procs)):
+        wait_until(lambda i=index: dispatcher_health(cluster, i) == "ok", what=f"dispatcher {index} healthy")
+        wait_until(lambda i=index: fresh_nodes(cluster, i) == everyone == sorted(dispatcher_nodes(cluster, i)),
+                   what=f"dispatcher {index} routing on exactly {everyone}, all fresh")
+    wait_until(lambda: all(_idle(heartbeat_of(cluster, n)) for n in everyone), what="every node idle")
+    wait_until(lambda: not _reservations(cluster), what="no deflection reservation left")
+    wait_for_fresh_polls(cluster)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
     c = start_cluster(tmp_path_factory.mktemp("faults"), model_dir)
@@ -58,9 +121,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     c.stop()
 
 
+@pytest.fixture
+def whole(cluster: LocalCluster) -> LocalCluster:
+    """The shared 2P2D cluster, whole and idle (:func:`whole_and_idle`) as this test starts."""
+    whole_and_idle(cluster)
+    return cluster
+
+
 def test_redis_down_keeps_serving_on_the_pd_path_and_deflection_resumes_after(
-    cluster: LocalCluster, tokenizer: PromptTokenizer
+    whole: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
+    cluster = whole
     assert cluster.redis is not None
     cluster.redis.stop()
     wait_until(lambda: dispatcher_health(cluster) == "degraded")
@@ -78,11 +149,11 @@ def test_redis_down_keeps_serving_on_the_pd_path_and_deflection_resumes_after(
 
 
 def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
-    cluster: LocalCluster, tokenizer: PromptTokenizer
+    whole: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
+    cluster = whole
     node = cluster.node("d1")
     assert node.engine is not None
-    wait_until(lambda: cluster.nodes_unseen() == [])  # the dispatcher routes on all four, fresh
     node.engine.kill()
     wait_until(lambda: dispatcher_nodes(cluster) == ["d0", "p0", "p1"])  # its heartbeat key expired
     prompt = text_of(tokenizer, 400)
@@ -91,8 +162,9 @@ def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
 
 
 def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
-    cluster: LocalCluster, tokenizer: PromptTokenizer
+    whole: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
+    cluster = whole
     for node_id in ("p0", "p1"):
         engine = cluster.node(node_id).engine
         assert engine is not None
@@ -100,9 +172,15 @@ def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
     # Stale, or gone once their keys expire: either way the dispatcher has no prefill node to use.
     wait_until(lambda: {"p0", "p1"} <= set(cluster.nodes_unseen()))
     prompt = text_of(tokenizer, 3000)
-    seen = [complete(cluster, prompt, max_tokens=4)[1] for _ in range(6)]
-    assert {(h["x-kairos-route"], h["x-kairos-reason"]) for h in seen} == {("deflect", "deflect_no_prefill_node")}
-    assert {h["x-kairos-decode-node"] for h in seen} == {"d0"}  # d1 died in the test before
+    tokens = tokenizer.count_completion_prompt(prompt)
+    ids = [f"noprefill-{i}-{uuid.uuid4().hex[:8]}" for i in range(6)]
+    seen = {rid: complete(cluster, prompt, max_tokens=4, request_id=rid)[1] for rid in ids}
+    assert {(h["x-kairos-route"], h["x-kairos-reason"]) for h in seen.values()} == {
+        ("deflect", "deflect_no_prefill_node")
+    }
+    for rid, h in seen.items():  # the decode node it went to computed the whole prompt itself
+        assert h["x-kairos-decode-node"] in ("d0", "d1"), h
+        assert sum(steps_of(cluster, h["x-kairos-decode-node"], rid)) == tokens, (rid, h)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +197,7 @@ def test_two_dispatchers_never_deflect_twice_onto_one_decode_node_within_a_heart
     a starved host may spread the sends of one burst, and decisions further apart than a heartbeat
     may rightly pick the same node again. A burst in which no two replicas decided within one
     heartbeat raced nothing and proves nothing, so it is sent again (at most three bursts)."""
+    whole_and_idle(replicas)
     period = c.HEARTBEAT_PERIOD_S
     prompt = text_of(tokenizer, 1500)
     for attempt in range(1, 4):
@@ -155,22 +234,30 @@ def test_two_dispatchers_never_deflect_twice_onto_one_decode_node_within_a_heart
     assert deflections, f"the burst should have deflected at least once: {decided}"
 
 
-def _reservations(cluster: LocalCluster) -> list[bytes]:
-    client = redis_sync.Redis.from_url(cluster.redis_url, socket_timeout=10)
-    try:
-        return list(client.scan_iter(c.REDIS_RESERVATION_KEY.format(node_id="*")))
-    finally:
-        client.close()
+@pytest.fixture
+def doomed(tmp_path: Path, model_dir: Path) -> Iterator[LocalCluster]:
+    """A small cluster of this test's own (1P1D, two dispatcher replicas): it kills every dispatcher."""
+    c = start_cluster(tmp_path / "doomed", model_dir, prefill_nodes=1, decode_nodes=1, dispatchers=2)
+    yield c
+    c.stop()
 
 
-def test_dispatcher_gone_gives_a_prompt_503_not_a_hang(replicas: LocalCluster) -> None:
-    for proc in replicas.dispatcher_procs:
+def test_dispatcher_gone_gives_a_prompt_503_not_a_hang(doomed: LocalCluster, tokenizer: PromptTokenizer) -> None:
+    cluster = doomed
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+    json_type = {"content-type": "application/json"}
+    # Served before: Envoy's path to the dispatchers is set up, so what follows is the fault alone.
+    status, _, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body, json_type)
+    assert status == 200, raw
+    for proc in cluster.dispatcher_procs:
         proc.kill()
+    # Nothing but Envoy's answer in the measured window: every dispatcher port already refuses.
+    for port in cluster.dispatcher_ports:
+        wait_until(lambda p=port: not tcp_ready("127.0.0.1", p)(), what=f"dispatcher port {port} closed")
     started = time.monotonic()
-    status, headers, raw = http("POST", f"{replicas.gateway_url}/v1/completions",
-                                json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode(),
-                                {"content-type": "application/json"}, timeout=10)
-    assert status == 503
-    assert time.monotonic() - started < 3.0
+    status, headers, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body, json_type, timeout=10)
+    elapsed = time.monotonic() - started
+    assert status == 503, raw
+    assert elapsed < 3.0, f"503 after {elapsed:.2f} s"
     assert headers["content-type"].startswith("application/json")
     assert json.loads(raw)["error"]["code"] == 503

@@ -2,7 +2,11 @@
 dropping a request: an atomic rewrite (temporary file + rename) is swapped in; a non-atomic one
 (a truncated write, then the full write) is first rejected, with the old models kept, then
 swapped in once complete. The same replay shows the sidecars' TTFT feedback reaching the
-dispatcher through Redis."""
+dispatcher through Redis.
+
+The replay lasts as long as the rewrites do, however slow the host: it is sent in rounds (slices
+of one bursty trace, each request id once) until the rewrites are done and one more round, begun
+after the last reload, has run whole on the new profile; and never less than the whole trace."""
 
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from tests.waiting import wait_until
 
 TIME_SCALE = 2.0
 RELOAD_S = 0.2  # the dispatcher's file check period in this test
-REQUESTS = 48  # 12 s of model time at 4 RPS: 6 s of wall time, longer than the rewrites take
+REQUESTS = 48  # the trace: 12 s of model time at 4 RPS, sent whole at least once
+ROUND = 12  # requests per round of the replay (about 1.5 s of wall time)
 
 
 def _trace() -> list[RequestSpec]:
@@ -33,6 +38,45 @@ def _trace() -> list[RequestSpec]:
     return [
         RequestSpec(r.request_id, r.arrival_s, 100 + r.prompt_tokens % 3200, min(r.output_tokens, 16)) for r in base
     ]
+
+
+def _round(trace: list[RequestSpec], k: int) -> list[RequestSpec]:
+    """Round ``k``: the trace's ``k``-th slice of ``ROUND`` requests (cycling), its ids made unique."""
+    start = (k * ROUND) % len(trace)
+    return [RequestSpec(f"{r.request_id}-r{k}", r.arrival_s, r.prompt_tokens, r.output_tokens)
+            for r in trace[start:start + ROUND]]
+
+
+class _Traffic(threading.Thread):
+    """Replays ``trace`` in rounds until :meth:`finish`, and then one round more, begun after it
+    (and not before the whole trace has been sent once): the traffic outlasts whatever the test
+    does before calling finish. ``abort`` ends it after the current round (a failed test)."""
+
+    def __init__(self, trace: list[RequestSpec], config: ReplayConfig) -> None:
+        super().__init__(daemon=True)
+        self.trace, self.config = trace, config
+        self.results: list[RequestResult] = []
+        self.after: list[RequestResult] = []  # the rounds begun after finish()
+        self._finish, self._abort = threading.Event(), threading.Event()
+
+    def finish(self) -> None:
+        self._finish.set()
+
+    def abort(self) -> None:
+        self._abort.set()
+        self._finish.set()
+
+    def run(self) -> None:
+        k = 0
+        while not self._abort.is_set():
+            after = self._finish.is_set()
+            done = replay(_round(self.trace, k), self.config, stream=None)
+            self.results.extend(done)
+            k += 1
+            if after:
+                self.after.extend(done)
+                if k * ROUND >= len(self.trace):
+                    return
 
 
 def _profile(name: str, decode_scale: float) -> bytes:
@@ -76,7 +120,6 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
         profile=str(path),
         profile_reload_s=RELOAD_S,
     )
-    results: list[RequestResult] = []
     config = ReplayConfig(
         url=cluster.gateway_url,
         model_dir=str(model_dir),
@@ -84,11 +127,11 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
         request_timeout_s=30.0,
         deadline_s=90.0,
     )
-    replayer = threading.Thread(target=lambda: results.extend(replay(trace, config, stream=None)))
+    traffic = _Traffic(trace, config)
     try:
         assert _profile_in_use(cluster) == "e2e-v1"
         assert _reloads(cluster) == {"ok": 0, "error": 0}
-        replayer.start()
+        traffic.start()
         wait_until(lambda: _decisions(cluster) >= 3, what="requests flowing through the dispatcher")
 
         # 1. Atomic: a temporary file renamed over the profile.
@@ -114,20 +157,26 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
         reloads = _reloads(cluster)
         # Each truncation may be seen as one more bad version (a check between truncate and write).
         assert reloads["ok"] == 2 and 1 <= errors <= reloads["error"] <= errors + 1, reloads
-        assert replayer.is_alive(), "the replay ended before the rewrites; lengthen the trace"
 
         # SIGHUP re-reads at once; same content, nothing swapped.
         dispatcher = cluster.dispatcher_procs[0]
         os.kill(dispatcher.pid, signal.SIGHUP)
         log = cluster.workdir / "logs" / "dispatcher0.log"
         wait_until(lambda: "its content is the one in use, e2e-v3" in log.read_text(), what="SIGHUP re-read")
+        assert traffic.is_alive(), "the traffic stopped before the rewrites were done"  # it runs until finish()
+        traffic.finish()
 
-        replayer.join(timeout=120)
-        assert not replayer.is_alive()
-        assert len(results) == len(trace)
+        traffic.join(timeout=180)
+        assert not traffic.is_alive()
+        results = traffic.results
+        assert len(results) >= len(trace) and len({r.request_id for r in results}) == len(results)
         failed = [r for r in results if not r.ok]
         assert failed == [], failed[:3]
         assert {r.route for r in results} == {"keep", "deflect"}
+        # A whole round was decided after the last reload, on the new profile, and nothing reloaded since.
+        assert traffic.after and all(r.ok for r in traffic.after)
+        assert _profile_in_use(cluster) == "e2e-v3"
+        assert _reloads(cluster) == reloads
 
         text = log.read_text()
         assert text.count("profile reload rejected:") == reloads["error"]
@@ -141,10 +190,11 @@ def test_profile_rewrites_mid_replay_reload_without_dropping_a_request(tmp_path:
             m = _metrics(cluster)
             return sum(v for _, v in m["kairos_dispatcher_ttft_observed_over_predicted_count"])
 
-        wait_until(lambda: samples() == len(trace), what="every request's TTFT sample read by the dispatcher")
+        wait_until(lambda: samples() == len(results), what="every request's TTFT sample read by the dispatcher")
         mape = {labels["path"]: v for labels, v in _metrics(cluster)["kairos_dispatcher_ttft_prediction_mape"]}
         assert set(mape) == {"keep", "deflect"} and all(v >= 0 for v in mape.values()), mape
     finally:
+        traffic.abort()  # no-op after a clean run
         cluster.stop()
-        if replayer.ident is not None:
-            replayer.join(timeout=60)
+        if traffic.ident is not None:
+            traffic.join(timeout=60)
