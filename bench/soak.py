@@ -200,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         for owner, measures in sampler.series.items()
     }
     outcomes = outcome_counts(results)
-    print(f"soak: {wall_s:.0f} s of traffic at {args.rps:g} model rps (time scale {args.time_scale:g}), "
-          f"{args.dispatchers} dispatchers; requests: {outcomes}")
+    print(
+        f"soak: {wall_s:.0f} s of traffic at {args.rps:g} model rps (time scale {args.time_scale:g}), "
+        f"{args.dispatchers} dispatchers; requests: {outcomes}"
+    )
     print(f"growth is the slope after the first {warmup_s:.0f} s (warm-up)")
     print(format_table(summary))
     write_result(
