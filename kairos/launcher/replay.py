@@ -8,6 +8,10 @@ dispatcher all take a token-id prompt as given, so the counts are exact and cost
 build) and whose ``max_tokens`` is the trace's output length. Per request the replay records the
 gateway's decision headers (``x-kairos-route``, ``x-kairos-decode-node``, ``x-kairos-reason``),
 TTFT (send to first content token), every inter-token gap (TBT), the status and the usage.
+The report gives the Kairos figures (P50/P95/P99 TTFT and TBT, SLO attainment per route) and, per
+route, the figures of ``vllm bench serve`` and inference-perf with their own definitions
+(TTFT, TPOT, ITL, E2EL, NTPOT, ``--goodput``; see :mod:`kairos.launcher.serving_metrics`);
+``--plots DIR`` draws them (:mod:`kairos.launcher.replay_plots`).
 
 Time scale: emulated nodes started with ``--time-scale S`` run S times faster than real time.
 Replay with the same ``--time-scale S``: arrivals are compressed by S (the trace's model time
@@ -40,6 +44,7 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
+from kairos.launcher.serving_metrics import Goodput, duration_s, field_metrics, format_field_metrics
 from kairos.sim.requests import RequestSpec
 
 ROUTES = ("keep", "deflect")
@@ -71,8 +76,10 @@ class ReplayConfig:
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
     request_timeout_s: float = 300.0  # wall seconds per request
     deadline_s: float = 0.0  # wall seconds for the whole replay; 0 = last arrival + request_timeout_s
+    goodput: tuple[str, ...] = ()  # vLLM's --goodput limits, e.g. ("ttft:4000", "tpot:70")
 
     def __post_init__(self) -> None:
+        Goodput.parse(self.goodput)  # refuses what vllm bench serve would refuse
         for name in ("time_scale", "ttft_slo_s", "tbt_slo_ms", "request_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -406,9 +413,13 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
     routes = sorted(
         {r.route for r in results} | set(ROUTES), key=lambda x: (ROUTES.index(x) if x in ROUTES else len(ROUTES), x)
     )
-    per_route = {(name or "none"): _group([r for r in results if r.route == name], config) for name in routes}
-    if not per_route.get("none", {}).get("requests"):
-        per_route.pop("none", None)
+    by_route = {(name or "none"): [r for r in results if r.route == name] for name in routes}
+    if not by_route.get("none"):
+        by_route.pop("none", None)
+    per_route = {name: _group(group, config) for name, group in by_route.items()}
+    goodput = Goodput.parse(config.goodput)
+    duration = duration_s(results)  # one benchmark duration: per-route rates share it
+    field = {name: field_metrics(group, goodput, duration) for name, group in [("all", results), *by_route.items()]}
     ok = [r for r in results if r.ok]
     start = min((r.arrival_s for r in results), default=0.0)
     end = max(((r.arrival_s + (r.e2e_s or 0.0)) for r in ok), default=start)
@@ -433,6 +444,7 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
         "max_send_lag_ms": max(lags, default=0.0),
         "error_kinds": errors,
         "per_route": per_route,
+        "field": field,
     }
 
 
@@ -458,6 +470,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms; "
         f"max send lag {summary['max_send_lag_ms']:.1f} ms"
     )
+    lines.append(format_field_metrics(summary["field"]))
     return "\n".join(lines)
 
 
@@ -505,6 +518,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tbt-slo-ms", type=float, help="TBT SLO tau in ms (default 70)")
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="wall seconds per request")
     p.add_argument("--deadline", dest="deadline_s", type=float, help="wall seconds for the whole replay")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        help="request goodput limits as vllm bench serve takes them: ttft:MS tpot:MS e2el:MS",
+    )
+    p.add_argument(
+        "--plots", type=Path, metavar="DIR", help="write a TTFT CDF per route, TTFT over time and per-node load"
+    )
     p.add_argument("--json", type=Path, help="write config, summary and per-request records here")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(handler=run_replay)
@@ -529,6 +551,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "tbt_slo_ms",
             "request_timeout_s",
             "deadline_s",
+            "goodput",
         )
     }
     config = load_config(ReplayConfig, args.config, section="replay", env_prefix="KAIROS_REPLAY_", overrides=overrides)
@@ -538,6 +561,11 @@ def run_replay(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if args.plots:
+        from kairos.launcher.replay_plots import write_replay_plots
+
+        for path in write_replay_plots(doc["requests"], args.plots, config.ttft_slo_s):
+            print(f"wrote {path}")
     return 0 if doc["summary"]["errors"] == 0 else 1
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from kairos.launcher.cli import main as kairos_main
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.sim.requests import RequestSpec
@@ -47,6 +50,11 @@ def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model
                 "30",
                 "--deadline",
                 "60",
+                "--goodput",
+                "ttft:60000",
+                "tpot:10000",
+                "--plots",
+                str(tmp_path / "plots"),
                 "--json",
                 str(out),
                 "--quiet",
@@ -99,6 +107,21 @@ def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model
     assert 0 < summary["p50_ttft_s"] <= summary["p95_ttft_s"] <= summary["p99_ttft_s"]
     assert 0 < summary["p50_tbt_ms"] <= summary["p95_tbt_ms"] <= summary["p99_tbt_ms"]
     assert 0.0 <= summary["slo_attainment"] <= 1.0
+
+    # The field's figures, per route: every request completed and good under generous limits.
+    field = summary["field"]
+    assert set(field) == {"all", "keep", "deflect"}
+    for name, group in (("keep", summary["keeps"]), ("deflect", summary["deflections"]), ("all", len(trace))):
+        vllm, ip = field[name]["vllm"], field[name]["inference_perf"]
+        assert vllm["completed"] == ip["count"] == group and vllm["failed"] == 0
+        assert vllm["request_goodput"] == pytest.approx(vllm["request_throughput"])
+        assert vllm["goodput"] == ["ttft:60000", "tpot:10000"]
+    everything = field["all"]["vllm"]
+    assert everything["total_output_tokens"] == sum(r.output_tokens for r in trace)
+    assert everything["total_input_tokens"] == sum(r.prompt_tokens for r in trace)
+    assert everything["ttft_ms"]["median"] == pytest.approx(1e3 * float(np.median([r["ttft_s"] for r in records])))
+    for name in ("ttft_cdf.png", "latency_over_time.png", "node_load.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 def test_replay_reports_unreachable_gateway_as_errors_within_the_deadline() -> None:
