@@ -244,7 +244,7 @@ class Dispatcher:
         a reservation is in flight takes effect at the next request."""
         policies = self.policies
         full_view = view = self.cluster.view()
-        if policies.no_prefill is not None and policies.no_prefill.applies(view, self._clock()):
+        if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
             return self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
         if self._prefill_pool_gone:
             self._prefill_pool_gone = False
@@ -268,6 +268,15 @@ class Dispatcher:
             decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
+
+    def _prefill_pool_gone_from(self, view: ClusterView, policy: NoPrefillPoolPolicy) -> bool:
+        """No fresh prefill node, and a fresh decode node to prefill instead. While Redis is
+        unreachable every heartbeat ages alike, and a prefill node looks stale before a decode
+        node only because its last beat came a little earlier: then the pool counts as gone only
+        when the view holds no prefill node at all (the degraded mode routes P/D)."""
+        if self.cluster.degraded and view.prefill:
+            return False
+        return policy.applies(view, self._clock())
 
     def _without_prefill_pool(self, policy: Policy, prompt_tokens: int, view: ClusterView) -> Decision:
         if not self._prefill_pool_gone:

@@ -638,6 +638,46 @@ async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
     assert h.cluster.reservations == []  # serving beats serialising: no reservation round trip
 
 
+@pytest.mark.parametrize(
+    ("cluster", "route", "reason"),
+    [
+        pytest.param(
+            {"prefill_age_s": 0.35, "decode_age_s": 0.25, "degraded": True},
+            "keep",
+            "keep_decode_slower",
+            id="Redis lost: prefill beats aged past staleness a beat before decode's, still P/D",
+        ),
+        pytest.param(
+            {"prefill": False, "degraded": True},
+            "deflect",
+            "deflect_no_prefill_node",
+            id="Redis lost with no prefill node known at all: decode nodes prefill",
+        ),
+        pytest.param(
+            {"prefill_age_s": 0.35, "decode_age_s": 0.25},
+            "deflect",
+            "deflect_no_prefill_node",
+            id="Redis up: prefill beats stopped while decode's go on, the pool is gone",
+        ),
+    ],
+)
+async def test_a_redis_outage_is_not_mistaken_for_a_dead_prefill_pool(
+    harness: HarnessFactory, models: LatencyModels, cluster: dict[str, Any], route: str, reason: str
+) -> None:
+    """Heartbeats stop together when Redis goes; the one published a little earlier turns stale a
+    little earlier. That must not read as "every prefill node died" (a CI run deflected there)."""
+    h = harness(
+        make_cluster(**cluster),
+        make_policy("kairos", models),
+        no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig(stale_after_s=0.3)),
+    )
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(3000))
+
+    assert isinstance(routed, Routed), routed
+    headers = dict(routed.set_headers)
+    assert (headers[c.H_ROUTE], headers[c.H_REASON]) == (route, reason)
+
+
 async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: HarnessFactory) -> None:
     rejected = await harness(make_cluster(prefill=False)).dispatcher.route("POST", COMPLETIONS, {}, completion_body(50))
     assert isinstance(rejected, Rejected) and rejected.status == 503
