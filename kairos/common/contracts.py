@@ -265,14 +265,21 @@ def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
     return kind(value)
 
 
-def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
-    """Parse and check one heartbeat JSON; ``node_id`` (from the key) must match its node_id."""
+def _json_object(raw: bytes | str, error: type[Exception], prefix: str = "") -> dict[str, Any]:
+    """``raw`` decoded as one JSON object, else ``error`` saying what it was instead (the one
+    first step of every decoder here)."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedHeartbeat(f"not JSON: {exc}") from None
+        raise error(f"{prefix}not JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise MalformedHeartbeat(f"expected a JSON object, got {type(data).__name__}")
+        raise error(f"{prefix}expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
+    """Parse and check one heartbeat JSON; ``node_id`` (from the key) must match its node_id."""
+    data = _json_object(raw, MalformedHeartbeat)
     f = HeartbeatField
     missing = [name for name in f.ALL if name not in data]
     if missing:
@@ -518,12 +525,7 @@ def encode_engine_state(state: EngineState) -> str:
 
 def parse_engine_state(raw: bytes | str) -> EngineState:
     """Parse and check one engine-state JSON (lists become tuples; unknown keys are ignored)."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EngineStateError(f"engine state: not JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict):
-        raise EngineStateError(f"engine state: expected a JSON object, got {type(data).__name__}")
+    data = _json_object(raw, EngineStateError, "engine state: ")
     f = EngineStateField
     missing = [n for n in f.REQUIRED if n not in data]
     if missing:
