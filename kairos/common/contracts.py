@@ -271,7 +271,7 @@ def _json_object(raw: bytes | str, error: type[Exception], prefix: str = "") -> 
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise error(f"{prefix}not JSON: {exc}") from None
+        raise error(f"{prefix}not JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise error(f"{prefix}expected a JSON object, got {type(data).__name__}")
     return data

@@ -156,7 +156,7 @@ def test_engine_state_fields_are_the_heartbeats() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ("not json", "engine state: not JSON: Expecting value"),
+        ("not json", "engine state: not JSON (JSONDecodeError"),
         (b"\xff", "engine state: not JSON"),
         ("[1, 2]", "engine state: expected a JSON object, got list"),
         ('{"decode_tokens": 1}', "engine state: missing fields ['kv_tokens',"),

@@ -133,7 +133,7 @@ CASES = [
     Case("malformed values are ignored and reported once per node until valid again", (
         Poll(0.0, {"b1": "not json", "b2": json.dumps({"node_id": "b2"}), "b3": beat("someone-else"),
                    "b4": beat("b4", role="decode", sidecar=""), "p0": beat("p0")}, {"p0": 0.0},
-             events=("malformed b1: not JSON: Expecting value: line 1 column 1 (char 0)",
+             events=("malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
                      "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
                      "malformed b3: node_id 'someone-else' does not match its key's 'b3'",
                      "malformed b4: a decode node needs a sidecar address (the dispatcher routes to it)",
