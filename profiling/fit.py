@@ -3,10 +3,11 @@
 Each step model is a scikit-learn ``LinearRegression`` over the contract's features
 (:mod:`kairos.profiling.features`, the same formulas :mod:`kairos.core.latency` evaluates), by default with
 non-negative coefficients (``positive=True``: every feature is a cost that can only add time;
-the intercept stays free). Order matters: the decode model T0(B, K) is fitted first on
-decode-only steps, then the mixed increment on ``duration - T0(B, K)`` of the mixed steps. The
-knee of ``prefill_step`` and ``mixed_increment`` is chosen by a grid search (coarse, then fine
-around the best) minimising the training error.
+the intercept is free unless it comes out negative, then the fit goes through the origin).
+Order matters: the decode model T0(B, K) is fitted first on decode-only steps, then the mixed
+increment on ``duration - T0(B, K)`` of the mixed steps. The knee of ``prefill_step`` and
+``mixed_increment`` is chosen by a grid search (coarse, then fine around the best) minimising
+the training error.
 
 Errors are measured on held-out *runs* (``GroupKFold`` by run file): the whole procedure, knee
 search and the decode fit behind the mixed target included, is repeated on the training runs of
@@ -155,6 +156,11 @@ def _fit_at(name: str, s: Steps, y: Floats, knee: float, cfg: FitConfig, robust:
             break
         keep = now
         est = LinearRegression(positive=cfg.positive).fit(xs[keep], y[keep])
+    if est.intercept_ < 0:
+        # A step's fixed cost (the weight read, the launch) cannot be negative; noisy timings on
+        # a busy host can pull the free intercept below zero when the features move together
+        # (the microbenchmark's K grows with every step). Then through the origin instead.
+        est = LinearRegression(positive=cfg.positive, fit_intercept=False).fit(xs[keep], y[keep])
     sse = float(np.sum((est.predict(xs[keep]) - y[keep]) ** 2))
     return Fitted(name, knee, est, scale, len(s), int(len(y) - keep.sum())), sse
 

@@ -50,5 +50,8 @@ def test_collect_and_fit_on_a_real_decode_node(vllm_cluster: VllmCluster, tmp_pa
     result = fit_profile([out], ProfileMeta("tiny-vllm-cpu"), load_profile())
     assert {"decode_step", "mixed_increment"} <= set(result.fitted)
     decode = result.profile.decode
-    assert decode.samples and decode.samples > 20 and decode.intercept > 0
+    # Timings on a starved CPU host are noise-dominated: what holds whatever they are is that the
+    # fit has the samples and a physical model (no negative fixed cost, no negative feature cost).
+    assert decode.samples and decode.samples > 20
+    assert decode.intercept >= 0 and all(x >= 0 for x in decode.coefficients)
     assert result.profile.provenance["measured"] is True

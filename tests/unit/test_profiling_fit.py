@@ -261,3 +261,29 @@ def test_step_kinds_of_a_collection(fitted: FitResult) -> None:
     assert len(fitted.data[c.MIXED_INCREMENT]) > 100
     rec = StepRecord("r", 0, 0.0, 0.1, 0, 0, ())
     assert rec.kind is StepKind.EMPTY
+
+
+def test_a_negative_fixed_cost_is_refitted_through_the_origin() -> None:
+    """Decode-only steps whose time grows faster than K alone explains (a busy host): least
+    squares would put the intercept below zero, a fixed cost no engine has."""
+    from kairos.profiling.dataset import Steps
+    from kairos.profiling.fit import fit_model
+
+    kv = np.arange(100.0, 2100.0, 100.0)
+    n = kv.size
+    steps = Steps(
+        run=np.array(["r"] * n, dtype=np.str_),
+        duration=4e-5 * kv - 0.002,  # exactly linear in K with a negative intercept
+        decode_tokens=np.full(n, 2.0),
+        kv_tokens=kv,
+        prefill_tokens=np.zeros(n),
+        step_tokens=np.full(n, 2.0),
+        cached=np.zeros(n),
+    )
+    from sklearn.linear_model import LinearRegression
+
+    free = LinearRegression(positive=True).fit(features.decode_features(steps.decode_tokens, kv), steps.duration)
+    assert free.intercept_ < 0  # what a free intercept makes of these rows
+    fitted = fit_model(c.DECODE_STEP, steps, steps.duration, FitConfig())
+    assert fitted.intercept == 0.0
+    assert all(x >= 0 for x in fitted.coefficients) and fitted.coefficients[-1] > 0
