@@ -115,6 +115,7 @@ class LocalCluster:
     dispatcher_ports: list[int] = field(default_factory=list)
     dispatcher_metrics_ports: list[int] = field(default_factory=list)
     envoy: ManagedProcess | None = None
+    envoy_admin_port: int = 0  # Envoy's admin API (/clusters shows what its health checks see)
     gateway_port: int = 0
     model_dir: Path | None = None
 
@@ -340,7 +341,7 @@ class LocalCluster:
         return self.group.start(proc, timeout_s)
 
     def start_envoy(self, timeout_s: float = 60.0) -> ManagedProcess:
-        admin_port = free_port()
+        admin_port = self.envoy_admin_port = free_port()
         settings = EnvoySettings(
             listen_host=self.config.gateway_host,
             listen_port=self.gateway_port,
