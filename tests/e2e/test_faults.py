@@ -178,6 +178,46 @@ def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
     assert used == Counter({"d0": 12})
 
 
+def test_a_request_sent_to_a_dead_engine_before_its_heartbeat_expires_is_served_by_another_decode_node(
+    whole: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    """The window between an engine's death and its key's expiry, held open: d1's engine and
+    publisher are killed while d1 keeps beating (the last real beat, re-sent fresh), so the
+    dispatcher still routes to d1, whose sidecar answers 502. Envoy retries that hop once on
+    the dispatcher's fallback decode node: the client sees the decision for d1 and a whole answer."""
+    cluster = whole
+    node = cluster.node("d1")
+    assert node.engine is not None and node.publisher is not None
+    beat = heartbeat_of(cluster, "d1")
+    assert beat is not None
+    stop = threading.Event()
+    key = c.REDIS_NODE_KEY.format(node_id="d1")
+
+    def keep_beating() -> None:
+        client = redis_sync.Redis.from_url(cluster.redis_url, socket_timeout=10)
+        try:
+            for seq in itertools.count(beat["seq"] + 1_000):
+                client.set(key, json.dumps({**beat, "seq": seq, "sent_at": time.time()}), px=2_000)
+                if stop.wait(c.HEARTBEAT_PERIOD_S):
+                    break
+        finally:
+            client.close()
+
+    beater = threading.Thread(target=keep_beating, daemon=True)
+    beater.start()
+    try:
+        node.publisher.kill()
+        node.engine.kill()
+        wait_for_fresh_polls(cluster, polls=2)  # the re-sent beats, not the real ones, are what it sees
+        assert "d1" in fresh_nodes(cluster)
+        prompt = text_of(tokenizer, 400)
+        used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(8))
+    finally:
+        stop.set()
+        beater.join(timeout=30)
+    assert used["d1"] >= 1, used  # idle as its beat says, d1 was chosen; every one of them was served
+
+
 def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
     whole: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
