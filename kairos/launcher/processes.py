@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -54,14 +55,17 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
     """Raise :class:`ProcessError` when something listens on ``host:port`` already. Envoy binds
     its listener with SO_REUSEPORT, so a second gateway on a taken port would start and silently
     share the traffic with the first: refuse before starting anything instead."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no owner
         try:
             s.bind((host, port))
         except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ProcessError(f"{what} cannot listen on {host}:{port}: {exc.strerror}") from None
             raise ProcessError(
-                f"{what} port {port} on {host} is in use ({exc.strerror}): another kairos up or gateway is "
-                "running there; stop it or pick another port"
+                f"{what} port {port} on {host} is in use: another kairos up or gateway is running there; "
+                "stop it or pick another port"
             ) from None
 
 
