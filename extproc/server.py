@@ -33,8 +33,6 @@ from kairos.extproc.dispatcher import Dispatcher, Rejected, Routed
 
 log = logging.getLogger(__name__)
 
-# The service name Envoy's health check asks about (envoy/envoy.yaml.j2 names it too).
-EXT_PROC_SERVICE = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # bodies arrive whole (BUFFERED); grpcio's default is 4 MB
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -139,7 +137,7 @@ async def start_grpc_server(
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(dispatcher), server)
     health = health or health_aio.HealthServicer()
-    await health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await health.set(c.EXT_PROC_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

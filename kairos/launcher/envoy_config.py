@@ -7,8 +7,8 @@ from pathlib import Path
 
 import jinja2
 
+from kairos.common.contracts import EXT_PROC_HEALTH_SERVICE
 from kairos.common.errors import ConfigError
-from kairos.extproc.server import EXT_PROC_SERVICE
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml.j2"
 # How Envoy finds its upstreams: STATIC takes IP addresses as they are (kairos up, loopback);
@@ -70,7 +70,7 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         message_timeout=settings.message_timeout,
         stream_idle_timeout=settings.stream_idle_timeout,
         health_check_interval=settings.health_check_interval,
-        ext_proc_service=EXT_PROC_SERVICE,
+        ext_proc_service=EXT_PROC_HEALTH_SERVICE,
         max_retries=settings.max_retries,
         # An ext_proc stream that cannot open is retried on each other replica.
         dispatcher_retries=max(1, len(settings.dispatchers) - 1),

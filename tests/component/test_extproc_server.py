@@ -29,7 +29,7 @@ from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import Policy, make_policy
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
 from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.server import EXT_PROC_SERVICE, start_grpc_server
+from kairos.extproc.server import start_grpc_server
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.unit.test_dispatcher import (
     ADDRESSES,
@@ -416,9 +416,11 @@ async def test_the_server_answers_grpc_health_checks_and_says_not_serving_once_i
                 return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
 
             serving = health_pb2.HealthCheckResponse.SERVING
-            assert await status(EXT_PROC_SERVICE) == serving
+            # The name Envoy asks about (the contract) is the ext_proc service's own.
+            assert pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name == c.EXT_PROC_HEALTH_SERVICE
+            assert await status(c.EXT_PROC_HEALTH_SERVICE) == serving
             assert await status("") == serving  # the whole server, as grpc_health_probe asks
             await health.enter_graceful_shutdown()  # what the dispatcher does first when it stops
-            assert await status(EXT_PROC_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status(c.EXT_PROC_HEALTH_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         await server.stop(grace=None)
