@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -172,7 +173,8 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         ProfileWatcher(path, profile, signature, use, metrics, config.profile_reload_s) if path is not None else None
     )
     await cluster.start()
-    server, port = await start_grpc_server(dispatcher, config.host, config.port)
+    health = health_aio.HealthServicer()
+    server, port = await start_grpc_server(dispatcher, config.host, config.port, health)
     runner = await _start_metrics(metrics, cluster, config) if config.metrics_port else None
     if watcher is not None:
         await watcher.start()
@@ -196,6 +198,9 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if watcher is not None:
             await watcher.stop()
+        # NOT_SERVING first: Envoy's next health check moves new requests to another replica
+        # while the streams in flight here finish within the grace period.
+        await health.enter_graceful_shutdown()
         await server.stop(grace=1.0)
         if runner is not None:
             await runner.cleanup()

@@ -7,6 +7,11 @@ every mutation in the body response: the upstream as ``envoy.lb`` dynamic metada
 override_host load balancer, and the decision headers. Requests without a body (GETs) are
 answered at the headers message. Response processing is skipped, so the stream is ended as
 soon as the last answer is sent (Envoy would otherwise hold it for the whole SSE response).
+
+The same server answers the standard gRPC health-checking protocol (``grpc.health.v1``), which
+Envoy's active health checks of the dispatcher cluster call: ``SERVING`` for the ext_proc service
+while the dispatcher runs, ``NOT_SERVING`` once it starts to stop, so Envoy moves new requests to
+another replica before this one closes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from kairos.common import contracts as c
 from kairos.extproc.dispatcher import Dispatcher, Rejected, Routed
@@ -117,8 +124,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return _routed_response(result, phase)
 
 
-async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the ext_proc service; returns the server and the bound port (``port=0`` picks one)."""
+async def start_grpc_server(
+    dispatcher: Dispatcher, host: str, port: int, health: health_aio.HealthServicer | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start the ext_proc service and the gRPC health service beside it (``health``, or one of
+    its own that says SERVING); returns the server and the bound port (``port=0`` picks one)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -126,6 +136,9 @@ async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tup
         ]
     )
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(dispatcher), server)
+    health = health or health_aio.HealthServicer()
+    await health.set(c.EXT_PROC_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the ext_proc gRPC server to {host}:{port}")

@@ -11,6 +11,9 @@ Failure policy:
 
 * the state source fails (engine down, hung, malformed answer): nothing is published, so the key
   expires and the node leaves the cluster; one WARNING per outage, one INFO on recovery;
+* the sidecar of a decode node refuses connections (``--sidecar``, checked each beat by
+  :class:`SidecarProbe` when the publisher runs as a process): not published either, since the
+  gateway reaches the node only through it; the node leaves the view until the sidecar is back;
 * Redis fails (refused, timeout): one WARNING per outage, the publisher keeps trying every period
   and resumes by itself (redis-py reconnects on the next command); it never crashes on either.
 
@@ -125,6 +128,23 @@ class HttpStateSource:
             self._session = None
 
 
+class SidecarProbe:
+    """Whether the node's sidecar accepts a TCP connection (it serves every request the gateway
+    sends this node). A bare connect, so nothing on the sidecar's request path is touched."""
+
+    def __init__(self, hostport: str) -> None:
+        check_hostport("sidecar", hostport)
+        host, _, port = hostport.rpartition(":")
+        self.hostport, self._host, self._port = hostport, host.strip("[]"), int(port)
+
+    async def check(self) -> None:
+        """Returns when the sidecar accepted a connection; raises ``OSError`` otherwise."""
+        _, writer = await asyncio.open_connection(self._host, self._port)
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +163,7 @@ class PublisherConfig:
     state_timeout_s: float = 0.25  # a state read slower than this counts as a failure (no beat)
     redis_timeout_s: float = 0.25  # connect and command timeout of each Redis round trip
     deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
+    check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections
 
     def __post_init__(self) -> None:
         if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
@@ -215,9 +236,12 @@ class HeartbeatPublisher:
     leaves the key to expire after ``ttl_s``. The caller owns ``source`` and closes it.
     """
 
-    def __init__(self, config: PublisherConfig, source: EngineStateSource) -> None:
+    def __init__(
+        self, config: PublisherConfig, source: EngineStateSource, sidecar: SidecarProbe | None = None
+    ) -> None:
         self.config = config
         self.source = source
+        self.sidecar = sidecar  # checked after each state read; None = not checked
         self.seq = 0  # seq of the last beat sent to Redis (+1 per beat, never reused)
         self.published = 0  # beats Redis acknowledged
         self._stop = asyncio.Event()
@@ -225,6 +249,7 @@ class HeartbeatPublisher:
         self._last_payload: str | None = None  # the last JSON Redis acknowledged
         self._state_outage = Outage(log)
         self._redis_outage = Outage(log)
+        self._sidecar_outage = Outage(log)
 
     @property
     def running(self) -> bool:
@@ -294,6 +319,8 @@ class HeartbeatPublisher:
             "engine state of node %(node)s readable again after %(after).2f s (%(failures)d failed reads)",
             node=cfg.node_id,
         )
+        if self.sidecar is not None and not await self._sidecar_up(self.sidecar):
+            return False
         self.seq += 1
         payload = encode_heartbeat(build_heartbeat(cfg, state, self.seq, time.time()))
         try:
@@ -317,6 +344,27 @@ class HeartbeatPublisher:
         )
         self.published += 1
         self._last_payload = payload
+        return True
+
+    async def _sidecar_up(self, sidecar: SidecarProbe) -> bool:
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.state_timeout_s):
+                await sidecar.check()
+        except (OSError, TimeoutError) as exc:
+            self._sidecar_outage.fail(
+                "sidecar of node %s at %s unreachable: %s; not publishing, so %s expires within %.0f ms",
+                cfg.node_id,
+                sidecar.hostport,
+                describe(exc) if not isinstance(exc, TimeoutError) else f"no connection in {cfg.state_timeout_s} s",
+                cfg.key,
+                cfg.ttl_s * 1000,
+            )
+            return False
+        self._sidecar_outage.ok(
+            "sidecar of node %(node)s accepts connections again after %(after).2f s (%(failures)d failed checks)",
+            node=cfg.node_id,
+        )
         return True
 
     async def _deregister(self, client: aioredis.Redis) -> None:
@@ -374,7 +422,8 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _serve(config: PublisherConfig) -> None:
     source = HttpStateSource(config.state_url or config.url, timeout_s=config.state_timeout_s)
-    publisher = HeartbeatPublisher(config, source)
+    checked = config.check_sidecar and config.role == Role.DECODE
+    publisher = HeartbeatPublisher(config, source, SidecarProbe(config.sidecar) if checked else None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, publisher.stop)

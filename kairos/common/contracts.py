@@ -90,6 +90,9 @@ ECHOED_RESPONSE_HEADERS = (
 # Envoy's override_host load balancing reads the upstream from this dynamic metadata.
 ENVOY_LB_NAMESPACE = "envoy.lb"
 ENVOY_DESTINATION_KEY = "x-gateway-destination-endpoint"  # value: "primary,fallback" host:port list
+# The grpc.health.v1 service name Envoy's health checks ask the dispatcher about: the ext_proc
+# service's full proto name (SERVING while it runs, NOT_SERVING once it stops).
+EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 # ---------------------------------------------------------------------------------------------
 # vLLM request extensions

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jinja2
 
+from kairos.common.contracts import EXT_PROC_HEALTH_SERVICE
 from kairos.common.errors import ConfigError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml.j2"
@@ -35,6 +36,11 @@ class EnvoySettings:
     buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own body limit (8 MiB)
     message_timeout: str = "2s"  # a slower dispatcher answer gives 504
     stream_idle_timeout: str = "300s"
+    # How often Envoy health-checks each dispatcher replica (grpc.health.v1).
+    health_check_interval: str = "0.5s"
+    # Retries in flight per cluster (Envoy's default is 3): one per request that a dead
+    # dispatcher replica or decode node makes Envoy retry.
+    max_retries: int = 1024
     # Both clusters. With STRICT_DNS a host's address is its resolved IPv4 address, and that is
     # what the dispatcher's override_host destinations are matched against: the sidecars must
     # then advertise (heartbeat --sidecar) the IP their name resolves to.
@@ -63,5 +69,10 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         buffer_limit_bytes=settings.buffer_limit_bytes,
         message_timeout=settings.message_timeout,
         stream_idle_timeout=settings.stream_idle_timeout,
+        health_check_interval=settings.health_check_interval,
+        ext_proc_service=EXT_PROC_HEALTH_SERVICE,
+        max_retries=settings.max_retries,
+        # An ext_proc stream that cannot open is retried on each other replica.
+        dispatcher_retries=max(1, len(settings.dispatchers) - 1),
         cluster_type=settings.cluster_type,
     )

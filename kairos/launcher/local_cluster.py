@@ -23,7 +23,15 @@ from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
-from kairos.launcher.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
+from kairos.launcher.processes import (
+    ManagedProcess,
+    ProcessError,
+    ProcessGroup,
+    ensure_port_free,
+    free_port,
+    http_ready,
+    tcp_ready,
+)
 
 LOOPBACK = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
@@ -107,6 +115,7 @@ class LocalCluster:
     dispatcher_ports: list[int] = field(default_factory=list)
     dispatcher_metrics_ports: list[int] = field(default_factory=list)
     envoy: ManagedProcess | None = None
+    envoy_admin_port: int = 0  # Envoy's admin API (/clusters shows what its health checks see)
     gateway_port: int = 0
     model_dir: Path | None = None
 
@@ -126,6 +135,10 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         cfg = self.config
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if cfg.gateway_port:
+            ensure_port_free(cfg.gateway_host, cfg.gateway_port, "the gateway")
+        if cfg.redis_port:
+            ensure_port_free(cfg.redis_host, cfg.redis_port, "Redis")
         try:
             self.model_dir = Path(cfg.model_dir) if cfg.model_dir else self._build_model()
             self.redis_port = cfg.redis_port or free_port()
@@ -328,7 +341,7 @@ class LocalCluster:
         return self.group.start(proc, timeout_s)
 
     def start_envoy(self, timeout_s: float = 60.0) -> ManagedProcess:
-        admin_port = free_port()
+        admin_port = self.envoy_admin_port = free_port()
         settings = EnvoySettings(
             listen_host=self.config.gateway_host,
             listen_port=self.gateway_port,

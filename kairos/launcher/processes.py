@@ -2,13 +2,15 @@
 
 Each process runs in its own process group with its output in a log file, is considered up
 once its readiness probe passes, and is stopped with SIGTERM, then SIGKILL after a grace
-period, so nothing outlives the cluster that started it.
+period, so nothing outlives the cluster that started it. :class:`Supervisor` restarts the
+children that exit, as a process supervisor does (``kairos up``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -17,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def ensure_port_free(host: str, port: int, what: str) -> None:
+    """Raise :class:`ProcessError` when something listens on ``host:port`` already. Envoy binds
+    its listener with SO_REUSEPORT, so a second gateway on a taken port would start and silently
+    share the traffic with the first: refuse before starting anything instead."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no owner
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ProcessError(f"{what} cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise ProcessError(
+                f"{what} port {port} on {host} is in use: another kairos up or gateway is running there; "
+                "stop it or pick another port"
+            ) from None
 
 
 def tcp_ready(host: str, port: int) -> Callable[[], bool]:
@@ -167,3 +188,78 @@ class ProcessGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How :class:`Supervisor` restarts a child that exited."""
+
+    backoff_s: float = 0.5  # delay before the first restart; doubled for each recent exit
+    max_backoff_s: float = 8.0
+    # A crash loop: this many exits within ``window_s`` and the child is given up (only it).
+    max_exits: int = 5
+    window_s: float = 60.0
+
+
+@dataclass
+class _Watch:
+    exits: deque[float] = field(default_factory=deque)  # monotonic times of its recent exits
+    restart_at: float | None = None  # when it is due to start again, while it waits
+    given_up: bool = False
+
+
+@dataclass
+class Supervisor:
+    """Keeps every child of ``group`` running: :meth:`check`, called every fraction of a second,
+    notices a child that exited, says so, and starts it again with the same command line after
+    an exponential backoff. A child that exits ``max_exits`` times within ``window_s`` is given
+    up, loudly, and the others keep running. Restarts do not wait for readiness: the rest of the
+    cluster routes around the child (heartbeats, health checks) until it is back."""
+
+    group: ProcessGroup
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    say: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    clock: Callable[[], float] = time.monotonic
+    _watch: dict[int, _Watch] = field(default_factory=dict)
+
+    def check(self) -> None:
+        now = self.clock()
+        for proc in list(self.group.procs):
+            watch = self._watch.setdefault(id(proc), _Watch())
+            if watch.given_up or proc.alive():
+                continue
+            if watch.restart_at is None:
+                self._exited(proc, watch, now)
+            elif now >= watch.restart_at:
+                watch.restart_at = None
+                try:
+                    proc.start()
+                except OSError as exc:  # cannot even spawn it: counts as one more exit
+                    self.say(f"cannot restart {proc.name}: {exc}")
+                    self._exited(proc, watch, now)
+                    continue
+                self.say(f"{proc.name} restarted (pid {proc.pid})")
+
+    def given_up(self) -> list[str]:
+        return [p.name for p in self.group.procs if self._watch.get(id(p), _Watch()).given_up]
+
+    def _exited(self, proc: ManagedProcess, watch: _Watch, now: float) -> None:
+        p = self.policy
+        watch.exits.append(now)
+        while watch.exits and watch.exits[0] < now - p.window_s:
+            watch.exits.popleft()
+        code = proc.proc.returncode if proc.proc is not None else None
+        if len(watch.exits) >= p.max_exits:
+            watch.given_up = True
+            self.say(
+                f"{proc.name} exited with {code}, {len(watch.exits)} times in {p.window_s:g} s: a crash "
+                f"loop; giving up on it (the rest of the cluster keeps serving). Its log: {proc.log_path}\n"
+                f"{proc.tail(5)}"
+            )
+            return
+        delay = min(p.max_backoff_s, p.backoff_s * 2 ** (len(watch.exits) - 1))
+        watch.restart_at = now + delay
+        self.say(
+            f"{proc.name} exited with {code}; restarting it in {delay:g} s "
+            f"(exit {len(watch.exits)} of {p.max_exits} allowed in {p.window_s:g} s; log {proc.log_path})"
+        )

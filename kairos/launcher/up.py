@@ -14,7 +14,7 @@ from typing import Any
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
-from kairos.launcher.processes import ProcessError
+from kairos.launcher.processes import ProcessError, Supervisor
 from kairos.launcher.remote_nodes import RemoteNodesCluster, load_nodes
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
 
@@ -83,6 +83,10 @@ def _await_heartbeats(cluster: LocalCluster, stop: threading.Event, timeout_s: f
         print(f"heartbeats from all {len(cluster.nodes)} nodes", flush=True)
 
 
+def _say(line: str) -> None:
+    print(f"kairos up: {line}", file=sys.stderr, flush=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(args, k)
@@ -138,11 +142,11 @@ def run_up(args: argparse.Namespace) -> int:
             f'-d \'{{"model": "{config.model_name}", "prompt": "Hello, Kairos", "max_tokens": 16}}\' -i'
         )
         print("Ctrl-C stops everything.", flush=True)
-        while not stop.wait(0.5):
-            dead = [p.name for p in cluster.group.procs if not p.alive()]
-            if dead:
-                print(f"kairos up: {', '.join(dead)} exited; see {workdir / 'logs'}", file=sys.stderr)
-                return 1
+        # A child that exits is restarted (a crash loop gives up on that child only); the rest
+        # of the cluster keeps serving meanwhile, as it does for any node fault.
+        supervisor = Supervisor(cluster.group, say=_say)
+        while not stop.wait(0.2):
+            supervisor.check()
         return 0
     except KairosError as exc:
         print(f"kairos up: error: {exc.message}", file=sys.stderr)

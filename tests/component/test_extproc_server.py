@@ -18,6 +18,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
 from bench.noop_extproc import NOOP_ROUTE, FixedRoute
@@ -398,3 +400,27 @@ async def test_the_no_op_server_routes_every_request_to_its_fixed_upstream() -> 
         mutation = getattr(answer, phase).response.header_mutation
         assert set_headers_of(mutation) == {c.H_ROUTE: NOOP_ROUTE}
         assert metadata_of(answer) == {c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: "127.0.0.1:9"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# grpc.health.v1, which Envoy's active health checks of the dispatcher cluster call
+# ---------------------------------------------------------------------------------------------
+async def test_the_server_answers_grpc_health_checks_and_says_not_serving_once_it_drains() -> None:
+    health = health_aio.HealthServicer()
+    server, port = await start_grpc_server(FixedRoute("127.0.0.1:9"), "127.0.0.1", 0, health)  # type: ignore[arg-type]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service: str) -> int:
+                return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+            serving = health_pb2.HealthCheckResponse.SERVING
+            # The name Envoy asks about (the contract) is the ext_proc service's own.
+            assert pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name == c.EXT_PROC_HEALTH_SERVICE
+            assert await status(c.EXT_PROC_HEALTH_SERVICE) == serving
+            assert await status("") == serving  # the whole server, as grpc_health_probe asks
+            await health.enter_graceful_shutdown()  # what the dispatcher does first when it stops
+            assert await status(c.EXT_PROC_HEALTH_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await server.stop(grace=None)

@@ -28,6 +28,7 @@ from kairos.nodeagent.heartbeat import (
     HeartbeatPublisher,
     HttpStateSource,
     PublisherConfig,
+    SidecarProbe,
     build_heartbeat,
     main,
     state_endpoint,
@@ -179,6 +180,47 @@ async def test_a_failing_engine_stops_the_beats_so_the_key_expires_and_they_resu
         assert len(messages(caplog, "engine state unavailable")) == 1
     finally:
         await finish(task)
+
+
+async def test_a_decode_node_whose_sidecar_refuses_connections_stops_beating_until_it_listens_again(
+    redis: RedisServer, client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway reaches a decode node only through its sidecar: with the engine fine but the
+    sidecar gone, the node must leave the view as if it were dead, and come back with it."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    sidecar = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = sidecar.sockets[0].getsockname()[1]
+    cfg = config(redis.url, sidecar=f"127.0.0.1:{port}")
+    source = FakeSource()
+    publisher = HeartbeatPublisher(cfg, source, SidecarProbe(cfg.sidecar))
+    task = await running(publisher)
+    try:
+        await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
+        sidecar.close()
+        await sidecar.wait_closed()
+        reads = len(source.reads)
+        await eventually(lambda: len(source.reads) > reads + 1, what="a beat after the sidecar closed")
+        published = publisher.published
+
+        async def gone() -> bool:
+            return not await client.exists("kairos:node:d0")
+
+        await eventually(gone, what="key expiry")
+        reads = len(source.reads)
+        await eventually(lambda: len(source.reads) >= reads + 3, what="three more beats' reads")
+        assert publisher.published == published  # the engine answers, yet nothing is published
+        assert len(messages(caplog, f"sidecar of node d0 at 127.0.0.1:{port} unreachable")) == 1
+
+        sidecar = await asyncio.start_server(accept, "127.0.0.1", port)
+        await eventually(lambda: client.exists("kairos:node:d0"), what="beats resume")
+        assert len(messages(caplog, "sidecar of node d0 accepts connections again")) == 1
+    finally:
+        await finish(task)
+        sidecar.close()
 
 
 async def test_publisher_rides_out_a_redis_restart_on_the_same_port(
@@ -455,8 +497,8 @@ async def test_cli_publishes_until_sigterm_then_exits_cleanly_and_deregisters(
         "decode",
         "--url",
         "127.0.0.1:8101",
-        "--sidecar",
-        "127.0.0.1:8201",
+        "--sidecar",  # the CLI checks that its sidecar accepts connections: any listening port does
+        f"127.0.0.1:{state_server.port}",
         "--redis",
         redis.url,
         "--state-url",

@@ -1,5 +1,6 @@
 """Faults through the real stack: Redis gone and back, a decode node dying, every prefill node
-dying, two dispatcher replicas racing for one decode node, and the dispatcher itself gone.
+dying, two dispatcher replicas racing for one decode node, the dispatcher itself gone, and a
+chaos run that kills one process after another under steady traffic and counts every loss.
 
 No test depends on another: each destructive test either starts from :func:`whole_and_idle`,
 which puts back what an earlier (or a failed) test took down and waits until every dispatcher
@@ -15,7 +16,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ import redis as redis_sync
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.launcher.local_cluster import LocalCluster
-from kairos.launcher.processes import tcp_ready
+from kairos.launcher.processes import ManagedProcess, tcp_ready
 from tests.e2e.conftest import (
     decisions,
     heartbeat_of,
@@ -36,6 +38,7 @@ from tests.e2e.conftest import (
     text_of,
     wait_for_fresh_polls,
 )
+from tests.steady_load import Outcome, SteadyLoad
 from tests.waiting import wait_until
 
 MODEL = "kairos-tiny-llama"
@@ -90,25 +93,39 @@ def _idle(beat: dict[str, object] | None) -> bool:
     )
 
 
-def whole_and_idle(cluster: LocalCluster) -> None:
-    """The state every test on a shared cluster starts from, whatever ran (or failed) before it:
-    Redis up, every node's engine up (a killed one restarted on its port; its publisher and
-    sidecar never stopped), every dispatcher healthy with exactly the cluster's nodes in its view,
-    all fresh, every node idle, no deflection reservation left, and every dispatcher has polled
-    since, so the first request is decided on that view."""
-    assert all(d.alive() for d in cluster.dispatcher_procs), "a dispatcher died; no test here kills a shared one"
+def envoy_healthy_dispatchers(cluster: LocalCluster) -> list[int]:
+    """Ports of the dispatcher replicas that Envoy's health checks and outlier detection hold
+    healthy now (its admin /clusters: a host with any failure flag is out of rotation)."""
+    _, _, body = http("GET", f"http://127.0.0.1:{cluster.envoy_admin_port}/clusters")
+    flags = re.findall(r"^kairos_dispatcher::127\.0\.0\.1:(\d+)::health_flags::(\S+)$", body.decode(), re.M)
+    return sorted(int(port) for port, flag in flags if flag == "healthy")
+
+
+def restore(cluster: LocalCluster) -> None:
+    """Every part of the cluster up again, whatever a test killed (each restarted on its own
+    ports with its own command line), and seen so: every dispatcher healthy in Envoy's health
+    checks and in its own /health, routing on exactly the cluster's nodes, all fresh."""
     if cluster.redis is None or not cluster.redis.alive():
         cluster.start_redis()
-    for node in cluster.nodes:
-        if node.engine is None or not node.engine.alive():
-            node.engine = cluster.group.start(cluster.engine_process(node), 60.0)
-        assert node.publisher is not None and node.publisher.alive(), node.node_id
-        assert node.sidecar is None or node.sidecar.alive(), node.node_id
+    for proc in [*cluster.dispatcher_procs, *(p for n in cluster.nodes for p in (n.engine, n.sidecar, n.publisher))]:
+        if proc is not None and not proc.alive():
+            proc.start()
+            proc.wait_ready(60.0)
+    wait_until(lambda: envoy_healthy_dispatchers(cluster) == sorted(cluster.dispatcher_ports),
+               what="Envoy holding every dispatcher replica healthy")
     everyone = sorted(n.node_id for n in cluster.nodes)
     for index in range(len(cluster.dispatcher_procs)):
         wait_until(lambda i=index: dispatcher_health(cluster, i) == "ok", what=f"dispatcher {index} healthy")
         wait_until(lambda i=index: fresh_nodes(cluster, i) == everyone == sorted(dispatcher_nodes(cluster, i)),
                    what=f"dispatcher {index} routing on exactly {everyone}, all fresh")
+
+
+def whole_and_idle(cluster: LocalCluster) -> None:
+    """The state every test on a shared cluster starts from, whatever ran (or failed) before it:
+    :func:`restore`, every node idle, no deflection reservation left, and every dispatcher has
+    polled since, so the first request is decided on that view."""
+    restore(cluster)
+    everyone = sorted(n.node_id for n in cluster.nodes)
     wait_until(lambda: all(_idle(heartbeat_of(cluster, n)) for n in everyone), what="every node idle")
     wait_until(lambda: not _reservations(cluster), what="no deflection reservation left")
     wait_for_fresh_polls(cluster)
@@ -159,6 +176,46 @@ def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
     prompt = text_of(tokenizer, 400)
     used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(12))
     assert used == Counter({"d0": 12})
+
+
+def test_a_request_sent_to_a_dead_engine_before_its_heartbeat_expires_is_served_by_another_decode_node(
+    whole: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    """The window between an engine's death and its key's expiry, held open: d1's engine and
+    publisher are killed while d1 keeps beating (the last real beat, re-sent fresh), so the
+    dispatcher still routes to d1, whose sidecar answers 502. Envoy retries that hop once on
+    the dispatcher's fallback decode node: the client sees the decision for d1 and a whole answer."""
+    cluster = whole
+    node = cluster.node("d1")
+    assert node.engine is not None and node.publisher is not None
+    beat = heartbeat_of(cluster, "d1")
+    assert beat is not None
+    stop = threading.Event()
+    key = c.REDIS_NODE_KEY.format(node_id="d1")
+
+    def keep_beating() -> None:
+        client = redis_sync.Redis.from_url(cluster.redis_url, socket_timeout=10)
+        try:
+            for seq in itertools.count(beat["seq"] + 1_000):
+                client.set(key, json.dumps({**beat, "seq": seq, "sent_at": time.time()}), px=2_000)
+                if stop.wait(c.HEARTBEAT_PERIOD_S):
+                    break
+        finally:
+            client.close()
+
+    beater = threading.Thread(target=keep_beating, daemon=True)
+    beater.start()
+    try:
+        node.publisher.kill()
+        node.engine.kill()
+        wait_for_fresh_polls(cluster, polls=2)  # the re-sent beats, not the real ones, are what it sees
+        assert "d1" in fresh_nodes(cluster)
+        prompt = text_of(tokenizer, 400)
+        used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(8))
+    finally:
+        stop.set()
+        beater.join(timeout=30)
+    assert used["d1"] >= 1, used  # idle as its beat says, d1 was chosen; every one of them was served
 
 
 def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
@@ -261,3 +318,92 @@ def test_dispatcher_gone_gives_a_prompt_503_not_a_hang(doomed: LocalCluster, tok
     assert elapsed < 3.0, f"503 after {elapsed:.2f} s"
     assert headers["content-type"].startswith("application/json")
     assert json.loads(raw)["error"]["code"] == 503
+
+
+# ---------------------------------------------------------------------------------------------
+# Chaos: one process after another killed under steady traffic
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    kill: Callable[[LocalCluster], None]
+    shown: Callable[[LocalCluster], bool]  # the cluster's own view shows it (no fixed sleep)
+    in_flight_only: bool = False  # its losses may be the requests it held at the kill, never later ones
+
+
+def _everywhere(cluster: LocalCluster, gone: str) -> bool:
+    return all(gone not in dispatcher_nodes(cluster, i) for i in range(len(cluster.dispatcher_procs)))
+
+
+def _kill(proc: ManagedProcess | None) -> None:
+    assert proc is not None and proc.alive()
+    proc.kill()
+
+
+CHAOS = (
+    # The fault itself as the condition (its port refuses), not Envoy noticing it: the requests
+    # sent before Envoy's health checks catch up are the ones failover must save.
+    Fault("dispatcher replica", lambda cl: _kill(cl.dispatcher_procs[0]),
+          lambda cl: not tcp_ready("127.0.0.1", cl.dispatcher_ports[0])(), in_flight_only=True),
+    Fault("decode engine", lambda cl: _kill(cl.node("d1").engine), lambda cl: _everywhere(cl, "d1")),
+    Fault("sidecar", lambda cl: _kill(cl.node("d0").sidecar), lambda cl: _everywhere(cl, "d0")),
+    Fault("publisher", lambda cl: _kill(cl.node("p0").publisher), lambda cl: _everywhere(cl, "p0")),
+    Fault("redis", lambda cl: _kill(cl.redis),
+          lambda cl: all(dispatcher_health(cl, i) == "degraded" for i in range(len(cl.dispatcher_procs)))),
+)
+SERVED_IN_FAULT = 10  # requests sent and finished while the fault is visible, before the repair
+SERVED_AFTER = 5  # and after the repair is visible, before the next fault
+
+
+def test_chaos_under_steady_traffic_loses_nothing_servable(
+    replicas: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    """Steady traffic through two dispatcher replicas and 2P2D while, in turn, a dispatcher
+    replica, a decode engine, a sidecar, a publisher and Redis are killed with SIGKILL, each
+    until the cluster's view shows it, then restarted until the view is whole again. Every
+    request is counted: a dispatcher replica's death may cost only the requests it held at that
+    moment; node faults and Redis cost nothing that another node could serve; without Redis,
+    requests are routed on the P/D path (keep)."""
+    cluster = replicas
+    restore(cluster)
+    load = SteadyLoad(cluster.gateway_url, text_of(tokenizer, 200), rps=5.0).start()
+    windows: dict[str, tuple[float, float, float]] = {}  # fault -> (killed, repair started, next fault)
+    try:
+        started = time.monotonic()
+        wait_until(lambda: load.finished_since(started) >= SERVED_AFTER, timeout_s=60, what="traffic flowing")
+        for fault in CHAOS:
+            killed = time.monotonic()
+            fault.kill(cluster)
+            wait_until(lambda f=fault: f.shown(cluster), timeout_s=60, what=f"{fault.name}: the fault in the view")
+            seen = time.monotonic()
+            wait_until(lambda s=seen: load.finished_since(s) >= SERVED_IN_FAULT, timeout_s=60,
+                       what=f"{fault.name}: {SERVED_IN_FAULT} requests during the fault")
+            repair = time.monotonic()
+            restore(cluster)
+            back = time.monotonic()
+            wait_until(lambda b=back: load.finished_since(b) >= SERVED_AFTER, timeout_s=60,
+                       what=f"{fault.name}: {SERVED_AFTER} requests after the repair")
+            windows[fault.name] = (killed, repair, time.monotonic())
+    finally:
+        outcomes = load.stop()
+
+    def during(name: str) -> list[Outcome]:
+        killed, _, end = windows[name]
+        return [o for o in outcomes if killed <= o.done_at < end]
+
+    failed = {f.name: [o for o in during(f.name) if not o.ok] for f in CHAOS}
+    counts = {name: (len(during(name)), len(lost)) for name, lost in failed.items()}
+    print(f"chaos: (requests finished, failed) per fault: {counts}")
+    first_kill = min(killed for killed, _, _ in windows.values())
+    assert [o for o in outcomes if not o.ok and o.done_at < first_kill] == []
+    for fault in CHAOS:
+        killed = windows[fault.name][0]
+        if fault.in_flight_only:
+            assert [o for o in failed[fault.name] if o.sent_at >= killed] == [], (fault.name, counts)
+        else:
+            assert failed[fault.name] == [], (fault.name, failed[fault.name])
+    # Without Redis the dispatchers route on their last view, P/D only: whatever finished before
+    # Redis was back was decided without it. (Deflections elsewhere show that it is a choice.)
+    killed, repair, _ = windows["redis"]
+    assert {o.route for o in outcomes if killed <= o.sent_at and o.done_at < repair} == {"keep"}
+    assert any(o.route == "deflect" for o in outcomes if o.done_at < killed)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,3 +142,69 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         _stop(proc)
         elsewhere.stop()
     assert all(n.engine is not None and not n.engine.alive() for n in elsewhere.nodes)
+
+
+def _child(parent: int, *needles: str) -> tuple[int, str]:
+    """The one child of ``parent`` whose command line holds every needle: its pid and arguments."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True)
+    found = [
+        (int(pid), args)
+        for pid, ppid, args in (line.split(None, 2) for line in out.stdout.splitlines())
+        if int(ppid) == parent and all(n in args for n in needles)
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_gateway_on_its_port(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """A supervisor, not a tripwire: kill -9 of one engine takes that node out of the view, the
+    launcher starts it again and the node comes back, while the gateway answers throughout; and
+    a second `kairos up` on the same port refuses to start instead of sharing the port."""
+    port = free_port()
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kairos.launcher.cli", "up", "--port", str(port), "--workdir", str(workdir),
+         "--model-dir", str(model_dir), "--time-scale", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        curl = shlex.split(_read_until(proc, lines, "curl ", 90).strip())
+        _, dispatcher = _child(proc.pid, "kairos.extproc")
+        metrics_port = int(dispatcher.split("--metrics-port ")[1].split()[0])
+
+        def fresh() -> set[str]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/nodes", timeout=10) as resp:
+                return {n["id"] for n in json.load(resp)["nodes"] if not n["stale"]}
+
+        engine, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "--node-id d1 ")
+        os.kill(engine, signal.SIGKILL)
+        wait_until(lambda: "d1" not in fresh(), what="d1 leaving the dispatcher's view")
+        # Meanwhile the rest serves: the request goes to d0.
+        served = subprocess.run(curl, capture_output=True, text=True, timeout=30, check=True).stdout
+        assert "HTTP/1.1 200" in served and '"completion_tokens":16' in served
+        wait_until(lambda: fresh() == {"p0", "p1", "d0", "d1"}, timeout_s=60, what="d1 back in the view")
+        restarted, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "--node-id d1 ")
+        assert restarted != engine
+        _read_until(proc, lines, "d1-vllm restarted", 10)
+        assert any("d1-vllm exited with -9; restarting" in line for line in lines), lines
+        assert proc.poll() is None
+
+        second = subprocess.run(
+            [sys.executable, "-m", "kairos.launcher.cli", "up", "--port", str(port), "--workdir",
+             str(tmp_path / "second"), "--model-dir", str(model_dir)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert second.returncode != 0
+        assert f"the gateway port {port} on 127.0.0.1 is in use" in second.stderr, second.stderr
+        assert "HTTP/1.1 200" in subprocess.run(curl, capture_output=True, text=True, timeout=30, check=True).stdout
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _stop(proc)
+    ours = (str(workdir), str(model_dir))
+    wait_until(lambda: not [a for a in _processes() if any(o in a for o in ours) and "pytest" not in a],
+               what="no process of the cluster left")
