@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import HEARTBEAT_PERIOD_S, REDIS_NODE_KEY, REDIS_NODE_PATTERN
+from kairos.common.contracts import HEARTBEAT_PERIOD_S, REDIS_NODE_KEY, REDIS_NODE_PATTERN, Role
 from kairos.common.errors import ConfigError, NoHealthyNodeError
 from kairos.common.redis_client import REDIS_ERRORS, check_redis_url, describe, fail_fast_client, redact_url
 from kairos.core.decision import Decision
@@ -45,6 +45,7 @@ from kairos.extproc.feedback import FeedbackReader, TtftFeedback
 from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
+    HeartbeatRejected,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -54,7 +55,9 @@ from kairos.extproc.membership import (
     NodeLeft,
     RedisBack,
     RedisLost,
+    RejectReason,
 )
+from kairos.extproc.metrics import heartbeats_rejected_counter
 from kairos.extproc.reservations import ReservationClient
 
 log = logging.getLogger(__name__)
@@ -137,12 +140,13 @@ class RedisClusterView:
         self.membership = Membership(config.membership, tracker if tracker is not None else ClusterTracker())
         self._clock = clock
         self._errors = redis_error_counter(registry)
+        self._rejected = heartbeats_rejected_counter([str(r) for r in RejectReason], registry)
         self._url = redact_url(config.redis_url)
         self._reservations = ReservationClient(
             config.reservation_ttl_ms, self._errors.labels(operation="reserve").inc, self._url
         )
         self._feedback = (
-            FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url)
+            FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url, self._decode_node_ids)
             if feedback is not None
             else None
         )
@@ -187,6 +191,9 @@ class RedisClusterView:
     def addresses(self) -> Mapping[str, NodeAddress]:
         """node_id -> (role, url, sidecar, model) of every node in the view (read-only, live)."""
         return self.membership.addresses()
+
+    def _decode_node_ids(self) -> set[str]:
+        return {i for i, a in self.membership.addresses().items() if a.role is Role.DECODE}
 
     def address(self, node_id: str) -> NodeAddress | None:
         return self.membership.addresses().get(node_id)
@@ -331,9 +338,11 @@ class RedisClusterView:
                     )
                 case NodeLeft(node_id, role, reason):
                     log.info("node %s (%s) left the view: %s", node_id, role, reason)
+                case HeartbeatRejected(_node_id, reason, _detail):
+                    self._rejected.labels(reason=str(reason)).inc()
                 case HeartbeatMalformed(node_id, error):
                     log.warning(
-                        "ignoring malformed heartbeat in %s%s: %s (logged once until it is valid again)",
+                        "ignoring the heartbeat in %s%s: %s (logged once until it is valid again)",
                         _KEY_PREFIX,
                         node_id,
                         error,

@@ -121,6 +121,11 @@ REDIS_RESERVATION_KEY = "kairos:reserve:{node_id}"
 # here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error metrics.
 REDIS_TTFT_FEEDBACK_STREAM = "kairos:ttft-feedback"
 TTFT_FEEDBACK_MAXLEN = 10_000  # XADD MAXLEN ~ this: the stream is a recent window, not a log
+# A reader ignores (and counts) entries outside these bounds: TTFTs above 10 minutes, or an
+# observed/predicted ratio beyond 1000x either way, are junk, never a measurement.
+TTFT_FEEDBACK_MAX_MS = 600_000.0
+TTFT_FEEDBACK_MAX_RATIO = 1000.0
+TTFT_FEEDBACK_MAX_ID_CHARS = 256  # request_id and node
 
 HEARTBEAT_PERIOD_S = 0.1  # Delta_h
 HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
