@@ -423,7 +423,8 @@ class Membership:
             self.rejected[rejection.reason] += 1
             events.append(HeartbeatRejected(node_id, rejection.reason, rejection.detail))
         self._rejecting[node_id] = rejection.reason
-        error = rejection.detail if rejection.reason is RejectReason.MALFORMED else f"{rejection.reason}: {rejection.detail}"
+        reason, detail = rejection
+        error = detail if reason is RejectReason.MALFORMED else f"{reason}: {detail}"
         return events + self._malformed_beat(node_id, error, now)
 
     def _malformed_beat(self, node_id: str, error: str, now: float) -> list[Event]:

@@ -31,8 +31,8 @@ from kairos.extproc.membership import (
     NodeLeft,
     RedisBack,
     RedisLost,
-    RejectReason,
     Rejection,
+    RejectReason,
     StaticNode,
     check_heartbeat,
 )
