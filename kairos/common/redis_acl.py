@@ -35,8 +35,9 @@ ADMIN_USER = "kairos-admin"
 # (a node id "*" would grant every key), no spaces, no ACL syntax.
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-# What every Kairos client may run besides its own commands: redis-py's connection set-up.
-_CONNECT = "+ping +client|setinfo +client|setname"
+# What every Kairos client may run besides its own commands (redis-py's CLIENT SETINFO on
+# connect may fail: it ignores that; Redis 7.0 does not even know the subcommand).
+_CONNECT = "+ping"
 
 # The heartbeat publisher: SET ... PX, PUBLISH, and on shutdown a compare-and-delete script
 # (EVAL runs its GET and DEL under the same rights). The sidecar: XADD ... MAXLEN ~.
@@ -95,8 +96,7 @@ def acl_line(user: str, password: str, rules: str) -> str:
 def acl_file(admin_password: str, dispatcher_password: str, node_passwords: Iterable[tuple[str, str]]) -> str:
     """A whole ACL file: ``default`` off, the admin, the dispatchers and one user per node
     (``(node_id, password)`` pairs)."""
-    lines = [
-        "# Kairos Redis users (kairos.common.redis_acl). Passwords are stored as SHA-256 hashes.",
+    lines = [  # an ACL file has no comments: Redis refuses any line but "user ..."
         "user default off resetkeys resetchannels -@all",
         acl_line(ADMIN_USER, admin_password, ADMIN_RULES),
         acl_line(DISPATCHER_USER, dispatcher_password, dispatcher_rules()),
