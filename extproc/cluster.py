@@ -35,7 +35,13 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import HEARTBEAT_PERIOD_S, REDIS_NODE_KEY, REDIS_NODE_PATTERN, Role
+from kairos.common.contracts import (
+    HEARTBEAT_PERIOD_S,
+    REDIS_NODE_KEY,
+    REDIS_NODE_PATTERN,
+    RESERVATION_MAX_TTL_S,
+    Role,
+)
 from kairos.common.errors import ConfigError, NoHealthyNodeError
 from kairos.common.redis_client import REDIS_ERRORS, check_redis_url, describe, fail_fast_client, redact_url
 from kairos.core.decision import Decision
@@ -57,7 +63,7 @@ from kairos.extproc.membership import (
     RedisLost,
     RejectReason,
 )
-from kairos.extproc.metrics import heartbeats_rejected_counter
+from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter
 from kairos.extproc.reservations import ReservationClient
 
 log = logging.getLogger(__name__)
@@ -91,8 +97,10 @@ class ClusterViewConfig:
             raise ConfigError(f"scan_every_polls must be >= 1, got {self.scan_every_polls}")
         if not self.redis_timeout_s > 0:
             raise ConfigError(f"redis_timeout_s must be > 0, got {self.redis_timeout_s}")
-        if not self.reservation_ttl_s >= 0.001:
-            raise ConfigError(f"reservation_ttl_s must be >= 0.001 (1 ms), got {self.reservation_ttl_s}")
+        if not 0.001 <= self.reservation_ttl_s <= RESERVATION_MAX_TTL_S:
+            raise ConfigError(
+                f"reservation_ttl_s must be 0.001 (1 ms) to {RESERVATION_MAX_TTL_S:g}, got {self.reservation_ttl_s}"
+            )
 
     @property
     def reservation_ttl_ms(self) -> int:
@@ -143,7 +151,10 @@ class RedisClusterView:
         self._rejected = heartbeats_rejected_counter([str(r) for r in RejectReason], registry)
         self._url = redact_url(config.redis_url)
         self._reservations = ReservationClient(
-            config.reservation_ttl_ms, self._errors.labels(operation="reserve").inc, self._url
+            config.reservation_ttl_ms,
+            self._errors.labels(operation="reserve").inc,
+            self._url,
+            reservations_forged_counter(registry).inc,
         )
         self._feedback = (
             FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url, self._decode_node_ids)

@@ -130,6 +130,22 @@ def heartbeats_rejected_counter(reasons: Iterable[str], registry: CollectorRegis
     return counter
 
 
+_FORGED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+
+def reservations_forged_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
+    """``kairos_dispatcher_reservations_forged_total``, registered once per registry."""
+    counter = _FORGED.get(registry)
+    if counter is None:
+        counter = Counter(
+            "kairos_dispatcher_reservations_forged",
+            "Reservation keys found with no expiry or one longer than any dispatcher sets, taken over",
+            registry=registry,
+        )
+        _FORGED[registry] = counter
+    return counter
+
+
 class ClusterCollector:
     """Exports the live cluster view at scrape time: heartbeat age per node (a node whose age
     keeps growing is stale, then gone) and whether the dispatcher runs degraded (Redis lost)."""

@@ -116,6 +116,9 @@ REDIS_HEARTBEAT_CHANNEL = "kairos:heartbeats"  # the same JSON is PUBLISHed here
 # A dispatcher that deflects to a node first takes this key with SET NX PX; a second dispatcher
 # replica then sees the node as taken until the key expires (about one heartbeat period).
 REDIS_RESERVATION_KEY = "kairos:reserve:{node_id}"
+# No dispatcher holds a reservation longer than this: a key without an expiry, or with a longer
+# one, was not set by a dispatcher, and the next dispatcher that wants the node takes it over.
+RESERVATION_MAX_TTL_S = 10.0
 
 # After a request's first token the decode-node sidecar (when given a Redis URL) XADDs one entry
 # here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error metrics.

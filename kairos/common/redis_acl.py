@@ -42,9 +42,9 @@ _CONNECT = "+ping"
 # The heartbeat publisher: SET ... PX, PUBLISH, and on shutdown a compare-and-delete script
 # (EVAL runs its GET and DEL under the same rights). The sidecar: XADD ... MAXLEN ~.
 _NODE_COMMANDS = f"-@all {_CONNECT} +set +get +del +pexpire +publish +eval +evalsha"
-# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, SET NX PX of a
-# reservation.
-_DISPATCHER_COMMANDS = f"-@all {_CONNECT} +scan +mget +get +set +xread +xrevrange"
+# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, SET NX PX (and
+# on a conflict PTTL) of a reservation.
+_DISPATCHER_COMMANDS = f"-@all {_CONNECT} +scan +mget +get +set +pttl +xread +xrevrange"
 
 
 def check_node_id(node_id: str) -> str:

@@ -565,6 +565,28 @@ async def test_a_reservation_excludes_other_owners_until_its_ttl(
         await view.stop()
 
 
+@pytest.mark.parametrize("forged_px", [None, 3_600_000], ids=["no expiry", "an hour"])
+async def test_a_reservation_no_dispatcher_set_is_taken_over_and_counted(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
+    forged_px: int | None,
+) -> None:
+    """A writer that holds kairos:reserve:d0 for good would stop deflection to d0 forever."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await client.set("kairos:reserve:d0", "attacker", px=forged_px)
+    await client.set("kairos:reserve:d1", "dispatcher-a", px=5_000)  # a dispatcher's (within the limit)
+    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3), registry=registry)
+    try:
+        assert await view.try_reserve("d0", "dispatcher-b") is True
+        assert await client.get("kairos:reserve:d0") == b"dispatcher-b"
+        assert 0 < await client.pttl("kairos:reserve:d0") <= 300
+        assert await view.try_reserve("d1", "dispatcher-b") is False  # a dispatcher's stays honoured
+        assert await view.try_reserve("d0", "dispatcher-c") is False  # and now so is d0's
+        assert registry.get_sample_value("kairos_dispatcher_reservations_forged_total") == 1
+        assert len(messages(caplog, "which no dispatcher sets")) == 1
+    finally:
+        await view.stop()
+
+
 async def test_a_reservation_fails_closed_when_redis_is_down(
     redis: RedisServer, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
