@@ -36,7 +36,7 @@ REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
 def check_redis_url(name: str, value: str) -> None:
     """Raise :class:`~kairos.common.errors.ConfigError` unless ``value`` is a Redis URL."""
     if urlsplit(value).scheme not in REDIS_URL_SCHEMES:
-        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {value!r}")
+        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {redact_url(value)!r}")
 
 
 def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:

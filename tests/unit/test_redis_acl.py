@@ -8,7 +8,7 @@ import pytest
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
 from kairos.common.redis_acl import acl_file, check_node_id, dispatcher_rules, node_rules, node_user, password_hash
-from kairos.common.redis_client import redact_url, with_credentials
+from kairos.common.redis_client import check_redis_url, redact_url, with_credentials
 
 
 def test_a_node_may_write_its_own_key_and_append_to_the_stream_only() -> None:
@@ -67,3 +67,9 @@ def test_credentials_go_into_the_url_percent_encoded() -> None:
     assert url == "rediss://kairos-node-p0:a%2Fb%40c%3Ad@gw:6380/0?ssl_ca_certs=/ca.pem"
     with pytest.raises(ConfigError):
         with_credentials("unix:///tmp/redis.sock", "u", "p")
+
+
+def test_a_rejected_url_is_named_without_its_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        check_redis_url("redis_url", "http://kairos-node-p0:s3cret@gw:6379/0")
+    assert "s3cret" not in info.value.message and "kairos-node-p0:***@gw" in info.value.message
