@@ -35,7 +35,13 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import HEARTBEAT_PERIOD_S, REDIS_NODE_KEY, REDIS_NODE_PATTERN
+from kairos.common.contracts import (
+    HEARTBEAT_PERIOD_S,
+    REDIS_NODE_KEY,
+    REDIS_NODE_PATTERN,
+    RESERVATION_MAX_TTL_S,
+    Role,
+)
 from kairos.common.errors import ConfigError, NoHealthyNodeError
 from kairos.common.redis_client import REDIS_ERRORS, check_redis_url, describe, fail_fast_client, redact_url
 from kairos.core.decision import Decision
@@ -45,6 +51,7 @@ from kairos.extproc.feedback import FeedbackReader, TtftFeedback
 from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
+    HeartbeatRejected,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -54,7 +61,9 @@ from kairos.extproc.membership import (
     NodeLeft,
     RedisBack,
     RedisLost,
+    RejectReason,
 )
+from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter
 from kairos.extproc.reservations import ReservationClient
 
 log = logging.getLogger(__name__)
@@ -88,8 +97,10 @@ class ClusterViewConfig:
             raise ConfigError(f"scan_every_polls must be >= 1, got {self.scan_every_polls}")
         if not self.redis_timeout_s > 0:
             raise ConfigError(f"redis_timeout_s must be > 0, got {self.redis_timeout_s}")
-        if not self.reservation_ttl_s >= 0.001:
-            raise ConfigError(f"reservation_ttl_s must be >= 0.001 (1 ms), got {self.reservation_ttl_s}")
+        if not 0.001 <= self.reservation_ttl_s <= RESERVATION_MAX_TTL_S:
+            raise ConfigError(
+                f"reservation_ttl_s must be 0.001 (1 ms) to {RESERVATION_MAX_TTL_S:g}, got {self.reservation_ttl_s}"
+            )
 
     @property
     def reservation_ttl_ms(self) -> int:
@@ -137,12 +148,16 @@ class RedisClusterView:
         self.membership = Membership(config.membership, tracker if tracker is not None else ClusterTracker())
         self._clock = clock
         self._errors = redis_error_counter(registry)
+        self._rejected = heartbeats_rejected_counter([str(r) for r in RejectReason], registry)
         self._url = redact_url(config.redis_url)
         self._reservations = ReservationClient(
-            config.reservation_ttl_ms, self._errors.labels(operation="reserve").inc, self._url
+            config.reservation_ttl_ms,
+            self._errors.labels(operation="reserve").inc,
+            self._url,
+            reservations_forged_counter(registry).inc,
         )
         self._feedback = (
-            FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url)
+            FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url, self._decode_node_ids)
             if feedback is not None
             else None
         )
@@ -187,6 +202,9 @@ class RedisClusterView:
     def addresses(self) -> Mapping[str, NodeAddress]:
         """node_id -> (role, url, sidecar, model) of every node in the view (read-only, live)."""
         return self.membership.addresses()
+
+    def _decode_node_ids(self) -> set[str]:
+        return {i for i, a in self.membership.addresses().items() if a.role is Role.DECODE}
 
     def address(self, node_id: str) -> NodeAddress | None:
         return self.membership.addresses().get(node_id)
@@ -331,9 +349,11 @@ class RedisClusterView:
                     )
                 case NodeLeft(node_id, role, reason):
                     log.info("node %s (%s) left the view: %s", node_id, role, reason)
+                case HeartbeatRejected(_node_id, reason, _detail):
+                    self._rejected.labels(reason=str(reason)).inc()
                 case HeartbeatMalformed(node_id, error):
                     log.warning(
-                        "ignoring malformed heartbeat in %s%s: %s (logged once until it is valid again)",
+                        "ignoring the heartbeat in %s%s: %s (logged once until it is valid again)",
                         _KEY_PREFIX,
                         node_id,
                         error,

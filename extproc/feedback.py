@@ -20,12 +20,18 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
+from kairos.common.contracts import (
+    REDIS_TTFT_FEEDBACK_STREAM,
+    TTFT_FEEDBACK_MAX_ID_CHARS,
+    TTFT_FEEDBACK_MAX_MS,
+    TTFT_FEEDBACK_MAX_RATIO,
+    TtftFeedbackField,
+)
 from kairos.common.redis_client import REDIS_ERRORS, Outage, describe
 from kairos.extproc.metrics import FEEDBACK_PATHS, DispatcherMetrics
 
@@ -63,8 +69,12 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def parse_entry(fields: Mapping[bytes | str, bytes | str]) -> TtftSample:
-    """One stream entry's fields as a sample; raises :class:`MalformedFeedback`."""
+def parse_entry(
+    fields: Mapping[bytes | str, bytes | str], decode_nodes: Collection[str] | None = None
+) -> TtftSample:
+    """One stream entry's fields as a sample; raises :class:`MalformedFeedback` for an entry that
+    breaks the contract or its bounds, or (``decode_nodes`` given) names no decode node the
+    dispatcher knows. Anyone who may XADD can write junk: it must never reach the MAPE."""
     f = TtftFeedbackField
     if not isinstance(fields, Mapping):
         raise MalformedFeedback(f"expected a field map, got {type(fields).__name__}")
@@ -74,16 +84,28 @@ def parse_entry(fields: Mapping[bytes | str, bytes | str]) -> TtftSample:
         raise MalformedFeedback(f"missing fields {missing}")
     path = data[f.PATH]
     if path not in FEEDBACK_PATHS:
-        raise MalformedFeedback(f"path must be one of {list(FEEDBACK_PATHS)}, got {path!r}")
+        raise MalformedFeedback(f"path must be one of {list(FEEDBACK_PATHS)}, got {path[:40]!r}")
+    for name in (f.REQUEST_ID, f.NODE):
+        if not 0 < len(data[name]) <= TTFT_FEEDBACK_MAX_ID_CHARS:
+            raise MalformedFeedback(f"{name} must be 1 to {TTFT_FEEDBACK_MAX_ID_CHARS} characters")
+    if decode_nodes is not None and data[f.NODE] not in decode_nodes:
+        raise MalformedFeedback(f"node {data[f.NODE][:40]!r} is not a decode node in the view")
     try:
         predicted_ms, observed_ms = float(data[f.PREDICTED_MS]), float(data[f.OBSERVED_MS])
     except ValueError:
         raise MalformedFeedback(
-            f"predicted_ms={data[f.PREDICTED_MS]!r} and observed_ms={data[f.OBSERVED_MS]!r} must be numbers"
+            f"predicted_ms={data[f.PREDICTED_MS][:40]!r} and observed_ms={data[f.OBSERVED_MS][:40]!r} must be numbers"
         ) from None
     # Both must be > 0: the ratio divides by the prediction, the MAPE by the observation.
     if not (0 < predicted_ms < math.inf and 0 < observed_ms < math.inf):
         raise MalformedFeedback(f"predicted_ms={predicted_ms} and observed_ms={observed_ms} must be finite and > 0")
+    if max(predicted_ms, observed_ms) > TTFT_FEEDBACK_MAX_MS:
+        raise MalformedFeedback(
+            f"predicted_ms={predicted_ms} and observed_ms={observed_ms} must be <= {TTFT_FEEDBACK_MAX_MS:g}"
+        )
+    ratio = observed_ms / predicted_ms
+    if not 1 / TTFT_FEEDBACK_MAX_RATIO <= ratio <= TTFT_FEEDBACK_MAX_RATIO:
+        raise MalformedFeedback(f"observed/predicted = {ratio:g} is beyond {TTFT_FEEDBACK_MAX_RATIO:g}x either way")
     return TtftSample(data[f.REQUEST_ID], path, data[f.NODE], predicted_ms / 1e3, observed_ms / 1e3)
 
 
@@ -104,14 +126,15 @@ class TtftFeedback:
         self._errors[sample.path].append(sample.abs_pct_error)
         self.samples += 1
 
-    def add_entries(self, entries: Iterable[StreamEntry]) -> int:
+    def add_entries(self, entries: Iterable[StreamEntry], decode_nodes: Collection[str] | None = None) -> int:
         """Parse and observe a batch of stream entries; returns how many were accepted. Malformed
-        entries are counted and skipped (the first one is logged, with its id)."""
+        entries, and with ``decode_nodes`` those naming another node, are counted and skipped
+        (the first one is logged, with its id)."""
         touched: set[str] = set()
         accepted = 0
         for entry_id, fields in entries:
             try:
-                sample = parse_entry(fields)
+                sample = parse_entry(fields, decode_nodes)
             except MalformedFeedback as exc:
                 self._metrics.ttft_feedback_malformed.inc()
                 if not self._malformed_logged:
@@ -147,8 +170,15 @@ class FeedbackReader:
     failed read only pauses the feedback; it never marks the view degraded.
     """
 
-    def __init__(self, feedback: TtftFeedback, on_error: Callable[[], None], source: str) -> None:
+    def __init__(
+        self,
+        feedback: TtftFeedback,
+        on_error: Callable[[], None],
+        source: str,
+        decode_nodes: Callable[[], Collection[str]] | None = None,
+    ) -> None:
         self.feedback = feedback
+        self._decode_nodes = decode_nodes  # the decode nodes in the view: samples must name one
         self._on_error = on_error  # counts a failed round trip
         self._last_id: bytes | str | None = None  # None: find the stream's end first
         self._outage = Outage(log)
@@ -176,4 +206,4 @@ class FeedbackReader:
         for _stream, entries in reply.items() if isinstance(reply, dict) else reply or ():
             if entries:
                 self._last_id = entries[-1][0]
-                self.feedback.add_entries(entries)
+                self.feedback.add_entries(entries, self._decode_nodes() if self._decode_nodes else None)

@@ -25,6 +25,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, ProfileError
+from kairos.common.redis_client import redact_url
 from kairos.common.runtime import stop_on_signals
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
@@ -85,6 +86,9 @@ class DispatcherConfig:
     # "id=host:port" of decode sidecars (plain P/D routing until heartbeats arrive).
     fallback_prefill: tuple[str, ...] = ()
     fallback_decode: tuple[str, ...] = ()
+    # "listed": only the nodes of those lists join, with the role and addresses listed; heartbeats
+    # of others are ignored and counted (kairos_dispatcher_heartbeats_rejected_total).
+    admit_nodes: str = _MEMBERSHIP.admit_nodes
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -113,6 +117,7 @@ class DispatcherConfig:
                 last_resort_s=self.last_resort_s,
                 fallback_prefill=self.fallback_prefill,
                 fallback_decode=self.fallback_decode,
+                admit_nodes=self.admit_nodes,
             ),
         )
 
@@ -187,7 +192,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         config.policy,
         profile.label,
         profile.source,
-        config.redis_url,
+        redact_url(config.redis_url),
     )
     print(f"listening on {config.host}:{port}", flush=True)
     try:
@@ -252,7 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--metrics-port", type=int)
-    p.add_argument("--redis", dest="redis_url")
+    p.add_argument(
+        "--redis",
+        dest="redis_url",
+        help="redis:// or rediss:// URL; with a password, better in $KAIROS_DISPATCHER_REDIS_URL (not in ps)",
+    )
     p.add_argument("--model-dir")
     p.add_argument("--profile")
     p.add_argument("--profile-reload-s", type=float, help="check a profile file for changes this often (0 = off)")
@@ -268,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatcher-id")
     p.add_argument("--fallback-prefill", help="id=host:port,... used only before Redis first answers")
     p.add_argument("--fallback-decode", help="id=host:port,... (sidecars) used only before Redis first answers")
+    p.add_argument(
+        "--admit-nodes",
+        choices=("any", "listed"),
+        help="listed: only the fallback lists' nodes join, with their listed role and addresses (default any)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

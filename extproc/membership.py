@@ -21,6 +21,14 @@ The rules (design principle 6):
 * A **malformed** value keeps the node's last good state (aging) until it is
   ``forget_malformed_after_s`` old, then the node leaves as if its key had expired. A node that
   reports another **role** than before leaves and joins again as the new role.
+* A well-formed heartbeat that **does not match** what its key's publisher may say is rejected
+  like a malformed one (:func:`check_heartbeat`): its ``node_id`` must be its key's (Redis ACLs
+  give each node's credential its own key only, so this binds the content to the credential);
+  with ``admit_nodes="listed"`` only the nodes of the static node lists join, each with the
+  role and addresses listed. Each distinct rejected value
+  is counted once by :class:`RejectReason` (``kairos_dispatcher_heartbeats_rejected_total`` and
+  ``/nodes``), so a forged key held still counts once, a forger racing the real publisher once
+  per forgery.
 * Redis **unreachable** after it had answered: ``degraded``; the last view stays as it is and
   ages (so it turns stale: keep routing only). Redis unreachable **since start**: the view is the
   config's **static node lists**, refreshed at every failed poll, with zero load and, on decode
@@ -30,8 +38,10 @@ The rules (design principle 6):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -75,9 +85,12 @@ def parse_static_node(role: Role, entry: str) -> StaticNode:
     return StaticNode(node_id, role, url, sidecar)
 
 
+ADMIT_NODES = ("any", "listed")  # MembershipConfig.admit_nodes
+
+
 @dataclass(frozen=True, slots=True)
 class MembershipConfig:
-    """The membership rules' time limits (seconds) and the static fallback lists."""
+    """The membership rules' time limits (seconds), the static node lists and who is admitted."""
 
     stale_after_s: float = defaults.STALE_AFTER_S  # no new seq for this long: stale (the decider's value too)
     # Publishers need up to one period to re-publish into a restarted, empty Redis.
@@ -86,8 +99,15 @@ class MembershipConfig:
     last_resort_s: float = 30.0
     fallback_prefill: tuple[str, ...] = ()  # "id=host:port" of each prefill vLLM
     fallback_decode: tuple[str, ...] = ()  # "id=sidecar_host:port" or "id=vllm_host:port+sidecar_host:port"
+    # "any": a heartbeat of a node the lists do not name joins (the lists are a fallback only);
+    # "listed": only listed nodes join (kairos up, compose: the gateway knows its nodes).
+    admit_nodes: str = "any"
 
     def __post_init__(self) -> None:
+        if self.admit_nodes not in ADMIT_NODES:
+            raise ConfigError(f"admit_nodes must be one of {list(ADMIT_NODES)}, got {self.admit_nodes!r}")
+        if self.admit_nodes == "listed" and not (self.fallback_prefill or self.fallback_decode):
+            raise ConfigError("admit_nodes='listed' needs the node lists (fallback_prefill, fallback_decode)")
         if not self.stale_after_s > 0:
             raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
         for name in ("recovery_grace_s", "forget_malformed_after_s", "last_resort_s"):
@@ -102,6 +122,45 @@ class MembershipConfig:
         return tuple(parse_static_node(Role.PREFILL, e) for e in self.fallback_prefill) + tuple(
             parse_static_node(Role.DECODE, e) for e in self.fallback_decode
         )
+
+
+class RejectReason(StrEnum):
+    """Why a heartbeat value was ignored (the label of ``kairos_dispatcher_heartbeats_rejected_total``)."""
+
+    MALFORMED = "malformed"  # breaks the heartbeat contract
+    KEY_MISMATCH = "key_mismatch"  # its node_id is not its key's
+    UNKNOWN_NODE = "unknown_node"  # admit_nodes="listed" and the lists do not name it
+    ROLE_MISMATCH = "role_mismatch"  # a listed node reporting another role
+    ADDRESS_MISMATCH = "address_mismatch"  # a listed node reporting another url or sidecar
+
+
+class Rejection(NamedTuple):
+    reason: RejectReason
+    detail: str
+
+
+def check_heartbeat(
+    key_node_id: str, hb: Heartbeat, listed: Mapping[str, StaticNode], admit_nodes: str = "any"
+) -> Rejection | None:
+    """None if the heartbeat read from ``key_node_id``'s key may be taken; else why not.
+
+    Its node_id must be its key's. With ``admit_nodes="listed"``, ``listed`` (the nodes the
+    config names: id -> :class:`StaticNode`) must name it with the role and addresses it reports;
+    an address the listing leaves empty (a decode node listed by its sidecar only) is not checked.
+    With ``"any"`` the lists are a fallback only and say nothing about who may join."""
+    if hb.node_id != key_node_id:
+        return Rejection(RejectReason.KEY_MISMATCH, f"node_id {hb.node_id!r} in the key of {key_node_id!r}")
+    if admit_nodes != "listed":
+        return None
+    expected = listed.get(hb.node_id)
+    if expected is None:
+        return Rejection(RejectReason.UNKNOWN_NODE, f"{hb.node_id!r} is not a listed node")
+    if hb.role is not expected.role:
+        return Rejection(RejectReason.ROLE_MISMATCH, f"reports role {hb.role}, listed as {expected.role}")
+    for name, got, want in (("url", hb.url, expected.url), ("sidecar", hb.sidecar, expected.sidecar)):
+        if want and got != want:
+            return Rejection(RejectReason.ADDRESS_MISMATCH, f"reports {name} {got!r}, listed as {want!r}")
+    return None
 
 
 class NodeAddress(NamedTuple):
@@ -138,6 +197,15 @@ class HeartbeatMalformed:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatRejected:
+    """A heartbeat value was ignored (once per distinct value of a key): count it."""
+
+    node_id: str  # the key's node id
+    reason: RejectReason
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatValidAgain:
     node_id: str
     seq: int
@@ -171,7 +239,16 @@ class RedisBack:
     leaving_static: bool
 
 
-Event = NodeJoined | NodeLeft | HeartbeatMalformed | HeartbeatValidAgain | LastResortKept | RedisLost | RedisBack
+Event = (
+    NodeJoined
+    | NodeLeft
+    | HeartbeatMalformed
+    | HeartbeatRejected
+    | HeartbeatValidAgain
+    | LastResortKept
+    | RedisLost
+    | RedisBack
+)
 
 
 @dataclass(slots=True)
@@ -198,12 +275,19 @@ class Membership:
     static_fallback: bool = False  # the view is the static lists (Redis never answered)
     _nodes: dict[str, _Node] = field(default_factory=dict)
     _addresses: dict[str, NodeAddress] = field(default_factory=dict)
-    _malformed: set[str] = field(default_factory=set)  # nodes whose key holds a malformed value
+    _malformed: set[str] = field(default_factory=set)  # nodes whose key holds a malformed or rejected value
+    _rejected_raw: dict[str, bytes | str] = field(default_factory=dict)  # key's node id -> last rejected value
+    _rejecting: dict[str, RejectReason] = field(default_factory=dict)  # key's node id -> why its value is ignored
+    rejected: Counter[RejectReason] = field(default_factory=Counter)  # distinct rejected values since start
     _last_resort: set[Role] = field(default_factory=set)  # roles kept as a last resort
     _ever_connected: bool = False
     _recovered_at: float | None = None  # start of the recovery grace
     _outage_since: float | None = None
     _outage_failures: int = 0
+    _listed: dict[str, StaticNode] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._listed = {n.node_id: n for n in self.config.static_nodes()}
 
     # -- reading -----------------------------------------------------------------------------
     def addresses(self) -> Mapping[str, NodeAddress]:
@@ -235,7 +319,13 @@ class Membership:
             for node_id, node in sorted(self._nodes.items())
         ]
         status = "degraded" if self.degraded else "ok"
-        return {"status": status, "static_fallback": self.static_fallback, "nodes": nodes}
+        return {
+            "status": status,
+            "static_fallback": self.static_fallback,
+            "nodes": nodes,
+            "rejected_heartbeats": {str(r): self.rejected[r] for r in RejectReason},
+            "rejecting": [{"id": i, "reason": str(r)} for i, r in sorted(self._rejecting.items())],
+        }
 
     def counts(self) -> tuple[int, int]:
         """(prefill, decode) nodes in the view."""
@@ -275,12 +365,20 @@ class Membership:
                 continue
             seen.add(node_id)
             try:
-                hb = parse_heartbeat(raw, node_id)
+                hb = parse_heartbeat(raw)
+                rejection = check_heartbeat(node_id, hb, self._listed, self.config.admit_nodes)
             except MalformedHeartbeat as exc:
-                events.extend(self._malformed_beat(node_id, str(exc), now))
+                rejection = Rejection(RejectReason.MALFORMED, str(exc))
+            if rejection is not None:
+                events.extend(self._reject(node_id, raw, rejection, now))
                 continue
+            self._rejected_raw.pop(node_id, None)
+            self._rejecting.pop(node_id, None)
             events.extend(self._beat(hb, now))
         self._malformed &= seen
+        for gone in set(self._rejecting) - seen:
+            del self._rejecting[gone]
+            self._rejected_raw.pop(gone, None)
         events.extend(self._absent(seen, now))
         return events
 
@@ -315,6 +413,19 @@ class Membership:
                 )
             )
         return events
+
+    def _reject(self, node_id: str, raw: bytes | str, rejection: Rejection, now: float) -> list[Event]:
+        """Ignore the value (the node keeps its last good state, as with a malformed one); count
+        it once per distinct value."""
+        events: list[Event] = []
+        if self._rejected_raw.get(node_id) != raw:
+            self._rejected_raw[node_id] = raw
+            self.rejected[rejection.reason] += 1
+            events.append(HeartbeatRejected(node_id, rejection.reason, rejection.detail))
+        self._rejecting[node_id] = rejection.reason
+        reason, detail = rejection
+        error = detail if reason is RejectReason.MALFORMED else f"{reason}: {detail}"
+        return events + self._malformed_beat(node_id, error, now)
 
     def _malformed_beat(self, node_id: str, error: str, now: float) -> list[Event]:
         events: list[Event] = []

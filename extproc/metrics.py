@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from kairos.common.contracts import Role
@@ -88,7 +89,8 @@ class DispatcherMetrics:
         )
         self.ttft_feedback_malformed = Counter(
             "kairos_dispatcher_ttft_feedback_malformed",
-            "TTFT feedback stream entries ignored because they break the contract",
+            "TTFT feedback stream entries ignored: they break the contract or its bounds, or name no decode node "
+            "in the view",
             registry=r,
         )
 
@@ -105,6 +107,43 @@ class DispatcherMetrics:
         )
         if predicted is not None:
             self.predicted_ttft.labels(route=decision.route.value).observe(predicted)
+
+
+_REJECTED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+
+def heartbeats_rejected_counter(reasons: Iterable[str], registry: CollectorRegistry = REGISTRY) -> Counter:
+    """``kairos_dispatcher_heartbeats_rejected_total{reason}`` (reasons: the membership rules'),
+    registered once per registry: the cluster view counts every heartbeat value it ignores."""
+    counter = _REJECTED.get(registry)
+    if counter is None:
+        counter = Counter(
+            "kairos_dispatcher_heartbeats_rejected",
+            "Heartbeat values ignored, once per distinct value of a key: malformed, a node_id that is not its "
+            "key's, or (nodes listed) an unlisted node or one reporting another role or address than listed",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in reasons:
+            counter.labels(reason=reason)  # every series from the start, at 0
+        _REJECTED[registry] = counter
+    return counter
+
+
+_FORGED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+
+def reservations_forged_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
+    """``kairos_dispatcher_reservations_forged_total``, registered once per registry."""
+    counter = _FORGED.get(registry)
+    if counter is None:
+        counter = Counter(
+            "kairos_dispatcher_reservations_forged",
+            "Reservation keys found with no expiry or one longer than any dispatcher sets, taken over",
+            registry=registry,
+        )
+        _FORGED[registry] = counter
+    return counter
 
 
 class ClusterCollector:

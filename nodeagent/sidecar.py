@@ -38,7 +38,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -53,7 +52,7 @@ from kairos.common.aio import cancel_and_wait
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
-from kairos.common.redis_client import fail_fast_client, redact_url
+from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
 from kairos.common.runtime import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -138,8 +137,8 @@ class SidecarConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("host must not be empty")
-        if self.redis_url and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"redis_url: expected a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+        if self.redis_url:
+            check_redis_url("redis_url", self.redis_url)
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         local = normalize_hostport(self.local_vllm)

@@ -154,3 +154,67 @@ class RedisServer:
 def _stop_all() -> None:
     for server in list(_live):
         server.close()
+
+
+class SecuredRedisServer:
+    """A redis-server as ``kairos up`` starts it (:class:`kairos.launcher.redis_setup.RedisSetup`):
+    ACL users with generated passwords, ``default`` off, and with ``tls`` TLS only. Stopped by its
+    PID like :class:`RedisServer`.
+
+        with SecuredRedisServer(tmp_path, ["p0", "d0"], tls=True) as server:
+            server.setup.node_url("p0")     # rediss://kairos-node-p0:...@127.0.0.1:PORT/0?ssl_ca_certs=...
+    """
+
+    def __init__(self, folder: Path, node_ids: list[str], *, tls: bool = False, start_timeout_s: float = 10.0) -> None:
+        from kairos.launcher.redis_setup import RedisSetup
+
+        self.port = free_port()
+        self.setup = RedisSetup.create(folder, self.port, node_ids, tls=tls)
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log = folder / "redis.log"
+
+    def _answers(self) -> bool:
+        import redis
+
+        client = redis.Redis.from_url(self.setup.admin_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
+    def start(self) -> SecuredRedisServer:
+        log = open(self._log, "ab")  # noqa: SIM115 - the child owns it
+        try:
+            self._proc = subprocess.Popen(
+                self.setup.server_argv(REDIS_SERVER), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            if self._answers():
+                return self
+            time.sleep(0.02)  # poll interval
+        self.stop()
+        raise RuntimeError(f"secured redis-server did not start: {self._log.read_text(errors='replace')[-800:]}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
+
+    def __enter__(self) -> SecuredRedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -119,11 +119,19 @@ REDIS_HEARTBEAT_CHANNEL = "kairos:heartbeats"  # the same JSON is PUBLISHed here
 # A dispatcher that deflects to a node first takes this key with SET NX PX; a second dispatcher
 # replica then sees the node as taken until the key expires (about one heartbeat period).
 REDIS_RESERVATION_KEY = "kairos:reserve:{node_id}"
+# No dispatcher holds a reservation longer than this: a key without an expiry, or with a longer
+# one, was not set by a dispatcher, and the next dispatcher that wants the node takes it over.
+RESERVATION_MAX_TTL_S = 10.0
 
 # After a request's first token the decode-node sidecar (when given a Redis URL) XADDs one entry
 # here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error metrics.
 REDIS_TTFT_FEEDBACK_STREAM = "kairos:ttft-feedback"
 TTFT_FEEDBACK_MAXLEN = 10_000  # XADD MAXLEN ~ this: the stream is a recent window, not a log
+# A reader ignores (and counts) entries outside these bounds: TTFTs above 10 minutes, or an
+# observed/predicted ratio beyond 1000x either way, are junk, never a measurement.
+TTFT_FEEDBACK_MAX_MS = 600_000.0
+TTFT_FEEDBACK_MAX_RATIO = 1000.0
+TTFT_FEEDBACK_MAX_ID_CHARS = 256  # request_id and node
 
 HEARTBEAT_PERIOD_S = 0.1  # Delta_h
 HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone

@@ -3,7 +3,11 @@
 - :func:`fail_fast_client`: bounded connect and command times and no hidden retries, because
   every caller (the dispatcher's poller, the heartbeat publisher, the sidecar's feedback writer)
   already retries on its own period, and a retry with backoff would hold its loop.
-- :func:`redact_url`: a Redis URL fit for a log line.
+- :func:`redact_url`: a Redis URL fit for a log line; :func:`with_credentials`: a URL with a
+  user and password (ACL users: :mod:`kairos.common.redis_acl`).
+
+URLs: ``redis://user:password@host:port/0``, or ``rediss://...`` for TLS with redis-py's options
+in the query, e.g. ``rediss://kairos-node-p0:PASS@gw:6380/0?ssl_ca_certs=/etc/kairos/redis-ca.pem``.
 - :class:`Outage`: log the first failure of an outage at WARNING and its end at INFO, nothing
   in between, so a Redis restart costs two log lines, not one per poll.
 """
@@ -14,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -32,7 +36,7 @@ REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
 def check_redis_url(name: str, value: str) -> None:
     """Raise :class:`~kairos.common.errors.ConfigError` unless ``value`` is a Redis URL."""
     if urlsplit(value).scheme not in REDIS_URL_SCHEMES:
-        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {value!r}")
+        raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {redact_url(value)!r}")
 
 
 def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:
@@ -47,12 +51,28 @@ def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, fit for a log line."""
+    """The URL with any password (in its user part or a ``password=`` query) replaced by ``***``,
+    fit for a log line."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    if "password" in {k for k, _ in parse_qsl(query, keep_blank_values=True)}:
+        pairs = [(k, "***" if k == "password" else v) for k, v in parse_qsl(query, keep_blank_values=True)]
+        query = urlencode(pairs, safe="*/:")
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit((parts.scheme, f"{parts.username or ''}:***@{host}", parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def with_credentials(url: str, username: str, password: str) -> str:
+    """``url`` with ``username:password@`` (percent-encoded) in place of any user part it had."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"credentials go into a redis:// or rediss:// URL, got {redact_url(url)!r}")
+    host = parts.netloc.rsplit("@", 1)[-1]
+    userinfo = f"{quote(username, safe='')}:{quote(password, safe='')}"
+    return urlunsplit((parts.scheme, f"{userinfo}@{host}", parts.path, parts.query, parts.fragment))
 
 
 def describe(exc: BaseException) -> str:

@@ -3,7 +3,9 @@ nodes with their heartbeat publishers, a sidecar per decode node, the dispatcher
 replicas) and Envoy. Used by the end-to-end tests and by ``kairos up``.
 
 Every part is a real separate process talking over loopback, so the cluster behaves like a
-deployment: killing a node, Redis or the dispatcher is a real fault.
+deployment: killing a node, Redis or the dispatcher is a real fault. Redis requires a credential
+(:mod:`kairos.launcher.redis_setup`): each node's agents, the dispatchers and the cluster itself
+(:attr:`LocalCluster.redis_url`) have their own ACL user, given to each child in its environment.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kairos.launcher.processes import (
     http_ready,
     tcp_ready,
 )
+from kairos.launcher.redis_setup import DISPATCHER_ENV, RedisSetup
 
 LOOPBACK = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
@@ -64,6 +67,7 @@ class LocalClusterConfig:
     # Loopback unless nodes on other machines must reach Redis (their publishers) and clients
     # must reach Envoy: then 0.0.0.0 or this machine's address.
     redis_host: str = LOOPBACK
+    redis_tls: bool = False  # TLS only (rediss://), with a CA made for this cluster
     gateway_host: str = LOOPBACK
     log_level: str = "INFO"  # every process's: dispatchers, engines, sidecars, publishers
 
@@ -111,6 +115,7 @@ class LocalCluster:
     nodes: list[NodeProcs] = field(default_factory=list)
     redis: ManagedProcess | None = None
     redis_port: int = 0
+    redis_setup: RedisSetup | None = None  # users and passwords, made by start_redis
     dispatcher_procs: list[ManagedProcess] = field(default_factory=list)
     dispatcher_ports: list[int] = field(default_factory=list)
     dispatcher_metrics_ports: list[int] = field(default_factory=list)
@@ -126,7 +131,13 @@ class LocalCluster:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.redis_port}/0"
+        """The admin user's URL (tests, tools): every right on every key."""
+        return self._redis_setup().admin_url
+
+    def _redis_setup(self) -> RedisSetup:
+        if self.redis_setup is None:
+            raise ProcessError("Redis is not set up yet: start_redis() makes its users")
+        return self.redis_setup
 
     def node(self, node_id: str) -> NodeProcs:
         return next(n for n in self.nodes if n.node_id == node_id)
@@ -142,8 +153,8 @@ class LocalCluster:
         try:
             self.model_dir = Path(cfg.model_dir) if cfg.model_dir else self._build_model()
             self.redis_port = cfg.redis_port or free_port()
+            self.nodes = self.plan_nodes()  # the node ids name the Redis users
             self.start_redis(timeout_s)
-            self.nodes = self.plan_nodes()
             self.start_nodes(timeout_s)
             self.dispatcher_ports = [free_port() for _ in range(cfg.dispatchers)]
             self.dispatcher_metrics_ports = [free_port() for _ in range(cfg.dispatchers)]
@@ -173,15 +184,22 @@ class LocalCluster:
         return self.workdir / "logs" / f"{name}.log"
 
     def start_redis(self, timeout_s: float = 30.0) -> ManagedProcess:
+        """Start redis-server (again, after a fault: with the same users and passwords)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise ConfigError("redis-server is not installed (Debian: apt-get install redis-server)")
+        if self.redis_setup is None:
+            self.redis_setup = RedisSetup.create(
+                self.workdir / "redis",
+                self.redis_port,
+                [n.node_id for n in self.nodes],
+                host=self.config.redis_host,
+                tls=self.config.redis_tls,
+            )
         self.redis = self.group.start(
             ManagedProcess(
                 "redis",
-                [binary, "--port", str(self.redis_port), "--bind", self.config.redis_host]
-                + ([] if self.config.redis_host == LOOPBACK else ["--protected-mode", "no"])
-                + ["--save", "", "--appendonly", "no"],
+                self.redis_setup.server_argv(binary),
                 self._log("redis"),
                 ready=tcp_ready(LOOPBACK, self.redis_port),
             ),
@@ -253,13 +271,12 @@ class LocalCluster:
                         node.url,
                         "--allow-prefill",
                         ",".join(n.url for n in self.nodes if n.role == Role.PREFILL),
-                        "--redis",  # TTFT feedback for the dispatchers
-                        self.redis_url,
                         "--log-level",
                         self.config.log_level,
                     ),
                     self._log(f"{node.node_id}-sidecar"),
                     ready=tcp_ready(LOOPBACK, node.sidecar_port or 0),
+                    env=self.agent_env(node),  # its Redis URL: TTFT feedback for the dispatchers
                 ),
                 timeout_s,
             )
@@ -279,8 +296,6 @@ class LocalCluster:
                     node.url,
                     "--sidecar",
                     node.sidecar_url,
-                    "--redis",
-                    self.redis_url,
                     "--state-url",
                     self.state_url(node),
                     "--period-ms",
@@ -289,9 +304,15 @@ class LocalCluster:
                     self.config.log_level,
                 ),
                 self._log(f"{node.node_id}-heartbeat"),
+                env=self.agent_env(node),
             ),
             timeout_s,
         )
+
+    def agent_env(self, node: NodeProcs) -> dict[str, str]:
+        """The environment of a node's publisher and sidecar: the Redis URL of the node's own
+        user, which may write only that node's heartbeat key and the feedback stream."""
+        return self._redis_setup().node_env(node.node_id, node.role)
 
     def start_dispatcher(self, index: int, timeout_s: float = 60.0) -> ManagedProcess:
         cfg = self.config
@@ -306,8 +327,6 @@ class LocalCluster:
                 str(port),
                 "--metrics-port",
                 str(metrics_port),
-                "--redis",
-                self.redis_url,
                 "--model-dir",
                 str(self.model_dir),
                 "--profile",
@@ -331,12 +350,15 @@ class LocalCluster:
                 "--fallback-prefill",
                 ",".join(f"{n.node_id}={n.url}" for n in self.nodes if n.role == Role.PREFILL),
                 "--fallback-decode",
-                ",".join(f"{n.node_id}={n.sidecar_url}" for n in self.nodes if n.role == Role.DECODE),
+                ",".join(f"{n.node_id}={n.url}+{n.sidecar_url}" for n in self.nodes if n.role == Role.DECODE),
+                "--admit-nodes",  # the cluster's own nodes only, at their own addresses
+                "listed",
                 "--log-level",
                 cfg.log_level,
             ),
             self._log(f"dispatcher{index}"),
             ready=http_ready(f"http://{LOOPBACK}:{metrics_port}/health"),
+            env={DISPATCHER_ENV: self._redis_setup().dispatcher_url},
         )
         return self.group.start(proc, timeout_s)
 

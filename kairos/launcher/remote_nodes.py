@@ -12,6 +12,10 @@ the decode sidecars. The file lists them:
 
 Addresses are ``IP:port``: Envoy's override_host picks the sidecar by the exact address the
 dispatcher names, so a hostname there would never match.
+
+Each node gets its own Redis user (``kairos-node-<id>``: its heartbeat key and the feedback stream
+only) and the dispatcher admits only the listed nodes at their listed addresses. ``kairos up``
+writes each node's URL to ``<workdir>/redis/credentials/<id>.env`` for its agents.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import yaml
 
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
+from kairos.common.redis_acl import check_node_id
 from kairos.launcher.local_cluster import LocalCluster, NodeProcs
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,10 @@ def load_nodes(path: Path) -> tuple[RemoteNode, ...]:
             where = f"nodes file {path}: {role}[{i}]"
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
                 raise ConfigError(f"{where}: expected a mapping with an 'id'")
+            try:
+                check_node_id(entry["id"])
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc.message}") from None
             unknown = set(entry) - {"id", "url", "sidecar"}
             if unknown:
                 raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
@@ -100,11 +109,15 @@ class RemoteNodesCluster(LocalCluster):
         return planned
 
     def start_nodes(self, timeout_s: float = 60.0) -> None:
-        # Nothing to start here: say what the nodes' agents must be told instead.
+        # Nothing to start here: say where the nodes' agents find their credentials instead.
+        setup = self._redis_setup()
         for n in self.remote:
-            log.info("node %s (%s) at %s: its publisher must use --redis %s", n.node_id, n.role, n.url, self.redis_url)
+            log.info(
+                "node %s (%s) at %s: its agents' Redis URL is in %s", n.node_id, n.role, n.url,
+                setup.credentials_file(n.node_id),
+            )
 
-    @property
-    def redis_url(self) -> str:
-        host = self.config.redis_host
-        return f"redis://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.redis_port}/0"
+    def node_credentials(self) -> list[tuple[str, Path]]:
+        """(node id, its credentials file) for every listed node: what ``kairos up`` prints."""
+        setup = self._redis_setup()
+        return [(n.node_id, setup.credentials_file(n.node_id)) for n in self.remote]

@@ -47,6 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", dest="gateway_host", help="Envoy's listen address (default 127.0.0.1)")
     p.add_argument("--redis-host", help="Redis listen address; other machines' publishers need a reachable one")
     p.add_argument("--redis-port", type=int, help="Redis port (default: any free port)")
+    p.add_argument(
+        "--redis-tls",
+        action="store_true",
+        default=None,
+        help="Redis over TLS only (rediss://), with a CA made for this cluster (needs openssl)",
+    )
     p.add_argument("--profile-reload-s", type=float, help="how often the dispatcher checks a profile file")
     p.add_argument(
         "--backend",
@@ -87,6 +93,25 @@ def _say(line: str) -> None:
     print(f"kairos up: {line}", file=sys.stderr, flush=True)
 
 
+def _print_redis(cluster: LocalCluster) -> None:
+    """Where Redis is and where its credentials are (never the passwords themselves)."""
+    setup = cluster.redis_setup
+    assert setup is not None, "the cluster started Redis"
+    scheme = "rediss" if setup.tls else "redis"
+    print(
+        f"Redis at {scheme}://{setup.advertise}:{setup.port}/0: ACL users only (default user off); "
+        f"the admin's URL is in {setup.credentials_file('admin')}",
+        flush=True,
+    )
+    if isinstance(cluster, RemoteNodesCluster):
+        print("each node's agents use their own Redis user: copy its file to the node, then run", flush=True)
+        print("  set -a; . ./NODE.env; set +a   # before kairos heartbeat / kairos sidecar (no --redis)", flush=True)
+        for node_id, path in cluster.node_credentials():
+            print(f"  {node_id}: {path}", flush=True)
+        if setup.tls:
+            print(f"  and the CA {setup.ca_path} to the same path on each node", flush=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {
         k: getattr(args, k)
@@ -107,6 +132,7 @@ def run_up(args: argparse.Namespace) -> int:
             "gateway_host",
             "redis_host",
             "redis_port",
+            "redis_tls",
             "profile_reload_s",
             "log_level",  # kairos --log-level, before the subcommand
         )
@@ -129,8 +155,7 @@ def run_up(args: argparse.Namespace) -> int:
         cluster.start()
         if stop.is_set():
             return 130
-        if args.nodes:
-            print(f"Redis for the nodes' heartbeat publishers: --redis {cluster.redis_url}", flush=True)
+        _print_redis(cluster)
         _await_heartbeats(cluster, stop, timeout_s=120.0 if args.nodes else 30.0)
         if stop.is_set():
             return 130

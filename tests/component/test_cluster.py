@@ -413,6 +413,15 @@ def feedback_view(redis: RedisServer, registry: CollectorRegistry) -> tuple[Redi
     return view, metrics
 
 
+async def decode_node_d0(redis: RedisServer) -> None:
+    """d0 in the view: a feedback entry must name a decode node the dispatcher knows."""
+    client = aioredis.Redis.from_url(redis.url)
+    try:
+        await client.set("kairos:node:d0", beat("d0", 1))
+    finally:
+        await client.aclose()
+
+
 def ratio_count(registry: CollectorRegistry, path: str) -> float:
     return registry.get_sample_value(f"{RATIO}_count", {"path": path}) or 0.0
 
@@ -422,6 +431,7 @@ async def test_feedback_entries_added_after_start_show_in_the_metrics(
 ) -> None:
     # An entry from before the dispatcher started: skipped, as XREAD from "$" would.
     await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 900))
+    await decode_node_d0(redis)
     view, _ = feedback_view(redis, registry)
     try:
         await view.poll_once()
@@ -448,6 +458,7 @@ async def test_feedback_entries_added_after_start_show_in_the_metrics(
 async def test_feedback_pauses_while_redis_is_down_and_resumes_after(
     redis: RedisServer, registry: CollectorRegistry
 ) -> None:
+    await decode_node_d0(redis)
     view, _ = feedback_view(redis, registry)
     writer = aioredis.Redis.from_url(redis.url)
     try:
@@ -465,11 +476,30 @@ async def test_feedback_pauses_while_redis_is_down_and_resumes_after(
         await writer.aclose()
         writer = aioredis.Redis.from_url(redis.url)  # the old one's connection died with the server
         await writer.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 100))
-        await view.poll_once()
+        await view.poll_once()  # d0's key is gone with the restart; the recovery grace keeps it in the view
         assert not view.degraded and ratio_count(registry, "keep") == 2
         assert registry.get_sample_value(MAPE, {"path": "keep"}) == pytest.approx(0.25)
     finally:
         await writer.aclose()
+        await view.stop()
+
+
+async def test_feedback_naming_no_decode_node_in_the_view_never_reaches_the_mape(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    await decode_node_d0(redis)
+    view, _ = feedback_view(redis, registry)
+    try:
+        await view.poll_once()
+        junk = {**feedback_fields("keep", 100, 100), TtftFeedbackField.NODE: "d9"}
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, junk)
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 10_000_000, 1))  # beyond bounds
+        await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 200))
+        await view.poll_once()
+        assert ratio_count(registry, "keep") == 1
+        assert registry.get_sample_value(MAPE, {"path": "keep"}) == pytest.approx(0.5)
+        assert registry.get_sample_value("kairos_dispatcher_ttft_feedback_malformed_total") == 2
+    finally:
         await view.stop()
 
 
@@ -479,11 +509,12 @@ async def test_a_failing_feedback_read_never_degrades_the_view(
     caplog.set_level(logging.INFO, logger=LOGGER)
     await client.set("kairos:node:p0", beat("p0", 1))
     await client.set(REDIS_TTFT_FEEDBACK_STREAM, "not a stream")  # XREAD answers WRONGTYPE
+    await decode_node_d0(redis)
     view, _ = feedback_view(redis, registry)
     try:
         await view.poll_once()
         await view.poll_once()
-        assert not view.degraded and ids(view.view()) == (["p0"], [])
+        assert not view.degraded and ids(view.view()) == (["p0"], ["d0"])
         assert errors(registry, "feedback") == 2 and errors(registry, "poll") == 0
         assert len(messages(caplog, "cannot read the TTFT feedback stream kairos:ttft-feedback")) == 1
         await client.delete(REDIS_TTFT_FEEDBACK_STREAM)
@@ -530,6 +561,28 @@ async def test_a_reservation_excludes_other_owners_until_its_ttl(
 
         await eventually(expired, what="d0's reservation expired")
         assert await view.try_reserve("d0", "dispatcher-b") is True
+    finally:
+        await view.stop()
+
+
+@pytest.mark.parametrize("forged_px", [None, 3_600_000], ids=["no expiry", "an hour"])
+async def test_a_reservation_no_dispatcher_set_is_taken_over_and_counted(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
+    forged_px: int | None,
+) -> None:
+    """A writer that holds kairos:reserve:d0 for good would stop deflection to d0 forever."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await client.set("kairos:reserve:d0", "attacker", px=forged_px)
+    await client.set("kairos:reserve:d1", "dispatcher-a", px=5_000)  # a dispatcher's (within the limit)
+    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3), registry=registry)
+    try:
+        assert await view.try_reserve("d0", "dispatcher-b") is True
+        assert await client.get("kairos:reserve:d0") == b"dispatcher-b"
+        assert 0 < await client.pttl("kairos:reserve:d0") <= 300
+        assert await view.try_reserve("d1", "dispatcher-b") is False  # a dispatcher's stays honoured
+        assert await view.try_reserve("d0", "dispatcher-c") is False  # and now so is d0's
+        assert registry.get_sample_value("kairos_dispatcher_reservations_forged_total") == 1
+        assert len(messages(caplog, "which no dispatcher sets")) == 1
     finally:
         await view.stop()
 

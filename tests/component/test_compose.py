@@ -247,29 +247,52 @@ def test_dispatcher_fallbacks_name_the_nodes_as_envoy_and_the_sidecars_see_them(
     f = flags(services["dispatcher"])
     assert f["--fallback-prefill"] == ",".join(f"{p}={engine_addr(services, p)}" for p in PREFILL)
     assert f["--fallback-decode"] == ",".join(
-        f"{d}={sidecar_ip(services, d)}:{flags(services[SIDECARS[d]])['--port']}" for d in DECODE
+        f"{d}={engine_addr(services, d)}+{sidecar_ip(services, d)}:{flags(services[SIDECARS[d]])['--port']}"
+        for d in DECODE
     )
+    # Only these nodes join, at exactly the addresses their heartbeats report.
+    assert f["--admit-nodes"] == "listed"
+    for node in ENGINES:
+        beat = flags(services[HEARTBEATS[node]])
+        listed = f["--fallback-prefill" if node in PREFILL else "--fallback-decode"]
+        want = beat["--url"] if node in PREFILL else f"{beat['--url']}+{beat['--sidecar']}"
+        assert f"{node}={want}" in listed.split(","), node
 
 
-def test_everyone_uses_the_redis_service(services: dict[str, dict[str, Any]]) -> None:
+def test_everyone_uses_the_redis_service_with_the_password_from_the_env_file(
+    services: dict[str, dict[str, Any]],
+) -> None:
     conf = redis_conf()
     assert (conf["bind"], conf["port"], conf["save"], conf["appendonly"]) == ("0.0.0.0", "6379", '""', "no")
+    assert conf["protected-mode"] == "yes" and "requirepass" not in conf  # the password is not committed
     redis = services["redis"]
     assert redis["image"] == "redis:7"
+    assert redis["environment"] == {"KAIROS_REDIS_PASSWORD": "${KAIROS_REDIS_PASSWORD}"}
+    assert "compose/.env" in (ROOT / ".gitignore").read_text().splitlines()
     mounted = next(v for v in redis["volumes"] if v.startswith("../redis/redis.conf:"))
     assert (COMPOSE_DIR / mounted.split(":")[0]).resolve() == REDIS_CONF
-    assert redis["command"] == ["redis-server", mounted.split(":")[1]]
+    sh, dash_c, script = redis["command"]
+    assert (sh, dash_c) == ("sh", "-c")
+    # requirepass on stdin after the mounted file, never in argv; no password, no start
+    assert f"exec redis-server {mounted.split(':')[1]} - <<EOF\nrequirepass $$KAIROS_REDIS_PASSWORD\nEOF" in script
+    assert script.startswith('test -n "$$KAIROS_REDIS_PASSWORD" || ')
+    assert "REDISCLI_AUTH=" in " ".join(redis["healthcheck"]["test"])
     # The heartbeats write the cluster view, the sidecars the TTFT feedback stream, the dispatcher
-    # reads both: one URL, database included.
-    users = ["dispatcher", *SIDECARS.values(), *HEARTBEATS.values()]
-    for name in users:
-        url = urlsplit(flags(services[name])["--redis"])
-        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", int(conf["port"])), name
+    # reads both: one URL, database and password included, in each one's environment.
+    env_names = {"dispatcher": "KAIROS_DISPATCHER_REDIS_URL",
+                 **dict.fromkeys(SIDECARS.values(), "KAIROS_SIDECAR_REDIS_URL"),
+                 **dict.fromkeys(HEARTBEATS.values(), "KAIROS_HEARTBEAT_REDIS_URL")}
+    urls = set()
+    for name, env_name in env_names.items():
+        url = services[name]["environment"][env_name]
+        parts = urlsplit(url)
+        assert (parts.scheme, parts.hostname, parts.port) == ("redis", "redis", int(conf["port"])), name
+        assert parts.password == "${KAIROS_REDIS_PASSWORD}", name
         assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
-    assert len({flags(services[name])["--redis"] for name in users}) == 1
+        urls.add(url)
+    assert len(urls) == 1
     for name in services:
-        if name not in users:
-            assert "--redis" not in command(services[name]), name
+        assert "--redis" not in command(services[name]), name
 
 
 # -- defaults -----------------------------------------------------------------------------

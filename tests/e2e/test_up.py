@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+import redis
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.processes import free_port
+from kairos.launcher.redis_setup import RedisSetup
 from tests.waiting import wait_until
 
 
@@ -69,6 +72,14 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
 
         ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
         assert ours, "the cluster's processes should be visible while it runs"
+        # Redis requires a credential, and none is on any command line that ps shows.
+        redis_line = next(line for line in lines if line.startswith("Redis at "))
+        port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/0", redis_line).group(1))
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=10).ping()
+        setup = RedisSetup.load(workdir / "redis")
+        assert redis.Redis.from_url(setup.admin_url, socket_timeout=10).ping()
+        assert not [a for a in _processes() if any(pw in a for pw in setup.passwords.values())]
 
         stop(proc)
         assert proc.wait(timeout=30) == 0
@@ -101,7 +112,8 @@ def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, time
 
 def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Path, model_dir: Path) -> None:
     """The gateway alone (Redis, dispatcher, Envoy) for nodes whose agents run on their own: the
-    nodes' publishers report to its Redis and requests reach their sidecar."""
+    nodes' publishers report to its Redis with the credentials it wrote for each node (what the
+    README's remote-node recipe copies to each node) and requests reach their sidecar."""
     redis_port, port = free_port(), free_port()
     elsewhere = LocalCluster(
         LocalClusterConfig(
@@ -130,6 +142,12 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
     lines: list[str] = []
     try:
         _read_until(proc, lines, "waiting for heartbeats from p0, d0", 60)
+        printed = "".join(lines)
+        for node in elsewhere.nodes:  # each node's credentials file, named in the output
+            env_file = tmp_path / "up" / "redis" / "credentials" / f"{node.node_id}.env"
+            assert f"  {node.node_id}: {env_file}" in printed
+            assert f"redis://kairos-node-{node.node_id}:" in env_file.read_text()
+        elsewhere.redis_setup = RedisSetup.load(tmp_path / "up" / "redis")  # what those files hold
         elsewhere.start_nodes()
         _read_until(proc, lines, "heartbeats from all 2 nodes", 60)
         curl = _read_until(proc, lines, "curl ", 30).strip()

@@ -27,7 +27,8 @@ from kairos.extproc.membership import MembershipConfig
         ),
         ({"scan_every_polls": 0}, "scan_every_polls must be >= 1"),
         ({"redis_url": "127.0.0.1:6379"}, "redis_url: expected"),
-        ({"reservation_ttl_s": 0.0}, "reservation_ttl_s must be >= 0.001"),
+        ({"reservation_ttl_s": 0.0}, "reservation_ttl_s must be 0.001 (1 ms) to 10"),
+        ({"reservation_ttl_s": 10.5}, "reservation_ttl_s must be 0.001 (1 ms) to 10"),
         ({"redis_timeout_s": 0.0}, "redis_timeout_s must be > 0"),
     ],
 )

@@ -52,12 +52,34 @@ def test_an_entry_parses_into_a_sample() -> None:
         (entry(observed_ms="nan"), "must be finite and > 0"),
         (entry(**{F.NODE: None}), "missing fields ['node']"),
         (None, "expected a field map, got NoneType"),
+        # junk an attacker who may XADD writes: bounded, so it never reaches the MAPE
+        (entry(predicted_ms=10_000_000, observed_ms=1), "must be <= 600000"),
+        (entry(predicted_ms=600_001, observed_ms=600_000), "must be <= 600000"),
+        (entry(predicted_ms=1000, observed_ms=0.5), "beyond 1000x either way"),
+        (entry(predicted_ms=1, observed_ms=1001), "beyond 1000x either way"),
+        (entry(**{F.REQUEST_ID: "r" * 257}), "request_id must be 1 to 256 characters"),
+        (entry(**{F.NODE: ""}), "node must be 1 to 256 characters"),
     ],
 )
 def test_entries_that_break_the_contract_are_rejected(fields: Any, message: str) -> None:
     with pytest.raises(MalformedFeedback) as info:
         parse_entry(fields)
     assert message in str(info.value)
+
+
+def test_the_bounds_hold_at_their_edges() -> None:
+    assert parse_entry(entry(predicted_ms=600_000, observed_ms=600)).ratio == pytest.approx(1e-3)
+    assert parse_entry(entry(predicted_ms=1, observed_ms=1000)).ratio == pytest.approx(1e3)
+
+
+def test_an_entry_naming_no_decode_node_in_the_view_is_ignored_and_counted(metrics: DispatcherMetrics) -> None:
+    fb = TtftFeedback(metrics, window=10)
+    batch = [(b"1-0", entry("keep", 100, 50)), (b"2-0", entry("keep", 100, 100, **{F.NODE: "evil"}))]
+    assert fb.add_entries(batch, decode_nodes={"d0", "d1"}) == 1
+    assert sample(metrics, MALFORMED) == 1
+    assert fb.mape("keep") == pytest.approx(1.0)
+    with pytest.raises(MalformedFeedback, match="not a decode node in the view"):
+        parse_entry(entry(**{F.NODE: "p0"}), decode_nodes={"d0"})
 
 
 def test_the_mape_rolls_over_the_last_window_samples_of_each_path(metrics: DispatcherMetrics) -> None:

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
-from kairos.common.contracts import HeartbeatField, Role
+from kairos.common.contracts import HeartbeatField, Role, parse_heartbeat
 from kairos.common.errors import ConfigError
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
+    HeartbeatRejected,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -30,7 +31,10 @@ from kairos.extproc.membership import (
     NodeLeft,
     RedisBack,
     RedisLost,
+    Rejection,
+    RejectReason,
     StaticNode,
+    check_heartbeat,
 )
 from tests.builders import heartbeat_json as beat
 
@@ -45,6 +49,8 @@ def event_text(event: Event) -> str:
             return f"left {node_id} {role}: {reason}"
         case HeartbeatMalformed(node_id, error):
             return f"malformed {node_id}: {error}"
+        case HeartbeatRejected(node_id, reason, _):
+            return f"rejected {node_id} {reason}"
         case HeartbeatValidAgain(node_id, seq):
             return f"valid again {node_id} seq {seq}"
         case LastResortKept(role, keep_s):
@@ -133,9 +139,13 @@ CASES = [
     Case("malformed values are ignored and reported once per node until valid again", (
         Poll(0.0, {"b1": "not json", "b2": json.dumps({"node_id": "b2"}), "b3": beat("someone-else"),
                    "b4": beat("b4", role="decode", sidecar=""), "p0": beat("p0")}, {"p0": 0.0},
-             events=("malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
+             events=("rejected b1 malformed",
+                     "malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
+                     "rejected b2 malformed",
                      "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
-                     "malformed b3: node_id 'someone-else' does not match its key's 'b3'",
+                     "rejected b3 key_mismatch",
+                     "malformed b3: key_mismatch: node_id 'someone-else' in the key of 'b3'",
+                     "rejected b4 malformed",
                      "malformed b4: a decode node needs a sidecar address (the dispatcher routes to it)",
                      "joined p0 prefill")),
         Poll(0.1, {"b1": "not json", "p0": beat("p0", 2)}, {"p0": 0.1}),
@@ -145,7 +155,7 @@ CASES = [
     Case("a known node that turns malformed keeps its last good state, then is forgotten", (
         Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
         Poll(0.3, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0},
-             events=("malformed p0: max_step_tokens must be an int >= 1, got 0",)),
+             events=("rejected p0 malformed", "malformed p0: max_step_tokens must be an int >= 1, got 0")),
         Poll(0.4, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0}, stale=frozenset({"p0"})),
         Poll(0.5, {"p0": beat("p0", 2, max_step_tokens=0)}, {},
              events=("left p0 prefill: no valid heartbeat for 0.50 s",)),
@@ -188,6 +198,40 @@ CASES = [
         Poll(102.5, {"p0": beat("p0"), "d9": beat("d9")}, {"p0": 102.0, "d9": 102.0}, stale=frozenset({"p0", "d9"}),
              events=("left p1 prefill: it is a static node and redis now answers",
                      "left d0 decode: it is a static node and redis now answers")),
+    ), STATIC),
+    Case("a forged beat in another node's key is ignored, counted once per value; the node keeps its state", (
+        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+        Poll(0.1, {"p0": beat("p1", 9)}, {"p0": 0.0},
+             events=("rejected p0 key_mismatch", "malformed p0: key_mismatch: node_id 'p1' in the key of 'p0'")),
+        Poll(0.2, {"p0": beat("p1", 9)}, {"p0": 0.0}),  # the same forged value: not counted again
+        Poll(0.25, {"p0": beat("p1", 10)}, {"p0": 0.0}, events=("rejected p0 key_mismatch",)),
+        Poll(0.3, {"p0": beat("p0", 2)}, {"p0": 0.3}, events=("valid again p0 seq 2",)),
+    )),
+    Case("listed nodes only: the listed role and addresses join, anything else is rejected", (
+        Poll(0.0, {"p0": beat("p0", url="10.0.0.1:8001"),  # as listed
+                   "p1": beat("p1", url="10.9.9.9:8001"),  # another address than listed
+                   "d0": beat("d0", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # url not listed: not checked
+                   "d1": beat("d1", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # not listed
+                   "d9": beat("d9", role="prefill", url="10.0.0.1:8001")},  # listed as decode
+             {"p0": 0.0, "d0": 0.0},
+             events=("joined p0 prefill",
+                     "rejected p1 address_mismatch",
+                     "malformed p1: address_mismatch: reports url '10.9.9.9:8001', listed as '10.0.0.2:8001'",
+                     "joined d0 decode",
+                     "rejected d1 unknown_node", "malformed d1: unknown_node: 'd1' is not a listed node",
+                     "rejected d9 role_mismatch",
+                     "malformed d9: role_mismatch: reports role prefill, listed as decode")),
+        # a forger that got d0's url right but not its sidecar: rejected, d0 keeps its state
+        Poll(0.1, {"p0": beat("p0", 2, url="10.0.0.1:8001"),
+                   "d0": beat("d0", 2, url="10.0.1.1:8101", sidecar="10.6.6.6:8201")},
+             {"p0": 0.1, "d0": 0.0},
+             events=("rejected d0 address_mismatch",
+                     "malformed d0: address_mismatch: reports sidecar '10.6.6.6:8201', listed as '10.0.1.1:8201'")),
+    ), {**STATIC, "fallback_decode": ("d0=10.0.1.1:8201", "d9=10.0.1.9:8101+10.0.1.9:8201"),
+        "admit_nodes": "listed"}),
+    Case("admit any (the lists are a fallback only): an unlisted node or another address joins", (
+        Poll(0.0, {"p1": beat("p1", url="10.9.9.9:8001"), "d7": beat("d7")}, {"p1": 0.0, "d7": 0.0},
+             events=("joined p1 prefill", "joined d7 decode")),
     ), STATIC),
     Case("redis never up and no static lists: an empty view", (
         Poll(0.0, DOWN, {}, degraded=True, events=("redis lost (before first answer, 0P 0D)",)),
@@ -251,12 +295,60 @@ def test_the_nodes_report() -> None:
             {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True},
             {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True},
         ],
+        "rejected_heartbeats": dict.fromkeys(map(str, RejectReason), 0),
+        "rejecting": [],
     }
     assert [(n["id"], n["stale"]) for n in m.report(10.4)["nodes"]] == [("d0", True), ("p0", False)]
     m.poll_failed(11.0)
     report = m.report(11.0)
     assert report["status"] == "degraded" and not report["static_fallback"]
     assert [(n["id"], n["age_s"], n["stale"]) for n in report["nodes"]] == [("d0", 1.0, True), ("p0", 0.7, True)]
+
+
+LISTED = {
+    "p0": StaticNode("p0", Role.PREFILL, "10.0.0.1:8100", ""),
+    "d0": StaticNode("d0", Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200"),
+    "d1": StaticNode("d1", Role.DECODE, "", "10.0.0.1:8200"),  # listed by its sidecar only
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "heartbeat", "admit", "want"),
+    [
+        ("p0", beat("p0"), "listed", None),
+        ("d0", beat("d0"), "listed", None),
+        ("d1", beat("d1", url="10.7.7.7:1"), "listed", None),  # an address the listing leaves empty
+        ("p0", beat("d0"), "listed", RejectReason.KEY_MISMATCH),
+        ("p0", beat("d0"), "any", RejectReason.KEY_MISMATCH),
+        ("p9", beat("p9"), "listed", RejectReason.UNKNOWN_NODE),
+        ("p9", beat("p9"), "any", None),
+        ("p0", beat("p0", role="decode"), "listed", RejectReason.ROLE_MISMATCH),
+        ("p0", beat("p0", role="decode"), "any", None),
+        ("p0", beat("p0", url="10.0.0.1:8101"), "listed", RejectReason.ADDRESS_MISMATCH),
+        ("d0", beat("d0", url="10.0.0.2:8100"), "listed", RejectReason.ADDRESS_MISMATCH),
+        ("d0", beat("d0", sidecar="10.0.0.1:8201"), "listed", RejectReason.ADDRESS_MISMATCH),
+        ("d1", beat("d1", sidecar="10.0.0.1:8201"), "listed", RejectReason.ADDRESS_MISMATCH),
+    ],
+)
+def test_a_heartbeat_must_match_its_key_and_the_listed_node(
+    key: str, heartbeat: str, admit: str, want: RejectReason | None
+) -> None:
+    got = check_heartbeat(key, parse_heartbeat(heartbeat), LISTED, admit)
+    assert (got.reason if isinstance(got, Rejection) else None) == want
+
+
+def test_rejections_show_in_the_nodes_report() -> None:
+    m = Membership(MembershipConfig(fallback_prefill=("p0=10.0.0.1:8100",), admit_nodes="listed"))
+    m.poll_succeeded([("p0", beat("p0")), ("p7", beat("p7")), ("d0", "junk")], 1.0)
+    m.poll_succeeded([("p0", beat("p0", 2)), ("p7", beat("p7", 2)), ("d0", "junk")], 1.1)
+    report = m.report(1.1)
+    assert report["rejected_heartbeats"] == {
+        "malformed": 1, "key_mismatch": 0, "unknown_node": 2, "role_mismatch": 0, "address_mismatch": 0
+    }
+    assert report["rejecting"] == [{"id": "d0", "reason": "malformed"}, {"id": "p7", "reason": "unknown_node"}]
+    assert [n["id"] for n in report["nodes"]] == ["p0"]
+    m.poll_succeeded([("p0", beat("p0", 3))], 1.2)  # the forged keys are gone
+    assert m.report(1.2)["rejecting"] == []
 
 
 def test_recovering_is_the_grace_after_redis_answers_again() -> None:
@@ -279,6 +371,8 @@ def test_recovering_is_the_grace_after_redis_answers_again() -> None:
         ({"fallback_decode": ("d0=127.0.0.1:8101+sidecar",)}, "d0 sidecar: expected host:port"),
         ({"fallback_decode": ("d0=vllm+127.0.0.1:8201",)}, "d0 url: expected host:port"),
         ({"fallback_prefill": ("n=h:1",), "fallback_decode": ("n=h:2+h:3",)}, "repeated: ['n']"),
+        ({"admit_nodes": "some"}, "admit_nodes must be one of ['any', 'listed']"),
+        ({"admit_nodes": "listed"}, "admit_nodes='listed' needs the node lists"),
     ],
 )
 def test_invalid_membership_configs_are_rejected(changes: dict[str, Any], message: str) -> None:
