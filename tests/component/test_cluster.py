@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,13 +229,12 @@ async def test_a_node_that_stops_beating_leaves_the_view_after_its_ttl(
     caplog.set_level(logging.INFO, logger=LOGGER)
     await eventually(lambda: len(live.addresses()) == 4, what="four nodes")
     await nodes["p1"].crash()
-    crashed_at = time.monotonic()
-    expires_in = await client.pttl("kairos:node:p1") / 1000
-    assert 0 < expires_in <= 0.1
-    assert "p1" in live.addresses()  # its key lives on until it expires
+    # Its key lives on until it expires, and so does p1 in the view. A TTL of seconds instead of
+    # the publishers' 100 ms makes "not before" observable without racing a starved host's clock
+    # (a key that expired already makes the check below hold trivially, never fail falsely).
+    await client.pexpire("kairos:node:p1", 2000)
     await eventually(lambda: "p1" not in live.addresses(), what="p1 gone")
-    gone_after = time.monotonic() - crashed_at
-    assert gone_after >= expires_in - 0.001  # not before the key expired
+    assert await client.exists("kairos:node:p1") == 0  # the view let p1 go only once Redis had
     assert ids(live.view()) == (["p0"], ["d0", "d1"])
     assert len(messages(caplog, "node p1 (prefill) left the view: its heartbeat key expired")) == 1
 
