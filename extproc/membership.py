@@ -387,6 +387,10 @@ def _load_of(hb: Heartbeat) -> dict[str, Any]:
         f.QUEUED_PREFILL_TOKENS: sum(hb.queued_prefill_tokens),
         f.SCHEDULED_PREFILL_TOKENS: sum(hb.scheduled_prefill_tokens),
     }
-    optional = {f.RUNNING_REQUESTS: hb.running_requests, f.WAITING_REQUESTS: hb.waiting_requests, f.KV_USAGE: hb.kv_usage}
+    optional = {
+        f.RUNNING_REQUESTS: hb.running_requests,
+        f.WAITING_REQUESTS: hb.waiting_requests,
+        f.KV_USAGE: hb.kv_usage,
+    }
     load.update({name: value for name, value in optional.items() if value is not None})
     return load
