@@ -411,9 +411,11 @@ def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | No
 
 
 # ---------------------------------------------------------------------------------------------
-# Step-budget overruns: a node's steps that broke the budget a deflected chunk carried, counted
-# by the emulated node (its /metrics) and the vLLM plugin (its state server's /metrics) alike.
+# Metrics the node agents export: the sidecar's path, and step-budget overruns (a node's steps that
+# broke the budget a deflected chunk carried), counted by the emulated node (its /metrics) and the
+# vLLM plugin (its state server's /metrics) alike.
 # ---------------------------------------------------------------------------------------------
+SIDECAR_METRICS_PATH = "/kairos/metrics"  # a decode sidecar's Prometheus metrics (kairos_sidecar_*)
 STEP_BUDGET_OVERRUNS_METRIC = "kairos_node_step_budget_overruns"  # a counter: exported with _total
 STEP_BUDGET_OVERRUNS_HELP = (
     "Steps with running decodes that took longer than the step budget of a deflected chunk they "
