@@ -114,10 +114,12 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
 
     def all_answer() -> bool:
         empty[:] = [where for where, query in queries if not has_data(prometheus, query)]
+        if empty:  # more of everything, so that no 1-minute rate window runs dry while waiting
+            send_traffic(cluster, tokenizer)
         return not empty
 
     try:
-        wait_until(all_answer, 120.0, interval_s=1.0, what="every dashboard query answering with data")
+        wait_until(all_answer, 90.0, interval_s=0.5, what="every dashboard query answering with data")
     except AssertionError:
         pytest.fail(f"dashboard queries without data: {empty}")
     # The rules evaluate against the live series without errors.
