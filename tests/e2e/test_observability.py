@@ -170,9 +170,17 @@ def test_kairos_top_in_tmux_shows_the_cluster_and_the_alerts_of_a_redis_outage(
         panes[name] = tmux.capture(name)
         return all(re.search(p, panes[name], re.M) for p in patterns)
 
-    def wait_pane(name: str, *patterns: str, timeout_s: float = 60.0) -> str:
+    def wait_pane(name: str, *patterns: str, timeout_s: float = 60.0, feed: bool = False) -> str:
+        """Until the pane shows every pattern; with ``feed``, one request per look, so that the
+        decision rates between two frames are not zero."""
+
+        def probe() -> bool:
+            if feed:
+                post_json(f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            return shows(name, *patterns)
+
         try:
-            wait_until(lambda: shows(name, *patterns), timeout_s, interval_s=0.5, what=f"{patterns} in the {name} pane")
+            wait_until(probe, timeout_s, interval_s=0.2, what=f"{patterns} in the {name} pane")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the pane:\n{panes.get(name)}") from None
         return panes[name]
@@ -182,7 +190,8 @@ def test_kairos_top_in_tmux_shows_the_cluster_and_the_alerts_of_a_redis_outage(
         tmux.start("local", top)
         send_traffic(cluster, tokenizer)
         for name in ("prom", "local"):
-            wait_pane(name, r"^status ok$", r"^DECISIONS +\d+\.\d/s", r"^ +\w+ +\w+ +\d+\.\d\d/s +\d+ total$")
+            wait_pane(name, r"^status ok$", r"^DECISIONS +(?!0\.0/s)\d+\.\d/s, \d+% deflected",
+                      r"^ +\w+ +\w+ +(?!0\.00/s)\d+\.\d\d/s +\d+ total$", feed=True)
             rows = node_rows(panes[name])
             assert sorted(rows) == sorted(n.node_id for n in cluster.nodes), panes[name]
             for node in cluster.nodes:
