@@ -4,14 +4,17 @@ exports them (a renamed metric fails here, before an operator finds an empty pan
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from kairos.common.contracts import STEP_BUDGET_OVERRUNS_HELP, STEP_BUDGET_OVERRUNS_METRIC
+from kairos.common.contracts import STEP_BUDGET_OVERRUNS_HELP, STEP_BUDGET_OVERRUNS_METRIC, Role
 from kairos.core.state import ClusterView, DecodeNodeState
 from kairos.extproc.cluster import redis_error_counter
 from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
+from kairos.launcher.vllm_cluster import VllmCluster
 from kairos.nodeagent.sidecar import SidecarMetrics
 from kairos.sim.emulated_vllm import _Metrics as EmulatedNodeMetrics
 from tests.observability import dashboard, dashboard_queries, metric_names, recorded_names, rules
@@ -108,3 +111,21 @@ def test_rules_read_exported_metrics_or_recorded_ones() -> None:
     }
     assert all(r["labels"]["severity"] in {"warning", "critical"} and r["annotations"]["summary"]
                for r in alerts.values())
+
+
+def test_the_clusters_prometheus_targets_name_every_metrics_endpoint(tmp_path: Path) -> None:
+    nodes = [NodeProcs("p0", Role.PREFILL, 8100, None), NodeProcs("d0", Role.DECODE, 8101, 8201)]
+    emulated = LocalCluster(LocalClusterConfig(), tmp_path, nodes=nodes, dispatcher_metrics_ports=[9100, 9101])
+    assert emulated.prometheus_targets() == [
+        {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"job": "kairos-dispatcher"}},
+        {"targets": ["127.0.0.1:8100"], "labels": {"job": "kairos-node", "node": "p0", "role": "prefill"}},
+        {"targets": ["127.0.0.1:8101"], "labels": {"job": "kairos-node", "node": "d0", "role": "decode"}},
+        {"targets": ["127.0.0.1:8201"],
+         "labels": {"job": "kairos-sidecar", "__metrics_path__": "/kairos/metrics", "node": "d0", "role": "decode"}},
+    ]
+    vllm = VllmCluster(LocalClusterConfig(), tmp_path, nodes=nodes, dispatcher_metrics_ports=[9100],
+                       state_ports={"p0": 8300, "d0": 8301})
+    assert vllm.prometheus_targets()[-2:] == [  # the plugin's state server: step-budget overruns
+        {"targets": ["127.0.0.1:8300"], "labels": {"job": "kairos-node-state", "node": "p0", "role": "prefill"}},
+        {"targets": ["127.0.0.1:8301"], "labels": {"job": "kairos-node-state", "node": "d0", "role": "decode"}},
+    ]
