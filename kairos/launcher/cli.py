@@ -13,7 +13,7 @@ from typing import Any
 from kairos.common.cli_types import floats, ints
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
-from kairos.launcher import replay, up
+from kairos.launcher import replay, top, up
 from kairos.launcher.local_cluster import LOG_LEVELS
 from kairos.profiling.cli import add_profile_parser
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     up.add_parser(sub)
     replay.add_parser(sub)
+    top.add_parser(sub)
     add_profile_parser(sub)
     # The cluster's processes, each also runnable as `python -m MODULE`.
     for name, module, help_text in _COMPONENTS:

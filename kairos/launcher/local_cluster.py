@@ -20,9 +20,10 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kairos.common import defaults
-from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
+from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import (
@@ -385,6 +386,28 @@ class LocalCluster:
             ),
             timeout_s,
         )
+
+    def prometheus_targets(self) -> list[dict[str, Any]]:
+        """Every metrics endpoint of the cluster in Prometheus's ``file_sd`` format: dispatchers,
+        decode sidecars (their own path) and node engines, labelled by job, node and role."""
+        groups: list[dict[str, Any]] = [
+            {"targets": [f"{LOOPBACK}:{port}" for port in self.dispatcher_metrics_ports],
+             "labels": {"job": "kairos-dispatcher"}},
+        ]
+        for node in self.nodes:
+            labels = {"node": node.node_id, "role": str(node.role)}
+            groups.append({"targets": [node.url], "labels": {"job": "kairos-node", **labels}})
+            if node.sidecar_port:
+                groups.append({"targets": [node.sidecar_url],
+                               "labels": {"job": "kairos-sidecar", "__metrics_path__": SIDECAR_METRICS_PATH, **labels}})
+        return groups
+
+    def write_prometheus_targets(self, path: Path) -> Path:
+        """Write :meth:`prometheus_targets` whole (Prometheus re-reads the file when it changes)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.prometheus_targets(), indent=2))
+        tmp.replace(path)
+        return path
 
     def nodes_unseen(self) -> list[str]:
         """Ids of the cluster's nodes that some dispatcher does not route on yet: absent from its

@@ -166,6 +166,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{config.model_name}", "prompt": "Hello, Kairos", "max_tokens": 16}}\' -i'
         )
+        targets = cluster.write_prometheus_targets(workdir / "prometheus-targets.json")
+        print(f"watch it: kairos top --dispatcher http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}")
+        print(f"Prometheus targets (file_sd): {targets}")
         print("Ctrl-C stops everything.", flush=True)
         # A child that exits is restarted (a crash loop gives up on that child only); the rest
         # of the cluster keeps serving meanwhile, as it does for any node fault.
