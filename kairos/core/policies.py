@@ -430,6 +430,17 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, params
 
 
+def validate_gateway_policy(spec: str) -> None:
+    """Fail at startup, not at the first request: the spec must parse, and it must not need the
+    simulator's true state (the Oracle)."""
+    name, _ = parse_policy_spec(spec)
+    if name == "oracle":
+        raise UnknownPolicyError(
+            f"the oracle policy needs the simulator's true state; the gateway runs one of "
+            f"{[n for n in POLICY_NAMES if n != 'oracle']}"
+        )
+
+
 def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None = None) -> Policy:
     """Build a policy from a spec string; ``base`` supplies the SLOs and chunk candidates."""
     name, params = parse_policy_spec(spec)

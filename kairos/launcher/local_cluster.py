@@ -22,6 +22,7 @@ from pathlib import Path
 from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.common.errors import ConfigError
+from kairos.core.policies import validate_gateway_policy
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import ManagedProcess, ProcessError, ProcessGroup, free_port, http_ready, tcp_ready
 
@@ -42,7 +43,7 @@ class LocalClusterConfig:
     profile: str = defaults.PROFILE  # packaged name, or a JSON path the dispatchers watch
     profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
     time_scale: float = 1.0  # emulated nodes run this many times faster than real time
-    policy: str = "kairos"
+    policy: str = "kairos"  # the dispatchers' policy spec (any but oracle)
     alpha: float = defaults.ALPHA
     beta: float = defaults.BETA
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
@@ -71,6 +72,7 @@ class LocalClusterConfig:
             )
         if self.time_scale <= 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
+        validate_gateway_policy(self.policy)  # before any process starts
         if self.profile_reload_s < 0:
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
 
