@@ -244,8 +244,9 @@ class DynamoPolicy:
       (2048) and effective / raw ISL < ``eff_isl_ratio_threshold`` (0.7), both strict;
     - ``load`` (``prefill_load``): the prefill worker the router would pick is busy,
       ``active_prefill_tokens > prefill_busy_threshold x max_num_batched_tokens``; the busy
-      threshold inherits ``router_queue_threshold`` when unset (4.0 in ``KvRouterConfig``'s
-      default as read; other releases document 2.0 and 16.0);
+      threshold inherits ``router_queue_threshold`` when unset, whose default has moved between
+      releases (unset, 4.0 in the ``KvRouterConfig`` default read here, 16.0 in a later router
+      README): ``busy`` defaults to 4;
     - ``either`` (``isl_or_load``): either condition.
 
     The decode-busy guard then vetoes a bypass when the decode worker's projected active KV
@@ -316,7 +317,9 @@ class AibrixPolicy:
     the seconds it needs to clear what waits. A request goes to a combined pod (one that runs
     prefill and decode itself) when some combined pod scores below 0.25 and some prefill pod,
     or else some decode pod, scores above 1.0; the combined pod with the lowest score takes it.
-    Both thresholds are constants in AIBrix; here ``low`` and ``high`` (seconds).
+    Both thresholds are constants in AIBrix; here ``low`` and ``high`` (seconds). AIBrix checks
+    this only with prompt-length bucketing on and combined pods deployed (its other use of them,
+    a prompt outside every bucket, has no counterpart here).
 
     Kairos mapping: Kairos has no separate combined pool; a decode node is the combined pod
     when it prefills a request itself. The drain score is the model's estimate of the same
