@@ -31,7 +31,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, kairos:alpha=A,beta=B[,pending=none], "
-        "oracle:alpha=A,beta=B (default pd,kairos)",
+        "oracle:alpha=A,beta=B, llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
+        "aibrix[:high=S,low=S] (default pd,kairos)",
     )
     p.add_argument("--rps", type=floats, help="request rates, e.g. 6,7,8 (default 8)")
     p.add_argument("--duration", dest="duration_s", type=float, help="simulated seconds of arrivals per point")

@@ -25,6 +25,7 @@ from typing import Any
 from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
+from kairos.core.policies import validate_gateway_policy
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import (
     ManagedProcess,
@@ -54,7 +55,7 @@ class LocalClusterConfig:
     profile: str = defaults.PROFILE  # packaged name, or a JSON path the dispatchers watch
     profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
     time_scale: float = 1.0  # emulated nodes run this many times faster than real time
-    policy: str = "kairos"
+    policy: str = "kairos"  # the dispatchers' policy spec (any but oracle)
     alpha: float = defaults.ALPHA
     beta: float = defaults.BETA
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
@@ -84,6 +85,7 @@ class LocalClusterConfig:
             )
         if self.time_scale <= 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
+        validate_gateway_policy(self.policy)  # before any process starts
         if self.profile_reload_s < 0:
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
 

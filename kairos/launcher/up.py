@@ -33,7 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", dest="gateway_port", type=int, help="gateway port (default 8000)")
     p.add_argument("--profile", help="latency profile: packaged name or JSON path")
     p.add_argument("--model", dest="model_name", help="served model name (default kairos-tiny-llama)")
-    p.add_argument("--policy", help="kairos (default) or pd")
+    p.add_argument(
+        "--policy",
+        help="kairos (default), pd, or a baseline spec: sq:theta=N, sl:l=N, llmd[:threshold=N], "
+        "dynamo[:mode=isl|load|either,...], aibrix[:high=S,low=S]",
+    )
     p.add_argument("--alpha", type=float)
     p.add_argument("--beta", type=float)
     p.add_argument("--tbt-slo-ms", type=float)
