@@ -29,7 +29,7 @@ from kairos.common.redis_client import redact_url
 from kairos.common.runtime import stop_on_signals
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
-from kairos.core.policies import NoPrefillPoolPolicy, make_policy
+from kairos.core.policies import NoPrefillPoolPolicy, make_policy, validate_gateway_policy
 from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
@@ -59,7 +59,7 @@ class DispatcherConfig:
     profile_reload_s: float = 1.0
     # Rolling MAPE window (samples per path) of the sidecars' TTFT feedback; 0 = do not read it.
     ttft_feedback_window: int = DEFAULT_WINDOW
-    policy: str = "kairos"  # routing policy spec: kairos, pd, oracle is simulator-only
+    policy: str = "kairos"  # a policy spec (kairos.core.policies): any but oracle, which is simulator-only
     alpha: float = defaults.ALPHA
     beta: float = defaults.BETA
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
@@ -93,8 +93,7 @@ class DispatcherConfig:
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ConfigError("model_dir is required: the directory with the served model's tokenizer.json")
-        if self.policy.split(":", 1)[0] == "oracle":
-            raise ConfigError("the oracle policy needs the simulator's true state; use kairos or pd")
+        validate_gateway_policy(self.policy)
         if not 0 <= self.profile_reload_s < float("inf"):
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
         if self.ttft_feedback_window < 0:

@@ -47,7 +47,14 @@ from typing import Any, NamedTuple
 
 from kairos.common import defaults
 from kairos.common.config import check_hostport
-from kairos.common.contracts import HEARTBEAT_TTL_S, Heartbeat, MalformedHeartbeat, Role, parse_heartbeat
+from kairos.common.contracts import (
+    HEARTBEAT_TTL_S,
+    Heartbeat,
+    HeartbeatField,
+    MalformedHeartbeat,
+    Role,
+    parse_heartbeat,
+)
 from kairos.common.errors import ConfigError
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
@@ -260,6 +267,7 @@ class _Node:
     sent_at: float
     reported_at: float  # poll time when this (seq, sent_at) was first seen
     from_redis: bool  # False for a static fallback node
+    beat: Heartbeat | None = None  # the last valid heartbeat (None for a static fallback node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,8 +314,9 @@ class Membership:
         return tuple(i for i in self._nodes if self.is_stale(i, now))
 
     def report(self, now: float) -> dict[str, Any]:
-        """Every node with its role, heartbeat age and staleness, and the view's status
-        (the dispatcher's ``GET /nodes``)."""
+        """Every node with its role, heartbeat age and staleness, the load its last heartbeat
+        reported (the heartbeat's field names; absent for a static fallback node), and the view's
+        status (the dispatcher's ``GET /nodes``)."""
         nodes = [
             {
                 "id": node_id,
@@ -315,6 +324,7 @@ class Membership:
                 "age_s": round(max(0.0, now - node.reported_at), 3),
                 "stale": self.is_stale(node_id, now),
                 "from_redis": node.from_redis,
+                **(_load_of(node.beat) if node.beat is not None else {}),
             }
             for node_id, node in sorted(self._nodes.items())
         ]
@@ -395,7 +405,7 @@ class Membership:
             node = None
         if node is None or not node.from_redis:
             events.append(NodeJoined(hb))
-        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True)
+        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True, beat=hb)
         self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
@@ -475,3 +485,23 @@ class Membership:
                 # kv_capacity_tokens=0: no prompt fits, so the decision core never deflects here.
                 self.tracker.update_decode(DecodeNodeState(n.node_id, 0, 0, 0, reported_at=now))
         self.static_fallback = bool(self._nodes)
+
+
+def _load_of(hb: Heartbeat) -> dict[str, Any]:
+    """A heartbeat's load fields for ``/nodes``: the prefill lists as token totals; the optional
+    engine figures only when the node reports them."""
+    f = HeartbeatField
+    load: dict[str, Any] = {
+        f.DECODE_TOKENS: hb.decode_tokens,
+        f.KV_TOKENS: hb.kv_tokens,
+        f.KV_CAPACITY_TOKENS: hb.kv_capacity_tokens,
+        f.QUEUED_PREFILL_TOKENS: sum(hb.queued_prefill_tokens),
+        f.SCHEDULED_PREFILL_TOKENS: sum(hb.scheduled_prefill_tokens),
+    }
+    optional = {
+        f.RUNNING_REQUESTS: hb.running_requests,
+        f.WAITING_REQUESTS: hb.waiting_requests,
+        f.KV_USAGE: hb.kv_usage,
+    }
+    load.update({name: value for name, value in optional.items() if value is not None})
+    return load

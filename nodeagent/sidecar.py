@@ -430,7 +430,7 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
         app.cleanup_ctx.append(feedback)
     for path in COMPLETION_PATHS:
         app.router.add_post(path, _completion)
-    app.router.add_get("/kairos/metrics", _metrics)
+    app.router.add_get(c.SIDECAR_METRICS_PATH, _metrics)
     app.router.add_get("/health", _health)
     app.router.add_route("*", "/{tail:.*}", _pass_through)
     return app

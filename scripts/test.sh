@@ -32,7 +32,7 @@ if ((${#fast[@]} + ${#integration[@]} == 0)); then
   integration=(tests/integration)
 fi
 
-KAIROS_EXTRAS=dev KAIROS_APT_PACKAGES="redis-server:redis-server" bash scripts/bootstrap.sh
+KAIROS_EXTRAS=dev KAIROS_APT_PACKAGES="redis-server:redis-server promtool:prometheus tmux:tmux" bash scripts/bootstrap.sh
 require=()  # with .venv-vllm built, a test that needs it fails instead of skipping (both runs)
 if ((${#integration[@]} > 0)); then
   bash scripts/vllm_env.sh

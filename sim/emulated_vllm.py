@@ -163,7 +163,9 @@ class _Metrics:
     prompt_tokens: Counter
     generation_tokens: Counter
     prompt_by_source: Counter
+    step_budget_overruns: Counter  # Kairos's own, beside vLLM's: the engine's count, synced at scrape
     labels: dict[str, str] = field(default_factory=dict)
+    overruns_exported: int = 0
 
     @classmethod
     def create(cls, model: str) -> _Metrics:
@@ -197,6 +199,7 @@ class _Metrics:
             prompt_by_source=Counter(
                 "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", (*names, "source"), registry=reg
             ),
+            step_budget_overruns=Counter(c.STEP_BUDGET_OVERRUNS_METRIC, c.STEP_BUDGET_OVERRUNS_HELP, registry=reg),
         )
         m.labels = {"model_name": model, "engine": "0"}
         # Both sources exist from the start, so a scrape shows zeros rather than nothing.
@@ -626,6 +629,8 @@ class EmulatedNode:
         self.metrics.running.labels(**labels).set(len(e.prefilling) + len(e.decoding) + len(e.joining))
         self.metrics.waiting.labels(**labels).set(len(e.waiting) + rt.pending_transfers + self._transferring)
         self.metrics.kv_usage.labels(**labels).set(e.kv_used / e.config.kv_capacity_tokens)
+        self.metrics.step_budget_overruns.inc(rt.step_budget_overruns - self.metrics.overruns_exported)
+        self.metrics.overruns_exported = rt.step_budget_overruns
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def state(self, request: web.Request) -> web.Response:

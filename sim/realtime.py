@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import StepField, encode_step_record
+from kairos.common.contracts import StepField, encode_step_record, overran_step_budget
 from kairos.sim.engine import Engine, Sequence, StepOutcome, StepPlan
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class RealtimeEngine:
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self.resyncs = 0  # times the loop fell over MAX_LAG_S behind and dropped the lost time
+        self.step_budget_overruns = 0  # steps over a deflected chunk's budget while decodes ran
 
     # -- clock -------------------------------------------------------------------------------
     def now(self) -> float:
@@ -205,6 +206,8 @@ class RealtimeEngine:
                 await asyncio.sleep(max(0.0, delay))
                 outcome = self.engine.finish_step(plan, end, duration)
                 self._record(plan, duration)
+                if overran_step_budget(plan.decode_tokens, (c.seq.step_budget_s for c in plan.chunks), duration):
+                    self.step_budget_overruns += 1
                 self._dispatch(outcome)
                 self._pump_kv()
         except asyncio.CancelledError:

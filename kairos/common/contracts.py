@@ -429,6 +429,26 @@ def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | No
 
 
 # ---------------------------------------------------------------------------------------------
+# Metrics the node agents export: the sidecar's path, and step-budget overruns (a node's steps that
+# broke the budget a deflected chunk carried), counted by the emulated node (its /metrics) and the
+# vLLM plugin (its state server's /metrics) alike.
+# ---------------------------------------------------------------------------------------------
+SIDECAR_METRICS_PATH = "/kairos/metrics"  # a decode sidecar's Prometheus metrics (kairos_sidecar_*)
+STEP_BUDGET_OVERRUNS_METRIC = "kairos_node_step_budget_overruns"  # a counter: exported with _total
+STEP_BUDGET_OVERRUNS_HELP = (
+    "Steps with running decodes that took longer than the step budget of a deflected chunk they "
+    "carried (the decodes' TBT went over what the dispatcher planned for)"
+)
+
+
+def overran_step_budget(decode_tokens: int, budgets_s: Iterable[float | None], duration_s: float) -> bool:
+    """Whether one step counts as an overrun: decodes ran in it (the budget protects their TBT;
+    with none running it does not apply) and it lasted longer than the tightest budget of its chunks."""
+    budgets = [b for b in budgets_s if b is not None]
+    return decode_tokens > 0 and bool(budgets) and duration_s > min(budgets)
+
+
+# ---------------------------------------------------------------------------------------------
 # The engine state: what a node's vLLM (its Kairos scheduler plugin) or emulated vLLM serves at
 # STATE_PATH for its heartbeat publisher. One encoder (both servers), one decoder (the publisher).
 # ---------------------------------------------------------------------------------------------

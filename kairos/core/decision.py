@@ -23,6 +23,15 @@ class Reason(StrEnum):
     KEEP_NO_ELIGIBLE_DECODE = "keep_no_eligible_decode"  # all decode nodes stale, busy or full
     KEEP_STATIC_RULE = "keep_static_rule"  # SQ/SL threshold did not fire
     KEEP_POLICY = "keep_policy"  # the policy never deflects (P/D baseline)
+    # The field's deciders (kairos.core.policies): <route>_<system>_<rule>
+    DEFLECT_LLMD_THRESHOLD = "deflect_llmd_threshold"  # llm-d: uncached prompt below nonCachedTokens, or it is 0
+    KEEP_LLMD_THRESHOLD = "keep_llmd_threshold"  # llm-d: uncached prompt at or above nonCachedTokens
+    DEFLECT_DYNAMO_ISL = "deflect_dynamo_isl"  # Dynamo isl_bounding: short and mostly cached
+    DEFLECT_DYNAMO_LOAD = "deflect_dynamo_load"  # Dynamo prefill_load: the chosen prefill node is busy
+    KEEP_DYNAMO_RULE = "keep_dynamo_rule"  # Dynamo: no bypass condition held
+    KEEP_DYNAMO_KV_GUARD = "keep_dynamo_kv_guard"  # Dynamo: bypass vetoed, decode KV over its busy line
+    DEFLECT_AIBRIX_DRAIN = "deflect_aibrix_drain"  # AIBrix: a pool drains slowly, a decode node is idle
+    KEEP_AIBRIX_DRAIN = "keep_aibrix_drain"  # AIBrix: no such imbalance
 
 
 @dataclass(frozen=True, slots=True)

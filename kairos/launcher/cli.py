@@ -13,7 +13,7 @@ from typing import Any
 from kairos.common.cli_types import floats, ints
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
-from kairos.launcher import replay, up
+from kairos.launcher import replay, top, up
 from kairos.launcher.local_cluster import LOG_LEVELS
 from kairos.profiling.cli import add_profile_parser
 
@@ -31,7 +31,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, kairos:alpha=A,beta=B[,pending=none], "
-        "oracle:alpha=A,beta=B (default pd,kairos)",
+        "oracle:alpha=A,beta=B, llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
+        "aibrix[:high=S,low=S] (default pd,kairos)",
     )
     p.add_argument("--rps", type=floats, help="request rates, e.g. 6,7,8 (default 8)")
     p.add_argument("--duration", dest="duration_s", type=float, help="simulated seconds of arrivals per point")
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     up.add_parser(sub)
     replay.add_parser(sub)
+    top.add_parser(sub)
     add_profile_parser(sub)
     # The cluster's processes, each also runnable as `python -m MODULE`.
     for name, module, help_text in _COMPONENTS:

@@ -20,10 +20,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kairos.common import defaults
-from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
+from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
+from kairos.core.policies import validate_gateway_policy
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import (
     ManagedProcess,
@@ -53,7 +55,7 @@ class LocalClusterConfig:
     profile: str = defaults.PROFILE  # packaged name, or a JSON path the dispatchers watch
     profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
     time_scale: float = 1.0  # emulated nodes run this many times faster than real time
-    policy: str = "kairos"
+    policy: str = "kairos"  # the dispatchers' policy spec (any but oracle)
     alpha: float = defaults.ALPHA
     beta: float = defaults.BETA
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
@@ -83,6 +85,7 @@ class LocalClusterConfig:
             )
         if self.time_scale <= 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
+        validate_gateway_policy(self.policy)  # before any process starts
         if self.profile_reload_s < 0:
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
 
@@ -385,6 +388,28 @@ class LocalCluster:
             ),
             timeout_s,
         )
+
+    def prometheus_targets(self) -> list[dict[str, Any]]:
+        """Every metrics endpoint of the cluster in Prometheus's ``file_sd`` format: dispatchers,
+        decode sidecars (their own path) and node engines, labelled by job, node and role."""
+        groups: list[dict[str, Any]] = [
+            {"targets": [f"{LOOPBACK}:{port}" for port in self.dispatcher_metrics_ports],
+             "labels": {"job": "kairos-dispatcher"}},
+        ]
+        for node in self.nodes:
+            labels = {"node": node.node_id, "role": str(node.role)}
+            groups.append({"targets": [node.url], "labels": {"job": "kairos-node", **labels}})
+            if node.sidecar_port:
+                groups.append({"targets": [node.sidecar_url],
+                               "labels": {"job": "kairos-sidecar", "__metrics_path__": SIDECAR_METRICS_PATH, **labels}})
+        return groups
+
+    def write_prometheus_targets(self, path: Path) -> Path:
+        """Write :meth:`prometheus_targets` whole (Prometheus re-reads the file when it changes)."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.prometheus_targets(), indent=2))
+        tmp.replace(path)
+        return path
 
     def nodes_unseen(self) -> list[str]:
         """Ids of the cluster's nodes that some dispatcher does not route on yet: absent from its

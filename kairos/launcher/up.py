@@ -33,7 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", dest="gateway_port", type=int, help="gateway port (default 8000)")
     p.add_argument("--profile", help="latency profile: packaged name or JSON path")
     p.add_argument("--model", dest="model_name", help="served model name (default kairos-tiny-llama)")
-    p.add_argument("--policy", help="kairos (default) or pd")
+    p.add_argument(
+        "--policy",
+        help="kairos (default), pd, or a baseline spec: sq:theta=N, sl:l=N, llmd[:threshold=N], "
+        "dynamo[:mode=isl|load|either,...], aibrix[:high=S,low=S]",
+    )
     p.add_argument("--alpha", type=float)
     p.add_argument("--beta", type=float)
     p.add_argument("--tbt-slo-ms", type=float)
@@ -166,6 +170,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{config.model_name}", "prompt": "Hello, Kairos", "max_tokens": 16}}\' -i'
         )
+        targets = cluster.write_prometheus_targets(workdir / "prometheus-targets.json")
+        print(f"watch it: kairos top --dispatcher http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}")
+        print(f"Prometheus targets (file_sd): {targets}")
         print("Ctrl-C stops everything.", flush=True)
         # A child that exits is restarted (a crash loop gives up on that child only); the rest
         # of the cluster keeps serving meanwhile, as it does for any node fault.

@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
@@ -58,6 +59,15 @@ class VllmCluster(LocalCluster):
 
     def state_url(self, node: NodeProcs) -> str:
         return f"{LOOPBACK}:{self.state_ports[node.node_id]}"
+
+    def prometheus_targets(self) -> list[dict[str, Any]]:
+        """Besides vLLM's own /metrics: each plugin state server's (step-budget overruns)."""
+        return [
+            *super().prometheus_targets(),
+            *({"targets": [self.state_url(node)],
+               "labels": {"job": "kairos-node-state", "node": node.node_id, "role": str(node.role)}}
+              for node in self.nodes),
+        ]
 
     def steps_url(self, node_id: str) -> str:
         return f"http://{LOOPBACK}:{self.state_ports[node_id]}{STEPS_PATH}"

@@ -43,6 +43,7 @@ from kairos.common.contracts import (
     MalformedSchedule,
     StepChunk,
     encode_engine_state,
+    overran_step_budget,
     parse_schedule_xargs,
 )
 from kairos.common.errors import KairosError
@@ -85,6 +86,8 @@ class KairosScheduler(Scheduler):
         )
         self._step_index = 0
         self._pending_step: tuple[int, float, int, int, tuple[StepChunk, ...]] | None = None
+        # A step that carries a budgeted chunk while decodes run: (start, decodes, budget s).
+        self._budgeted_step: tuple[float, int, float] | None = None
         self._server = (
             StateServer(self.kairos.state_host, self.kairos.state_port, self._recorder)
             if self.kairos.state_port
@@ -153,9 +156,14 @@ class KairosScheduler(Scheduler):
             chunks.append(StepChunk(rid, n, cached))
             if rid in self._chunk_steps:
                 self._chunk_steps[rid] += 1
+        started = time.time()
         if self._recorder is not None and output.total_num_scheduled_tokens > 0:
-            self._pending_step = (self._step_index, time.time(), step_decodes, kv, tuple(chunks))
+            self._pending_step = (self._step_index, started, step_decodes, kv, tuple(chunks))
             self._step_index += 1
+        owner = self._plans.get(self._step_owner) if self._step_owner is not None else None
+        self._budgeted_step = None
+        if owner is not None and owner.step_budget_s is not None and step_decodes > 0:
+            self._budgeted_step = (started, step_decodes, owner.step_budget_s)
         return output
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -211,6 +219,11 @@ class KairosScheduler(Scheduler):
             index, start, decodes, kv, chunks = self._pending_step
             self._pending_step = None
             self._recorder.record(EngineStep(index, start, ended - start, decodes, kv, chunks))
+        if self._budgeted_step is not None and self._server is not None:
+            start, decodes, budget_s = self._budgeted_step
+            self._budgeted_step = None
+            if overran_step_budget(decodes, (budget_s,), ended - start):
+                self._server.count_step_budget_overrun()
         result = super().update_from_output(scheduler_output, model_runner_output)
         if len(self._plans) > len(self.requests) or any(rid not in self.requests for rid in self._plans):
             for rid in [r for r in self._plans if r not in self.requests]:

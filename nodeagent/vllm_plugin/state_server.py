@@ -1,9 +1,10 @@
-"""The local channel from the vLLM engine process to the heartbeat publisher.
+"""The local channel from the vLLM engine process to the heartbeat publisher (and Prometheus).
 
 A daemon thread serves ``GET /kairos/state`` (the newest snapshot, as bytes the scheduler
 thread swapped in whole) and ``GET /kairos/steps?since=N`` (the step recorder's ring) on
 loopback (paths and formats: :mod:`kairos.common.contracts`). The publisher polls it every
 heartbeat period, so the engine never writes to Redis and a slow reader never slows a step.
+``GET /metrics`` serves what vLLM's own ``/metrics`` cannot know: the step-budget overruns.
 """
 
 from __future__ import annotations
@@ -15,16 +16,30 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from kairos.common.contracts import STATE_PATH, STEPS_PATH, STEPS_SINCE, encode_steps_page, parse_steps_since
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from kairos.common.contracts import (
+    STATE_PATH,
+    STEP_BUDGET_OVERRUNS_HELP,
+    STEP_BUDGET_OVERRUNS_METRIC,
+    STEPS_PATH,
+    STEPS_SINCE,
+    encode_steps_page,
+    parse_steps_since,
+)
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 
 log = logging.getLogger(__name__)
+
+METRICS_PATH = "/metrics"
 
 
 class StateServer:
     def __init__(self, host: str, port: int, recorder: StepRecorder | None = None) -> None:
         self._snapshot: bytes | None = None
         self._recorder = recorder
+        self._registry = CollectorRegistry()
+        self._overruns = Counter(STEP_BUDGET_OVERRUNS_METRIC, STEP_BUDGET_OVERRUNS_HELP, registry=self._registry)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,6 +53,8 @@ class StateServer:
                         self._reply(HTTPStatus.OK, body)
                 elif url.path == STEPS_PATH:
                     self._steps(parse_qs(url.query).get(STEPS_SINCE, ["0"])[0])
+                elif url.path == METRICS_PATH:
+                    self._reply(HTTPStatus.OK, generate_latest(server._registry), CONTENT_TYPE_LATEST)
                 else:
                     self._reply(HTTPStatus.NOT_FOUND, _error(f"no route {url.path}; try {STATE_PATH}"))
 
@@ -53,10 +70,10 @@ class StateServer:
                 rec = server._recorder
                 self._reply(HTTPStatus.OK, encode_steps_page(rec.node, rec.next_index, rec.since(start)).encode())
 
-            def _reply(self, status: HTTPStatus, body: bytes) -> None:
+            def _reply(self, status: HTTPStatus, body: bytes, content_type: str = "application/json") -> None:
                 try:
                     self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body)
@@ -78,6 +95,9 @@ class StateServer:
     def publish(self, snapshot: bytes | None) -> None:
         """The newest state JSON; None withdraws it (503: the publisher stops beating)."""
         self._snapshot = snapshot  # one reference swap: readers see the old or the new, whole
+
+    def count_step_budget_overrun(self) -> None:
+        self._overruns.inc()
 
     def close(self) -> None:
         self._httpd.shutdown()

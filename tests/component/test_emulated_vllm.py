@@ -23,7 +23,7 @@ from aiohttp import web
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.config import load_config
-from kairos.common.contracts import Role
+from kairos.common.contracts import STEP_BUDGET_OVERRUNS_METRIC, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
@@ -658,3 +658,39 @@ async def test_cli_listens_and_stops_on_sigterm(model_dir: Path, http: aiohttp.C
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_steps_over_a_deflected_chunks_budget_while_decodes_run_are_counted() -> None:
+    """The emulated node's own guard keeps its chunks within budget (its timer is its model), so
+    the count is driven here by an engine with no guard and a step time over the budget."""
+    engine = Engine(EngineConfig("r1", Role.DECODE, 256, kv_capacity_tokens=10_000), lambda role, plan: 0.05,
+                    track_tokens=True)
+    rt = RealtimeEngine(engine, time_scale=50.0)
+    rt.start()
+    try:
+        # Alone on the node (no decode runs): its chunks carry a budget but protect nobody.
+        alone = rt.submit(Seq("alone", 300, 1, schedule=(100,), step_budget_s=0.01))
+        [e async for e in alone]
+        assert rt.step_budget_overruns == 0
+        await rt.reserve_kv(10)
+        decoding = rt.accept_transferred(Seq("decoding", 10, 60), 10)  # outlasts the six chunk steps
+        # Three chunks of 100 while "decoding" runs: each 0.05 s step is over the 0.01 s budget ...
+        over = rt.submit(Seq("over", 300, 1, schedule=(100,), step_budget_s=0.01))
+        [e async for e in over]
+        # ... and three within a 1 s budget are not.
+        within = rt.submit(Seq("within", 300, 1, schedule=(100,), step_budget_s=1.0))
+        [e async for e in within]
+        assert len([e async for e in decoding]) == 60
+        assert rt.step_budget_overruns == 3
+    finally:
+        await rt.stop()
+
+
+async def test_metrics_export_the_step_budget_overruns(decode: Node, http: aiohttp.ClientSession) -> None:
+    name = f"{STEP_BUDGET_OVERRUNS_METRIC}_total"
+    assert (await metrics(http, decode.url))[name] == 0  # exported from the start
+    assert decode.node.rt is not None
+    decode.node.rt.step_budget_overruns = 3
+    assert (await metrics(http, decode.url))[name] == 3
+    decode.node.rt.step_budget_overruns = 5
+    assert (await metrics(http, decode.url))[name] == 5  # scraped twice, counted once

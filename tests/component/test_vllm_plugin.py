@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kairos.common.contracts import (
+    STEP_BUDGET_OVERRUNS_METRIC,
     EngineStep,
     StepChunk,
     encode_engine_state,
@@ -132,6 +133,25 @@ def test_state_server_without_recorder_says_how_to_turn_it_on() -> None:
     try:
         status, body = _get(f"http://127.0.0.1:{server.port}/kairos/steps")
         assert status == 404 and "KAIROS_VLLM_RECORD_STEPS" in body["error"]["message"]
+    finally:
+        server.close()
+
+
+def test_state_server_exports_the_step_budget_overruns() -> None:
+    server = StateServer("127.0.0.1", 0)
+
+    def overruns() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            text = resp.read().decode()
+        return float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith(f"{STEP_BUDGET_OVERRUNS_METRIC}_total ")))
+
+    try:
+        assert overruns() == 0  # exported from the start
+        server.count_step_budget_overrun()
+        server.count_step_budget_overrun()
+        assert overruns() == 2
     finally:
         server.close()
 

@@ -65,6 +65,15 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
         assert f"127.0.0.1:{port}" in curl
         result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
         assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
+        # The printed `kairos top` line shows the cluster; the Prometheus targets file lists its dispatcher.
+        watch = shlex.split(_read_until(proc, lines, "kairos top --dispatcher", 30).split(":", 1)[1])
+        assert watch[:2] == ["kairos", "top"]
+        shown = subprocess.run([sys.executable, "-m", "kairos", *watch[1:], "--iterations", "1", "--plain"],
+                               capture_output=True, text=True, timeout=60, check=True).stdout
+        assert [line.split()[:2] for line in shown.splitlines() if line[:2] in ("p0", "p1", "d0", "d1")] == [
+            ["d0", "decode"], ["d1", "decode"], ["p0", "prefill"], ["p1", "prefill"]], shown
+        targets = (workdir / "prometheus-targets.json").read_text()
+        assert watch[-1].removeprefix("http://") in targets
         # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
         logs = workdir / "logs"
         assert "DEBUG kairos.extproc.dispatcher: request " in (logs / "dispatcher0.log").read_text()

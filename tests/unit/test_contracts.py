@@ -259,3 +259,12 @@ def test_steps_since() -> None:
     for bad in ("-1", "x", ""):
         with pytest.raises(ValueError, match=f"since must be a non-negative integer, got {bad!r}"):
             c.parse_steps_since(bad)
+
+
+def test_a_step_overruns_its_budget_only_over_the_tightest_budget_with_decodes_running() -> None:
+    assert c.overran_step_budget(3, [0.07, None], 0.08)
+    assert c.overran_step_budget(3, [0.2, 0.07], 0.08)  # the tightest chunk budget counts
+    assert not c.overran_step_budget(3, [0.07], 0.07)  # on the budget is within it
+    assert not c.overran_step_budget(0, [0.07], 0.5)  # no decode ran: the budget protected nobody
+    assert not c.overran_step_budget(3, [None], 0.5)  # no chunk carried a budget
+    assert not c.overran_step_budget(3, [], 0.5)

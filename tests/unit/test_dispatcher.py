@@ -334,6 +334,81 @@ async def test_route_outcome(harness: HarnessFactory, case: RouteCase) -> None:
     assert h.cluster.recorded == [(decision, NOW)]
 
 
+@dataclass(frozen=True)
+class AnchorCase:
+    policy: str
+    cluster: dict[str, Any]  # make_cluster keywords
+    route: Route
+    reason: Reason
+    decode_node: str
+    reservations: tuple[str, ...]
+
+
+ANCHOR_CASES = [
+    pytest.param(
+        AnchorCase("llmd:threshold=2000", {}, Route.DEFLECT, Reason.DEFLECT_LLMD_THRESHOLD, "d0", ("d0",)),
+        id="llmd: 1000 tokens below 2000 prefill on the least-loaded d0, reserved",
+    ),
+    pytest.param(
+        AnchorCase(
+            "llmd:threshold=2000", {"refuse": ("d0",)}, Route.DEFLECT, Reason.DEFLECT_LLMD_THRESHOLD, "d1", ("d0", "d1")
+        ),
+        id="llmd: d0 reserved elsewhere, d1 takes it",
+    ),
+    pytest.param(
+        AnchorCase("llmd", {}, Route.KEEP, Reason.KEEP_LLMD_THRESHOLD, "d0", ()),
+        id="llmd defaults: 1000 >= 16 uncached tokens disaggregate",
+    ),
+    pytest.param(
+        AnchorCase(
+            "dynamo:mode=load",
+            {"prefill_queue": LOADED_QUEUE},
+            Route.DEFLECT,
+            Reason.DEFLECT_DYNAMO_LOAD,
+            "d0",
+            ("d0",),
+        ),
+        id="dynamo load: 32000 queued tokens > 4 x 2048 bypass to d0",
+    ),
+    pytest.param(
+        AnchorCase("dynamo", {"prefill_queue": LOADED_QUEUE}, Route.KEEP, Reason.KEEP_DYNAMO_RULE, "d0", ()),
+        id="dynamo isl_bounding: an uncached prompt never bypasses",
+    ),
+    pytest.param(
+        AnchorCase(
+            "aibrix", {"prefill_queue": LOADED_QUEUE}, Route.DEFLECT, Reason.DEFLECT_AIBRIX_DRAIN, "d0", ("d0",)
+        ),
+        id="aibrix: the prefill pool drains slowly, d0 is idle: combined",
+    ),
+    pytest.param(
+        AnchorCase("aibrix", {}, Route.KEEP, Reason.KEEP_AIBRIX_DRAIN, "d0", ()),
+        id="aibrix: idle pool keeps P/D",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ANCHOR_CASES)
+async def test_the_fields_deciders_route_through_the_gateway(
+    harness: HarnessFactory, models: LatencyModels, case: AnchorCase
+) -> None:
+    """The gateway runs the field's deciders as it runs Kairos: a deflection wins its decode
+    node's reservation and carries its fixed-budget schedule, with no step budget."""
+    h = harness(make_cluster(**case.cluster), make_policy(case.policy, models))
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+
+    assert isinstance(routed, Routed), routed
+    headers = headers_of(routed)
+    assert (headers[c.H_ROUTE], headers[c.H_REASON]) == (case.route.value, case.reason.value)
+    assert headers[c.H_DECODE_NODE] == case.decode_node
+    assert h.cluster.reservations == [(node, OWNER) for node in case.reservations]
+    assert h.sample("kairos_dispatcher_decisions_total", route=case.route.value, reason=case.reason.value) == 1
+    if case.route is Route.DEFLECT:
+        assert headers[c.H_CHUNK_SCHEDULE] == "1000"  # 1000 tokens fit one step of 4096 minus 8 or 16 decodes
+        assert c.H_STEP_BUDGET_MS not in headers and c.H_PREFILL_HOST not in headers
+    else:
+        assert headers[c.H_PREFILL_HOST] == ADDRESSES["p0"].url
+
+
 async def test_chat_request_is_counted_with_the_template_and_routed(
     harness: HarnessFactory, tokenizer: PromptTokenizer
 ) -> None:

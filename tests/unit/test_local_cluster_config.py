@@ -25,3 +25,21 @@ def test_the_engines_get_the_cluster_log_level(tmp_path: Path) -> None:
     cluster.model_dir = tmp_path / "model"
     argv = list(cluster.engine_process(NodeProcs("d0", "decode", 8101, 8201)).argv)
     assert argv[argv.index("--log-level") + 1] == "DEBUG"
+
+
+@pytest.mark.parametrize("policy", ["kairos", "pd", "llmd:threshold=2048", "dynamo:mode=either", "aibrix"])
+def test_the_gateway_policies_are_accepted(policy: str) -> None:
+    assert LocalClusterConfig(policy=policy).policy == policy
+
+
+@pytest.mark.parametrize(
+    ("policy", "fragment"),
+    [
+        pytest.param("oracle", "needs the simulator's true state", id="oracle is simulator-only"),
+        pytest.param("fifo", "unknown policy 'fifo'", id="unknown name"),
+        pytest.param("dynamo:threshold=8", "bad parameter 'threshold=8'", id="unknown parameter"),
+    ],
+)
+def test_a_policy_the_gateway_cannot_run_fails_before_any_process_starts(policy: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        LocalClusterConfig(policy=policy)

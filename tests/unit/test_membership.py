@@ -286,14 +286,21 @@ def test_static_nodes_have_zero_load_and_no_kv_room() -> None:
 
 def test_the_nodes_report() -> None:
     m = Membership(MembershipConfig(stale_after_s=0.35))
-    m.poll_succeeded([("p0", beat("p0", 1)), ("d0", beat("d0", 1))], 10.0)
-    m.poll_succeeded([("p0", beat("p0", 2)), ("d0", beat("d0", 1))], 10.3)
+    d0 = beat("d0", 1, decode_tokens=3, kv_tokens=900, scheduled_prefill_tokens=[512, 100], running_requests=4,
+              waiting_requests=1, kv_usage=0.02)
+    m.poll_succeeded([("p0", beat("p0", 1)), ("d0", d0)], 10.0)
+    m.poll_succeeded([("p0", beat("p0", 2, queued_prefill_tokens=[3000, 1000])), ("d0", d0)], 10.3)
+    load = {"decode_tokens": 0, "kv_tokens": 0, "kv_capacity_tokens": 50_000, "queued_prefill_tokens": 0,
+            "scheduled_prefill_tokens": 0}
     assert m.report(10.3) == {
         "status": "ok",
         "static_fallback": False,
         "nodes": [
-            {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True},
-            {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True},
+            {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True,
+             **load, "decode_tokens": 3, "kv_tokens": 900, "scheduled_prefill_tokens": 612,
+             "running_requests": 4, "waiting_requests": 1, "kv_usage": 0.02},
+            {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True,
+             **load, "queued_prefill_tokens": 4000},  # the load of its newest beat
         ],
         "rejected_heartbeats": dict.fromkeys(map(str, RejectReason), 0),
         "rejecting": [],

@@ -1,4 +1,5 @@
-"""Routing policies: spec parsing, the static SQ/SL rules, P/D and Kairos/Oracle.
+"""Routing policies: spec parsing, the static SQ/SL rules, P/D and Kairos/Oracle, and the field's
+deciders (llm-d, Dynamo, AIBrix).
 
 Flat models (builders): prefill step 0.010 + 1e-4 n; a decode-node step of p prefill tokens
 beside B decodes costs 0.040 + 0.001 B + 1e-4 p. Prefill nodes have chi_p = 1000, so Eq. 1 for
@@ -8,13 +9,23 @@ queue Q and prompt l <= 1000 is Q/1000 x 0.110 + 0.010 + 1e-4 l.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError, UnknownPolicyError
 from kairos.core.algorithm import DeciderConfig, decide
 from kairos.core.decision import Reason, Route
-from kairos.core.policies import KairosPolicy, PDPolicy, StaticPolicy, make_policy, parse_policy_spec
+from kairos.core.policies import (
+    AibrixPolicy,
+    DynamoPolicy,
+    KairosPolicy,
+    LlmdPolicy,
+    PDPolicy,
+    StaticPolicy,
+    make_policy,
+    parse_policy_spec,
+)
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
 
@@ -66,6 +77,58 @@ PARSED = [
         id="oracle-sees-true-state-no-pending-limit",
     ),
     pytest.param("  KAIROS : Alpha = 1.5 ", KairosPolicy, {"config.alpha": 1.5}, id="case-and-spaces-tolerated"),
+    pytest.param(
+        "llmd",
+        LlmdPolicy,
+        {"threshold": 16, "chunk_tokens": 4096, "label": "llmd(threshold=16)", "fresh_state": False},
+        id="llmd-defaults: nonCachedTokens 16, the decode nodes' 4096-token step budget",
+    ),
+    pytest.param(
+        "llmd:threshold=0,chunk=512",
+        LlmdPolicy,
+        {"threshold": 0, "chunk_tokens": 512, "label": "llmd(threshold=0,chunk=512)"},
+        id="llmd-threshold-0-and-chunk",
+    ),
+    pytest.param(
+        "dynamo",
+        DynamoPolicy,
+        {
+            "mode": "isl",
+            "isl_tokens": 2048,
+            "isl_ratio": 0.7,
+            "prefill_busy": 4.0,
+            "kv_busy": 0.5,
+            "chunk_tokens": 4096,
+            "label": "dynamo(mode=isl,isl=2048,ratio=0.7,busy=4,kv=0.5)",
+            "fresh_state": False,
+        },
+        id="dynamo-defaults: isl_bounding 2048 / 0.7, busy 4, KV guard 0.5",
+    ),
+    pytest.param(
+        "dynamo:mode=Either,isl=1024,ratio=0.5,busy=1.5,kv=off",
+        DynamoPolicy,
+        {
+            "mode": "either",
+            "isl_tokens": 1024,
+            "isl_ratio": 0.5,
+            "prefill_busy": 1.5,
+            "kv_busy": None,
+            "label": "dynamo(mode=either,isl=1024,ratio=0.5,busy=1.5,kv=off)",
+        },
+        id="dynamo-every-parameter",
+    ),
+    pytest.param(
+        "aibrix",
+        AibrixPolicy,
+        {"high_s": 1.0, "low_s": 0.25, "chunk_tokens": 4096, "label": "aibrix(high=1,low=0.25)"},
+        id="aibrix-defaults: high 1 s, low 0.25 s",
+    ),
+    pytest.param(
+        "aibrix:high=2,low=0.5,chunk=128",
+        AibrixPolicy,
+        {"high_s": 2.0, "low_s": 0.5, "chunk_tokens": 128, "label": "aibrix(high=2,low=0.5,chunk=128)"},
+        id="aibrix-every-parameter",
+    ),
 ]
 
 
@@ -118,6 +181,21 @@ UNKNOWN = [
     pytest.param("kairos:pending=many", ["pending='many' is not a int"], id="pending-not-a-number"),
     pytest.param("sq:theta=-1", ["threshold=-1 must be >= 0"], id="negative-theta"),
     pytest.param("sl:chunk=1", ["chunk=1 >= 2"], id="chunk-below-2"),
+    pytest.param("llmd:l=100", ["bad parameter 'l=100'", "'threshold'", "'chunk'"], id="llmd-takes-threshold"),
+    pytest.param("llmd:threshold=-1", ["threshold=-1 must be >= 0"], id="llmd-negative-threshold"),
+    pytest.param("llmd:threshold=1e3", ["threshold='1e3' is not a int"], id="llmd-threshold-not-an-integer"),
+    pytest.param("llmd:chunk=1", ["chunk=1 must be >= 2"], id="llmd-chunk-below-2"),
+    pytest.param("dynamo:mode=fast", ["mode='fast' must be one of", "'isl'", "'load'", "'either'"], id="dynamo-mode"),
+    pytest.param("dynamo:ratio=1.5", ["ratio=1.5 must be in [0, 1]"], id="dynamo-ratio-over-1"),
+    pytest.param("dynamo:ratio=nan", ["ratio=nan must be in [0, 1]"], id="dynamo-ratio-nan"),
+    pytest.param("dynamo:kv=2", ["kv=2.0 must be in [0, 1]"], id="dynamo-kv-over-1"),
+    pytest.param("dynamo:kv=on", ["kv='on' is not a float"], id="dynamo-kv-neither-number-nor-off"),
+    pytest.param("dynamo:busy=-1", ["busy=-1.0 must be in [0, inf]"], id="dynamo-negative-busy"),
+    pytest.param("dynamo:isl=-5", ["isl=-5 must be >= 0"], id="dynamo-negative-isl"),
+    pytest.param("dynamo:threshold=8", ["bad parameter 'threshold=8'", "'mode'", "'kv'"], id="dynamo-unknown-param"),
+    pytest.param("aibrix:low=-0.1", ["low=-0.1 must be in [0, inf]"], id="aibrix-negative-low"),
+    pytest.param("aibrix:high=x", ["high='x' is not a float"], id="aibrix-high-not-a-number"),
+    pytest.param("aibrix:theta=1", ["bad parameter 'theta=1'", "'high'", "'low'"], id="aibrix-unknown-param"),
 ]
 
 
@@ -151,7 +229,9 @@ def test_make_policy_rejects_out_of_range_values(spec: str, fragment: str) -> No
 # Static rules (default config: tau = 0.070, which they ignore)
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StaticCase:
+class RuleCase:
+    """One decision of a rule-based policy (static rules and the field's deciders)."""
+
     spec: str
     prompt: int
     prefill: tuple[PrefillNodeState, ...]
@@ -170,7 +250,7 @@ B28 = (decode_node("d1", b=28),)
 SQ_DEFLECT = {"chunks": (100, 100, 50), "step_times": (0.078, 0.078, 0.073), "ttft_dec": 0.229}
 STATIC_CASES = [
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=1",
             prompt=250,
             prefill=TWO_BUSY,
@@ -183,7 +263,7 @@ STATIC_CASES = [
         id="sq1: both queues hold 2 > 1: deflects 100 (chi-B) per step, TBT ignored",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=1",
             prompt=250,
             prefill=(prefill_node("p1", (100, 100)), prefill_node("p2", (100,))),
@@ -195,7 +275,7 @@ STATIC_CASES = [
         id="sq1: one queue holds exactly 1: keeps",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=1",
             prompt=250,
             prefill=(prefill_node("p1", (100, 100)), prefill_node("p2", reported_at=-1.0)),
@@ -208,7 +288,7 @@ STATIC_CASES = [
         id="sq1: the stale idle prefill node is not counted: deflects",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=1",
             prompt=250,
             prefill=(prefill_node("p1", (100, 100), reported_at=-1.0),),
@@ -220,7 +300,7 @@ STATIC_CASES = [
         id="sq1: no fresh prefill node: never fires",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=0",
             prompt=250,
             prefill=(prefill_node("p1"),),
@@ -232,7 +312,7 @@ STATIC_CASES = [
         id="sq0: an empty queue does not exceed 0: keeps",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sq:theta=0",
             prompt=250,
             prefill=(prefill_node("p1", (5,)),),
@@ -246,7 +326,7 @@ STATIC_CASES = [
     ),
     # B=8 is the least loaded (T0 0.048 vs 0.068): 120 per step at 0.060, the last 59 at 0.0539
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=299,
             prefill=(prefill_node(),),
@@ -261,7 +341,7 @@ STATIC_CASES = [
         id="sl300: 299 tokens deflect to the least loaded node, 120 per step",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=300,
             prefill=(prefill_node(),),
@@ -273,7 +353,7 @@ STATIC_CASES = [
         id="sl300: 300 tokens is not below l: keeps",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=2000,
             prefill=TWO_BUSY,
@@ -286,7 +366,7 @@ STATIC_CASES = [
     ),
     # chi = 256: 228 per step at 0.068 + 0.0228, the last 71 at 0.068 + 0.0071
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300,chunk=256",
             prompt=299,
             prefill=(prefill_node(),),
@@ -301,7 +381,7 @@ STATIC_CASES = [
         id="sl300 chunk 256: 228 (chi-B) per step",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=299,
             prefill=(prefill_node(),),
@@ -313,7 +393,7 @@ STATIC_CASES = [
         id="sl300: B=128 leaves no room in a 128 step: no eligible node",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=299,
             prefill=(prefill_node(),),
@@ -325,7 +405,7 @@ STATIC_CASES = [
         id="sl300: stale decode node: no eligible node",
     ),
     pytest.param(
-        StaticCase(
+        RuleCase(
             spec="sl:l=300",
             prompt=299,
             prefill=(prefill_node(),),
@@ -339,8 +419,7 @@ STATIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", STATIC_CASES)
-def test_static_policy(case: StaticCase) -> None:
+def check_rule_case(case: RuleCase) -> None:
     d = make_policy(case.spec, FLAT).decide(case.prompt, view(case.prefill, case.decode), 0.0)
     assert (d.route, d.reason, d.decode_node) == (case.route, case.reason, case.decode_node)
     assert d.chunk_sizes == case.chunks
@@ -348,9 +427,15 @@ def test_static_policy(case: StaticCase) -> None:
     assert d.predicted_ttft_decode_s == pytest.approx(case.ttft_dec)
     if d.route is Route.DEFLECT:
         assert d.prefill_node is None
-        assert d.step_budget_s is None  # static rules send no TBT guard
+        assert d.step_budget_s is None  # no rule-based policy sends a TBT guard
+        assert d.planned_decode_tokens == next(n.decode_tokens for n in case.decode if n.node_id == case.decode_node)
     else:
         assert d.prefill_node is not None
+
+
+@pytest.mark.parametrize("case", STATIC_CASES)
+def test_static_policy(case: RuleCase) -> None:
+    check_rule_case(case)
 
 
 def test_static_policy_costs_later_chunks_with_the_cached_prefill() -> None:
@@ -366,6 +451,378 @@ def test_static_deflection_reports_the_prefill_estimate() -> None:
     # both nodes Q=200: 0.2 x 0.110 + 0.010 + 0.025 = 0.057
     d = make_policy("sq:theta=1", FLAT).decide(250, view(TWO_BUSY, B28), 0.0)
     assert d.predicted_ttft_prefill_s == pytest.approx(0.057)
+
+
+# ---------------------------------------------------------------------------------------------
+# The field's deciders. With chunk=128 beside B=28 a 250-token prompt runs as SQ_DEFLECT above
+# (the fixed 128-token budget, decodes first, TBT ignored); with the default 4096-token budget a
+# short prompt is one step.
+# ---------------------------------------------------------------------------------------------
+IDLE = (prefill_node(),)
+B28_B8 = (decode_node("d1", b=28), decode_node("d2", b=8))
+# B=8, chi=128: 120 per step at 0.048 + 0.012, the last 10 at 0.048 + 0.001
+TO_D2 = {"chunks": (120, 120, 10), "step_times": (0.060, 0.060, 0.049), "ttft_dec": 0.169}
+
+
+def rule(
+    spec: str,
+    prompt: int,
+    prefill: tuple[PrefillNodeState, ...],
+    decode: tuple[DecodeNodeState, ...],
+    route: Route,
+    reason: Reason,
+    node: str = "d1",
+    **expected: Any,
+) -> RuleCase:
+    """A RuleCase written on one line: the decision's route, reason and node, then its schedule."""
+    return RuleCase(spec, prompt, prefill, decode, route, reason, node, **expected)
+
+
+D, K = Route.DEFLECT, Route.KEEP
+LLMD_CASES = [
+    pytest.param(
+        rule("llmd:threshold=251,chunk=128", 250, IDLE, B28, D, Reason.DEFLECT_LLMD_THRESHOLD, **SQ_DEFLECT),
+        id="250 uncached tokens below 251: the decode node prefills it",
+    ),
+    pytest.param(
+        rule("llmd:threshold=250,chunk=128", 250, IDLE, B28, K, Reason.KEEP_LLMD_THRESHOLD),
+        id="250 at the threshold: disaggregates",
+    ),
+    pytest.param(
+        rule("llmd:threshold=249,chunk=128", 250, IDLE, B28, K, Reason.KEEP_LLMD_THRESHOLD),
+        id="250 above 249: disaggregates",
+    ),
+    pytest.param(
+        rule("llmd:threshold=0,chunk=128", 250, TWO_BUSY, B28, D, Reason.DEFLECT_LLMD_THRESHOLD, **SQ_DEFLECT),
+        id="threshold 0 turns disaggregation off: every request on its decode node",
+    ),
+    pytest.param(
+        rule(
+            "llmd",
+            15,
+            IDLE,
+            (decode_node("d1"),),
+            D,
+            Reason.DEFLECT_LLMD_THRESHOLD,
+            chunks=(15,),
+            step_times=(0.0415,),
+            ttft_dec=0.0415,
+        ),
+        id="defaults: 15 tokens below 16, one step of the 4096-token budget",
+    ),
+    pytest.param(
+        rule("llmd", 16, IDLE, (decode_node("d1"),), K, Reason.KEEP_LLMD_THRESHOLD),
+        id="defaults: 16 tokens disaggregate",
+    ),
+    pytest.param(
+        rule(
+            "llmd:threshold=2048",
+            2047,
+            IDLE,
+            B28,
+            D,
+            Reason.DEFLECT_LLMD_THRESHOLD,
+            chunks=(2047,),
+            step_times=(0.2727,),
+            ttft_dec=0.2727,
+        ),
+        id="2047 tokens in one unguarded 0.27 s step (tau 0.070 ignored)",
+    ),
+    pytest.param(
+        rule("llmd:threshold=300,chunk=128", 250, IDLE, B28_B8, D, Reason.DEFLECT_LLMD_THRESHOLD, "d2", **TO_D2),
+        id="the least-loaded decode node takes it",
+    ),
+    pytest.param(
+        rule(
+            "llmd:threshold=300,chunk=128",
+            250,
+            IDLE,
+            (decode_node("d1", b=28, reported_at=-1.0),),
+            K,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+        ),
+        id="a stale decode node is never handed a prefill",
+    ),
+    pytest.param(
+        rule("llmd:threshold=300,chunk=128", 250, IDLE, (decode_node("d1", b=128),), K, Reason.KEEP_NO_ELIGIBLE_DECODE),
+        id="decodes fill the 128-token budget: no room to prefill",
+    ),
+    pytest.param(
+        rule(
+            "llmd:threshold=300,chunk=128",
+            250,
+            IDLE,
+            (decode_node("d1", b=28, k=800, capacity=1000),),
+            K,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+        ),
+        id="200 free KV tokens for 250: kept",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", LLMD_CASES)
+def test_llmd_policy(case: RuleCase) -> None:
+    check_rule_case(case)
+
+
+BUSY = (prefill_node(queue=(4001,)),)  # chi_p = 1000: 4001 queued tokens > 4 x 1000
+DYNAMO_CASES = [
+    pytest.param(
+        rule("dynamo:chunk=128", 250, (prefill_node(queue=(100_000,)),), B28, K, Reason.KEEP_DYNAMO_RULE),
+        id="isl_bounding: effective/raw = 1 >= 0.7 without a prefix cache, however loaded the pool",
+    ),
+    pytest.param(
+        rule("dynamo:mode=load,chunk=128", 250, (prefill_node(queue=(4000,)),), B28, K, Reason.KEEP_DYNAMO_RULE),
+        id="prefill_load: 4000 queued tokens = 4 x chi_p is not busy",
+    ),
+    pytest.param(
+        rule("dynamo:mode=load,chunk=128", 250, BUSY, B28, D, Reason.DEFLECT_DYNAMO_LOAD, **SQ_DEFLECT),
+        id="prefill_load: 4001 > 4 x chi_p is busy: bypass",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            (prefill_node(queue=(2000, 2001)),),
+            B28,
+            D,
+            Reason.DEFLECT_DYNAMO_LOAD,
+            **SQ_DEFLECT,
+        ),
+        id="prefill_load counts every queued request's tokens",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            (prefill_node("p1", (5000,)), prefill_node("p2", (100,))),
+            B28,
+            K,
+            Reason.KEEP_DYNAMO_RULE,
+        ),
+        id="prefill_load reads the prefill node it would pick (p2, idle), not the busiest",
+    ),
+    pytest.param(
+        rule("dynamo:mode=load,busy=0,chunk=128", 250, IDLE, B28, K, Reason.KEEP_DYNAMO_RULE),
+        id="busy 0: an empty queue is not busy",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,busy=0,chunk=128",
+            250,
+            (prefill_node(queue=(1,)),),
+            B28,
+            D,
+            Reason.DEFLECT_DYNAMO_LOAD,
+            **SQ_DEFLECT,
+        ),
+        id="busy 0: one queued token is busy",
+    ),
+    pytest.param(
+        rule("dynamo:mode=either,chunk=128", 250, BUSY, B28, D, Reason.DEFLECT_DYNAMO_LOAD, **SQ_DEFLECT),
+        id="either: the load condition alone bypasses",
+    ),
+    pytest.param(
+        rule("dynamo:mode=either,chunk=128", 250, IDLE, B28, K, Reason.KEEP_DYNAMO_RULE),
+        id="either: neither condition keeps",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, k=250, capacity=1000),),
+            D,
+            Reason.DEFLECT_DYNAMO_LOAD,
+            **SQ_DEFLECT,
+        ),
+        id="KV guard 0.5: 250 used + 250 = 500 of 1000 is not over",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, k=251, capacity=1000),),
+            K,
+            Reason.KEEP_DYNAMO_KV_GUARD,
+        ),
+        id="KV guard 0.5: 251 + 250 = 501 of 1000 vetoes the bypass",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, capacity=1000, backlog=(251,)),),
+            K,
+            Reason.KEEP_DYNAMO_KV_GUARD,
+        ),
+        id="KV guard counts KV promised to deflected prefills",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,kv=off,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, k=700, capacity=1000),),
+            D,
+            Reason.DEFLECT_DYNAMO_LOAD,
+            **SQ_DEFLECT,
+        ),
+        id="kv=off: 950 of 1000 still bypasses",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,kv=off,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, k=800, capacity=1000),),
+            K,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+        ),
+        id="kv=off: 200 free KV tokens for 250 cannot take it",
+    ),
+    pytest.param(
+        rule(
+            "dynamo:mode=load,chunk=128",
+            250,
+            BUSY,
+            (decode_node("d1", b=28, reported_at=-1.0),),
+            K,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+        ),
+        id="a stale decode node is never handed a prefill",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", DYNAMO_CASES)
+def test_dynamo_policy(case: RuleCase) -> None:
+    check_rule_case(case)
+
+
+@pytest.mark.parametrize(
+    ("mode", "prompt", "reason"),
+    [
+        pytest.param("isl", 2047, Reason.DEFLECT_DYNAMO_ISL, id="isl: 2047 < 2048"),
+        pytest.param("isl", 2048, Reason.KEEP_DYNAMO_RULE, id="isl: 2048 is not below 2048"),
+        pytest.param("either", 2047, Reason.DEFLECT_DYNAMO_ISL, id="either: both hold, isl named"),
+        pytest.param("load", 2047, Reason.DEFLECT_DYNAMO_LOAD, id="load ignores the ISL bound"),
+    ],
+)
+def test_dynamo_isl_bounding_is_strict(mode: str, prompt: int, reason: Reason) -> None:
+    """make_policy bounds the ratio to [0, 1] as Dynamo does, so a cache-less prompt (ratio 1)
+    never passes; built directly with a ratio above 1, the ISL bound is checked on its own."""
+    policy = DynamoPolicy(FLAT, DeciderConfig(), mode=mode, isl_ratio=1.01, kv_busy=None)
+    d = policy.decide(prompt, view(BUSY, (decode_node("d1"),)), 0.0)
+    assert d.reason == reason
+
+
+AIBRIX_BUSY = (prefill_node(queue=(9091,)),)  # Eq. 2: 9.091 x 0.110 = 1.00001 s to drain > 1 s
+AIBRIX_CASES = [
+    pytest.param(
+        rule("aibrix:chunk=128", 250, AIBRIX_BUSY, B28, D, Reason.DEFLECT_AIBRIX_DRAIN, **SQ_DEFLECT),
+        id="a prefill node drains in 1.00001 s > 1 s, d1 in 0 < 0.25 s: combined",
+    ),
+    pytest.param(
+        rule("aibrix:chunk=128", 250, (prefill_node(queue=(9090,)),), B28, K, Reason.KEEP_AIBRIX_DRAIN),
+        id="0.9999 s is not over 1 s: P/D",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:chunk=128",
+            250,
+            (prefill_node("p1", (9091,), reported_at=-1.0), prefill_node("p2")),
+            B28,
+            K,
+            Reason.KEEP_AIBRIX_DRAIN,
+        ),
+        id="a stale prefill node's queue is not counted",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:chunk=128",
+            250,
+            AIBRIX_BUSY,
+            (decode_node("d1", b=20, backlog=(400,)),),
+            K,
+            Reason.KEEP_AIBRIX_DRAIN,
+        ),
+        id="the only decode node needs 0.28 s for its backlog (>= 0.25 s): P/D",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:chunk=128",
+            250,
+            AIBRIX_BUSY,
+            (decode_node("d1", b=20, backlog=(300,)),),
+            D,
+            Reason.DEFLECT_AIBRIX_DRAIN,
+            chunks=(108, 108, 34),
+            step_times=(0.0708, 0.0708, 0.0634),
+            ttft_dec=0.205,
+        ),
+        id="backlog drains in 0.21 s < 0.25 s: combined, 108 (128 - 20) per step",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:high=0.2,chunk=128",
+            250,
+            IDLE,
+            (decode_node("d1", b=20, backlog=(300,)), decode_node("d2", b=8)),
+            D,
+            Reason.DEFLECT_AIBRIX_DRAIN,
+            "d2",
+            **TO_D2,
+        ),
+        id="idle prefill, but a decode node drains in 0.21 s > 0.2 s: the idle d2 takes it",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:chunk=128",
+            250,
+            AIBRIX_BUSY,
+            (decode_node("d1", b=28), decode_node("d2", backlog=(100,))),
+            D,
+            Reason.DEFLECT_AIBRIX_DRAIN,
+            **SQ_DEFLECT,
+        ),
+        id="lowest drain score first (d1 0 s before d2 0.05 s), though d2 is less loaded",
+    ),
+    pytest.param(
+        rule("aibrix:chunk=128", 250, AIBRIX_BUSY, B28_B8, D, Reason.DEFLECT_AIBRIX_DRAIN, "d2", **TO_D2),
+        id="equal drain scores: the less loaded node",
+    ),
+    pytest.param(
+        rule("aibrix:low=0,chunk=128", 250, AIBRIX_BUSY, B28, K, Reason.KEEP_AIBRIX_DRAIN),
+        id="low 0: nothing drains in under 0 s",
+    ),
+    pytest.param(
+        rule(
+            "aibrix:chunk=128",
+            250,
+            AIBRIX_BUSY,
+            (decode_node("d1", b=28, reported_at=-1.0),),
+            K,
+            Reason.KEEP_NO_ELIGIBLE_DECODE,
+        ),
+        id="a stale decode node is never handed a prefill",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", AIBRIX_CASES)
+def test_aibrix_policy(case: RuleCase) -> None:
+    check_rule_case(case)
+
+
+def test_aibrix_backlog_never_drains_when_decodes_fill_the_step_budget() -> None:
+    policy = make_policy("aibrix:chunk=128", FLAT)
+    assert isinstance(policy, AibrixPolicy)
+    assert policy.decode_drain_s(decode_node(b=128, backlog=(10,))) == float("inf")
+    assert policy.decode_drain_s(decode_node(b=128)) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +844,7 @@ def test_pd_never_deflects(decode: tuple[DecodeNodeState, ...], expected: str) -
     assert d.chunk_sizes == ()
 
 
-@pytest.mark.parametrize("spec", ["pd", "sq:theta=0", "sl:l=100", "kairos", "oracle"])
+@pytest.mark.parametrize("spec", ["pd", "sq:theta=0", "sl:l=100", "kairos", "oracle", "llmd", "dynamo", "aibrix"])
 def test_every_policy_rejects_an_empty_prompt(spec: str) -> None:
     with pytest.raises(InvalidRequestError):
         make_policy(spec, FLAT).decide(0, view((prefill_node(),), (decode_node(),)), 0.0)

@@ -313,3 +313,24 @@ def test_reload_settings_come_from_flags_and_are_checked() -> None:
         DispatcherConfig(model_dir="m", profile_reload_s=-1)
     with pytest.raises(ConfigError, match="ttft_feedback_window"):
         DispatcherConfig(model_dir="m", ttft_feedback_window=-1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "label"),
+    [
+        ("llmd:threshold=2048", "llmd(threshold=2048)"),
+        ("dynamo:mode=either", "dynamo(mode=either,isl=2048,ratio=0.7,busy=4,kv=0.5)"),
+        ("aibrix", "aibrix(high=1,low=0.25)"),
+    ],
+)
+def test_the_dispatcher_builds_the_fields_deciders(spec: str, label: str) -> None:
+    policies = DispatcherConfig(model_dir="unused", policy=spec).policies(load_initial(DEFAULT_PROFILE)[0].models)
+    assert policies.policy.label == label and policies.keep_policy.label == "pd"
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"), [("oracle", "true state"), ("aibrix:theta=1", "bad parameter 'theta=1'")]
+)
+def test_the_dispatcher_refuses_a_policy_it_cannot_run_at_startup(spec: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        DispatcherConfig(model_dir="m", policy=spec)

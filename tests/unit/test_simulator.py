@@ -81,3 +81,26 @@ def test_oracle_and_lifted_limit_deflect_at_least_as_often_as_the_paper_rule() -
     lifted = simulate(reqs, "kairos:pending=none").metrics.summary["deflections"]
     oracle = simulate(reqs, "oracle").metrics.summary["deflections"]
     assert lifted > one and oracle > one
+
+
+@pytest.mark.parametrize("spec", ["llmd", "dynamo"])
+def test_cache_blind_anchor_defaults_route_bursty_exactly_as_pd(spec: str) -> None:
+    """Without a prefix cache every Bursty prompt has >= 16 uncached tokens (llm-d disaggregates)
+    and an effective/raw ratio of 1 (Dynamo's isl_bounding never bypasses): both are P/D."""
+    reqs = make_workload("bursty", rps=6, duration_s=60, seed=1)
+    assert min(r.prompt_tokens for r in reqs) >= 16
+    anchor, pd = simulate(reqs, spec), simulate(reqs, "pd")
+    assert anchor.metrics.summary["deflections"] == 0
+    assert [r.ttft for r in anchor.metrics.records] == [r.ttft for r in pd.metrics.records]
+
+
+@pytest.mark.parametrize("spec", ["llmd:threshold=4096", "dynamo:mode=either", "aibrix"])
+def test_anchor_deciders_prefill_on_decode_nodes_and_finish_every_request(spec: str) -> None:
+    reqs = make_workload("bursty", rps=6, duration_s=60, seed=1)
+    sim = simulate(reqs, spec)
+    s = sim.metrics.summary
+    assert s["requests"] == len(reqs) and 0 < s["deflections"] < len(reqs)
+    assert all(r.finished is not None and r.first_token is not None for r in sim.metrics.records)
+    deflected = [r for r in sim.metrics.records if r.route.value == "deflect"]
+    assert len(deflected) == s["deflections"]
+    assert all(r.prefill_node is None and r.transfer_start is None for r in deflected)

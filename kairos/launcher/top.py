@@ -1,0 +1,282 @@
+"""``kairos top``: a live terminal view of a Kairos cluster, from one dispatcher's ``/nodes`` and
+``/metrics`` (and a Prometheus's firing alerts when ``--prometheus`` names one).
+
+Each refresh scrapes both, and the frame shows: every node with its role, batch (B), KV in use,
+queued and deflected prefill tokens and heartbeat age; decisions per second by route and reason
+(counter deltas between two scrapes, so the first frame has none); per path the mean predicted
+TTFT and the mean of the sidecars' observed/predicted ratios since the dispatcher started, and
+the live MAPE (the dispatcher's rolling window); and the alerts. Without a
+Prometheus the alert conditions that the dispatcher's own metrics show are checked here, now,
+with the thresholds of compose/observability/kairos-rules.yml (a unit test keeps them equal)
+but without their ``for`` durations.
+
+The rendering (:func:`render`) is a pure function of two scrapes and the alerts, tested with
+fixed inputs; :func:`run` is the loop around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kairos.common.contracts import HeartbeatField
+
+DEFAULT_DISPATCHER = "http://127.0.0.1:9100"  # the dispatcher's default --metrics-port
+# The alert thresholds of compose/observability/kairos-rules.yml, for evaluating them locally.
+STALE_HEARTBEAT_S = 1.0  # KairosNodeHeartbeatStale
+TTFT_MAPE_LIMIT = 0.25  # KairosTtftPredictionDrift
+PATHS = ("keep", "deflect")
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
+
+LabelSet = tuple[tuple[str, str], ...]
+Metrics = dict[str, dict[LabelSet, float]]  # series name -> sorted labels -> value
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One read of the dispatcher: ``/nodes`` as JSON and ``/metrics`` parsed."""
+
+    at: float  # monotonic seconds
+    nodes: Mapping[str, Any]
+    metrics: Metrics
+
+    def series(self, name: str, **match: str) -> dict[LabelSet, float]:
+        return {
+            labels: value
+            for labels, value in self.metrics.get(name, {}).items()
+            if all(dict(labels).get(k) == v for k, v in match.items())
+        }
+
+    def total(self, name: str, **match: str) -> float:
+        return sum(self.series(name, **match).values())
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    severity: str
+    summary: str
+    state: str = "firing"  # or "pending" (Prometheus only)
+
+
+@dataclass
+class Frame:
+    """Everything one screen shows."""
+
+    source: str
+    clock: str  # wall time of the scrape, HH:MM:SS
+    interval_s: float
+    scrape: Scrape | None
+    previous: Scrape | None
+    alerts: list[Alert] | None  # None: unknown (Prometheus unreachable)
+    alerts_from: str  # "prometheus URL" or "local"
+    errors: list[str] = field(default_factory=list)
+
+
+def parse_metrics(text: str) -> Metrics:
+    out: Metrics = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Alerts
+# ---------------------------------------------------------------------------------------------
+def local_alerts(scrape: Scrape) -> list[Alert]:
+    """The rules' conditions that the dispatcher's metrics show, as they hold now."""
+    alerts = []
+    for labels, age in sorted(scrape.series("kairos_dispatcher_heartbeat_age_seconds").items()):
+        lab = dict(labels)
+        if age > STALE_HEARTBEAT_S:
+            alerts.append(Alert("KairosNodeHeartbeatStale", "warning",
+                                f"{lab.get('role')} node {lab.get('node')}: last heartbeat {age:.1f} s ago"))
+    if scrape.total("kairos_dispatcher_degraded") >= 1:
+        alerts.append(Alert("KairosDispatcherDegraded", "critical", "dispatcher cannot reach Redis"))
+    for labels, mape in sorted(scrape.series("kairos_dispatcher_ttft_prediction_mape").items()):
+        if mape > TTFT_MAPE_LIMIT:
+            alerts.append(Alert("KairosTtftPredictionDrift", "warning",
+                                f"{dict(labels).get('path')} TTFT predictions off by {mape:.0%} (MAPE)"))
+    return alerts
+
+
+def prometheus_alerts(payload: Mapping[str, Any]) -> list[Alert]:
+    """Prometheus's ``GET /api/v1/alerts`` answer as alerts, firing first."""
+    alerts = [
+        Alert(a["labels"].get("alertname", "?"), a["labels"].get("severity", ""),
+              a.get("annotations", {}).get("summary", ""), a.get("state", "firing"))
+        for a in payload["data"]["alerts"]
+    ]
+    return sorted(alerts, key=lambda a: (a.state != "firing", a.name, a.summary))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+def _rate(frame: Frame, name: str, **match: str) -> float | None:
+    cur, prev = frame.scrape, frame.previous
+    if cur is None or prev is None or cur.at <= prev.at:
+        return None
+    return max(0.0, cur.total(name, **match) - prev.total(name, **match)) / (cur.at - prev.at)
+
+
+def _mean(scrape: Scrape, name: str, **match: str) -> float | None:
+    """Mean of a histogram's observations since the dispatcher started."""
+    count = scrape.total(f"{name}_count", **match)
+    return scrape.total(f"{name}_sum", **match) / count if count > 0 else None
+
+
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + unit
+
+
+def _node_rows(nodes: list[Mapping[str, Any]]) -> list[str]:
+    f = HeartbeatField
+    rows = [
+        f"{'NODE':<10} {'ROLE':<8} {'BATCH':>5} {'KV IN USE':>20} {'QUEUED PREFILL':>14} {'DEFLECTED':>9} "
+        f"{'HEARTBEAT':>9}"
+    ]
+    for node in nodes:
+        kv = "-"
+        if f.KV_TOKENS in node:
+            cap = node.get(f.KV_CAPACITY_TOKENS) or 0
+            kv = f"{node[f.KV_TOKENS]}/{cap}" + (f" ({node[f.KV_TOKENS] / cap:.0%})" if cap else "")
+        flags = " STALE" if node.get("stale") else ""
+        flags += "" if node.get("from_redis", True) else " STATIC"
+        rows.append(
+            f"{node['id']:<10} {node['role']:<8} {node.get(f.DECODE_TOKENS, '-'):>5} {kv:>20} "
+            f"{node.get(f.QUEUED_PREFILL_TOKENS, '-'):>14} {node.get(f.SCHEDULED_PREFILL_TOKENS, '-'):>9} "
+            f"{node['age_s']:>7.2f} s{flags}"
+        )
+    if not nodes:
+        rows.append("(no nodes in the dispatcher's view)")
+    return rows
+
+
+def render(frame: Frame) -> str:
+    """The screen for one frame, as text."""
+    lines = [f"kairos top  {frame.source}  {frame.clock}  refresh {frame.interval_s:g} s"]
+    lines += [f"! {error}" for error in frame.errors]
+    scrape = frame.scrape
+    if scrape is None:
+        return "\n".join(lines) + "\n"
+    status = scrape.nodes.get("status", "?")
+    fallback = "  (static node lists: Redis never answered)" if scrape.nodes.get("static_fallback") else ""
+    lines.append(f"status {status}{fallback}")
+    lines.append("")
+    lines += _node_rows(list(scrape.nodes.get("nodes", [])))
+
+    lines.append("")
+    total = _rate(frame, "kairos_dispatcher_decisions_total")
+    deflected = _rate(frame, "kairos_dispatcher_decisions_total", route="deflect")
+    share = f", {deflected / total:.0%} deflected" if total and deflected is not None else ""
+    latency = _mean(scrape, "kairos_dispatcher_decision_seconds")
+    latency_ms = None if latency is None else latency * 1e3
+    lines.append(f"DECISIONS  {_num(total, '.1f', '/s')}{share}   mean decision time {_num(latency_ms, '.2f', ' ms')}")
+    keys = sorted({dict(k)["route"] + " " + dict(k)["reason"]
+                   for k in scrape.series("kairos_dispatcher_decisions_total")})
+    for key in keys:
+        route, reason = key.split(" ", 1)
+        rate = _rate(frame, "kairos_dispatcher_decisions_total", route=route, reason=reason)
+        count = scrape.total("kairos_dispatcher_decisions_total", route=route, reason=reason)
+        lines.append(f"  {route:<8} {reason:<36} {_num(rate, '.2f', '/s'):>10} {count:>8.0f} total")
+    if not keys:
+        lines.append("  (no decisions yet)")
+
+    lines.append("")
+    lines.append(f"{'TTFT':<10} {'predicted mean':>14} {'observed/predicted':>18} {'live MAPE':>10} {'samples':>8}")
+    for path in PATHS:
+        predicted = _mean(scrape, "kairos_dispatcher_predicted_ttft_seconds", route=path)
+        ratio = _mean(scrape, "kairos_dispatcher_ttft_observed_over_predicted", path=path)
+        mape = scrape.series("kairos_dispatcher_ttft_prediction_mape", path=path)
+        samples = scrape.total("kairos_dispatcher_ttft_observed_over_predicted_count", path=path)
+        lines.append(
+            f"  {path:<8} {_num(predicted, '.3f', ' s'):>14} {_num(ratio, '.2f'):>18} "
+            f"{_num(max(mape.values()) if mape else None, '.1%'):>10} {samples:>8.0f}"
+        )
+
+    lines.append("")
+    if frame.alerts is None:
+        lines.append(f"ALERTS ({frame.alerts_from}): unknown")
+    else:
+        firing = sum(a.state == "firing" for a in frame.alerts)
+        lines.append(f"ALERTS ({frame.alerts_from}): {firing} firing")
+        for alert in frame.alerts:
+            lines.append(f"  {alert.state.upper():<7} {alert.severity:<8} {alert.name:<28} {alert.summary}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+def _get(url: str, timeout_s: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read()
+
+
+def next_frame(args: argparse.Namespace, previous: Scrape | None,
+               fetch: Callable[[str, float], bytes] = _get) -> Frame:
+    base = args.dispatcher.rstrip("/")
+    frame = Frame(base, time.strftime("%H:%M:%S"), args.interval, None, previous, None,
+                  f"prometheus {args.prometheus}" if args.prometheus else "local")
+    try:
+        nodes = json.loads(fetch(f"{base}/nodes", args.timeout))
+        metrics = parse_metrics(fetch(f"{base}/metrics", args.timeout).decode())
+        frame.scrape = Scrape(time.monotonic(), nodes, metrics)
+    except (OSError, ValueError) as exc:  # unreachable, refused, HTTP error, not JSON
+        frame.errors.append(f"dispatcher {base}: {exc}")
+        frame.previous = None
+    if args.prometheus:
+        try:
+            frame.alerts = prometheus_alerts(json.loads(fetch(f"{args.prometheus.rstrip('/')}/api/v1/alerts",
+                                                              args.timeout)))
+        except (OSError, ValueError, KeyError) as exc:
+            frame.errors.append(f"prometheus {args.prometheus}: {exc}")
+    elif frame.scrape is not None:
+        frame.alerts = local_alerts(frame.scrape)
+    return frame
+
+
+def run(args: argparse.Namespace) -> int:
+    previous: Scrape | None = None
+    shown = 0
+    try:
+        while True:
+            frame = next_frame(args, previous)
+            sys.stdout.write(("" if args.plain else CLEAR) + render(frame))
+            sys.stdout.flush()
+            shown += 1
+            previous = frame.scrape
+            if args.iterations and shown >= args.iterations:
+                return 0 if frame.scrape is not None else 1
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "top",
+        help="live terminal view of a running cluster (nodes, decisions, TTFT, alerts)",
+        description="Refresh a view of the cluster from one dispatcher's /nodes and /metrics "
+        "(kairos up prints the command). Alerts come from --prometheus when given, else the "
+        "rules' conditions are checked here from the dispatcher's metrics.",
+    )
+    p.add_argument("--dispatcher", default=DEFAULT_DISPATCHER,
+                   help=f"the dispatcher's metrics URL (default {DEFAULT_DISPATCHER})")
+    p.add_argument("--prometheus", help="Prometheus URL to show its alerts, e.g. http://127.0.0.1:9090")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")
+    p.add_argument("--iterations", type=int, default=0, help="stop after this many frames (default: until Ctrl-C)")
+    p.add_argument("--plain", action="store_true", help="print frames one after another (no screen clearing)")
+    p.set_defaults(handler=run)

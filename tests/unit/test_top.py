@@ -1,0 +1,170 @@
+"""``kairos top``'s screen from fixed inputs: two scrapes of a dispatcher (its real metrics
+classes, exposed in Prometheus's text format) and its ``/nodes``, rendered to the exact text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kairos.core.decision import Reason, Route
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.launcher import top
+from tests.observability import rules
+
+NODES: dict[str, Any] = {
+    "status": "ok",
+    "static_fallback": False,
+    "nodes": [
+        {"id": "d0", "role": "decode", "age_s": 0.04, "stale": False, "from_redis": True, "decode_tokens": 3,
+         "kv_tokens": 13000, "kv_capacity_tokens": 1300000, "queued_prefill_tokens": 0,
+         "scheduled_prefill_tokens": 612},
+        {"id": "p0", "role": "prefill", "age_s": 1.5, "stale": True, "from_redis": True, "decode_tokens": 0,
+         "kv_tokens": 0, "kv_capacity_tokens": 1300000, "queued_prefill_tokens": 4000,
+         "scheduled_prefill_tokens": 0},
+        {"id": "p9", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": False},  # static fallback
+    ],
+}
+
+
+class _Cluster:
+    def __init__(self, degraded: bool) -> None:
+        self.degraded = degraded
+
+    def view(self) -> ClusterView:
+        return ClusterView(prefill=(PrefillNodeState("p0", (4000,), 2048, reported_at=8.5),),
+                           decode=(DecodeNodeState("d0", 3, 13000, 1300000, reported_at=9.96),))
+
+    def now(self) -> float:
+        return 10.0
+
+
+def _metrics_text(keeps: int, deflects: int, *, degraded: bool = False, mape: float | None = None) -> str:
+    """A dispatcher's /metrics after ``keeps`` and ``deflects`` decisions (every keep predicted at
+    150 ms and observed 10% slower; every deflect predicted at 100 ms, no feedback yet)."""
+    m = DispatcherMetrics(CollectorRegistry())
+    m.registry.register(ClusterCollector(_Cluster(degraded)))
+    m.decisions.labels(route=Route.KEEP.value, reason=Reason.KEEP_DECODE_SLOWER.value).inc(keeps)
+    m.decisions.labels(route=Route.DEFLECT.value, reason=Reason.DEFLECT_WITHIN_MARGIN.value).inc(deflects)
+    for _ in range(keeps + deflects):
+        m.decision_seconds.observe(0.001)
+    for _ in range(keeps):
+        m.predicted_ttft.labels(route="keep").observe(0.150)
+        m.ttft_observed_over_predicted.labels(path="keep").observe(1.1)
+    for _ in range(deflects):
+        m.predicted_ttft.labels(route="deflect").observe(0.100)
+    if mape is not None:
+        m.ttft_prediction_mape.labels(path="keep").set(mape)
+    return generate_latest(m.registry).decode()
+
+
+def scrape(at: float, keeps: int, deflects: int, **kw: Any) -> top.Scrape:
+    return top.Scrape(at, NODES, top.parse_metrics(_metrics_text(keeps, deflects, **kw)))
+
+
+def frame(previous: top.Scrape | None, current: top.Scrape, alerts: list[top.Alert] | None,
+          alerts_from: str = "local") -> top.Frame:
+    return top.Frame("http://127.0.0.1:9100", "12:00:00", 1.0, current, previous, alerts, alerts_from)
+
+
+EXPECTED = """\
+kairos top  http://127.0.0.1:9100  12:00:00  refresh 1 s
+status ok
+
+NODE       ROLE     BATCH            KV IN USE QUEUED PREFILL DEFLECTED HEARTBEAT
+d0         decode       3   13000/1300000 (1%)              0       612    0.04 s
+p0         prefill      0       0/1300000 (0%)           4000         0    1.50 s STALE
+p9         prefill      -                    -              -         -    0.00 s STATIC
+
+DECISIONS  5.0/s, 40% deflected   mean decision time 1.00 ms
+  deflect  deflect_within_margin                    2.00/s        6 total
+  keep     keep_decode_slower                       3.00/s       16 total
+
+TTFT       predicted mean observed/predicted  live MAPE  samples
+  keep            0.150 s               1.10      30.0%       16
+  deflect         0.100 s                  -          -        0
+
+ALERTS (local): 2 firing
+  FIRING  warning  KairosNodeHeartbeatStale     prefill node p0: last heartbeat 1.5 s ago
+  FIRING  warning  KairosTtftPredictionDrift    keep TTFT predictions off by 30% (MAPE)
+"""
+
+
+def test_render_shows_nodes_decision_rates_ttft_and_local_alerts() -> None:
+    # Two scrapes 2 s apart: 6 keeps and 4 deflections in between.
+    current = scrape(12.0, 16, 6, mape=0.30)
+    shown = top.render(frame(scrape(10.0, 10, 2, mape=0.30), current, top.local_alerts(current)))
+    assert shown == EXPECTED
+
+
+def test_the_first_frame_has_no_rates_yet() -> None:
+    shown = top.render(frame(None, scrape(12.0, 16, 6), []))
+    assert "DECISIONS  -   mean decision time 1.00 ms" in shown
+    assert re.search(r"^  keep +keep_decode_slower +- +16 total$", shown, re.M)
+    assert "ALERTS (local): 0 firing" in shown
+
+
+def test_local_alerts_follow_the_rules_thresholds() -> None:
+    assert top.local_alerts(scrape(1.0, 1, 0, mape=0.25)) == [  # at the limit is not over it
+        top.Alert("KairosNodeHeartbeatStale", "warning", "prefill node p0: last heartbeat 1.5 s ago")]
+    degraded = top.local_alerts(scrape(1.0, 1, 0, degraded=True))
+    assert [a.name for a in degraded] == ["KairosNodeHeartbeatStale", "KairosDispatcherDegraded"]
+    exprs = {r["alert"]: r["expr"] for r in rules() if "alert" in r}
+    assert exprs["KairosNodeHeartbeatStale"].endswith(f"> {top.STALE_HEARTBEAT_S:g}")
+    assert exprs["KairosTtftPredictionDrift"].endswith(f"> {top.TTFT_MAPE_LIMIT:g}")
+    assert exprs["KairosDispatcherDegraded"] == "kairos_dispatcher_degraded == 1"
+
+
+def test_prometheus_alerts_firing_first_then_pending() -> None:
+    payload = {"status": "success", "data": {"alerts": [
+        {"labels": {"alertname": "KairosTtftPredictionDrift", "severity": "warning", "path": "keep"},
+         "annotations": {"summary": "keep TTFT predictions off by 40% (MAPE)"}, "state": "pending"},
+        {"labels": {"alertname": "KairosDispatcherDegraded", "severity": "critical"},
+         "annotations": {"summary": "dispatcher a:9100 cannot reach Redis"}, "state": "firing"},
+    ]}}
+    alerts = top.prometheus_alerts(payload)
+    shown = top.render(frame(None, scrape(1.0, 0, 0), alerts, "prometheus http://127.0.0.1:9090"))
+    assert shown.endswith(
+        "ALERTS (prometheus http://127.0.0.1:9090): 1 firing\n"
+        "  FIRING  critical KairosDispatcherDegraded     dispatcher a:9100 cannot reach Redis\n"
+        "  PENDING warning  KairosTtftPredictionDrift    keep TTFT predictions off by 40% (MAPE)\n"
+    )
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"dispatcher": "http://d:9100/", "prometheus": None, "interval": 1.0,
+                                 "timeout": 5.0, **kw})
+
+
+def test_next_frame_reads_the_dispatcher_and_says_what_it_could_not_reach() -> None:
+    answers = {"http://d:9100/nodes": json.dumps(NODES).encode(),
+               "http://d:9100/metrics": _metrics_text(1, 0).encode()}
+
+    def fetch(url: str, timeout_s: float) -> bytes:
+        if url not in answers:
+            raise OSError(f"connection refused: {url}")
+        return answers[url]
+
+    ok = top.next_frame(_args(), None, fetch)
+    assert ok.scrape is not None and ok.errors == [] and [a.name for a in ok.alerts or []] == [
+        "KairosNodeHeartbeatStale"]
+    with_prometheus = top.next_frame(_args(prometheus="http://prom:9090"), ok.scrape, fetch)
+    assert with_prometheus.alerts is None and with_prometheus.errors == [
+        "prometheus http://prom:9090: connection refused: http://prom:9090/api/v1/alerts"]
+    assert "ALERTS (prometheus http://prom:9090): unknown" in top.render(with_prometheus)
+    gone = top.next_frame(_args(dispatcher="http://gone:9100"), ok.scrape, fetch)
+    assert gone.scrape is None and gone.previous is None
+    assert top.render(gone).splitlines()[1] == "! dispatcher http://gone:9100: connection refused: http://gone:9100/nodes"
+
+
+@pytest.mark.parametrize("argv", [["top"], ["top", "--dispatcher", "http://x:1", "--prometheus", "http://p:2"]])
+def test_the_top_subcommand_parses(argv: list[str]) -> None:
+    from kairos.launcher.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.handler is top.run and args.interval == 1.0
