@@ -163,6 +163,7 @@ class _Metrics:
     prompt_tokens: Counter
     generation_tokens: Counter
     prompt_by_source: Counter
+    request_success: Counter
     labels: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -197,11 +198,20 @@ class _Metrics:
             prompt_by_source=Counter(
                 "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", (*names, "source"), registry=reg
             ),
+            # vLLM counts a request here when the engine finishes it; every emulated request runs
+            # to max_tokens (ignore_eos), so its reason is always "length".
+            request_success=Counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                (*names, "finished_reason"),
+                registry=reg,
+            ),
         )
         m.labels = {"model_name": model, "engine": "0"}
         # Both sources exist from the start, so a scrape shows zeros rather than nothing.
         for source in ("local_compute", "external_kv_transfer"):
             m.prompt_by_source.labels(**m.labels, source=source)
+        m.request_success.labels(**m.labels, finished_reason="length")
         for metric in (m.running, m.waiting, m.kv_usage, m.ttft, m.itl, m.prompt_tokens, m.generation_tokens):
             metric.labels(**m.labels)
         return m
@@ -440,6 +450,8 @@ class EmulatedNode:
         else:
             self.metrics.itl.labels(**labels).observe(event.at - out.last_at)
         self.metrics.generation_tokens.labels(**labels).inc()
+        if event.last:
+            self.metrics.request_success.labels(**labels, finished_reason="length").inc()
         out.tokens = event.index
         out.last_at = event.at
 

@@ -240,11 +240,15 @@ async def test_two_hop_prefill_then_decode_pulls_the_kv(
     assert sample(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == n
     assert sample(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
     assert sample(m, "vllm:generation_tokens_total") == 12
+    # Each node counts the request it finished, as vLLM does: the prefill node its one-token hop 1
+    # too, so a client's request count is the decode nodes' alone.
+    assert sample(m, "vllm:request_success_total", finished_reason="length") == 1
     # The decode node never prefilled: every one of its steps is a decode step.
     steps = (await get_json(http, f"{decode.url}/kairos/steps"))["steps"]
     assert len(steps) == 12 and all(s["chunks"] == [] and s["decode_tokens"] == 1 for s in steps)
     pm = await metrics(http, prefill.url)
     assert sample(pm, "vllm:prompt_tokens_by_source_total", source="local_compute") == n
+    assert sample(pm, "vllm:request_success_total", finished_reason="length") == 1
 
     async def released() -> bool:
         return (await get_json(http, f"{prefill.url}/kairos/state"))["kv_tokens"] == 0
