@@ -314,7 +314,26 @@ async def test_two_hop_chat_streams_from_the_decode_node(
         events = [line for line in (await resp.text()).split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", " lorem", " ipsum", " dolor"]
+    assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", *decode.node.words[:3]]
+
+
+async def test_each_streamed_chunk_is_one_token_of_the_models_tokenizer(
+    decode: Node, http: aiohttp.ClientSession, tokenizer: PromptTokenizer
+) -> None:
+    """As vLLM streams one detokenized token per step: a client that re-tokenizes each chunk
+    (inference-perf times its ITL and TPOT by that) counts exactly usage.completion_tokens."""
+    body = {"model": MODEL, "prompt": "count me", "max_tokens": 12, "stream": True}
+    async with http.post(
+        f"{decode.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}
+    ) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.text()).split("\n\n") if line]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    texts = [p["choices"][0]["text"] for p in payloads if p["choices"]]
+    assert len(texts) == payloads[-1]["usage"]["completion_tokens"] == 12
+    raw = tokenizer.raw_tokenizer
+    assert [len(raw.encode(t, add_special_tokens=False).ids) for t in texts] == [1] * 12
+    assert len(raw.encode("".join(texts), add_special_tokens=False).ids) == 12
 
 
 async def test_unknown_or_malformed_kv_transfer_params_fail_fast(
