@@ -36,6 +36,7 @@ KAIROS_EXTRAS=dev KAIROS_APT_PACKAGES="redis-server:redis-server promtool:promet
 require=()  # with .venv-vllm built, a test that needs it fails instead of skipping (both runs)
 if ((${#integration[@]} > 0)); then
   bash scripts/vllm_env.sh
+  bash scripts/inference_perf_env.sh  # tests/integration/test_peer_clients.py (Python >= 3.12)
   require=(KAIROS_REQUIRE_VLLM=1)
 fi
 .venv/bin/ruff check .

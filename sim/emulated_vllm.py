@@ -72,8 +72,11 @@ KV_BLOCK_TOKENS = 16  # vLLM's default block size: remote_block_ids has one id p
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-# One short word per output token: the text is noise, the token accounting is what matters.
+# One short word per output token: the text is noise, the token accounting is what matters. The
+# node streams words the model's tokenizer holds as one token each (see ``one_token_words``), as
+# vLLM streams one detokenized token per step; these are the fallback for a tokenizer with none.
 _WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna", " aliqua", " enim")
+_WORD_COUNT = len(_WORDS)
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
 # fmt: off
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -164,6 +167,7 @@ class _Metrics:
     generation_tokens: Counter
     prompt_by_source: Counter
     step_budget_overruns: Counter  # Kairos's own, beside vLLM's: the engine's count, synced at scrape
+    request_success: Counter
     labels: dict[str, str] = field(default_factory=dict)
     overruns_exported: int = 0
 
@@ -200,11 +204,20 @@ class _Metrics:
                 "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", (*names, "source"), registry=reg
             ),
             step_budget_overruns=Counter(c.STEP_BUDGET_OVERRUNS_METRIC, c.STEP_BUDGET_OVERRUNS_HELP, registry=reg),
+            # vLLM counts a request here when the engine finishes it; every emulated request runs
+            # to max_tokens (ignore_eos), so its reason is always "length".
+            request_success=Counter(
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                (*names, "finished_reason"),
+                registry=reg,
+            ),
         )
         m.labels = {"model_name": model, "engine": "0"}
         # Both sources exist from the start, so a scrape shows zeros rather than nothing.
         for source in ("local_compute", "external_kv_transfer"):
             m.prompt_by_source.labels(**m.labels, source=source)
+        m.request_success.labels(**m.labels, finished_reason="length")
         for metric in (m.running, m.waiting, m.kv_usage, m.ttft, m.itl, m.prompt_tokens, m.generation_tokens):
             metric.labels(**m.labels)
         return m
@@ -236,6 +249,7 @@ class EmulatedNode:
             max_model_len=config.max_model_len,
             default_max_tokens=min(16, config.max_model_len - 1),
         )
+        self.words = one_token_words(tokenizer)
         self.engine_id = f"{config.node_id}-{uuid.uuid4().hex[:12]}"  # vLLM's per-engine id, new per start
         self.metrics = _Metrics.create(config.model)
         self.created = int(time.time())
@@ -334,7 +348,7 @@ class EmulatedNode:
             stream = rt.submit(seq)
             self.metrics.add_prompt(parsed.prompt_tokens, "local_compute")
 
-        out = _Output(parsed, rid, self.config.model, int(time.time()))
+        out = _Output(parsed, rid, self.config.model, int(time.time()), self.words)
         try:
             if parsed.stream:
                 return await self._stream(request, out, stream, arrival)
@@ -443,6 +457,8 @@ class EmulatedNode:
         else:
             self.metrics.itl.labels(**labels).observe(event.at - out.last_at)
         self.metrics.generation_tokens.labels(**labels).inc()
+        if event.last:
+            self.metrics.request_success.labels(**labels, finished_reason="length").inc()
         out.tokens = event.index
         out.last_at = event.at
 
@@ -665,6 +681,7 @@ class _Output:
     rid: str
     model: str
     created: int
+    words: tuple[str, ...]  # the text of output token i is words[(i - 1) % len(words)]
     tokens: int = 0  # output tokens produced so far
     last_at: float | None = None  # model time of the latest token
 
@@ -688,11 +705,14 @@ class _Output:
             "prompt_tokens_details": None,
         }
 
+    def word(self, index: int) -> str:
+        return self.words[(index - 1) % len(self.words)]
+
     def _finish(self) -> str:
         return "length" if self.tokens >= self.parsed.max_tokens else "abort"
 
     def response(self, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-        text = "".join(_word(i) for i in range(1, self.tokens + 1))
+        text = "".join(self.word(i) for i in range(1, self.tokens + 1))
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -729,7 +749,7 @@ class _Output:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
-                "delta": {"content": _word(event.index)},
+                "delta": {"content": self.word(event.index)},
                 "logprobs": None,
                 "finish_reason": finish,
             }
@@ -738,7 +758,7 @@ class _Output:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {
             "index": 0,
-            "text": _word(event.index),
+            "text": self.word(event.index),
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
@@ -750,8 +770,21 @@ class _Output:
         return {**self._head(obj), "choices": [], "usage": self.usage()}
 
 
-def _word(index: int) -> str:
-    return _WORDS[(index - 1) % len(_WORDS)]
+def one_token_words(tokenizer: PromptTokenizer) -> tuple[str, ...]:
+    """Up to ``_WORD_COUNT`` words (a leading space and letters) that ``tokenizer`` encodes as one
+    token each, lowest token id first; ``_WORDS`` when it holds none. Clients that count output
+    tokens by re-tokenizing each streamed chunk (inference-perf's ITL does) then count one token
+    per chunk, as against vLLM."""
+    raw = tokenizer.raw_tokenizer
+    words: list[str] = []
+    for token_id in range(tokenizer.vocab_size):
+        text = raw.decode([token_id])
+        word = len(text) > 2 and text[0] == " " and text[1:].isascii() and text[1:].isalpha()
+        if word and raw.encode(text, add_special_tokens=False).ids == [token_id]:
+            words.append(text)
+            if len(words) == _WORD_COUNT:
+                break
+    return tuple(words) or _WORDS
 
 
 def _dumps(obj: Any) -> str:

@@ -240,11 +240,15 @@ async def test_two_hop_prefill_then_decode_pulls_the_kv(
     assert sample(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == n
     assert sample(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
     assert sample(m, "vllm:generation_tokens_total") == 12
+    # Each node counts the request it finished, as vLLM does: the prefill node its one-token hop 1
+    # too, so a client's request count is the decode nodes' alone.
+    assert sample(m, "vllm:request_success_total", finished_reason="length") == 1
     # The decode node never prefilled: every one of its steps is a decode step.
     steps = (await get_json(http, f"{decode.url}/kairos/steps"))["steps"]
     assert len(steps) == 12 and all(s["chunks"] == [] and s["decode_tokens"] == 1 for s in steps)
     pm = await metrics(http, prefill.url)
     assert sample(pm, "vllm:prompt_tokens_by_source_total", source="local_compute") == n
+    assert sample(pm, "vllm:request_success_total", finished_reason="length") == 1
 
     async def released() -> bool:
         return (await get_json(http, f"{prefill.url}/kairos/state"))["kv_tokens"] == 0
@@ -310,7 +314,26 @@ async def test_two_hop_chat_streams_from_the_decode_node(
         events = [line for line in (await resp.text()).split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
-    assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", " lorem", " ipsum", " dolor"]
+    assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", *decode.node.words[:3]]
+
+
+async def test_each_streamed_chunk_is_one_token_of_the_models_tokenizer(
+    decode: Node, http: aiohttp.ClientSession, tokenizer: PromptTokenizer
+) -> None:
+    """As vLLM streams one detokenized token per step: a client that re-tokenizes each chunk
+    (inference-perf times its ITL and TPOT by that) counts exactly usage.completion_tokens."""
+    body = {"model": MODEL, "prompt": "count me", "max_tokens": 12, "stream": True}
+    async with http.post(
+        f"{decode.url}/v1/completions", json={**body, "stream_options": {"include_usage": True}}
+    ) as resp:
+        assert resp.status == 200
+        events = [line for line in (await resp.text()).split("\n\n") if line]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    texts = [p["choices"][0]["text"] for p in payloads if p["choices"]]
+    assert len(texts) == payloads[-1]["usage"]["completion_tokens"] == 12
+    raw = tokenizer.raw_tokenizer
+    assert [len(raw.encode(t, add_special_tokens=False).ids) for t in texts] == [1] * 12
+    assert len(raw.encode("".join(texts), add_special_tokens=False).ids) == 12
 
 
 async def test_unknown_or_malformed_kv_transfer_params_fail_fast(
