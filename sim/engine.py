@@ -155,6 +155,32 @@ class EngineSnapshot:
     queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens, unscheduled prefills, FIFO
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
+    queued_prefill_total: int = 0  # sum(queued_prefill_tokens)
+
+
+@dataclass(slots=True)
+class _PrefillQueue:
+    """The prefills of one kind (with a schedule or without) on an engine, FIFO: the admitted
+    ones, then the waiting ones. ``tokens`` holds each one's remaining prompt tokens in that
+    order, which is what a heartbeat reports."""
+
+    tokens: list[int] = field(default_factory=list)  # a list: a heartbeat copies it with one memcpy
+    admitted: list[Sequence] = field(default_factory=list)  # the first len(admitted) of tokens
+    total: int = 0  # sum(tokens)
+
+    def add(self, seq: Sequence) -> None:
+        self.tokens.append(seq.prefill_remaining)
+        self.total += seq.prefill_remaining
+
+    def advance(self, seq: Sequence, tokens: int) -> None:
+        """``seq`` (admitted) prefilled ``tokens`` more; it leaves once its prompt is done."""
+        i = self.admitted.index(seq)  # the head, but for a chunk the step guard deferred
+        self.total -= tokens
+        if seq.prefill_remaining == 0:
+            del self.admitted[i]
+            del self.tokens[i]
+        else:
+            self.tokens[i] -= tokens
 
 
 @dataclass
@@ -173,16 +199,16 @@ class Engine:
     kv_reserved: int = 0  # tokens promised to incoming KV transfers
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
     step_index: int = 0
-    # Prompt lengths of waiting sequences, kept beside ``waiting`` so a heartbeat of a long
-    # queue costs one C-level copy, not a Python loop.
-    _waiting_tokens: deque[int] = field(default_factory=deque)
-    _waiting_scheduled: deque[int] = field(default_factory=deque)
+    # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
+    # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
+    _unscheduled: _PrefillQueue = field(default_factory=lambda: _PrefillQueue())
+    _scheduled: _PrefillQueue = field(default_factory=lambda: _PrefillQueue())
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
         self.waiting.append(seq)
-        (self._waiting_scheduled if seq.schedule else self._waiting_tokens).append(seq.prefill_remaining)
+        (self._scheduled if seq.schedule else self._unscheduled).add(seq)
 
     def reserve_kv(self, tokens: int) -> bool:
         """Reserve room for an incoming KV transfer; False when the node is too full now."""
@@ -213,10 +239,10 @@ class Engine:
             if self.free_kv_tokens < head.prefill_remaining + 1:
                 break  # FIFO: later requests wait behind the head (vLLM's default)
             self.waiting.popleft()
-            (self._waiting_scheduled if head.schedule else self._waiting_tokens).popleft()
             self.kv_used += head.computed
             self.kv_prefill_pending += head.prefill_remaining
             self.prefilling.append(head)
+            (self._scheduled if head.schedule else self._unscheduled).admitted.append(head)
             resident += 1
 
     # -- the step loop ---------------------------------------------------------------------
@@ -292,6 +318,7 @@ class Engine:
             seq.schedule_index += 1
             self.kv_used += chunk.tokens
             self.kv_prefill_pending -= chunk.tokens
+            (self._scheduled if seq.schedule else self._unscheduled).advance(seq, chunk.tokens)
             if seq.prefill_remaining == 0:
                 self.prefilling.remove(seq)
                 seq.generated = 1
@@ -318,19 +345,15 @@ class Engine:
 
     # -- reporting -------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
-        queued: list[int] = []
-        scheduled: list[int] = []
-        for seq in self.prefilling:
-            (scheduled if seq.schedule else queued).append(seq.prefill_remaining)
-        queued.extend(self._waiting_tokens)
-        scheduled.extend(self._waiting_scheduled)
         return EngineSnapshot(
             node_id=self.config.node_id,
             role=self.config.role,
             decode_tokens=len(self.decoding) + len(self.joining),
             kv_tokens=self.kv_used,
             kv_capacity_tokens=self.config.kv_capacity_tokens,
-            queued_prefill_tokens=tuple(queued),
-            scheduled_prefill_tokens=tuple(scheduled),
+            queued_prefill_tokens=tuple(self._unscheduled.tokens),
+            scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
+            queued_prefill_total=self._unscheduled.total,
         )
+

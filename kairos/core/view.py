@@ -142,7 +142,12 @@ class ClusterTracker:
         extra = self._overlay.get(s.node_id)
         if not extra:
             return s
-        return replace(s, queued_prefill_tokens=s.queued_prefill_tokens + tuple(d.tokens for d in extra))
+        tokens = tuple(d.tokens for d in extra)
+        return replace(
+            s,
+            queued_prefill_tokens=s.queued_prefill_tokens + tokens,
+            outstanding_tokens=s.outstanding_tokens + sum(tokens),
+        )
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
