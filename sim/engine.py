@@ -98,10 +98,7 @@ class StepPlan:
     kv_tokens: int  # K at the start of the step
     chunks: tuple[Chunk, ...]
     new_decoders: int  # decodes producing their first token in this step (not a TBT sample)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
+    prefill_tokens: int  # the chunks' tokens, summed once: the timer and the metrics read it
 
     @property
     def step_tokens(self) -> int:
@@ -135,10 +132,11 @@ def model_step_time(models: LatencyModels) -> StepTimer:
 
     def timer(role: Role, plan: StepPlan) -> float:
         p = plan.prefill_tokens
+        b = plan.decode_tokens
         cached = sum(c.tokens * c.cached for c in plan.chunks) / p if p else 0.0
-        if role is Role.PREFILL and plan.decode_tokens == 0:
+        if b == 0 and role is Role.PREFILL:
             return models.prefill_step_s(p, cached)
-        return models.mixed_step_s(plan.step_tokens, cached, plan.decode_tokens, plan.kv_tokens)
+        return models.mixed_step_s(b + p, cached, b, plan.kv_tokens)
 
     return timer
 
@@ -199,6 +197,7 @@ class Engine:
     kv_reserved: int = 0  # tokens promised to incoming KV transfers
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
     step_index: int = 0
+    unstarted_decodes: int = 0  # in ``decoding`` with no token yet (joined by transfer, no step since)
     # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
     # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
     _unscheduled: _PrefillQueue = field(default_factory=lambda: _PrefillQueue())
@@ -249,12 +248,14 @@ class Engine:
     def plan_step(self, now: float) -> StepPlan | None:
         """Compose the next step, or None when there is nothing to run."""
         if self.joining:
+            self.unstarted_decodes += sum(1 for s in self.joining if s.generated == 0)
             self.decoding.extend(self.joining)
             self.joining.clear()
         self._admit()
         b = len(self.decoding)
         budget = self.config.max_step_tokens - b
         chunks: list[Chunk] = []
+        prefill = 0
         scheduled_taken = False
         for seq in self.prefilling:
             if budget <= 0:
@@ -272,10 +273,10 @@ class Engine:
                     continue  # not even one token fits this step: wait for the batch to shrink
             chunks.append(Chunk(seq, n, seq.computed))
             budget -= n
+            prefill += n
         if b == 0 and not chunks:
             return None
-        new = sum(1 for s in self.decoding if s.generated == 0) if b else 0
-        return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), new)
+        return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), self.unstarted_decodes, prefill)
 
     def _fit_chunk(self, tokens: int, seq: Sequence, decode_tokens: int) -> int:
         """The largest chunk <= ``tokens`` the node's own model keeps within the sequence's step
@@ -294,6 +295,7 @@ class Engine:
         emitted: list[Sequence] = []
         if plan.decode_tokens:
             self.kv_used += plan.decode_tokens
+            self.unstarted_decodes = 0  # every decode in the batch gets a token now
             for seq in self.decoding:
                 if seq.generated == 0:
                     seq.first_token_at = now

@@ -66,6 +66,10 @@ class _Ev(IntEnum):
     ARRIVAL = 3
 
 
+# As plain ints: the event loop compares and pushes them for every event.
+_STEP_END, _TRANSFER_END, _HEARTBEAT, _ARRIVAL = (int(e) for e in _Ev)
+
+
 def noisy_timer(base: StepTimer, error: float, seed: int) -> StepTimer:
     """Ground truth = model x a seeded random factor with E|factor - 1| = ``error``
     (a normal with sigma = error x sqrt(pi/2), floored so no step is shorter than 10% of
@@ -132,27 +136,27 @@ class Simulator:
         self._arrived = 0  # arrivals handled so far: self.requests[self._arrived] is the next
 
     # -- event plumbing ----------------------------------------------------------------------
-    def _push(self, t: float, kind: _Ev, payload: object) -> None:
+    def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (t, int(kind), self._seq, payload))
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
 
     def run(self, progress: Callable[[float], None] | None = None) -> SimMetrics:
         for spec in self.requests:
-            self._push(spec.arrival_s, _Ev.ARRIVAL, spec)
+            self._push(spec.arrival_s, _ARRIVAL, spec)
         n = len(self.engines)
         for i, node_id in enumerate(self.engines):
             self._report(node_id, 0.0)  # nodes register before traffic starts
             # Stagger heartbeats across the period, as independent node agents would be.
-            self._push(self.cluster.heartbeat_s * (i + 1) / n, _Ev.HEARTBEAT, node_id)
+            self._push(self.cluster.heartbeat_s * (i + 1) / n, _HEARTBEAT, node_id)
         pending = len(self.requests)
         done_reported = 0
         while self._events and (pending > 0 or self._busy()):
             t, kind, _, payload = heapq.heappop(self._events)
-            if kind == _Ev.ARRIVAL:
-                self._on_arrival(t, payload)  # type: ignore[arg-type]
-            elif kind == _Ev.STEP_END:
+            if kind == _STEP_END:
                 pending -= self._on_step_end(t, payload)  # type: ignore[arg-type]
-            elif kind == _Ev.TRANSFER_END:
+            elif kind == _ARRIVAL:
+                self._on_arrival(t, payload)  # type: ignore[arg-type]
+            elif kind == _TRANSFER_END:
                 self._on_transfer_end(t, payload)  # type: ignore[arg-type]
             else:
                 self._on_heartbeat(t, payload)  # type: ignore[arg-type]
@@ -220,7 +224,7 @@ class Simulator:
         if plan is None:
             return
         self._inflight[node_id] = plan
-        self._push(now + engine.step_duration(plan), _Ev.STEP_END, node_id)
+        self._push(now + engine.step_duration(plan), _STEP_END, node_id)
 
     def _on_step_end(self, now: float, node_id: str) -> int:
         engine = self.engines[node_id]
@@ -265,7 +269,7 @@ class Simulator:
         link.queue.popleft()
         link.busy = True
         rec.transfer_start = now
-        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _Ev.TRANSFER_END, rec)
+        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _TRANSFER_END, rec)
 
     def _on_transfer_end(self, now: float, rec: RequestRecord) -> None:
         rec.transfer_end = now
@@ -291,10 +295,10 @@ class Simulator:
         if upcoming <= next_arrival:  # the node beats again before anyone reads this one
             while upcoming + period <= next_arrival:
                 upcoming += period
-            self._push(upcoming, _Ev.HEARTBEAT, node_id)
+            self._push(upcoming, _HEARTBEAT, node_id)
             return
         self._report(node_id, now)
-        self._push(upcoming, _Ev.HEARTBEAT, node_id)
+        self._push(upcoming, _HEARTBEAT, node_id)
 
     def _report(self, node_id: str, now: float) -> None:
         snap = self.engines[node_id].snapshot()
