@@ -3,7 +3,7 @@ Bursty at 10 RPS on 2P2D, for the P/D baseline and Kairos, in one run. Targets: 
 requests per wall second for the hour, and the hour's rate >= 0.8x the 15 minutes' (the cost per
 request must not grow with the run's length; issue 15).
 
-    python bench/sim_speed.py [--durations 3600,900] [--rps 10] [--json PATH]
+    python bench/sim_speed.py [--durations 3600,900] [--policies pd,kairos] [--rps 10] [--json PATH]
 
 ``--duration 900`` runs one length (the before-stop hook's smoke test).
 
@@ -54,12 +54,14 @@ def main() -> int:
     parser.add_argument(
         "--durations", "--duration", dest="durations", default="3600,900", help="simulated seconds, comma-separated"
     )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="policy specs, comma-separated")
     parser.add_argument("--rps", type=float, default=10.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     durations = sorted({float(d) for d in args.durations.split(",")}, reverse=True)
+    policies = args.policies.split(",")
     rows = []
-    for spec in POLICIES:
+    for spec in policies:
         for d in durations:
             row = measure(spec, d, args.rps)
             rows.append(row)
@@ -70,7 +72,7 @@ def main() -> int:
     print(f"Bursty {args.rps:g} RPS, 2P2D: simulated requests per second of wall (of CPU)")
     print(f"{'policy':>7}  " + "  ".join(f"{d:>8g} s sim" for d in durations) + "  ratio (wall, cpu)")
     ratios = {}
-    for spec in POLICIES:
+    for spec in policies:
         by_duration = {r["duration_s"]: r for r in rows if r["policy"] == spec}
         cells = "  ".join(
             f"{by_duration[d]['requests_per_wall_s']:>6,.0f} ({by_duration[d]['requests_per_cpu_s']:,.0f})"

@@ -153,7 +153,7 @@ class EngineSnapshot:
     queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens, unscheduled prefills, FIFO
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
-    queued_prefill_total: int = 0  # sum(queued_prefill_tokens)
+    queued_prefill_total: int  # sum(queued_prefill_tokens)
 
 
 @dataclass(slots=True)
@@ -200,8 +200,8 @@ class Engine:
     unstarted_decodes: int = 0  # in ``decoding`` with no token yet (joined by transfer, no step since)
     # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
     # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
-    _unscheduled: _PrefillQueue = field(default_factory=lambda: _PrefillQueue())
-    _scheduled: _PrefillQueue = field(default_factory=lambda: _PrefillQueue())
+    _unscheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
+    _scheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -358,4 +358,3 @@ class Engine:
             max_step_tokens=self.config.max_step_tokens,
             queued_prefill_total=self._unscheduled.total,
         )
-
