@@ -119,6 +119,7 @@ def test_overlay(case: OverlayCase) -> None:
         tracker.update_decode(decode_node("d1", b=3, backlog=(200,), reported_at=case.heartbeat_at))
     v = tracker.view()
     assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
+    assert [n.outstanding_tokens for n in v.prefill] == [sum(case.prefill_queue)]  # kept, not re-summed
     assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
     assert [(n.incoming_keeps, n.incoming_keep_tokens) for n in v.decode] == [
         (len(case.decode_incoming), sum(case.decode_incoming))
