@@ -98,10 +98,7 @@ class StepPlan:
     kv_tokens: int  # K at the start of the step
     chunks: tuple[Chunk, ...]
     new_decoders: int  # decodes producing their first token in this step (not a TBT sample)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
+    prefill_tokens: int  # the chunks' tokens, summed once: the timer and the metrics read it
 
     @property
     def step_tokens(self) -> int:
@@ -135,10 +132,11 @@ def model_step_time(models: LatencyModels) -> StepTimer:
 
     def timer(role: Role, plan: StepPlan) -> float:
         p = plan.prefill_tokens
+        b = plan.decode_tokens
         cached = sum(c.tokens * c.cached for c in plan.chunks) / p if p else 0.0
-        if role is Role.PREFILL and plan.decode_tokens == 0:
+        if b == 0 and role is Role.PREFILL:
             return models.prefill_step_s(p, cached)
-        return models.mixed_step_s(plan.step_tokens, cached, plan.decode_tokens, plan.kv_tokens)
+        return models.mixed_step_s(b + p, cached, b, plan.kv_tokens)
 
     return timer
 
@@ -155,6 +153,32 @@ class EngineSnapshot:
     queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens, unscheduled prefills, FIFO
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
+    queued_prefill_total: int  # sum(queued_prefill_tokens)
+
+
+@dataclass(slots=True)
+class _PrefillQueue:
+    """The prefills of one kind (with a schedule or without) on an engine, FIFO: the admitted
+    ones, then the waiting ones. ``tokens`` holds each one's remaining prompt tokens in that
+    order, which is what a heartbeat reports."""
+
+    tokens: list[int] = field(default_factory=list)  # a list: a heartbeat copies it with one memcpy
+    admitted: list[Sequence] = field(default_factory=list)  # the first len(admitted) of tokens
+    total: int = 0  # sum(tokens)
+
+    def add(self, seq: Sequence) -> None:
+        self.tokens.append(seq.prefill_remaining)
+        self.total += seq.prefill_remaining
+
+    def advance(self, seq: Sequence, tokens: int) -> None:
+        """``seq`` (admitted) prefilled ``tokens`` more; it leaves once its prompt is done."""
+        i = self.admitted.index(seq)  # the head, but for a chunk the step guard deferred
+        self.total -= tokens
+        if seq.prefill_remaining == 0:
+            del self.admitted[i]
+            del self.tokens[i]
+        else:
+            self.tokens[i] -= tokens
 
 
 @dataclass
@@ -173,16 +197,17 @@ class Engine:
     kv_reserved: int = 0  # tokens promised to incoming KV transfers
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
     step_index: int = 0
-    # Prompt lengths of waiting sequences, kept beside ``waiting`` so a heartbeat of a long
-    # queue costs one C-level copy, not a Python loop.
-    _waiting_tokens: deque[int] = field(default_factory=deque)
-    _waiting_scheduled: deque[int] = field(default_factory=deque)
+    unstarted_decodes: int = 0  # in ``decoding`` with no token yet (joined by transfer, no step since)
+    # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
+    # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
+    _unscheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
+    _scheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
         self.waiting.append(seq)
-        (self._waiting_scheduled if seq.schedule else self._waiting_tokens).append(seq.prefill_remaining)
+        (self._scheduled if seq.schedule else self._unscheduled).add(seq)
 
     def reserve_kv(self, tokens: int) -> bool:
         """Reserve room for an incoming KV transfer; False when the node is too full now."""
@@ -213,22 +238,24 @@ class Engine:
             if self.free_kv_tokens < head.prefill_remaining + 1:
                 break  # FIFO: later requests wait behind the head (vLLM's default)
             self.waiting.popleft()
-            (self._waiting_scheduled if head.schedule else self._waiting_tokens).popleft()
             self.kv_used += head.computed
             self.kv_prefill_pending += head.prefill_remaining
             self.prefilling.append(head)
+            (self._scheduled if head.schedule else self._unscheduled).admitted.append(head)
             resident += 1
 
     # -- the step loop ---------------------------------------------------------------------
     def plan_step(self, now: float) -> StepPlan | None:
         """Compose the next step, or None when there is nothing to run."""
         if self.joining:
+            self.unstarted_decodes += sum(1 for s in self.joining if s.generated == 0)
             self.decoding.extend(self.joining)
             self.joining.clear()
         self._admit()
         b = len(self.decoding)
         budget = self.config.max_step_tokens - b
         chunks: list[Chunk] = []
+        prefill = 0
         scheduled_taken = False
         for seq in self.prefilling:
             if budget <= 0:
@@ -246,10 +273,10 @@ class Engine:
                     continue  # not even one token fits this step: wait for the batch to shrink
             chunks.append(Chunk(seq, n, seq.computed))
             budget -= n
+            prefill += n
         if b == 0 and not chunks:
             return None
-        new = sum(1 for s in self.decoding if s.generated == 0) if b else 0
-        return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), new)
+        return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), self.unstarted_decodes, prefill)
 
     def _fit_chunk(self, tokens: int, seq: Sequence, decode_tokens: int) -> int:
         """The largest chunk <= ``tokens`` the node's own model keeps within the sequence's step
@@ -268,6 +295,7 @@ class Engine:
         emitted: list[Sequence] = []
         if plan.decode_tokens:
             self.kv_used += plan.decode_tokens
+            self.unstarted_decodes = 0  # every decode in the batch gets a token now
             for seq in self.decoding:
                 if seq.generated == 0:
                     seq.first_token_at = now
@@ -292,6 +320,7 @@ class Engine:
             seq.schedule_index += 1
             self.kv_used += chunk.tokens
             self.kv_prefill_pending -= chunk.tokens
+            (self._scheduled if seq.schedule else self._unscheduled).advance(seq, chunk.tokens)
             if seq.prefill_remaining == 0:
                 self.prefilling.remove(seq)
                 seq.generated = 1
@@ -318,19 +347,14 @@ class Engine:
 
     # -- reporting -------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
-        queued: list[int] = []
-        scheduled: list[int] = []
-        for seq in self.prefilling:
-            (scheduled if seq.schedule else queued).append(seq.prefill_remaining)
-        queued.extend(self._waiting_tokens)
-        scheduled.extend(self._waiting_scheduled)
         return EngineSnapshot(
             node_id=self.config.node_id,
             role=self.config.role,
             decode_tokens=len(self.decoding) + len(self.joining),
             kv_tokens=self.kv_used,
             kv_capacity_tokens=self.config.kv_capacity_tokens,
-            queued_prefill_tokens=tuple(queued),
-            scheduled_prefill_tokens=tuple(scheduled),
+            queued_prefill_tokens=tuple(self._unscheduled.tokens),
+            scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
+            queued_prefill_total=self._unscheduled.total,
         )

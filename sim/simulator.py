@@ -4,6 +4,12 @@ An event loop of ``(time, seq, kind, payload)``: arrivals, engine step ends, KV 
 and heartbeats. Nodes run the shared :class:`~kairos.sim.engine.Engine`; the dispatcher is the same
 policy code the gateway runs, reading heartbeats that are up to one period old (the Oracle
 reads the engines directly).
+
+Only a decision reads a heartbeat, and each node's next heartbeat replaces its last one, so a
+heartbeat followed by another of its node before the next arrival is never read: the loop
+steps over such runs of heartbeats (to the same times, by the same additions) and takes only
+the last one before each arrival: about two thirds of them on an hour of Bursty at 10 RPS
+on 2P2D, and all after the last arrival.
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ class _Ev(IntEnum):
     TRANSFER_END = 1
     HEARTBEAT = 2
     ARRIVAL = 3
+
+
+# As plain ints: the event loop compares and pushes them for every event.
+_STEP_END, _TRANSFER_END, _HEARTBEAT, _ARRIVAL = (int(e) for e in _Ev)
 
 
 def noisy_timer(base: StepTimer, error: float, seed: int) -> StepTimer:
@@ -123,29 +133,30 @@ class Simulator:
         self._seq = 0
         self._inflight: dict[str, StepPlan] = {}
         self._records: list[RequestRecord] = []
+        self._arrived = 0  # arrivals handled so far: self.requests[self._arrived] is the next
 
     # -- event plumbing ----------------------------------------------------------------------
-    def _push(self, t: float, kind: _Ev, payload: object) -> None:
+    def _push(self, t: float, kind: int, payload: object) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (t, int(kind), self._seq, payload))
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
 
     def run(self, progress: Callable[[float], None] | None = None) -> SimMetrics:
         for spec in self.requests:
-            self._push(spec.arrival_s, _Ev.ARRIVAL, spec)
+            self._push(spec.arrival_s, _ARRIVAL, spec)
         n = len(self.engines)
         for i, node_id in enumerate(self.engines):
             self._report(node_id, 0.0)  # nodes register before traffic starts
             # Stagger heartbeats across the period, as independent node agents would be.
-            self._push(self.cluster.heartbeat_s * (i + 1) / n, _Ev.HEARTBEAT, node_id)
+            self._push(self.cluster.heartbeat_s * (i + 1) / n, _HEARTBEAT, node_id)
         pending = len(self.requests)
         done_reported = 0
         while self._events and (pending > 0 or self._busy()):
             t, kind, _, payload = heapq.heappop(self._events)
-            if kind == _Ev.ARRIVAL:
-                self._on_arrival(t, payload)  # type: ignore[arg-type]
-            elif kind == _Ev.STEP_END:
+            if kind == _STEP_END:
                 pending -= self._on_step_end(t, payload)  # type: ignore[arg-type]
-            elif kind == _Ev.TRANSFER_END:
+            elif kind == _ARRIVAL:
+                self._on_arrival(t, payload)  # type: ignore[arg-type]
+            elif kind == _TRANSFER_END:
                 self._on_transfer_end(t, payload)  # type: ignore[arg-type]
             else:
                 self._on_heartbeat(t, payload)  # type: ignore[arg-type]
@@ -169,6 +180,7 @@ class Simulator:
         )
 
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
+        self._arrived += 1
         view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
         decision = self.policy.decide(spec.prompt_tokens, view, now)
         self.tracker.record(decision, now)
@@ -212,7 +224,7 @@ class Simulator:
         if plan is None:
             return
         self._inflight[node_id] = plan
-        self._push(now + engine.step_duration(plan), _Ev.STEP_END, node_id)
+        self._push(now + engine.step_duration(plan), _STEP_END, node_id)
 
     def _on_step_end(self, now: float, node_id: str) -> int:
         engine = self.engines[node_id]
@@ -257,7 +269,7 @@ class Simulator:
         link.queue.popleft()
         link.busy = True
         rec.transfer_start = now
-        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _Ev.TRANSFER_END, rec)
+        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _TRANSFER_END, rec)
 
     def _on_transfer_end(self, now: float, rec: RequestRecord) -> None:
         rec.transfer_end = now
@@ -274,8 +286,19 @@ class Simulator:
 
     # -- heartbeats --------------------------------------------------------------------------
     def _on_heartbeat(self, now: float, node_id: str) -> None:
+        period = self.cluster.heartbeat_s
+        if self._arrived == len(self.requests):
+            return  # no decision is left to read a heartbeat
+        # Heartbeats at equal times come before arrivals (_Ev), so one at the arrival's time is read.
+        next_arrival = self.requests[self._arrived].arrival_s
+        upcoming = now + period
+        if upcoming <= next_arrival:  # the node beats again before anyone reads this one
+            while upcoming + period <= next_arrival:
+                upcoming += period
+            self._push(upcoming, _HEARTBEAT, node_id)
+            return
         self._report(node_id, now)
-        self._push(now + self.cluster.heartbeat_s, _Ev.HEARTBEAT, node_id)
+        self._push(upcoming, _HEARTBEAT, node_id)
 
     def _report(self, node_id: str, now: float) -> None:
         snap = self.engines[node_id].snapshot()
@@ -286,7 +309,9 @@ class Simulator:
 
 
 def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
-    return PrefillNodeState(snap.node_id, snap.queued_prefill_tokens, snap.max_step_tokens, now)
+    return PrefillNodeState(
+        snap.node_id, snap.queued_prefill_tokens, snap.max_step_tokens, now, snap.queued_prefill_total
+    )
 
 
 def _decode_state(snap: EngineSnapshot, now: float) -> DecodeNodeState:

@@ -14,18 +14,20 @@ class PrefillNodeState:
     queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
     chunk_tokens: int  # chi_p: the node's token budget per step (max_num_batched_tokens)
     reported_at: float  # time of the heartbeat, seconds on the decider's clock
+    # sum(queued_prefill_tokens), summed here unless given: every decision reads it, and under
+    # overload a queue holds thousands of prompts, so callers that keep the total as the queue
+    # changes (the tracker's overlay, the simulator's engines) pass it.
+    outstanding_tokens: int = -1
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"prefill node {self.node_id}: chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.outstanding_tokens < 0:
+            object.__setattr__(self, "outstanding_tokens", sum(self.queued_prefill_tokens))
 
     @property
     def queue_length(self) -> int:
         return len(self.queued_prefill_tokens)
-
-    @property
-    def outstanding_tokens(self) -> int:
-        return sum(self.queued_prefill_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,16 @@ pending-deflection limit of §5.3 counts. A keep-path request also shows on its 
 incoming, from its dispatch until its predicted prefill end (when the node starts holding it,
 so its heartbeats show it): its prefill runs elsewhere for seconds, far longer than a heartbeat
 period, and a burst of keeps would otherwise all pick the same least-loaded decode node.
+
+Keeps stay incoming for as long as their predicted prefill takes, which grows with the prefill
+queues: under overload a node can have thousands in flight. They are held in a heap keyed by
+when they arrive, with running totals, so a heartbeat drops the arrived ones in O(log n) each
+and never walks the ones still to come.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -28,6 +34,25 @@ class _Dispatch:
     tokens: int  # prompt tokens sent
 
 
+@dataclass(slots=True)
+class _Incoming:
+    """Keep-path requests on their way to one decode node: a min-heap of (arrival, tokens), with
+    their count and tokens kept as running totals."""
+
+    heap: list[tuple[float, int]] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, at: float, tokens: int) -> None:
+        heapq.heappush(self.heap, (at, tokens))
+        self.tokens += tokens
+
+    def expire(self, horizon: float) -> None:
+        """Drop the keeps that arrived by ``horizon``."""
+        heap = self.heap
+        while heap and heap[0][0] <= horizon:
+            self.tokens -= heapq.heappop(heap)[1]
+
+
 @dataclass
 class ClusterTracker:
     """Heartbeats plus own dispatches; ``view(now)`` is what a decision reads."""
@@ -38,8 +63,7 @@ class ClusterTracker:
     _prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
     _decode: dict[str, DecodeNodeState] = field(default_factory=dict)
     _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
-    _incoming: dict[str, list[_Dispatch]] = field(default_factory=dict)  # keeps, by decode node
-    _incoming_totals: dict[str, tuple[int, int]] = field(default_factory=dict)  # (keeps, their tokens)
+    _incoming: dict[str, _Incoming] = field(default_factory=dict)  # keeps, by decode node
     # Each node's state with its overlay, rebuilt only when that node changes: a dispatch touches
     # one or two nodes, and every decision reads the view.
     _overlaid_prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
@@ -60,7 +84,6 @@ class ClusterTracker:
         self._decode.pop(node_id, None)
         self._overlay.pop(node_id, None)
         self._incoming.pop(node_id, None)
-        self._incoming_totals.pop(node_id, None)
         self._changed(node_id)
 
     def _changed(self, *node_ids: str) -> None:
@@ -76,9 +99,10 @@ class ClusterTracker:
             assert decision.prefill_node is not None  # a keep decision always names its prefill node
             self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, tokens))
             arrival = now + (decision.predicted_ttft_prefill_s or 0.0)
-            self._incoming.setdefault(decision.decode_node, []).append(_Dispatch(arrival, tokens))
-            keeps, keep_tokens = self._incoming_totals.get(decision.decode_node, (0, 0))
-            self._incoming_totals[decision.decode_node] = (keeps + 1, keep_tokens + tokens)
+            incoming = self._incoming.get(decision.decode_node)
+            if incoming is None:
+                incoming = self._incoming[decision.decode_node] = _Incoming()
+            incoming.add(arrival, tokens)
             self._changed(decision.prefill_node, decision.decode_node)
         else:
             self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
@@ -90,9 +114,8 @@ class ClusterTracker:
         if pending:
             self._overlay[node_id] = [d for d in pending if d.at > horizon]
         incoming = self._incoming.get(node_id)
-        if incoming:
-            left = self._incoming[node_id] = [d for d in incoming if d.at > horizon]
-            self._incoming_totals[node_id] = (len(left), sum(d.tokens for d in left))
+        if incoming is not None:
+            incoming.expire(horizon)
         self._changed(node_id)
 
     @property
@@ -119,12 +142,17 @@ class ClusterTracker:
         extra = self._overlay.get(s.node_id)
         if not extra:
             return s
-        return replace(s, queued_prefill_tokens=s.queued_prefill_tokens + tuple(d.tokens for d in extra))
+        tokens = tuple(d.tokens for d in extra)
+        return replace(
+            s,
+            queued_prefill_tokens=s.queued_prefill_tokens + tokens,
+            outstanding_tokens=s.outstanding_tokens + sum(tokens),
+        )
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
-        # Keeps stay incoming for seconds, so there can be many: totals, kept as they change.
-        keeps, keep_tokens = self._incoming_totals.get(s.node_id, (0, 0))
+        incoming = self._incoming.get(s.node_id)
+        keeps, keep_tokens = (len(incoming.heap), incoming.tokens) if incoming is not None else (0, 0)
         if not extra and not keeps:
             return s
         return replace(

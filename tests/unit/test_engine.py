@@ -117,6 +117,28 @@ def test_snapshot_reports_queues_batch_and_kv() -> None:
     assert snap.kv_tokens == 700 + 1 + 400
 
 
+def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() -> None:
+    """Unscheduled and scheduled prefills, admitted (some part-way) and waiting, on one node:
+    after every step the snapshot lists each kind's remaining tokens as the sequences hold them,
+    and the unscheduled total is their sum."""
+    engine = make(Role.DECODE, budget=700, kv=9_000)
+    for i, (tokens, schedule) in enumerate([(900, ()), (500, (300,)), (1200, ()), (4000, ()), (800, (250,)),
+                                            (3000, ()), (600, (200, 100))]):
+        engine.submit(Sequence(f"r{i}", tokens, 2, schedule=schedule))
+    saw_both = False
+    for _ in range(40):
+        snap = engine.snapshot()
+        saw_both |= bool(engine.waiting and engine.prefilling)
+        pending = [*engine.prefilling, *engine.waiting]
+        assert snap.queued_prefill_tokens == tuple(s.prefill_remaining for s in pending if not s.schedule)
+        assert snap.scheduled_prefill_tokens == tuple(s.prefill_remaining for s in pending if s.schedule)
+        assert snap.queued_prefill_total == sum(snap.queued_prefill_tokens)
+        if not run_steps(engine, 1):
+            break
+    assert saw_both  # the KV limit held some back while others were part-way
+    assert snap.queued_prefill_tokens == snap.scheduled_prefill_tokens == ()  # it drained
+
+
 def test_step_guard_shrinks_a_chunk_that_the_grown_batch_would_push_over_budget() -> None:
     engine = make(Role.DECODE, budget=4096, kv=2_000_000, guard=True)
     for i in range(30):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kairos.core.decision import Decision
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.workloads import make_workload
@@ -104,3 +107,40 @@ def test_anchor_deciders_prefill_on_decode_nodes_and_finish_every_request(spec: 
     deflected = [r for r in sim.metrics.records if r.route.value == "deflect"]
     assert len(deflected) == s["deflections"]
     assert all(r.prefill_node is None and r.transfer_start is None for r in deflected)
+
+
+class _CountingTracker(ClusterTracker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports = 0
+
+    def update_prefill(self, state: PrefillNodeState) -> None:
+        self.reports += 1
+        super().update_prefill(state)
+
+    def update_decode(self, state: DecodeNodeState) -> None:
+        self.reports += 1
+        super().update_decode(state)
+
+
+def test_heartbeat_work_follows_the_requests_not_the_simulated_time() -> None:
+    """Only a decision reads a heartbeat, and a node's next one replaces it: a run reports at
+    most once per node per request (plus registration), however long the run, while every
+    decision still reads each node's last beat before it."""
+    spaced = [RequestSpec(f"r{i}", 50.0 + 50.0 * i, 800 + 100 * i, 20) for i in range(6)]  # 500 beats apart
+    policy = make_policy("kairos", MODELS)
+    ages: list[float] = []
+
+    class Watching:
+        label, fresh_state = policy.label, policy.fresh_state
+
+        def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+            ages.extend(now - n.reported_at for n in (*view.prefill, *view.decode))
+            return policy.decide(prompt_tokens, view, now)
+
+    sim = Simulator(spaced, Watching(), MODELS)
+    sim.tracker = tracker = _CountingTracker()
+    sim.run()
+    assert tracker.reports <= len(sim.engines) * (len(spaced) + 1)
+    assert len(ages) == len(sim.engines) * len(spaced)
+    assert all(0 <= age < sim.cluster.heartbeat_s for age in ages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -118,6 +119,7 @@ def test_overlay(case: OverlayCase) -> None:
         tracker.update_decode(decode_node("d1", b=3, backlog=(200,), reported_at=case.heartbeat_at))
     v = tracker.view()
     assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
+    assert [n.outstanding_tokens for n in v.prefill] == [sum(case.prefill_queue)]  # kept, not re-summed
     assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
     assert [(n.incoming_keeps, n.incoming_keep_tokens) for n in v.decode] == [
         (len(case.decode_incoming), sum(case.decode_incoming))
@@ -254,3 +256,67 @@ def test_incoming_keeps_hold_kv_room() -> None:
     tracker.record(first, 0.0)
     assert first.decode_node == "d1" and tracker.view().decode[0].free_kv_tokens == 200
     assert policy.decide(800, tracker.view(), 0.01).decode_node == "d2"
+
+
+class _WatchedTime(float):
+    """A keep's predicted prefill end whose comparisons are counted: how often the tracker
+    looks at the keeps it holds. ``now + ttft`` gives one too (``__radd__``)."""
+
+    looks = 0
+
+    def __radd__(self, other: float) -> _WatchedTime:
+        return _WatchedTime(float(other) + float(self))
+
+    def _look(self) -> None:
+        _WatchedTime.looks += 1
+
+    def __lt__(self, other: object) -> bool:
+        self._look()
+        return float(self) < other  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        self._look()
+        return float(self) <= other  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        self._look()
+        return float(self) > other  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        self._look()
+        return float(self) >= other  # type: ignore[operator]
+
+    def __eq__(self, other: object) -> bool:
+        self._look()
+        return float(self) == other
+
+    __hash__ = float.__hash__
+
+
+def test_incoming_keeps_cost_does_not_grow_with_the_run() -> None:
+    """Under overload the prefill queues grow, and so does each keep's predicted prefill end:
+    the keeps in flight to a decode node pile up for the whole run. A heartbeat must drop the
+    arrived ones without walking the rest (issue 15: walking them made the simulator's cost per
+    request grow with the run's length). Over n dispatches, each followed by a heartbeat, the
+    tracker compares keep arrival times O(n log n) times, not O(n^2), and its totals stay exact."""
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=0.0))
+    tracker.update_decode(decode_node("d1", reported_at=0.0))
+    n, period = 2000, 0.1
+    arrivals: list[float] = []
+    _WatchedTime.looks = 0
+    for i in range(n):
+        now = i * period
+        ttft = _WatchedTime(0.5 * now + 0.3)  # the queue, and so the wait, grows with the run
+        tracker.record(keep_to("p1", 100 + i % 7, ttft_s=ttft), now)  # type: ignore[arg-type]
+        arrivals.append(now + float(ttft))
+        heartbeat_at = now + period / 2
+        tracker.update_decode(decode_node("d1", reported_at=heartbeat_at))
+        on_the_way = [j for j, at in enumerate(arrivals) if at > heartbeat_at]
+        d1 = tracker.view().decode[0]
+        assert (d1.incoming_keeps, d1.incoming_keep_tokens) == (
+            len(on_the_way),
+            sum(100 + j % 7 for j in on_the_way),
+        )
+    assert d1.incoming_keeps > n // 4  # many in flight at the end: the case that was quadratic
+    assert _WatchedTime.looks <= 8 * n * math.log2(n)
