@@ -19,7 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.api.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
+from kairos.api.openai_request import (
+    MethodNotAllowedError,
+    NotFoundError,
+    ParsedRequest,
+    RequestLimits,
+    UnsupportedContentEncodingError,
+    parse_request,
+)
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError, KairosError, NoHealthyNodeError
@@ -31,7 +38,7 @@ from kairos.extproc.metrics import DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
-OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPENAI_POST_PATHS = c.INFERENCE_PATHS
 
 
 class NodeAddressLike(Protocol):
@@ -153,10 +160,9 @@ class Dispatcher:
         try:
             spoofed = tuple(h for h in headers if h.lower().startswith(c.HEADER_PREFIX))
             bare_path = path.split("?", 1)[0]
-            if method == "POST" and bare_path in OPENAI_POST_PATHS:
+            _check_public(method, bare_path, headers)
+            if bare_path in OPENAI_POST_PATHS:
                 return await self._route_inference(path, headers, body or b"", spoofed, started)
-            if method == "POST":
-                raise NotFoundError(f"{bare_path} is not served by this gateway; use {' or '.join(OPENAI_POST_PATHS)}")
             return self._pass_through(spoofed)
         except KairosError as exc:
             self.metrics.rejections.labels(code=exc.code).inc()
@@ -297,6 +303,25 @@ class Dispatcher:
     def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
         others = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar} - {primary})
         return tuple(others[:1])
+
+
+def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
+    """The public API only (Envoy routes nothing else here; this holds behind any proxy), with
+    bodies as sent: a compressed body would reach a node that cannot read it (vLLM does not
+    decode request bodies), so it is a 415 rather than a 400 or 500 further on."""
+    methods = c.PUBLIC_ENDPOINTS.get(path)
+    if methods is None:
+        raise NotFoundError(
+            f"{path} is not served by this gateway; it serves "
+            + ", ".join(f"{'/'.join(m)} {p}" for p, m in c.PUBLIC_ENDPOINTS.items())
+        )
+    if method not in methods:
+        raise MethodNotAllowedError(f"{method} is not allowed on {path}; use {' or '.join(methods)}")
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedContentEncodingError(
+            f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed"
+        )
 
 
 def _ms(seconds: float | None) -> str:

@@ -18,6 +18,7 @@ one routing decision places one prefill.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,6 +53,18 @@ class NotFoundError(KairosError):
     code = "not_found"
 
 
+class MethodNotAllowedError(KairosError):
+    """The path is public but not with this method (405)."""
+
+    code = "method_not_allowed"
+
+
+class UnsupportedContentEncodingError(KairosError):
+    """The body is compressed (Content-Encoding other than identity): 415."""
+
+    code = "unsupported_content_encoding"
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What the gateway accepts; ``max_model_len`` must equal the served model's."""
@@ -83,6 +96,11 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage (only meaningful when streaming)
     body: dict[str, Any]  # the parsed JSON object, unchanged
+
+
+# A UTF-8-encoded surrogate (U+D800..U+DFFF: 0xED then 0xA0..0xBF) is not valid UTF-8, but
+# Python's json.loads decodes bytes with "surrogatepass" and lets it through as a lone surrogate.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def _reject_lone_surrogates(data: object) -> None:
@@ -119,6 +137,8 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(data)}")
+    if b"\xed" in body and _RAW_SURROGATE.search(body):
+        raise RequestError("request body is not valid UTF-8: it holds an encoded UTF-16 surrogate (0xED 0xA0-0xBF)")
     if b"\\ud" in body.lower():  # only a \uD800-\uDFFF escape can produce a lone surrogate
         _reject_lone_surrogates(data)
 

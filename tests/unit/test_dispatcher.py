@@ -476,6 +476,7 @@ class RejectCase:
     error_type: str
     param: str | None
     message_has: str
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 REJECT_CASES = [
@@ -561,13 +562,56 @@ REJECT_CASES = [
         ),
         id="unknown POST path is a 404",
     ),
+    pytest.param(
+        RejectCase("GET", "/kairos/state", None, 404, "not_found", "invalid_request_error", None, "/kairos/state"),
+        id="a node-internal path is a 404",
+    ),
+    pytest.param(
+        RejectCase("GET", "/metrics", None, 404, "not_found", "invalid_request_error", None, "/metrics"),
+        id="the node's metrics are not public",
+    ),
+    pytest.param(
+        RejectCase("PUT", "/kairos/kv/pull", b"{}", 404, "not_found", "invalid_request_error", None, "kv/pull"),
+        id="the KV pull is not public",
+    ),
+    pytest.param(
+        RejectCase(
+            "DELETE", COMPLETIONS, None, 405, "method_not_allowed", "invalid_request_error", None, "use POST"
+        ),
+        id="another method on an inference path is a 405",
+    ),
+    pytest.param(
+        RejectCase("POST", "/v1/models", b"{}", 405, "method_not_allowed", "invalid_request_error", None, "use GET"),
+        id="POST /v1/models is a 405",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b"\x1f\x8b", 415, "unsupported_content_encoding", "invalid_request_error", None,
+            "'gzip' is not supported", {"content-encoding": "gzip"},
+        ),
+        id="a gzip body is a 415",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b"{}", 415, "unsupported_content_encoding", "invalid_request_error", None,
+            "'br' is not supported", {"content-encoding": "br"},
+        ),
+        id="a brotli body is a 415",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b'{"prompt": "a \xed\xa0\x80 b"}', 400, "invalid_request",
+            "invalid_request_error", None, "not valid UTF-8",
+        ),
+        id="raw surrogate bytes in the prompt are a 400",
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", REJECT_CASES)
 async def test_bad_input_is_rejected(harness: HarnessFactory, case: RejectCase) -> None:
     h = harness(make_cluster())
-    rejected = await h.dispatcher.route(case.method, case.path, {}, case.body)
+    rejected = await h.dispatcher.route(case.method, case.path, case.headers, case.body)
 
     assert isinstance(rejected, Rejected), rejected
     assert (rejected.status, rejected.code) == (case.status, case.code)
@@ -649,7 +693,9 @@ async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: Harne
     [
         pytest.param("GET", "/v1/models", id="GET /v1/models goes to a decode sidecar"),
         pytest.param("GET", "/health", id="GET /health goes to a decode sidecar"),
-        pytest.param("DELETE", "/v1/completions", id="non-POST to an inference path passes through"),
+        pytest.param("GET", "/version", id="GET /version goes to a decode sidecar"),
+        pytest.param("POST", "/tokenize", id="POST /tokenize goes to a decode sidecar"),
+        pytest.param("POST", "/detokenize", id="POST /detokenize goes to a decode sidecar"),
     ],
 )
 async def test_pass_through_goes_to_decode_sidecars_round_robin(
