@@ -19,17 +19,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.api.openai_request import (
-    MethodNotAllowedError,
-    NotFoundError,
-    ParsedRequest,
-    RequestLimits,
-    UnsupportedContentEncodingError,
-    parse_request,
-)
+from kairos.api.openai_request import ParsedRequest, RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
-from kairos.common.errors import ConfigError, KairosError, NoHealthyNodeError
+from kairos.common.errors import (
+    ConfigError,
+    KairosError,
+    MethodNotAllowedError,
+    NoHealthyNodeError,
+    NotFoundError,
+    UnsupportedContentEncodingError,
+)
 from kairos.common.http_errors import error_json, error_status
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy

@@ -25,7 +25,11 @@ from typing import Any, Literal
 
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.common import defaults
-from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.common.errors import (  # NotFoundError: re-exported, callers know it from here
+    ConfigError,
+    InvalidRequestError,
+    NotFoundError,
+)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -45,24 +49,6 @@ class PayloadTooLargeError(RequestError):
     """The body exceeds ``RequestLimits.max_body_bytes`` (413); checked before parsing any JSON."""
 
     code = "payload_too_large"
-
-
-class NotFoundError(KairosError):
-    """The path is not an endpoint the gateway routes (404)."""
-
-    code = "not_found"
-
-
-class MethodNotAllowedError(KairosError):
-    """The path is public but not with this method (405)."""
-
-    code = "method_not_allowed"
-
-
-class UnsupportedContentEncodingError(KairosError):
-    """The body is compressed (Content-Encoding other than identity): 415."""
-
-    code = "unsupported_content_encoding"
 
 
 @dataclass(frozen=True, slots=True)
