@@ -300,8 +300,12 @@ _body = st.fixed_dictionaries(
 
 
 def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
-    """0: as is; 1: truncated; 2: bytes inserted (raw surrogates, NULs, anything); 3: replaced."""
+    """0: as is; 1: truncated; 2: bytes inserted (raw surrogates, NULs, anything); 3: replaced;
+    4: inserted at the start of the first string value (valid JSON around the junk)."""
     at = position % (len(raw) + 1)
+    if how == 4:
+        at = raw.find(b'": "') + 4 if b'": "' in raw else at
+        return raw[:at] + junk + raw[at:]
     if how == 1:
         return raw[:at]
     if how == 2:
@@ -317,10 +321,11 @@ def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
     path=st.sampled_from([*c.INFERENCE_PATHS, "/tokenize", "/detokenize"]),
     body=_body,
     stream=st.booleans(),
-    how=st.integers(0, 3),
+    how=st.integers(0, 4),
     position=st.integers(0, 10_000),
-    junk=st.sampled_from([b"\xed\xa0\x80", b"\x00", b"\xff", b'"', b"\\u", b"\\ud800", b"}", b"{" * 50]) | st.binary(
-        max_size=16),
+    junk=st.sampled_from([b"\xed\xa0\x80", b"\xed\xbf\xbf"])  # UTF-8-encoded surrogates
+    | st.sampled_from([b"\x00", b"\xff", b'"', b"\\u", b"\\ud800", b"}", b"{" * 50])
+    | st.binary(max_size=16),
     encoding=st.sampled_from([None, None, None, "gzip", "identity"]),
 )
 def test_fuzzed_requests_get_a_success_or_an_openai_4xx_never_a_5xx(
