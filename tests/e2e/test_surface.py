@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kairos.api.tokenizer import PromptTokenizer
@@ -298,6 +298,17 @@ _body = st.fixed_dictionaries(
               **{name: _json for name in _FIELDS if name not in ("model", "max_tokens", "prompt", "messages")}},
 )
 
+# Requests that are valid before any damage, so that the damage is what the gateway must catch.
+_valid_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "prompt": _text.filter(bool), "max_tokens": st.integers(1, 3)},
+    optional={"user": _text, "stream": st.booleans()},
+) | st.fixed_dictionaries(
+    {"model": st.just(MODEL), "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}),
+                                                   min_size=1, max_size=2),
+     "max_tokens": st.integers(1, 3)},
+    optional={"user": _text},
+)
+
 
 def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
     """0: as is; 1: truncated; 2: bytes inserted (raw surrogates, NULs, anything); 3: replaced;
@@ -315,11 +326,11 @@ def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
     return raw
 
 
-@settings(max_examples=60, derandomize=True, deadline=None, database=None,
+@settings(max_examples=100, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     path=st.sampled_from([*c.INFERENCE_PATHS, "/tokenize", "/detokenize"]),
-    body=_body,
+    body=_valid_body | _body,
     stream=st.booleans(),
     how=st.integers(0, 4),
     position=st.integers(0, 10_000),
@@ -328,6 +339,16 @@ def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
     | st.binary(max_size=16),
     encoding=st.sampled_from([None, None, None, "gzip", "identity"]),
 )
+# The cases the adversarial run found (raw surrogates in the prompt, the chat content, another
+# field; a compressed body), always tried first.
+@example(path="/v1/completions", body={"prompt": "hi", "model": MODEL, "max_tokens": 1}, stream=False, how=4,
+         position=0, junk=b"\xed\xa0\x80", encoding=None)
+@example(path="/v1/chat/completions", body={"messages": [{"content": "hi", "role": "user"}], "max_tokens": 1},
+         stream=True, how=4, position=0, junk=b"\xed\xbf\xbf", encoding=None)
+@example(path="/v1/completions", body={"user": "u", "model": MODEL, "prompt": "hi", "max_tokens": 1}, stream=False,
+         how=4, position=0, junk=b"\xed\xa0\x80", encoding=None)
+@example(path="/v1/completions", body={"model": MODEL, "prompt": "hi", "max_tokens": 1}, stream=False, how=0,
+         position=0, junk=b"", encoding="gzip")
 def test_fuzzed_requests_get_a_success_or_an_openai_4xx_never_a_5xx(
     cluster: LocalCluster, path: str, body: dict[str, Any], stream: bool, how: int, position: int, junk: bytes,
     encoding: str | None,
