@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -225,11 +226,12 @@ class Dispatcher:
 
     async def _parse(self, path: str, body: bytes) -> ParsedRequest:
         limits = self.settings.limits
+        parse = functools.partial(parse_request, path, body, self.tokenizer, limits, stop_over_context=True)
         if self._parse_inline(body):
-            return parse_request(path, body, self.tokenizer, limits)
+            return parse()
         # Tokenizing a long prompt takes milliseconds: keep the event loop serving others.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, limits)
+        return await loop.run_in_executor(self._pool, parse)
 
     def _parse_inline(self, body: bytes) -> bool:
         """Parse on the event loop (True) or in the tokenize pool, where Rust releases the GIL."""

@@ -101,11 +101,16 @@ def _reject_lone_surrogates(data: object) -> None:
         ) from None
 
 
-def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits) -> ParsedRequest:
+def parse_request(
+    path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, *, stop_over_context: bool = False
+) -> ParsedRequest:
     """Validate one OpenAI request and count its prompt; raise a ``KairosError`` with a code otherwise.
 
     ``path`` may carry a query string. Long prompts make this take milliseconds: call it from a
-    thread pool on an event loop (see ``kairos.api.tokenizer``).
+    thread pool on an event loop (see ``kairos.api.tokenizer``). ``stop_over_context``: stop
+    counting once the prompt is known to exceed ``max_model_len`` (the gateway: a multi-MB
+    prompt is refused after its first ~100 KB are counted, not after seconds), so the error
+    says "more than" instead of the exact count vLLM would give (the emulated node keeps it).
     """
     route = path.split("?", 1)[0]
     kind = _ROUTES.get(route)
@@ -135,16 +140,23 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
     include_usage = _include_usage(data, stream)
 
     # Cheap field checks first: a bad max_tokens should not cost a tokenization.
+    count_limit = limits.max_model_len if stop_over_context else None
     if kind == "completion":
         field, requested = _max_tokens_field(data, ("max_tokens",))
         if field is None and "max_tokens" not in data:
             requested = limits.default_max_tokens  # absent (not null): vLLM's default of 16
-        prompt_tokens = _completion_prompt_tokens(data, tokenizer)
+        prompt_tokens = _completion_prompt_tokens(data, tokenizer, count_limit)
         input_param = "prompt"
     else:
         field, requested = _max_tokens_field(data, ("max_completion_tokens", "max_tokens"))
-        prompt_tokens = _chat_prompt_tokens(data, tokenizer)
+        prompt_tokens = _chat_prompt_tokens(data, tokenizer, count_limit)
         input_param = "messages"
+    if count_limit is not None and prompt_tokens > count_limit:
+        raise RequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, your request has more "
+            f"than {count_limit} input tokens. Please reduce the length of the input.",
+            input_param,
+        )
 
     max_tokens = _resolve_max_tokens(prompt_tokens, requested, field or "max_tokens", input_param, limits)
     return ParsedRequest(
@@ -227,7 +239,7 @@ def _resolve_max_tokens(
 _PROMPT_FORMS = "a string, an array of token ids, or an array holding one string or one token-id array"
 
 
-def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> int:
+def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
     if data.get("prompt_embeds") is not None:
         raise RequestError("prompt_embeds is not supported by the gateway; send prompt", "prompt_embeds")
     if "prompt" not in data or data["prompt"] is None:
@@ -262,7 +274,7 @@ def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenize
             raise RequestError(
                 f"token id {bad} is out of vocabulary (valid ids are 0 to {tokenizer.vocab_size - 1})", "prompt"
             )
-    return tokenizer.count_completion_prompt(single)
+    return tokenizer.count_completion_prompt(single, limit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +315,7 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> int:
+def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
     messages = _validate_messages(data.get("messages"))
     if data.get("chat_template") is not None:
         # vLLM refuses request-supplied templates unless started with --trust-request-chat-template.
@@ -333,4 +345,5 @@ def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> 
         add_special_tokens=_optional_bool(data, "add_special_tokens", False),
         tools=tools,
         template_kwargs=template_kwargs,
+        limit=limit,
     )

@@ -527,6 +527,19 @@ REJECT_CASES = [
         RejectCase(
             "POST",
             COMPLETIONS,
+            completion_body(300_000),
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            "prompt",
+            "more than 32768 input tokens",  # counting stopped past the context
+        ),
+        id="a prompt far over the context is refused once counted past it",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
             completion_body(100, max_tokens=32_700),
             400,
             "invalid_request",
@@ -800,12 +813,12 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     started, release = threading.Event(), threading.Event()
 
     def slow_for_long_bodies(
-        path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits
+        path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, **options: bool
     ) -> ParsedRequest:
         if len(body) > 16_384:
             started.set()
             assert release.wait(30), "the small request never finished"
-        return original(path, body, tokenizer, limits)
+        return original(path, body, tokenizer, limits, **options)
 
     monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
     h = harness(make_cluster())

@@ -122,3 +122,40 @@ def test_raw_surrogate_bytes_anywhere_are_a_400(tok: PromptTokenizer, prompt: st
     with pytest.raises(KairosError) as info:
         parse_request(c.INFERENCE_PATHS[0], raw[:at] + junk + raw[at:], tok, LIMITS)
     assert error_status(info.value) == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting with a limit: exact up to it, "more than" past it
+# ---------------------------------------------------------------------------------------------
+_pieces = st.sampled_from(["the ", "quick", " ", "  ", "\n", "\t ", "é", "日本語", "!", "42 ", "<s>", "</s>", "a.b",
+                           "don't ", "\U0001F600", "x" * 40])
+
+
+@FUZZ
+@given(parts=st.lists(_pieces, max_size=3000), limit=st.integers(0, 3000), chat=st.booleans())
+def test_a_count_with_a_limit_is_exact_up_to_it(tok: PromptTokenizer, parts: list[str], limit: int, chat: bool) -> None:
+    text = "".join(parts)
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        exact, bounded = tok.count_chat_prompt(messages), tok.count_chat_prompt(messages, limit=limit)
+    else:
+        exact, bounded = tok.count_completion_prompt(text), tok.count_completion_prompt(text, limit)
+    assert bounded == exact if exact <= limit else bounded > limit
+
+
+@pytest.mark.parametrize("path", c.INFERENCE_PATHS)
+def test_a_prompt_far_over_the_context_is_refused_without_counting_it_all(tok: PromptTokenizer, path: str) -> None:
+    """A 7 MB prompt (about 3 million tokens of the tiny model) against a 2048-token context:
+    the gateway stops counting past the context, so it cannot tell the exact count (vLLM's
+    message, which the emulated node keeps, has it)."""
+    text = "the quick brown fox jumps over a lazy dog " * (7 * 1024 * 1024 // 42)
+    payload = {"prompt": text} if path == c.INFERENCE_PATHS[0] else {"messages": [{"role": "user", "content": text}]}
+    raw = json.dumps({**payload, "max_tokens": 1}).encode()
+    limits = RequestLimits(max_model_len=2048)
+    with pytest.raises(KairosError) as bounded:
+        parse_request(path, raw, tok, limits, stop_over_context=True)
+    assert error_status(bounded.value) == 400
+    assert "more than 2048 input tokens" in bounded.value.message
+    with pytest.raises(KairosError) as exact:
+        parse_request(path, raw, tok, limits)
+    assert "more than" not in exact.value.message and "you requested" in exact.value.message  # vLLM's exact one
