@@ -11,6 +11,7 @@ import json
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,35 @@ def test_chat_with_raw_surrogate_bytes_is_a_400(cluster: LocalCluster) -> None:
     status, _, raw = http("POST", f"{cluster.gateway_url}/v1/chat/completions", body,
                           {"content-type": "application/json"})
     assert_openai_error(status, raw, 400, "invalid_request")
+
+
+def test_near_limit_bodies_are_refused_and_small_requests_beside_them_served(cluster: LocalCluster) -> None:
+    """Three 7 MB prompts (about 3 million tokens each, the body limit is 8 MiB) at once with
+    small requests: each big one is a 400 once counted past the context, never Envoy's 504,
+    and every small one is served."""
+    big = json.dumps({"model": MODEL, "prompt": "the quick brown fox jumps over a lazy dog " * 174_000,
+                      "max_tokens": 1}).encode()
+    assert 7_000_000 < len(big) < 8 * 1024 * 1024
+    results: dict[str, tuple[int, bytes]] = {}
+
+    def send(name: str, body: bytes) -> None:
+        status, _, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body,
+                              {"content-type": "application/json"}, timeout=120)
+        results[name] = (status, raw)
+
+    threads = [threading.Thread(target=send, args=(f"big{i}", big)) for i in range(3)]
+    threads += [threading.Thread(target=send, args=(f"small{i}", COMPLETION)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == len(threads)
+    for name, (status, raw) in results.items():
+        if name.startswith("big"):
+            error = assert_openai_error(status, raw, 400, "invalid_request")
+            assert "more than 32768 input tokens" in error["message"]
+        else:
+            assert status == 200, raw[:300]
 
 
 # ---------------------------------------------------------------------------------------------
