@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.api.openai_request import ParsedRequest, RequestLimits, parse_request
+from kairos.api.openai_request import ParsedRequest, PayloadTooLargeError, RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.errors import (
@@ -108,6 +108,10 @@ class DispatchSettings:
     # in Python holding the GIL: a pool thread would count no faster and start only after the
     # interpreter's switch interval (5 ms), so the hop only adds latency (about 100 KB a 2 ms count).
     count_inline_bytes: int = 262_144
+    # A parse in the pool that takes longer is answered 413 (the prompt is too long to count in
+    # time) before Envoy's ext_proc message timeout (2 s) answers a bare 504; the exact counter
+    # stops past the context, so only tokenizers counted by a whole Rust encode get near it.
+    parse_timeout_s: float = 1.5
     reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
     dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
 
@@ -118,6 +122,8 @@ class DispatchSettings:
             raise ConfigError(f"tokenize_inline_bytes must be >= 0, got {self.tokenize_inline_bytes}")
         if self.count_inline_bytes < 0:
             raise ConfigError(f"count_inline_bytes must be >= 0, got {self.count_inline_bytes}")
+        if not self.parse_timeout_s > 0:
+            raise ConfigError(f"parse_timeout_s must be > 0, got {self.parse_timeout_s}")
 
 
 class Dispatcher:
@@ -231,7 +237,15 @@ class Dispatcher:
             return parse()
         # Tokenizing a long prompt takes milliseconds: keep the event loop serving others.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, parse)
+        timeout_s = self.settings.parse_timeout_s
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._pool, parse), timeout_s)
+        except TimeoutError:
+            # The pool thread finishes the count on its own; the client hears now, not from Envoy.
+            raise PayloadTooLargeError(
+                f"the prompt ({len(body)} bytes) could not be read and counted within {timeout_s:g} s; "
+                "send a shorter prompt"
+            ) from None
 
     def _parse_inline(self, body: bytes) -> bool:
         """Parse on the event loop (True) or in the tokenize pool, where Rust releases the GIL."""

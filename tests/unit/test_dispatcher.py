@@ -835,6 +835,29 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     assert long.decision is not None and long.decision.prompt_tokens == 50
 
 
+async def test_a_parse_that_outlasts_its_budget_is_a_413_before_envoys_timeout(
+    harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that must encode a huge prompt whole could take seconds: the client gets a
+    413 that says so when the budget passes, not Envoy's bare 504 at its message timeout."""
+    original = dispatcher_module.parse_request
+    release = threading.Event()
+
+    def stuck(path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, **options: bool) -> Any:
+        assert release.wait(30), "never released"
+        return original(path, body, tokenizer, limits, **options)
+
+    monkeypatch.setattr(dispatcher_module, "parse_request", stuck)
+    h = harness(make_cluster(), settings=DispatchSettings(parse_timeout_s=0.2))
+    try:
+        rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(50, size=300_000))
+    finally:
+        release.set()
+    assert isinstance(rejected, Rejected), rejected
+    assert (rejected.status, rejected.code) == (413, "payload_too_large")
+    assert "could not be read and counted within 0.2 s" in error_of(rejected)["message"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Profile reload: the policies swap as one object
 # ---------------------------------------------------------------------------------------------
