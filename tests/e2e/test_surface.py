@@ -220,6 +220,17 @@ def test_content_length_with_transfer_encoding_is_a_clean_400(cluster: LocalClus
     still_serving(cluster)
 
 
+def test_a_body_over_envoys_buffer_is_a_json_413(cluster: LocalCluster) -> None:
+    body = b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}'  # over the 16 MiB buffer limit
+    with _connect(_port(cluster.gateway_url)) as sock:
+        with contextlib.suppress(OSError):  # Envoy may answer and close before taking it all
+            sock.sendall(_request("/v1/completions", body))
+        status, _, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 413, "payload_too_large")
+    assert "buffer limit" in error["message"]
+    still_serving(cluster)
+
+
 def test_pipelined_requests_are_answered_in_order(cluster: LocalCluster) -> None:
     good = _request("/v1/completions", COMPLETION)
     models = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
