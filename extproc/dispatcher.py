@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -19,10 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.api.openai_request import NotFoundError, ParsedRequest, RequestLimits, parse_request
+from kairos.api.openai_request import ParsedRequest, PayloadTooLargeError, RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
-from kairos.common.errors import ConfigError, KairosError, NoHealthyNodeError
+from kairos.common.errors import (
+    ConfigError,
+    KairosError,
+    MethodNotAllowedError,
+    NoHealthyNodeError,
+    NotFoundError,
+    UnsupportedContentEncodingError,
+)
 from kairos.common.http_errors import error_json, error_status
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
@@ -31,7 +39,7 @@ from kairos.extproc.metrics import DispatcherMetrics
 
 log = logging.getLogger(__name__)
 
-OPENAI_POST_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPENAI_POST_PATHS = c.INFERENCE_PATHS
 
 
 class NodeAddressLike(Protocol):
@@ -100,6 +108,10 @@ class DispatchSettings:
     # in Python holding the GIL: a pool thread would count no faster and start only after the
     # interpreter's switch interval (5 ms), so the hop only adds latency (about 100 KB a 2 ms count).
     count_inline_bytes: int = 262_144
+    # A parse in the pool that takes longer is answered 413 (the prompt is too long to count in
+    # time) before Envoy's ext_proc message timeout (2 s) answers a bare 504; the exact counter
+    # stops past the context, so only tokenizers counted by a whole Rust encode get near it.
+    parse_timeout_s: float = 1.5
     reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
     dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
 
@@ -110,6 +122,8 @@ class DispatchSettings:
             raise ConfigError(f"tokenize_inline_bytes must be >= 0, got {self.tokenize_inline_bytes}")
         if self.count_inline_bytes < 0:
             raise ConfigError(f"count_inline_bytes must be >= 0, got {self.count_inline_bytes}")
+        if not self.parse_timeout_s > 0:
+            raise ConfigError(f"parse_timeout_s must be > 0, got {self.parse_timeout_s}")
 
 
 class Dispatcher:
@@ -153,10 +167,9 @@ class Dispatcher:
         try:
             spoofed = tuple(h for h in headers if h.lower().startswith(c.HEADER_PREFIX))
             bare_path = path.split("?", 1)[0]
-            if method == "POST" and bare_path in OPENAI_POST_PATHS:
+            _check_public(method, bare_path, headers)
+            if bare_path in OPENAI_POST_PATHS:
                 return await self._route_inference(path, headers, body or b"", spoofed, started)
-            if method == "POST":
-                raise NotFoundError(f"{bare_path} is not served by this gateway; use {' or '.join(OPENAI_POST_PATHS)}")
             return self._pass_through(spoofed)
         except KairosError as exc:
             self.metrics.rejections.labels(code=exc.code).inc()
@@ -219,11 +232,20 @@ class Dispatcher:
 
     async def _parse(self, path: str, body: bytes) -> ParsedRequest:
         limits = self.settings.limits
+        parse = functools.partial(parse_request, path, body, self.tokenizer, limits, stop_over_context=True)
         if self._parse_inline(body):
-            return parse_request(path, body, self.tokenizer, limits)
+            return parse()
         # Tokenizing a long prompt takes milliseconds: keep the event loop serving others.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, limits)
+        timeout_s = self.settings.parse_timeout_s
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._pool, parse), timeout_s)
+        except TimeoutError:
+            # The pool thread finishes the count on its own; the client hears now, not from Envoy.
+            raise PayloadTooLargeError(
+                f"the prompt ({len(body)} bytes) could not be read and counted within {timeout_s:g} s; "
+                "send a shorter prompt"
+            ) from None
 
     def _parse_inline(self, body: bytes) -> bool:
         """Parse on the event loop (True) or in the tokenize pool, where Rust releases the GIL."""
@@ -306,6 +328,25 @@ class Dispatcher:
     def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
         others = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar} - {primary})
         return tuple(others[:1])
+
+
+def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
+    """The public API only (Envoy routes nothing else here; this holds behind any proxy), with
+    bodies as sent: a compressed body would reach a node that cannot read it (vLLM does not
+    decode request bodies), so it is a 415 rather than a 400 or 500 further on."""
+    methods = c.PUBLIC_ENDPOINTS.get(path)
+    if methods is None:
+        raise NotFoundError(
+            f"{path} is not served by this gateway; it serves "
+            + ", ".join(f"{'/'.join(m)} {p}" for p, m in c.PUBLIC_ENDPOINTS.items())
+        )
+    if method not in methods:
+        raise MethodNotAllowedError(f"{method} is not allowed on {path}; use {' or '.join(methods)}")
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedContentEncodingError(
+            f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed"
+        )
 
 
 def _ms(seconds: float | None) -> str:

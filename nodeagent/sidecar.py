@@ -50,7 +50,14 @@ from yarl import URL
 from kairos.common import contracts as c
 from kairos.common.aio import cancel_and_wait
 from kairos.common.config import load_config
-from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.common.errors import (
+    ConfigError,
+    InvalidRequestError,
+    KairosError,
+    MethodNotAllowedError,
+    NotFoundError,
+    UnsupportedContentEncodingError,
+)
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
 from kairos.common.runtime import stop_on_signals
@@ -398,7 +405,9 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
     cluster view knows; a prefill host is allowed if it is in ``config.allowed_prefill_hosts``
     or in that callable's current result."""
     # Bodies are read by _read_body with our own bound; this is only aiohttp's backstop.
-    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    # auto_decompress off: a compressed body is refused (415) by the handler; aiohttp would
+    # inflate it unbounded, or drop the connection on a body that is not what its label says.
+    app = web.Application(client_max_size=config.max_body_bytes + 1, handler_args={"auto_decompress": False})
     state = _State(config=config, allowlist=allowlist, metrics=SidecarMetrics())
     app[STATE] = state
     app[METRICS] = state.metrics
@@ -432,7 +441,13 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
         app.router.add_post(path, _completion)
     app.router.add_get(c.SIDECAR_METRICS_PATH, _metrics)
     app.router.add_get("/health", _health)
-    app.router.add_route("*", "/{tail:.*}", _pass_through)
+    # Of the local vLLM, only the public API is relayed: its /metrics, /kairos/state, step log
+    # and KV endpoints are served on the node's own port, never through this one.
+    for path, methods in c.PUBLIC_ENDPOINTS.items():
+        if path not in COMPLETION_PATHS and path != "/health":
+            for method in methods:
+                app.router.add_route(method, path, _pass_through)
+    app.router.add_route("*", "/{tail:.*}", _not_public)
     return app
 
 
@@ -445,9 +460,10 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     timing.node = request.headers.get(c.H_DECODE_NODE) or state.config.local_vllm
     status = 0
     try:
+        _check_identity_encoding(request.headers)
         raw = await _read_body(request, state.config.max_body_bytes)
         body = _parse_object(raw)
-        scrubbed = _scrub_xargs(body, rid)
+        scrubbed = _scrub_client_fields(body, rid)
         clean = body if scrubbed is None else scrubbed
         headers = _forward_headers(request.headers, rid)
         if route is None:
@@ -495,6 +511,7 @@ async def _pass_through(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
     try:
+        _check_identity_encoding(request.headers)
         data = await _read_body(request, state.config.max_body_bytes) if request.body_exists else None
         return await _relay(request, state, data, _forward_headers(request.headers, rid), rid, None)
     except KairosError as exc:
@@ -502,6 +519,14 @@ async def _pass_through(request: web.Request) -> web.StreamResponse:
     except Exception as exc:
         log.exception("request %s: internal error", rid)
         return _error_response(exc, rid)
+
+
+async def _not_public(request: web.Request) -> web.Response:
+    rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+    methods = c.PUBLIC_ENDPOINTS.get(request.path)
+    if methods is not None:
+        return _error_response(MethodNotAllowedError(f"{request.method} is not allowed on {request.path}"), rid)
+    return _error_response(NotFoundError(f"{request.path} is not served by this sidecar"), rid)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -550,13 +575,31 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+def _check_identity_encoding(headers: CIMultiDictProxy[str]) -> None:
+    """Bodies are JSON as sent: a compressed one is a 415 (vLLM does not decode request bodies
+    either), before aiohttp tries to inflate it."""
+    encoding = headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedContentEncodingError(
+            f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed"
+        )
+
+
 def _parse_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object of valid Unicode text: strict UTF-8 (json.loads on bytes would
+    let encoded surrogates through), and no lone surrogate from a \\u escape either, since the
+    body is encoded again for the hops."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    if b"\\ud" in raw.lower():
+        try:
+            _dumps(body)
+        except UnicodeEncodeError:
+            raise InvalidRequestError("request body has an unpaired UTF-16 surrogate escape") from None
     return body
 
 
@@ -578,19 +621,27 @@ def _forward_headers(incoming: CIMultiDictProxy[str], rid: str) -> CIMultiDict[s
     return out
 
 
-def _scrub_xargs(body: dict[str, Any], rid: str) -> dict[str, Any] | None:
-    """A copy of ``body`` without client-sent ``kairos_*`` vllm_xargs, or None when it has none:
-    a chunk schedule is the dispatcher's to set, as the edge strips ``x-kairos-*`` headers."""
+def _scrub_client_fields(body: dict[str, Any], rid: str) -> dict[str, Any] | None:
+    """A copy of ``body`` without what only Kairos may set, or None when it has none of it:
+    client-sent ``kairos_*`` vllm_xargs (a chunk schedule is the dispatcher's, as the edge strips
+    ``x-kairos-*`` headers) and ``kv_transfer_params`` (the P/D hand-off is the sidecar's: a
+    client's would make a node hold KV, or pull it from anywhere)."""
     xargs = body.get(c.VLLM_XARGS)
-    if not isinstance(xargs, dict) or not any(str(k).startswith(c.XARG_PREFIX) for k in xargs):
+    spoofed_xargs = isinstance(xargs, dict) and any(str(k).startswith(c.XARG_PREFIX) for k in xargs)
+    if not spoofed_xargs and c.KV_TRANSFER_PARAMS not in body:
         return None
-    kept = {k: v for k, v in xargs.items() if not str(k).startswith(c.XARG_PREFIX)}
-    log.warning("request %s: removed client-sent %s %s", rid, c.VLLM_XARGS, sorted(set(xargs) - set(kept)))
     out = dict(body)
-    if kept:
-        out[c.VLLM_XARGS] = kept
-    else:
-        del out[c.VLLM_XARGS]
+    if c.KV_TRANSFER_PARAMS in out:
+        del out[c.KV_TRANSFER_PARAMS]
+        log.warning("request %s: removed client-sent %s", rid, c.KV_TRANSFER_PARAMS)
+    if spoofed_xargs:
+        assert isinstance(xargs, dict)
+        kept = {k: v for k, v in xargs.items() if not str(k).startswith(c.XARG_PREFIX)}
+        log.warning("request %s: removed client-sent %s %s", rid, c.VLLM_XARGS, sorted(set(xargs) - set(kept)))
+        if kept:
+            out[c.VLLM_XARGS] = kept
+        else:
+            del out[c.VLLM_XARGS]
     return out
 
 

@@ -639,6 +639,60 @@ class EmulatedNode:
         _ = self.engine  # 503 when the step loop is not running
         return web.Response(status=200)
 
+    async def version(self, request: web.Request) -> web.Response:
+        """GET /version: vLLM's ``{"version": ...}``, of the vLLM release this node emulates."""
+        return web.json_response({"version": EMULATED_VLLM_VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize as vLLM 0.32 answers it (``serve/tokenize``): a ``prompt`` is encoded
+        with special tokens unless ``add_special_tokens`` is false; ``messages`` are rendered
+        with the chat template and encoded without them unless it is true."""
+        body = _json_object(await request.read())
+        self._check_model(body)
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise RequestError("add_special_tokens must be a boolean", "add_special_tokens")
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise RequestError("messages must be an array", "messages")
+            text = self.tokenizer.render_chat(
+                messages,
+                body.get("add_generation_prompt", True) is not False,
+                continue_final_message=body.get("continue_final_message") is True,
+                tools=body.get("tools"),
+                template_kwargs=body.get("chat_template_kwargs") or {},
+            )
+            tokens = self.tokenizer.encode(text, add_special_tokens=add_special is True)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise RequestError("prompt must be a string", "prompt")
+            tokens = self.tokenizer.encode(prompt, add_special_tokens=add_special is not False)
+        strs = None
+        if body.get("return_token_strs") is True:
+            strs = [self.tokenizer.raw_tokenizer.id_to_token(t) for t in tokens]
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens, "token_strs": strs}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize: ``{"prompt": text}`` for ``tokens`` (special tokens kept, as vLLM)."""
+        body = _json_object(await request.read())
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+            raise RequestError("tokens must be an array of non-negative integers", "tokens")
+        bad = next((t for t in tokens if t >= self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is out of vocabulary", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise NotFoundError(f"The model `{model}` does not exist.")
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         rt = self.engine
         e, labels = rt.engine, self.metrics.labels
@@ -793,6 +847,16 @@ def _dumps(obj: Any) -> str:
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return f"data: {_dumps(obj)}\n\n".encode()
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))  # strict UTF-8: surrogate bytes are not text
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
 
 
 def _error_message(raw: bytes) -> str:
@@ -960,6 +1024,9 @@ def build_app(config: EmulatedNodeConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", node.completions)
     app.router.add_get("/v1/models", node.models_list)
     app.router.add_get("/health", node.health)
+    app.router.add_get("/version", node.version)
+    app.router.add_post("/tokenize", node.tokenize)
+    app.router.add_post("/detokenize", node.detokenize)
     app.router.add_get("/metrics", node.metrics_text)
     app.router.add_get(c.STATE_PATH, node.state)
     app.router.add_get(c.STEPS_PATH, node.steps)
@@ -971,6 +1038,7 @@ def build_app(config: EmulatedNodeConfig) -> web.Application:
 # CLI
 # ---------------------------------------------------------------------------------------------
 ENV_PREFIX = "KAIROS_EMU_"
+EMULATED_VLLM_VERSION = "0.32.0"  # the vLLM release whose wire behaviour this node follows
 
 
 def _arg_parser() -> argparse.ArgumentParser:

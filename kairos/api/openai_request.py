@@ -18,13 +18,18 @@ one routing decision places one prefill.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.common import defaults
-from kairos.common.errors import ConfigError, InvalidRequestError, KairosError
+from kairos.common.errors import (  # NotFoundError: re-exported, callers know it from here
+    ConfigError,
+    InvalidRequestError,
+    NotFoundError,
+)
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -44,12 +49,6 @@ class PayloadTooLargeError(RequestError):
     """The body exceeds ``RequestLimits.max_body_bytes`` (413); checked before parsing any JSON."""
 
     code = "payload_too_large"
-
-
-class NotFoundError(KairosError):
-    """The path is not an endpoint the gateway routes (404)."""
-
-    code = "not_found"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +84,11 @@ class ParsedRequest:
     body: dict[str, Any]  # the parsed JSON object, unchanged
 
 
+# A UTF-8-encoded surrogate (U+D800..U+DFFF: 0xED then 0xA0..0xBF) is not valid UTF-8, but
+# Python's json.loads decodes bytes with "surrogatepass" and lets it through as a lone surrogate.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
 def _reject_lone_surrogates(data: object) -> None:
     """A string with an unpaired UTF-16 surrogate is valid JSON but not text: no tokenizer (nor
     vLLM) can take it. Say so with a 400 rather than failing inside the tokenizer."""
@@ -97,11 +101,16 @@ def _reject_lone_surrogates(data: object) -> None:
         ) from None
 
 
-def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits) -> ParsedRequest:
+def parse_request(
+    path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, *, stop_over_context: bool = False
+) -> ParsedRequest:
     """Validate one OpenAI request and count its prompt; raise a ``KairosError`` with a code otherwise.
 
     ``path`` may carry a query string. Long prompts make this take milliseconds: call it from a
-    thread pool on an event loop (see ``kairos.api.tokenizer``).
+    thread pool on an event loop (see ``kairos.api.tokenizer``). ``stop_over_context``: stop
+    counting once the prompt is known to exceed ``max_model_len`` (the gateway: a multi-MB
+    prompt is refused after its first ~100 KB are counted, not after seconds), so the error
+    says "more than" instead of the exact count vLLM would give (the emulated node keeps it).
     """
     route = path.split("?", 1)[0]
     kind = _ROUTES.get(route)
@@ -119,6 +128,8 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError(f"request body must be a JSON object, got {json_type(data)}")
+    if b"\xed" in body and _RAW_SURROGATE.search(body):
+        raise RequestError("request body is not valid UTF-8: it holds an encoded UTF-16 surrogate (0xED 0xA0-0xBF)")
     if b"\\ud" in body.lower():  # only a \uD800-\uDFFF escape can produce a lone surrogate
         _reject_lone_surrogates(data)
 
@@ -129,16 +140,23 @@ def parse_request(path: str, body: bytes, tokenizer: PromptTokenizer, limits: Re
     include_usage = _include_usage(data, stream)
 
     # Cheap field checks first: a bad max_tokens should not cost a tokenization.
+    count_limit = limits.max_model_len if stop_over_context else None
     if kind == "completion":
         field, requested = _max_tokens_field(data, ("max_tokens",))
         if field is None and "max_tokens" not in data:
             requested = limits.default_max_tokens  # absent (not null): vLLM's default of 16
-        prompt_tokens = _completion_prompt_tokens(data, tokenizer)
+        prompt_tokens = _completion_prompt_tokens(data, tokenizer, count_limit)
         input_param = "prompt"
     else:
         field, requested = _max_tokens_field(data, ("max_completion_tokens", "max_tokens"))
-        prompt_tokens = _chat_prompt_tokens(data, tokenizer)
+        prompt_tokens = _chat_prompt_tokens(data, tokenizer, count_limit)
         input_param = "messages"
+    if count_limit is not None and prompt_tokens > count_limit:
+        raise RequestError(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, your request has more "
+            f"than {count_limit} input tokens. Please reduce the length of the input.",
+            input_param,
+        )
 
     max_tokens = _resolve_max_tokens(prompt_tokens, requested, field or "max_tokens", input_param, limits)
     return ParsedRequest(
@@ -221,7 +239,7 @@ def _resolve_max_tokens(
 _PROMPT_FORMS = "a string, an array of token ids, or an array holding one string or one token-id array"
 
 
-def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> int:
+def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
     if data.get("prompt_embeds") is not None:
         raise RequestError("prompt_embeds is not supported by the gateway; send prompt", "prompt_embeds")
     if "prompt" not in data or data["prompt"] is None:
@@ -256,7 +274,7 @@ def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenize
             raise RequestError(
                 f"token id {bad} is out of vocabulary (valid ids are 0 to {tokenizer.vocab_size - 1})", "prompt"
             )
-    return tokenizer.count_completion_prompt(single)
+    return tokenizer.count_completion_prompt(single, limit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +315,7 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> int:
+def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
     messages = _validate_messages(data.get("messages"))
     if data.get("chat_template") is not None:
         # vLLM refuses request-supplied templates unless started with --trust-request-chat-template.
@@ -327,4 +345,5 @@ def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer) -> 
         add_special_tokens=_optional_bool(data, "add_special_tokens", False),
         tools=tools,
         template_kwargs=template_kwargs,
+        limit=limit,
     )

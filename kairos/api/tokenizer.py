@@ -80,6 +80,9 @@ ContentFormatOption = Literal["auto", "string", "openai"]
 GIL_RELEASE_CHARS = 4096
 # The exact counter cuts long texts into chunks of about this many characters (see _SAFE_CUT).
 COUNT_CHUNK_CHARS = 8192
+# With a limit, the exact counter encodes its non-ASCII pieces in batches of this many characters,
+# checking the limit between them.
+_BOUNDED_BATCH_CHARS = 65_536
 # The exact counter's word cache is emptied when it reaches this many pre-tokens (bounded memory).
 WORD_CACHE_ENTRIES = 1 << 16
 
@@ -457,7 +460,11 @@ class _WordCounter:
             return words, ""
         return None, f"its pre-tokenizer is {kind}, not ByteLevel or Split + ByteLevel"
 
-    def count(self, text: str, add_special_tokens: bool) -> int:
+    def count(self, text: str, add_special_tokens: bool, limit: int | None = None) -> int:
+        """The exact count, or, with ``limit``, any number above ``limit`` once the count is
+        known to pass it: the text is then counted chunk by chunk (safe cuts, so the sum stays
+        exact) and the rest is never counted. A 7 MB prompt is known to be over a 32K context
+        after its first ~100 KB."""
         total = self._specials if add_special_tokens else 0
         pieces = [text]
         for splitter in self._splitters:
@@ -468,16 +475,26 @@ class _WordCounter:
                 rest.extend(p for p in parts if p)
             pieces = rest
         other: list[str] = []
+        pending = 0  # characters in ``other``
         for piece in pieces:
-            if piece.isascii():
+            if piece.isascii() and (limit is None or len(piece) <= self._chunk_chars):
                 total += self._count_ascii(piece)
-                continue
-            for chunk in _chunks(piece, self._chunk_chars):
-                for part in [chunk] if chunk.isascii() else _islands(chunk):
-                    if part.isascii():
-                        total += self._count_ascii(part)
-                    else:
-                        other.append(part)
+            else:
+                for chunk in _chunks(piece, self._chunk_chars):
+                    for part in [chunk] if chunk.isascii() else _islands(chunk):
+                        if part.isascii():
+                            total += self._count_ascii(part)
+                        else:
+                            other.append(part)
+                            pending += len(part)
+                    if limit is not None:
+                        if total > limit:
+                            return total
+                        if pending >= _BOUNDED_BATCH_CHARS:  # a batch big enough to release the GIL for
+                            total += sum(len(e) for e in self._encode_many(other, False))
+                            other, pending = [], 0
+            if limit is not None and total > limit:
+                return total
         if other:
             total += sum(len(e) for e in self._encode_many(other, False))
         return total
@@ -723,20 +740,22 @@ class PromptTokenizer:
         """Token ids of ``text``, as vLLM's ``tokenizer.encode`` gives them."""
         return self._encode_one(text, add_special_tokens).ids
 
-    def count_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+    def count_tokens(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> int:
         """``len(self.encode(text, add_special_tokens))``, without building an Encoding where
-        that is provably exact (see the module docstring)."""
+        that is provably exact (see the module docstring). With ``limit``, a result above it
+        only says "more than ``limit``": the exact counter stops there (others count it all)."""
         if self._counter is not None:
-            return self._counter.count(text, add_special_tokens)
+            return self._counter.count(text, add_special_tokens, limit)
         return len(self._encode_one(text, add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def count_completion_prompt(self, prompt: str | Sequence[int]) -> int:
-        """Tokens vLLM counts for one ``/v1/completions`` prompt: a string (BOS added) or token ids."""
+    def count_completion_prompt(self, prompt: str | Sequence[int], limit: int | None = None) -> int:
+        """Tokens vLLM counts for one ``/v1/completions`` prompt: a string (BOS added) or token
+        ids (``limit`` as in ``count_tokens``)."""
         if isinstance(prompt, str):
-            return self.count_tokens(prompt, add_special_tokens=True)
+            return self.count_tokens(prompt, add_special_tokens=True, limit=limit)
         if _is_token_ids(prompt):
             return len(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
@@ -790,8 +809,10 @@ class PromptTokenizer:
         add_special_tokens: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        limit: int | None = None,
     ) -> int:
-        """Tokens vLLM counts for a chat request: the rendered template, encoded without added specials."""
+        """Tokens vLLM counts for a chat request: the rendered template, encoded without added
+        specials (``limit`` as in ``count_tokens``)."""
         text = self.render_chat(
             messages,
             add_generation_prompt,
@@ -799,7 +820,7 @@ class PromptTokenizer:
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        return self.count_tokens(text, add_special_tokens=add_special_tokens)
+        return self.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit)
 
     def _normalize_message(self, message: Mapping[str, Any], index: int) -> dict[str, Any]:
         """vLLM's rewrite of one message's content into the template's content format."""

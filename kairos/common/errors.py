@@ -35,6 +35,24 @@ class InvalidRequestError(KairosError):
     code = "invalid_request"
 
 
+class NotFoundError(KairosError):
+    """The path is not an endpoint this server (gateway, sidecar) serves (404)."""
+
+    code = "not_found"
+
+
+class MethodNotAllowedError(KairosError):
+    """The path is served, but not with this method (405)."""
+
+    code = "method_not_allowed"
+
+
+class UnsupportedContentEncodingError(KairosError):
+    """The body is compressed (Content-Encoding other than identity): bodies travel as JSON (415)."""
+
+    code = "unsupported_content_encoding"
+
+
 class NoHealthyNodeError(KairosError):
     """No prefill or decode node is eligible to serve the request right now."""
 

@@ -46,6 +46,9 @@ ERROR_TABLE: Mapping[str, ErrorMapping] = MappingProxyType(
         "invalid_request": ErrorMapping(400, "invalid_request_error"),
         "payload_too_large": ErrorMapping(413, "invalid_request_error"),
         "not_found": ErrorMapping(404, "invalid_request_error"),  # OpenAI's answer to an unknown URL
+        "method_not_allowed": ErrorMapping(405, "invalid_request_error"),
+        "unsupported_content_encoding": ErrorMapping(415, "invalid_request_error"),
+        "request_timeout": ErrorMapping(408, "invalid_request_error"),
         "no_healthy_node": ErrorMapping(503, "service_unavailable"),
         "upstream_error": ErrorMapping(502, "upstream_error"),
         "upstream_timeout": ErrorMapping(504, "upstream_error"),

@@ -103,35 +103,59 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_parser(sub)
     top.add_parser(sub)
     add_profile_parser(sub)
-    # The cluster's processes, each also runnable as `python -m MODULE`.
-    for name, module, help_text in _COMPONENTS:
-        p = sub.add_parser(name, help=help_text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(handler=_component(module))
+    # The cluster's processes, each also runnable as `python -m MODULE`. Their flags (--help
+    # included) are the module's own: main() hands everything after the name to it unparsed.
+    for name, (module, _, help_text) in _COMPONENTS.items():
+        p = sub.add_parser(name, help=f"{help_text} (`kairos {name} --help` for its flags)", add_help=False)
+        p.set_defaults(handler=_component(module), component=name)
     return parser
 
 
-_COMPONENTS = (
-    ("dispatcher", "kairos.extproc.main", "run the dispatcher (Envoy ext_proc service)"),
-    ("sidecar", "kairos.nodeagent.sidecar", "run a decode-node sidecar"),
-    ("heartbeat", "kairos.nodeagent.heartbeat", "run a node's heartbeat publisher"),
-    ("emulated-node", "kairos.sim.emulated_vllm", "run an emulated vLLM node"),
-    ("tiny-model", "kairos.launcher.tinymodel", "build the tiny Llama model directory"),
-)
+# name -> (module with main(argv), its function that builds the argument parser, help)
+_COMPONENTS: dict[str, tuple[str, str, str]] = {
+    "dispatcher": ("kairos.extproc.main", "build_parser", "run the dispatcher (Envoy ext_proc service)"),
+    "sidecar": ("kairos.nodeagent.sidecar", "_parser", "run a decode-node sidecar"),
+    "heartbeat": ("kairos.nodeagent.heartbeat", "_parser", "run a node's heartbeat publisher"),
+    "emulated-node": ("kairos.sim.emulated_vllm", "_arg_parser", "run an emulated vLLM node"),
+    "tiny-model": ("kairos.launcher.tinymodel", "build_parser", "build the tiny Llama model directory"),
+}
+
+
+def component_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser that ``kairos NAME`` hands its arguments to (to check a command line
+    without running it)."""
+    import importlib
+
+    module, factory, _ = _COMPONENTS[name]
+    parser: argparse.ArgumentParser = getattr(importlib.import_module(module), factory)()
+    return parser
 
 
 def _component(module: str):  # type: ignore[no-untyped-def]
     def run(args: argparse.Namespace) -> int:
         import importlib
 
-        return int(importlib.import_module(module).main(args.rest))
+        return int(importlib.import_module(module).main(args.component_argv))
 
     return run
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``kairos [--log-level L] COMMAND ...``. A component's arguments are left, in their order,
+    to its own parser: argparse's REMAINDER cannot take them (it refuses any that start with
+    ``-``, so `kairos heartbeat --node-id p0` and even `--help` were errors)."""
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "component", None) is None:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    else:
+        args.component_argv = rest
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
 
-from kairos.common.contracts import EXT_PROC_HEALTH_SERVICE
+from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
+from kairos.common.http_errors import ERROR_TABLE
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml.j2"
 # How Envoy finds its upstreams: STATIC takes IP addresses as they are (kairos up, loopback);
@@ -41,6 +44,11 @@ class EnvoySettings:
     # Retries in flight per cluster (Envoy's default is 3): one per request that a dead
     # dispatcher replica or decode node makes Envoy retry.
     max_retries: int = 1024
+    # Until the whole request (headers and body) is in: a client that stalls mid-body gets a
+    # 408 instead of holding a buffer and a connection for stream_idle_timeout. It stops at the
+    # last request byte, so it never cuts a long SSE response.
+    request_timeout: str = "60s"
+    request_headers_timeout: str = "10s"
     # Both clusters. With STRICT_DNS a host's address is its resolved IPv4 address, and that is
     # what the dispatcher's override_host destinations are matched against: the sidecars must
     # then advertise (heartbeat --sidecar) the IP their name resolves to.
@@ -57,9 +65,53 @@ class EnvoySettings:
             _split(e)
 
 
+@dataclass(frozen=True, slots=True)
+class LocalReply:
+    """How Envoy words one of its own error replies: ``code`` is an http_errors code (its type
+    comes from the one table); ``message`` may hold Envoy format operators."""
+
+    status: int
+    code: str
+    message: str
+
+    @property
+    def error_type(self) -> str:
+        return ERROR_TABLE[self.code].type
+
+
+_DETAILS = "(%RESPONSE_CODE_DETAILS%)"  # Envoy's reason, e.g. ext_proc_error_gRPC_error_14
+LOCAL_REPLIES: tuple[LocalReply, ...] = (
+    LocalReply(400, "invalid_request", f"the gateway could not read the HTTP request {_DETAILS}"),
+    LocalReply(404, "not_found", "%LOCAL_REPLY_BODY%"),  # the catch-all route's own text
+    LocalReply(408, "request_timeout", f"the request was not received in time {_DETAILS}"),
+    LocalReply(413, "payload_too_large", f"request body is over the gateway's buffer limit {_DETAILS}"),
+    LocalReply(431, "invalid_request", f"request headers are too large {_DETAILS}"),
+    LocalReply(502, "upstream_error", f"the gateway could not reach a decode node {_DETAILS}"),
+    LocalReply(503, "no_healthy_node", f"no dispatcher or decode node could take the request {_DETAILS}"),
+    LocalReply(504, "upstream_timeout", f"the gateway timed out waiting for the dispatcher or a node {_DETAILS}"),
+)
+# Any other status Envoy answers itself: the same shape, with no code.
+FALLBACK_REPLY_MESSAGE = f"the gateway could not serve the request {_DETAILS}"
+NOT_FOUND_TEXT = "no such endpoint: this gateway serves " + ", ".join(
+    f"{'/'.join(methods)} {path}" for path, methods in c.PUBLIC_ENDPOINTS.items()
+)
+
+
+def public_path_regex() -> str:
+    """An RE2 regex matching exactly the public paths (Envoy matches it without the query)."""
+    return "|".join(re.escape(path) for path in c.PUBLIC_ENDPOINTS)
+
+
 def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["json"] = json.dumps  # a YAML-safe quoted string (JSON is YAML)
     return env.from_string(template.read_text()).render(
+        public_path_regex=public_path_regex(),
+        not_found_text=NOT_FOUND_TEXT,
+        local_replies=LOCAL_REPLIES,
+        fallback_reply_message=FALLBACK_REPLY_MESSAGE,
+        request_timeout=settings.request_timeout,
+        request_headers_timeout=settings.request_headers_timeout,
         listen_host=settings.listen_host,
         listen_port=settings.listen_port,
         admin_host=settings.admin_host,
@@ -70,7 +122,7 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         message_timeout=settings.message_timeout,
         stream_idle_timeout=settings.stream_idle_timeout,
         health_check_interval=settings.health_check_interval,
-        ext_proc_service=EXT_PROC_HEALTH_SERVICE,
+        ext_proc_service=c.EXT_PROC_HEALTH_SERVICE,
         max_retries=settings.max_retries,
         # An ext_proc stream that cannot open is retried on each other replica.
         dispatcher_retries=max(1, len(settings.dispatchers) - 1),

@@ -313,12 +313,16 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) ->
     return out_dir
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kairos.launcher.tinymodel", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model files into")
     parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         path = build_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed)
     except (OSError, ValueError) as exc:

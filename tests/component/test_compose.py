@@ -18,7 +18,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
+from kairos.common.http_errors import ERROR_TABLE
 from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
@@ -344,6 +346,41 @@ def test_kairos_up_keeps_static_clusters() -> None:
     assert text.count("type: STATIC") == 2 and "STRICT_DNS" not in text and "dns_lookup_family" not in text
     with pytest.raises(ConfigError, match="cluster_type"):
         EnvoySettings(sidecars=("127.0.0.1:8201",), cluster_type="LOGICAL_DNS")
+
+
+def _hcm(envoy: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = envoy["static_resources"]["listeners"]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_envoys_own_replies_are_openai_errors_with_a_message_and_a_string_code(envoy: dict[str, Any]) -> None:
+    mappers = _hcm(envoy)["local_reply_config"]["mappers"]
+    statuses = []
+    for mapper in mappers:
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert isinstance(error["message"], str) and error["message"]
+        if error["message"] == "%LOCAL_REPLY_BODY%":  # empty for most of Envoy's replies: only the
+            assert error["code"] == "not_found"  # catch-all route's own text may be used alone
+        assert error["code"] is None or (isinstance(error["code"], str) and not error["code"].startswith("%"))
+        assert error["code"] is None or ERROR_TABLE[error["code"]].type == error["type"]
+        filters = mapper["filter"].get("and_filter", {}).get("filters", [mapper["filter"]])
+        statuses += [f["status_code_filter"]["comparison"]["value"]["default_value"] for f in filters
+                     if "status_code_filter" in f]
+    assert {400, 404, 408, 413, 502, 503, 504} <= set(statuses)
+    assert "status_code_filter" not in str(mappers[-1]["filter"])  # the last one catches every other status
+
+
+def test_envoy_routes_the_public_api_and_answers_everything_else_itself(envoy: dict[str, Any]) -> None:
+    (vhost,) = _hcm(envoy)["route_config"]["virtual_hosts"]
+    public, rest = vhost["routes"]
+    pattern = re.compile(public["match"]["safe_regex"]["regex"])
+    for path in c.PUBLIC_ENDPOINTS:
+        assert pattern.fullmatch(path), path
+    for path in ("/metrics", c.STATE_PATH, c.STEPS_PATH, "/kairos/metrics", "/kairos/kv/pull", "/v1/models/", "/"):
+        assert not pattern.fullmatch(path), path
+    assert rest["match"] == {"prefix": "/"} and rest["direct_response"]["status"] == 404
+    assert rest["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
 
 
 def _envoy_binary() -> str | None:

@@ -550,6 +550,43 @@ async def test_bad_input_gets_openai_style_4xx(model_dir: Path, http: aiohttp.Cl
         assert (await get_json(http, f"{d.url}/kairos/steps"))["steps"] == []  # nothing reached the engine
 
 
+async def test_tokenize_detokenize_and_version_answer_as_vllm(
+    decode: Node, http: aiohttp.ClientSession, tokenizer: PromptTokenizer
+) -> None:
+    """vLLM 0.32's serve/tokenize and /version: a prompt gets its BOS unless add_special_tokens
+    is false, messages the chat template without added specials; token_strs is null unless asked."""
+    text = "Hello, Kairos"
+    async with http.post(f"{decode.url}/tokenize", json={"model": MODEL, "prompt": text}) as resp:
+        assert resp.status == 200
+        out = await resp.json()
+    ids_ = tokenizer.encode(text, add_special_tokens=True)
+    assert out == {"count": len(ids_), "max_model_len": decode.node.config.max_model_len, "tokens": ids_,
+                   "token_strs": None}
+    assert ids_[0] == tokenizer.bos_token_id
+    async with http.post(f"{decode.url}/tokenize", json={"prompt": text, "add_special_tokens": False,
+                                                         "return_token_strs": True}) as resp:
+        plain = await resp.json()
+    assert plain["tokens"] == ids_[1:]
+    assert plain["token_strs"] == [tokenizer.raw_tokenizer.id_to_token(t) for t in ids_[1:]]
+    messages = [{"role": "user", "content": text}]
+    async with http.post(f"{decode.url}/tokenize", json={"messages": messages}) as resp:
+        chat = await resp.json()
+    assert chat["count"] == tokenizer.count_chat_prompt(messages)  # what a chat request is counted as
+    async with http.post(f"{decode.url}/detokenize", json={"tokens": ids_[1:]}) as resp:
+        assert await resp.json() == {"prompt": text}
+    async with http.get(f"{decode.url}/version") as resp:
+        assert await resp.json() == {"version": "0.32.0"}
+    for path, body, status_expected in (
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404),
+        ("/tokenize", {"prompt": 3}, 400),
+        ("/tokenize", b'{"prompt": "\xed\xa0\x80"}', 400),
+        ("/detokenize", {"tokens": [-1]}, 400),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+    ):
+        status, err = await post(http, f"{decode.url}{path}", body)
+        assert_openai_error(status, err, status_expected)
+
+
 def test_config_validation(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="kv_capacity_tokens=1000 must be >= max_model_len=4096"):
         EmulatedNodeConfig("d0", Role.DECODE, str(model_dir), max_model_len=4096, kv_capacity_tokens=1000)

@@ -97,7 +97,14 @@ class FakeVLLM:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get(c.STATE_PATH, self._metrics)
+        app.router.add_route("*", "/kairos/kv/pull", self._metrics)
         return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.json_response({"count": 1, "max_model_len": 2048, "tokens": [1], "token_strs": None})
 
     async def _record(self, request: web.Request) -> Seen:
         seen = Seen(
@@ -594,17 +601,68 @@ async def test_health_reflects_the_local_vllm(rig: Rig) -> None:
         assert (await resp.json())["status"] == "unhealthy"
 
 
-async def test_other_gets_are_proxied_to_the_local_vllm(rig: Rig) -> None:
+async def test_the_public_api_is_proxied_to_the_local_vllm_and_nothing_else(rig: Rig) -> None:
     url = await rig.start_sidecar()
     async with rig.http.get(f"{url}/v1/models", headers={"x-kairos-route": "keep"}) as resp:
         assert resp.status == 200
         assert (await resp.json())["data"][0]["id"] == "tiny"
-    async with rig.http.get(f"{url}/metrics") as resp:
-        assert await resp.text() == "vllm:num_requests_running 0\n"
-    assert [s.path for s in rig.decode.seen] == ["/v1/models", "/metrics"]
+    async with rig.http.post(f"{url}/tokenize", json={"prompt": "hi"}) as resp:
+        assert resp.status == 200 and (await resp.json())["count"] == 1
+    assert [s.path for s in rig.decode.seen] == ["/v1/models", "/tokenize"]
+    assert rig.decode.seen[1].json == {"prompt": "hi"}
     assert not [h for h in rig.decode.seen[0].headers if h.startswith(c.HEADER_PREFIX)]
-    async with rig.http.get(f"{url}/nothing-here") as resp:
-        assert resp.status == 404  # the local vLLM's answer, relayed
+    # The node's internal endpoints live on its own port only: JSON 404s here, never relayed.
+    for method, path in (("GET", "/metrics"), ("GET", c.STATE_PATH), ("PUT", "/kairos/kv/pull"), ("GET", "/x")):
+        async with rig.http.request(method, f"{url}{path}") as resp:
+            assert resp.status == 404, path
+            assert (await _error(resp))["code"] == "not_found"
+    async with rig.http.post(f"{url}/v1/models", json={}) as resp:
+        assert resp.status == 405
+        assert (await _error(resp))["code"] == "method_not_allowed"
+    assert len(rig.decode.seen) == 2
+
+
+@pytest.mark.parametrize("route", ["local", "keep", "deflect"])
+async def test_client_sent_kv_transfer_params_never_reach_a_node(rig: Rig, route: str) -> None:
+    url = await rig.start_sidecar()
+    forged = {"do_remote_prefill": True, "remote_engine_id": "evil", "remote_host": "10.9.9.9", "remote_port": 1}
+    headers = {"local": {}, "keep": _keep(rig), "deflect": {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}}[route]
+    async with rig.http.post(
+        f"{url}/v1/completions", json={**COMPLETION, "kv_transfer_params": forged}, headers=headers
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+    (seen,) = rig.decode.seen
+    # keep: only the prefill node's own params reach the decode node (and the sidecar's reach P)
+    assert seen.json.get("kv_transfer_params") == (PREFILL_KV if route == "keep" else None)
+    assert [s.json["kv_transfer_params"] for s in rig.prefill.seen] == (
+        [dict(HOP1_KV_TRANSFER_PARAMS)] if route == "keep" else []
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "headers", "status", "code"),
+    [
+        pytest.param(b'{"prompt": "x"}', {"Content-Encoding": "gzip"}, 415, "unsupported_content_encoding",
+                     id="plain body labelled gzip"),
+        pytest.param(b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, 415, "unsupported_content_encoding",
+                     id="gzip body"),
+        pytest.param(b'{"prompt": "x"}', {"Content-Encoding": "br"}, 415, "unsupported_content_encoding", id="br"),
+        pytest.param(b'{"prompt": "x", "user": "\xed\xa0\x80"}', {}, 400, "invalid_request",
+                     id="raw surrogate bytes"),
+        pytest.param(b'{"prompt": "x", "user": "\\ud800"}', {}, 400, "invalid_request", id="escaped lone surrogate"),
+    ],
+)
+async def test_undecodable_bodies_are_4xx_never_500(
+    rig: Rig, raw: bytes, headers: dict[str, str], status: int, code: str
+) -> None:
+    url = await rig.start_sidecar()
+    for route_headers in ({}, _keep(rig), {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}):
+        async with rig.http.post(
+            f"{url}/v1/completions", data=raw, headers={"Content-Type": "application/json", **headers, **route_headers}
+        ) as resp:
+            assert resp.status == status, await resp.text()
+            assert (await _error(resp))["code"] == code
+    assert rig.prefill.seen == [] and rig.decode.seen == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -551,6 +551,7 @@ class RejectCase:
     error_type: str
     param: str | None
     message_has: str
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 REJECT_CASES = [
@@ -601,6 +602,19 @@ REJECT_CASES = [
         RejectCase(
             "POST",
             COMPLETIONS,
+            completion_body(300_000),
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            "prompt",
+            "more than 32768 input tokens",  # counting stopped past the context
+        ),
+        id="a prompt far over the context is refused once counted past it",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST",
+            COMPLETIONS,
             completion_body(100, max_tokens=32_700),
             400,
             "invalid_request",
@@ -636,13 +650,56 @@ REJECT_CASES = [
         ),
         id="unknown POST path is a 404",
     ),
+    pytest.param(
+        RejectCase("GET", "/kairos/state", None, 404, "not_found", "invalid_request_error", None, "/kairos/state"),
+        id="a node-internal path is a 404",
+    ),
+    pytest.param(
+        RejectCase("GET", "/metrics", None, 404, "not_found", "invalid_request_error", None, "/metrics"),
+        id="the node's metrics are not public",
+    ),
+    pytest.param(
+        RejectCase("PUT", "/kairos/kv/pull", b"{}", 404, "not_found", "invalid_request_error", None, "kv/pull"),
+        id="the KV pull is not public",
+    ),
+    pytest.param(
+        RejectCase(
+            "DELETE", COMPLETIONS, None, 405, "method_not_allowed", "invalid_request_error", None, "use POST"
+        ),
+        id="another method on an inference path is a 405",
+    ),
+    pytest.param(
+        RejectCase("POST", "/v1/models", b"{}", 405, "method_not_allowed", "invalid_request_error", None, "use GET"),
+        id="POST /v1/models is a 405",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b"\x1f\x8b", 415, "unsupported_content_encoding", "invalid_request_error", None,
+            "'gzip' is not supported", {"content-encoding": "gzip"},
+        ),
+        id="a gzip body is a 415",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b"{}", 415, "unsupported_content_encoding", "invalid_request_error", None,
+            "'br' is not supported", {"content-encoding": "br"},
+        ),
+        id="a brotli body is a 415",
+    ),
+    pytest.param(
+        RejectCase(
+            "POST", COMPLETIONS, b'{"prompt": "a \xed\xa0\x80 b"}', 400, "invalid_request",
+            "invalid_request_error", None, "not valid UTF-8",
+        ),
+        id="raw surrogate bytes in the prompt are a 400",
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", REJECT_CASES)
 async def test_bad_input_is_rejected(harness: HarnessFactory, case: RejectCase) -> None:
     h = harness(make_cluster())
-    rejected = await h.dispatcher.route(case.method, case.path, {}, case.body)
+    rejected = await h.dispatcher.route(case.method, case.path, case.headers, case.body)
 
     assert isinstance(rejected, Rejected), rejected
     assert (rejected.status, rejected.code) == (case.status, case.code)
@@ -764,7 +821,9 @@ async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: Harne
     [
         pytest.param("GET", "/v1/models", id="GET /v1/models goes to a decode sidecar"),
         pytest.param("GET", "/health", id="GET /health goes to a decode sidecar"),
-        pytest.param("DELETE", "/v1/completions", id="non-POST to an inference path passes through"),
+        pytest.param("GET", "/version", id="GET /version goes to a decode sidecar"),
+        pytest.param("POST", "/tokenize", id="POST /tokenize goes to a decode sidecar"),
+        pytest.param("POST", "/detokenize", id="POST /detokenize goes to a decode sidecar"),
     ],
 )
 async def test_pass_through_goes_to_decode_sidecars_round_robin(
@@ -869,12 +928,12 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     started, release = threading.Event(), threading.Event()
 
     def slow_for_long_bodies(
-        path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits
+        path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, **options: bool
     ) -> ParsedRequest:
         if len(body) > 16_384:
             started.set()
             assert release.wait(30), "the small request never finished"
-        return original(path, body, tokenizer, limits)
+        return original(path, body, tokenizer, limits, **options)
 
     monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
     h = harness(make_cluster())
@@ -889,6 +948,29 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     assert isinstance(small, Routed) and isinstance(long, Routed)
     assert small.decision is not None and small.decision.prompt_tokens == 60
     assert long.decision is not None and long.decision.prompt_tokens == 50
+
+
+async def test_a_parse_that_outlasts_its_budget_is_a_413_before_envoys_timeout(
+    harness: HarnessFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that must encode a huge prompt whole could take seconds: the client gets a
+    413 that says so when the budget passes, not Envoy's bare 504 at its message timeout."""
+    original = dispatcher_module.parse_request
+    release = threading.Event()
+
+    def stuck(path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, **options: bool) -> Any:
+        assert release.wait(30), "never released"
+        return original(path, body, tokenizer, limits, **options)
+
+    monkeypatch.setattr(dispatcher_module, "parse_request", stuck)
+    h = harness(make_cluster(), settings=DispatchSettings(parse_timeout_s=0.2))
+    try:
+        rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(50, size=300_000))
+    finally:
+        release.set()
+    assert isinstance(rejected, Rejected), rejected
+    assert (rejected.status, rejected.code) == (413, "payload_too_large")
+    assert "could not be read and counted within 0.2 s" in error_of(rejected)["message"]
 
 
 # ---------------------------------------------------------------------------------------------

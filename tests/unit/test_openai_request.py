@@ -218,6 +218,13 @@ BAD = [
         None,
         "unpaired UTF-16 surrogate",
     ),
+    # Raw UTF-8-encoded surrogates (not the \u escape): json.loads lets them through as text.
+    Bad("raw surrogate bytes in prompt", C, b'{"prompt": "a \xed\xa0\x80 b"}', InvalidRequestError, 400, None,
+        "not valid UTF-8"),
+    Bad("raw surrogate bytes in chat", CHAT, b'{"messages": [{"role": "user", "content": "\xed\xbf\xbf"}]}',
+        InvalidRequestError, 400, None, "not valid UTF-8"),
+    Bad("raw surrogate bytes in another field", C, b'{"prompt": "hi", "user": "\xed\xb0\x80"}',
+        InvalidRequestError, 400, None, "not valid UTF-8"),
     Bad("not an object", C, b"[1, 2]", InvalidRequestError, 400, None, "must be a JSON object, got an array"),
     Bad(
         "model not a string",
