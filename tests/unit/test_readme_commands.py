@@ -17,6 +17,10 @@ from kairos.launcher import cli
 README = Path(__file__).resolve().parents[2] / "README.md"
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PROGRAMS = ("kairos", ".venv/bin/kairos")
+# A command line: environment assignments, then one of _PROGRAMS. Anything else (prose in an
+# indented list continuation, other programs) is not split at all: shlex would choke on an
+# apostrophe there.
+_COMMAND_LINE = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*(?:\.venv/bin/)?kairos(?:\s|$)")
 
 
 def _code_lines(text: str) -> list[str]:
@@ -42,6 +46,8 @@ def readme_commands(text: str) -> list[list[str]]:
     inline = [m for m in re.findall(r"`([^`\n]+)`", text) if not re.search(r"[\[|]|\.\.\.", m)]
     commands: list[list[str]] = []
     for line, min_tokens in [*((line, 2) for line in _code_lines(text)), *((m, 3) for m in inline)]:
+        if not _COMMAND_LINE.match(line):
+            continue
         tokens = shlex.split(line, comments=True)
         while tokens and _ENV_ASSIGNMENT.match(tokens[0]):
             tokens.pop(0)
