@@ -127,9 +127,25 @@ def _component(module: str):  # type: ignore[no-untyped-def]
     return run
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; a component's arguments (after its name) go to it untouched.
+
+    argparse's REMAINDER does not take arguments that start with ``--`` when nothing precedes
+    them (``kairos sidecar --host ...`` would be "unrecognized arguments"), so they are split off
+    here, after the first subcommand name, before argparse sees them."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    i = 0  # the subcommand: the first word that is neither an option nor --log-level's value
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] == "--log-level" else 1
+    if i >= len(argv) or argv[i] not in {name for name, _, _ in _COMPONENTS}:
+        return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv[: i + 1])
+    args.rest = argv[i + 1 :]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args))
