@@ -175,7 +175,9 @@ class Compose:
             "{{.State.Pid}}",
             "{{.Id}}",
         )
-        out = self.daemon.docker("inspect", "-f", " ".join(fields), *ids).stdout.splitlines()
+        # check=False: a container listed a moment ago may be gone (compose replacing it); inspect
+        # still prints the others.
+        out = self.daemon.docker("inspect", "-f", " ".join(fields), *ids, check=False).stdout.splitlines()
         keys = ("status", "health", "restarts", "pid", "id")
         return {line.split()[0]: dict(zip(keys, line.split()[1:], strict=True)) for line in out}
 

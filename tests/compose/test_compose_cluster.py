@@ -10,15 +10,17 @@ import shlex
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import yaml
 
 import redis as redis_lib
 from kairos.common.contracts import REDIS_NODE_KEY, REDIS_NODE_PATTERN
-from tests.compose.conftest import COMPOSE_DIR, SERVICES
-from tests.compose.docker_daemon import Compose
+from tests.compose.conftest import COMPOSE_DIR, PROJECT, SERVICES, compose_env
+from tests.compose.docker_daemon import Compose, DockerDaemon
 from tests.waiting import wait_until
 
 GATEWAY = "http://127.0.0.1:8000"
@@ -143,3 +145,19 @@ def test_a_killed_decode_engine_comes_back_and_the_rest_keep_serving(cluster: Co
         assert status == 200
         decode_nodes.add(node)
     assert decode_nodes == {"d0", "d1"}
+
+
+def test_the_gpu_override_renders_with_the_compose_cli(docker_daemon: DockerDaemon, env_file: Path) -> None:
+    # Without a GPU: the CLI merges and validates the files (vLLM's own parser reads the engines'
+    # command lines in tests/component/test_compose_gpu.py, with .venv-vllm).
+    files = [
+        COMPOSE_DIR / name for name in ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.loopback.yml")
+    ]
+    rendered = yaml.safe_load(Compose(docker_daemon, files, env_file, PROJECT, compose_env()).run("config").stdout)
+    services = rendered["services"]
+    for node in ("p0", "p1", "d0", "d1"):
+        assert services[node]["image"] == "kairos-vllm:local"
+        assert services[node]["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert services[node]["network_mode"] == "host"
+    (config,) = services["envoy"]["volumes"]  # 1.29 writes "source:target:mode", v2 a mapping
+    assert "envoy.loopback.yaml" in str(config)
