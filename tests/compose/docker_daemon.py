@@ -170,14 +170,12 @@ class Compose:
         fields = (
             '{{index .Config.Labels "com.docker.compose.service"}}',
             "{{.State.Status}}",
-            "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}",
+            '{{with index .State "Health"}}{{.Status}}{{else}}none{{end}}',  # no healthcheck: no key
             "{{.RestartCount}}",
             "{{.State.Pid}}",
             "{{.Id}}",
         )
-        # check=False: a container listed a moment ago may be gone (compose replacing it); inspect
-        # still prints the others.
-        out = self.daemon.docker("inspect", "-f", " ".join(fields), *ids, check=False).stdout.splitlines()
+        out = self.daemon.docker("inspect", "-f", " ".join(fields), *ids).stdout.splitlines()
         keys = ("status", "health", "restarts", "pid", "id")
         return {line.split()[0]: dict(zip(keys, line.split()[1:], strict=True)) for line in out}
 
