@@ -35,9 +35,7 @@ def test_other_subcommands_keep_their_own_parsers() -> None:
 
 
 @pytest.mark.parametrize(("command", "flag"), [("sidecar", "--local-vllm"), ("emulated-node", "--kv-capacity-tokens")])
-def test_kairos_component_help_is_the_components(
-    command: str, flag: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_kairos_component_help_is_the_components(command: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     # What compose's services run: `kairos sidecar --host ...` must reach the sidecar's parser.
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
