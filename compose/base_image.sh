@@ -21,8 +21,9 @@ if "$docker" image inspect "$name" >/dev/null 2>&1; then
   exit 0
 fi
 if [ ! -s "$tarball" ]; then
-  mirror=${KAIROS_DEBIAN_MIRROR:-$(grep -hoE '(URIs:|^deb)[[:space:]]+[^[:space:]]+/debian/?([[:space:]]|$)' \
-    /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null | awk '{print $2; exit}')}
+  mirror=${KAIROS_DEBIAN_MIRROR:-$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+    /etc/apt/sources.list.d/*.sources 2>/dev/null \
+    | grep -oE '^(URIs:|deb)[[:space:]]+[^[:space:]]+/debian/?([[:space:]]|$)' | awk '{print $2; exit}' || true)}
   mirror=${mirror:-http://deb.debian.org/debian}
   mkdir -p "$cache"
   rootfs=$(mktemp -d "$cache/rootfs.XXXXXX")

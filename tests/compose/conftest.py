@@ -59,9 +59,9 @@ def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerDa
         _step("dockerd start", started)
         yield daemon
     finally:
-        daemon.stop()
-        assert daemon.leftover_processes() == [], "processes of the test's dockerd outlived it"
-        assert daemon.leftover_mounts() == [], "mounts of the test's dockerd outlived it"
+        processes, mounts = daemon.stop()
+        assert (processes, mounts) == ([], []), "processes or mounts of the test's dockerd outlived it"
+        assert (daemon.leftover_processes(), daemon.leftover_mounts()) == ([], [])
 
 
 @pytest.fixture(scope="session")
