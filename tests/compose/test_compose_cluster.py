@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +22,7 @@ import yaml
 import redis as redis_lib
 from kairos.common.contracts import REDIS_NODE_KEY, REDIS_NODE_PATTERN
 from tests.compose.conftest import COMPOSE_DIR, PROJECT, SERVICES, compose_env
-from tests.compose.docker_daemon import Compose, DockerDaemon
+from tests.compose.docker_daemon import CACHE, ROOT, Compose, DockerDaemon
 from tests.waiting import wait_until
 
 GATEWAY = "http://127.0.0.1:8000"
@@ -161,3 +163,33 @@ def test_the_gpu_override_renders_with_the_compose_cli(docker_daemon: DockerDaem
         assert services[node]["network_mode"] == "host"
     (config,) = services["envoy"]["volumes"]  # 1.29 writes "source:target:mode", v2 a mapping
     assert "envoy.loopback.yaml" in str(config)
+
+
+def test_the_gpu_image_builds_on_a_cuda_free_base(docker_daemon: DockerDaemon, images: None, tmp_path: Path) -> None:
+    # NIXL as scripts/vllm_env.sh pins it, with its CUDA 12 build, without torch and CUDA.
+    spec = re.search(
+        r'NIXL_SPEC=\$\{KAIROS_NIXL_SPEC:-"nixl==([^"]+)"\}', (ROOT / "scripts" / "vllm_env.sh").read_text()
+    )
+    assert spec is not None
+    nixl = CACHE / f"nixl-{spec.group(1)}"
+    if not list(nixl.glob("*.whl")):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(nixl),
+             f"nixl=={spec.group(1)}", f"nixl-cu12=={spec.group(1)}"],
+            check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+    context = tmp_path / "cudafree"
+    context.mkdir()
+    for wheel in nixl.glob("*.whl"):
+        shutil.copy(wheel, context)
+    shutil.copy(Path(__file__).parent / "Dockerfile.cudafree", context / "Dockerfile")
+    docker_daemon.docker("build", "--network", "host", "-t", "kairos-cudafree:test", str(context), timeout=900)
+    # compose/Dockerfile.vllm as the GPU override builds it, on that base: its own checks (the
+    # plugins, NIXL, the logits-processor entry point) run in the build.
+    docker_daemon.docker(
+        "build", "--network", "host", "-f", str(COMPOSE_DIR / "Dockerfile.vllm"),
+        "--build-arg", "BASE_IMAGE=kairos-cudafree:test", "-t", "kairos-vllm:test", str(ROOT),
+        timeout=900,
+    )  # fmt: skip
+    entrypoint = docker_daemon.docker("inspect", "-f", "{{json .Config.Entrypoint}}", "kairos-vllm:test").stdout
+    assert json.loads(entrypoint) == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
