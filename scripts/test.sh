@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command (and CI's, .ci/run): set up .venv (and redis-server), lint, then run
 # the tiers as two pytest runs, each with its own wall time:
-#   1. tests/unit, tests/component, tests/e2e (real Envoy, redis-server, gRPC, emulated vLLM nodes);
+#   1. tests/unit, tests/component, tests/e2e (real Envoy, redis-server, gRPC, emulated vLLM nodes),
+#      tests/compose (compose/docker-compose.yml built and run on a dockerd of its own; required:
+#      KAIROS_REQUIRE_COMPOSE=1, so a missing Docker fails instead of skipping);
 #   2. tests/integration alone (real vLLM on CPU in .venv-vllm, built by scripts/vllm_env.sh;
 #      required here, not skipped). Its two vLLM servers spin a core each for the whole session,
 #      so nothing else runs beside them.
@@ -32,7 +34,8 @@ if ((${#fast[@]} + ${#integration[@]} == 0)); then
   integration=(tests/integration)
 fi
 
-KAIROS_EXTRAS=dev KAIROS_APT_PACKAGES="redis-server:redis-server promtool:prometheus tmux:tmux" bash scripts/bootstrap.sh
+KAIROS_EXTRAS=dev KAIROS_APT_PACKAGES="redis-server:redis-server promtool:prometheus tmux:tmux dockerd:docker.io \
+  debootstrap:debootstrap docker-compose:docker-compose" bash scripts/bootstrap.sh
 require=()  # with .venv-vllm built, a test that needs it fails instead of skipping (both runs)
 if ((${#integration[@]} > 0)); then
   bash scripts/vllm_env.sh
@@ -57,6 +60,6 @@ tier() {  # tier LABEL [ENV=VALUE...] -- PYTEST-ARGS...
   ((rc == 0)) || failed=1
 }
 
-((${#fast[@]} == 0)) || tier "unit + component + e2e" "${require[@]}" -- "${fast[@]}" "${options[@]}"
+((${#fast[@]} == 0)) || tier "unit + component + e2e + compose" "${require[@]}" KAIROS_REQUIRE_COMPOSE=1 -- "${fast[@]}" "${options[@]}"
 ((${#integration[@]} == 0)) || tier "integration (real vLLM)" KAIROS_REQUIRE_VLLM=1 -- "${integration[@]}" "${options[@]}"
 exit "$failed"

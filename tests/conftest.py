@@ -11,7 +11,7 @@ import pytest
 from tests import timings
 from tests.redis_server import RedisServer
 
-TIERS = ("unit", "component", "e2e", "integration")
+TIERS = ("unit", "component", "e2e", "compose", "integration")
 _TESTS = Path(__file__).resolve().parent
 
 

