@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="kairos-soak-") as tmp:
         config = LocalClusterConfig(gateway_port=0, dispatchers=args.dispatchers, time_scale=args.time_scale)
-        with LocalCluster(config, Path(tmp)).start() as cluster:
+        with LocalCluster(config, Path(tmp)) as cluster:
             cluster.wait_for_heartbeats()
             replay_config = ReplayConfig(
                 url=cluster.gateway_url,
