@@ -147,6 +147,8 @@ class LocalCluster:
 
     # -- start ---------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        if self.group.procs:  # `with LocalCluster(...).start()` would start a second cluster
+            raise ProcessError("this cluster is already started (the with statement starts it)")
         cfg = self.config
         self.workdir.mkdir(parents=True, exist_ok=True)
         if cfg.gateway_port:

@@ -43,3 +43,15 @@ def test_the_gateway_policies_are_accepted(policy: str) -> None:
 def test_a_policy_the_gateway_cannot_run_fails_before_any_process_starts(policy: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         LocalClusterConfig(policy=policy)
+
+
+def test_a_started_cluster_refuses_a_second_start(tmp_path: Path) -> None:
+    """`with LocalCluster(...).start() as c` starts it twice (the with statement starts it too):
+    the second start must fail before it launches anything, not double every process."""
+    from kairos.launcher.processes import ManagedProcess, ProcessError
+
+    cluster = LocalCluster(LocalClusterConfig(), tmp_path)
+    cluster.group.procs.append(ManagedProcess("redis", ["redis-server"], tmp_path / "redis.log"))
+    with pytest.raises(ProcessError, match="already started"):
+        cluster.start()
+    assert len(cluster.group.procs) == 1 and cluster.redis is None
