@@ -164,6 +164,10 @@ class PublisherConfig:
     redis_timeout_s: float = 0.25  # connect and command timeout of each Redis round trip
     deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
     check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections
+    # An engine whose state read times out is busy, not dead (a refused connection is dead): for
+    # this long its last beat is kept alive unchanged, so the node stays in the view, stale (keep
+    # routing only, no deflection), instead of expiring while it serves. 0 = a timeout is down.
+    busy_hold_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
@@ -184,6 +188,8 @@ class PublisherConfig:
             raise ConfigError(
                 f"ttl_s={self.ttl_s} must be > period_s={self.period_s}, else the key expires between beats"
             )
+        if not self.busy_hold_s >= 0:
+            raise ConfigError(f"busy_hold_s must be >= 0 (0 = off), got {self.busy_hold_s}")
         if not self.state_timeout_s > 0 or not self.redis_timeout_s > 0:
             raise ConfigError(
                 f"state_timeout_s={self.state_timeout_s} and redis_timeout_s={self.redis_timeout_s} must be > 0"
@@ -305,14 +311,17 @@ class HeartbeatPublisher:
         try:
             async with asyncio.timeout(cfg.state_timeout_s):
                 state = await self.source.read()
-        except Exception as exc:  # any failure of the engine side means: do not publish
+        except Exception as exc:  # any failure of the engine side means: no new beat
+            busy = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+            held = busy and await self._hold_last_beat(client)
             self._state_outage.fail(
-                "engine state unavailable for node %s at %s: %s; not publishing, so %s expires within %.0f ms",
+                "engine state unavailable for node %s at %s: %s; %s",
                 cfg.node_id,
                 cfg.state_endpoint,
                 describe(exc) if not isinstance(exc, TimeoutError) else f"no answer in {cfg.state_timeout_s} s",
-                cfg.key,
-                cfg.ttl_s * 1000,
+                f"the engine is busy: holding its last beat (stale, keep routing only) for up to {cfg.busy_hold_s:g} s"
+                if held
+                else f"not publishing, so {cfg.key} expires within {cfg.ttl_s * 1000:.0f} ms",
             )
             return False
         self._state_outage.ok(
@@ -345,6 +354,20 @@ class HeartbeatPublisher:
         self.published += 1
         self._last_payload = payload
         return True
+
+    async def _hold_last_beat(self, client: aioredis.Redis) -> bool:
+        """Keep the last beat's key alive, unchanged (same seq: the dispatcher sees the node go
+        stale), while the engine has been timing out for under ``busy_hold_s``. True if held."""
+        cfg = self.config
+        since = self._state_outage.since
+        if self._last_payload is None or (since is not None and time.monotonic() - since >= cfg.busy_hold_s):
+            return False
+        try:
+            # Even after the key lapsed on a starved host: the dispatcher still holds the node as a
+            # last resort with this very seq, so the same beat back changes nothing but the TTL.
+            return bool(await client.set(cfg.key, self._last_payload, px=cfg.ttl_ms))
+        except Exception:  # Redis trouble is the Redis outage's to report, at the next beat
+            return False
 
     async def _sidecar_up(self, sidecar: SidecarProbe) -> bool:
         cfg = self.config

@@ -530,3 +530,47 @@ def test_cli_rejects_an_invalid_config(capsys: pytest.CaptureFixture[str]) -> No
     rc = main(["--node-id", "d0", "--role", "decode", "--url", "127.0.0.1:8101"])
     assert rc == 2
     assert "sidecar (host:port) is required" in capsys.readouterr().err
+
+
+async def _gone(client: aioredis.Redis, key: str) -> bool:
+    return await client.exists(key) == 0
+
+
+async def test_a_busy_engine_keeps_its_last_beat_alive_for_the_hold_and_a_dead_one_does_not(
+    redis: RedisServer, client: aioredis.Redis
+) -> None:
+    """A state read that times out after good beats is a busy engine (a real CPU vLLM's state
+    server went unanswered for 29 s under load, and its only decode node left the view): the key
+    lives on with the last beat unchanged, so the node stays, stale. The hold ends after
+    busy_hold_s. A refused read is a dead engine: the key expires."""
+    cfg = config(redis.url, state_timeout_s=0.05, busy_hold_s=1.5)
+    key = "kairos:node:d0"
+    source = FakeSource()
+    publisher = HeartbeatPublisher(cfg, source)
+    task = await running(publisher)
+    try:
+        await eventually(lambda: publisher.published >= 2, what="two beats")
+        source.delay_s = 10.0  # busy: every read times out from now on
+        busy_since = time.monotonic()
+        last = await eventually(lambda: client.get(key), what="the last beat")
+        seq = json.loads(last)["seq"]
+
+        async def held_past_its_ttl() -> bool:
+            return time.monotonic() - busy_since > 3 * cfg.ttl_s and await client.get(key) == last
+
+        await eventually(held_past_its_ttl, what="the same beat alive past its TTL")
+        assert seq == publisher.seq and publisher.published == seq  # no new beat while busy
+        await eventually(lambda: _gone(client, key), timeout_s=30, what="the key expired after the hold")
+        assert time.monotonic() - busy_since >= cfg.busy_hold_s
+    finally:
+        await finish(task)
+
+    source = FakeSource()  # a dead engine: refused, good beats before or not
+    publisher = HeartbeatPublisher(cfg, source)
+    task = await running(publisher)
+    try:
+        await eventually(lambda: publisher.published >= 2, what="two beats")
+        source.fail = True
+        await eventually(lambda: _gone(client, key), what="the key expired")
+    finally:
+        await finish(task)
