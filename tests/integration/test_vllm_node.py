@@ -159,8 +159,13 @@ def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: Vl
     to the largest that fits, for the batch the node has at that step (the step log shows it)."""
     cluster = vllm_cluster
     models = load_profile(cluster.config.profile)  # what the decode node enforces with
+    # Long decodes: the three must overlap for long enough that a state read sees them together.
+    # On a starved CPU host the engine's state server answers only now and then while it steps
+    # (400 tokens each once finished before any read caught all three running).
     background = [
-        threading.Thread(target=direct, args=(cluster, "d0", completion(token_prompt(300, 50 + i), 400)))
+        threading.Thread(
+            target=direct, args=(cluster, "d0", completion(token_prompt(300, 50 + i), 1200, ignore_eos=True))
+        )
         for i in range(3)
     ]
     for t in background:
@@ -171,7 +176,7 @@ def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: Vl
     headers = deflect_headers(cluster, [400], budget_ms=budget_s * 1e3)
     status, _, out = post_json(sidecar_url(cluster), completion(token_prompt(800, seed=4), 4), headers, timeout=120)
     for t in background:
-        t.join(timeout=120)
+        t.join(timeout=600)
 
     assert status == 200, out
     steps = get_json(f"{cluster.steps_url('d0')}?since=0")["steps"]
