@@ -63,7 +63,7 @@ from kairos.extproc.membership import (
     RedisLost,
     RejectReason,
 )
-from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter
+from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter, view_poll_metrics
 from kairos.extproc.reservations import ReservationClient
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class RedisClusterView:
         self._clock = clock
         self._errors = redis_error_counter(registry)
         self._rejected = heartbeats_rejected_counter([str(r) for r in RejectReason], registry)
+        self._poll_metrics = view_poll_metrics(registry)
         self._url = redact_url(config.redis_url)
         self._reservations = ReservationClient(
             config.reservation_ttl_ms,
@@ -308,6 +309,7 @@ class RedisClusterView:
     async def poll_once(self) -> None:
         """One poll: SCAN (every few polls), MGET, hand the result to membership. Never raises on
         Redis errors."""
+        started = time.perf_counter()
         client = self._redis()
         scan = (
             self._scan_due
@@ -328,9 +330,14 @@ class RedisClusterView:
             self._log(self.membership.poll_failed(self.now()), exc)
             return
         self._scan_due = False
+        now = self.now()
+        oldest = self.membership.oldest_beat_age(now)
+        if oldest is not None:
+            self._poll_metrics.oldest_heartbeat.observe(oldest)
         self._keys = [k for k, v in zip(keys, values, strict=True) if v is not None]
         beats = [(k[len(_KEY_PREFIX) :], v) for k, v in zip(keys, values, strict=True)]
-        self._log(self.membership.poll_succeeded(beats, self.now()))
+        self._log(self.membership.poll_succeeded(beats, now))
+        self._poll_metrics.seconds.observe(time.perf_counter() - started)
         if self._feedback is not None:
             await self._feedback.read(client)
 

@@ -312,6 +312,32 @@ async def test_new_nodes_are_found_by_the_periodic_scan_and_gone_keys_at_the_nex
         await view.stop()
 
 
+async def test_each_poll_reports_its_cost_and_the_oldest_heartbeat_it_found(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """kairos_dispatcher_view_oldest_heartbeat_seconds: the view's worst staleness, taken just
+    before each poll's update (ages by this view's clock); the poll's own time beside it."""
+    clock = FakeClock()
+    view = RedisClusterView(view_config(redis, last_resort_s=0), clock=clock, registry=registry)
+    oldest = "kairos_dispatcher_view_oldest_heartbeat_seconds"
+    try:
+        await client.set("kairos:node:p0", beat("p0", seq=1))
+        await client.set("kairos:node:d0", beat("d0", seq=1))
+        await view.poll_once()  # both join; the view was empty before: no age to report
+        assert registry.get_sample_value(f"{oldest}_count") == 0
+        clock.t += 0.25
+        await client.set("kairos:node:d0", beat("d0", seq=2))
+        await view.poll_once()  # before this update both beats were 0.25 s old
+        clock.t += 0.1
+        await view.poll_once()  # p0's beat is 0.35 s old; d0's new one 0.1 s
+        assert registry.get_sample_value(f"{oldest}_count") == 2
+        assert registry.get_sample_value(f"{oldest}_sum") == pytest.approx(0.25 + 0.35)
+        assert registry.get_sample_value(f"{oldest}_bucket", {"le": "0.3"}) == 1
+        assert registry.get_sample_value("kairos_dispatcher_view_poll_seconds_count") == 3
+    finally:
+        await view.stop()
+
+
 # ---------------------------------------------------------------------------------------------
 # Heartbeat values written straight into Redis
 # ---------------------------------------------------------------------------------------------

@@ -207,6 +207,13 @@ CASES = [
         Poll(0.25, {"p0": beat("p1", 10)}, {"p0": 0.0}, events=("rejected p0 key_mismatch",)),
         Poll(0.3, {"p0": beat("p0", 2)}, {"p0": 0.3}, events=("valid again p0 seq 2",)),
     )),
+    Case("the very value applied before comes back after a rejected one: valid again, not skipped as seen", (
+        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+        Poll(0.1, {"p0": "{not json"}, {"p0": 0.0}, events=(
+            "rejected p0 malformed", "malformed p0: not JSON (JSONDecodeError: Expecting property name enclosed in "
+            "double quotes: line 1 column 2 (char 1))")),
+        Poll(0.2, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("valid again p0 seq 1",)),
+    )),
     Case("listed nodes only: the listed role and addresses join, anything else is rejected", (
         Poll(0.0, {"p0": beat("p0", url="10.0.0.1:8001"),  # as listed
                    "p1": beat("p1", url="10.9.9.9:8001"),  # another address than listed
@@ -396,3 +403,24 @@ def test_static_nodes_parse() -> None:
         StaticNode("p0", Role.PREFILL, "10.0.0.1:8001", ""),
         StaticNode("d0", Role.DECODE, "10.0.0.2:8101", "10.0.0.2:8201"),
     )
+
+
+def test_a_value_seen_at_the_last_poll_is_not_parsed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two polls per heartbeat period read each beat twice; the second read costs no parse."""
+    import kairos.extproc.membership as membership
+
+    parsed: list[bytes | str] = []
+
+    def counting_parse(raw: bytes | str) -> Any:
+        parsed.append(raw)
+        return parse_heartbeat(raw)
+
+    monkeypatch.setattr(membership, "parse_heartbeat", counting_parse)
+    m = Membership(MembershipConfig(**CONFIG))
+    first = {"p0": beat("p0", 1), "d0": beat("d0", 1)}
+    m.poll_succeeded(first.items(), 0.0)
+    m.poll_succeeded(first.items(), 0.05)
+    assert sorted(parsed) == sorted(first.values())
+    m.poll_succeeded({"p0": beat("p0", 2), "d0": beat("d0", 1)}.items(), 0.1)
+    assert parsed[-1] == beat("p0", 2) and len(parsed) == 3
+    assert nodes_in_view(m) == {"p0": 0.1, "d0": 0.0}
