@@ -149,6 +149,10 @@ class Dispatcher:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kairos-tokenize")
         self._python_counts = tokenizer.counter_refusal is None  # see DispatchSettings.count_inline_bytes
         self._rr = itertools.count()
+        # Decode nodes this dispatcher is reserving right now: a request deciding while another
+        # one's reservation round trip is in flight must not pick the same node (it would lose
+        # the race to its own dispatcher and pay a second decision and round trip).
+        self._reserving: set[str] = set()
 
     @property
     def policy(self) -> Policy:
@@ -271,14 +275,23 @@ class Dispatcher:
         if self._prefill_pool_gone:
             self._prefill_pool_gone = False
             log.warning("a prefill node is fresh again: routing normally")
+        if self._reserving:
+            free = tuple(n for n in view.decode if n.node_id not in self._reserving)
+            if free:
+                view = dataclasses.replace(view, decode=free)
         reserved = False
         for _ in range(self.settings.reservation_attempts):
             now = self._clock()
             decision = policies.policy.decide(prompt_tokens, view, now)
             if decision.route is not Route.DEFLECT:
                 break
-            if await self.cluster.try_reserve(decision.decode_node, self.owner):
-                reserved = True
+            node_id = decision.decode_node
+            self._reserving.add(node_id)
+            try:
+                reserved = await self.cluster.try_reserve(node_id, self.owner)
+            finally:
+                self._reserving.discard(node_id)
+            if reserved:
                 break
             self.metrics.reservation_conflicts.inc()
             view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id != decision.decode_node))

@@ -982,8 +982,10 @@ class GatedCluster(FakeCluster):
 
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)
+    entered: int = 0  # try_reserve calls that reached the gate
 
     async def try_reserve(self, node_id: str, owner: str) -> bool:
+        self.entered += 1
         self.waiting.set()
         await self.gate.wait()
         return await super().try_reserve(node_id, owner)
@@ -1008,6 +1010,29 @@ async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(har
     # The next request reads the new policies.
     after = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
     assert isinstance(after, Rejected) and after.status == 500
+
+
+async def test_a_node_this_dispatcher_is_reserving_is_not_picked_by_a_concurrent_request(
+    harness: HarnessFactory,
+) -> None:
+    """While one request's reservation of d0 is in flight, the next deflects to d1 instead of
+    losing d0's race to its own dispatcher; with every decode node being reserved, the next one
+    decides on the whole view (it may race, never fail)."""
+    base = make_cluster(prefill_queue=LOADED_QUEUE)
+    cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
+    h = harness(cluster, settings=DispatchSettings(dispatcher_id=OWNER))
+    first = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    await asyncio.wait_for(cluster.waiting.wait(), 5)
+    second = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    third = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    while cluster.entered < 3:  # each task reaches the gate within a few loop turns
+        await asyncio.sleep(0)
+    cluster.gate.set()
+    routed = [await asyncio.wait_for(t, 5) for t in (first, second, third)]
+    nodes = [r.decision.decode_node for r in routed if isinstance(r, Routed) and r.decision is not None]
+    assert [r.decision.route for r in routed if isinstance(r, Routed) and r.decision is not None] == [Route.DEFLECT] * 3
+    assert nodes[:2] == ["d0", "d1"] and nodes[2] in ("d0", "d1")
+    assert h.sample("kairos_dispatcher_reservation_conflicts_total") == 0
 
 
 async def test_the_next_decision_uses_the_swapped_in_models(harness: HarnessFactory, models: LatencyModels) -> None:
