@@ -105,7 +105,10 @@ class EmulatedNodeConfig:
     kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV cache size in tokens
     max_running: int = 256  # resident sequences (vLLM's --max-num-seqs)
     time_scale: float = 1.0  # 10 = ten times faster than real time
-    kv_hold_timeout_s: float = 120.0  # prefill node: model seconds it keeps KV nobody has pulled
+    # Prefill node: wall seconds it keeps KV nobody has pulled (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    # and its default). Wall, not model time, as in vLLM: at --time-scale 1000 a model-time hold
+    # lasted 120 ms, less than a gateway's hops on a loaded host take to send the decode request.
+    kv_hold_timeout_s: float = 480.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     step_log_size: int = 10_000  # engine steps kept for /kairos/steps
 
@@ -465,12 +468,11 @@ class EmulatedNode:
     # -- P/D: prefill side -------------------------------------------------------------------
     def _hold(self, seq: EngineSeq, request: web.Request) -> dict[str, Any]:
         """Keep a finished prefill hop's KV for the decode node and say where it is."""
-        rt = self.engine
         n_blocks = max(1, -(-seq.prompt_tokens // KV_BLOCK_TOKENS))
         block_ids = [next(self._block_ids) for _ in range(n_blocks)]
         held = _HeldKV(seq, block_ids)
         held.expiry = asyncio.get_running_loop().call_later(
-            rt.wall_delay(self.config.kv_hold_timeout_s), self._expire, block_ids[0]
+            self.config.kv_hold_timeout_s, self._expire, block_ids[0]
         )
         self._held[block_ids[0]] = held
         # Where the decode side reaches us: the address this request came in on (right for
@@ -494,7 +496,7 @@ class EmulatedNode:
         if held is None:
             return
         log.warning(
-            "node %s: KV of request %s (%d tokens) not pulled within %gs (model time): released",
+            "node %s: KV of request %s (%d tokens) not pulled within %gs: released",
             self.config.node_id,
             held.seq.request_id,
             held.seq.prompt_tokens,
@@ -542,13 +544,13 @@ class EmulatedNode:
         tokens = seq.prompt_tokens
         host = params["remote_host"]
         prefill = f"[{host}]:{params['remote_port']}" if ":" in host else f"{host}:{params['remote_port']}"
-        wait_s = rt.wall_delay(self.config.kv_hold_timeout_s)
+        wait_s = self.config.kv_hold_timeout_s  # as long as the prefill node holds the KV for us
         try:
             await asyncio.wait_for(rt.reserve_kv(tokens), wait_s)
         except TimeoutError:
             raise NoHealthyNodeError(
                 f"node {self.config.node_id}: no KV room for {tokens} tokens within "
-                f"{self.config.kv_hold_timeout_s:g}s (model time)"
+                f"{self.config.kv_hold_timeout_s:g}s"
             ) from None
         self._transferring += 1
         try:
@@ -1059,7 +1061,7 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-capacity-tokens", dest="kv_capacity_tokens", type=int)
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int)
     p.add_argument("--time-scale", dest="time_scale", type=float, help="10 = ten times faster than real time")
-    p.add_argument("--kv-hold-timeout-s", dest="kv_hold_timeout_s", type=float)
+    p.add_argument("--kv-hold-timeout-s", dest="kv_hold_timeout_s", type=float, help="wall seconds (vLLM: 480)")
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
