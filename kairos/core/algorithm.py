@@ -7,6 +7,7 @@ this same function.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -119,6 +120,26 @@ _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
 _TOO_SLOW = "too_slow"  # abandoned: already slower than the bound that could make it win
 
 
+def _step_table(
+    models: LatencyModels, decode_tokens: int, kv_tokens: int, candidates: tuple[int, ...]
+) -> tuple[float, float, float, float, float, float, list[int], list[float], list[float]]:
+    """Eq. 4 on one (B, K): its coefficients (``mixed_step_coefficients``), and per candidate
+    chi the prefill tokens of a full chunk and its step time ``base + slope * cached``."""
+    a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(decode_tokens, kv_tokens)
+    full = [x - decode_tokens for x in candidates]
+    base = [a0 + p * b0 + (k_coef * (x - knee) if x > knee else 0.0) for x, p in zip(candidates, full, strict=True)]
+    slope = [a_c + p * b1 for p in full]
+    return a0, a_c, b0, b1, k_coef, knee, full, base, slope
+
+
+def _safe_steps(first: float, inc: float, step_budget_s: float) -> int:
+    """How many steps of a run (``first``, growing by ``inc`` > 0) stay within the budget."""
+    n = int((step_budget_s - first) / inc) + 1
+    while n > 1 and first + (n - 1) * inc > step_budget_s:  # float rounding
+        n -= 1
+    return n
+
+
 def greedy_schedule(
     models: LatencyModels,
     prompt_tokens: int,
@@ -143,11 +164,8 @@ def greedy_schedule(
     sum that are closed-form. The result is the step-by-step greedy's, in O(candidates).
     """
     b = decode_tokens
-    a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(b, kv_tokens)
+    a0, a_c, b0, b1, k_coef, knee, full, base, slope = _step_table(models, b, kv_tokens, candidates)
     n_cand = len(candidates)
-    full = [x - b for x in candidates]
-    base = [a0 + p * b0 + (k_coef * (x - knee) if x > knee else 0.0) for x, p in zip(candidates, full, strict=True)]
-    slope = [a_c + p * b1 for p in full]
     largest = full[0]
     monotone = models.mixed_monotone
     runs: list[Run] = []
@@ -201,9 +219,7 @@ def greedy_schedule(
             if n_tail < n:
                 n = n_tail
             if inc > 0:
-                n_safe = int((step_budget_s - first) / inc) + 1
-                while n_safe > 1 and first + (n_safe - 1) * inc > step_budget_s:  # float rounding
-                    n_safe -= 1
+                n_safe = _safe_steps(first, inc, step_budget_s)
                 if n_safe < n:
                     n = n_safe
             if n < 1:
@@ -241,6 +257,122 @@ def plan_on_decode_node(
 
 
 # ---------------------------------------------------------------------------------------------
+# A lower bound on a node's deflection TTFT, from what its state alone determines
+# ---------------------------------------------------------------------------------------------
+# Relative slack on every comparison of a bound with a computed TTFT: the bound and the
+# schedule's time are sums of the same non-negative terms in different orders, whose rounding
+# differs by ~1e-14 of their size.
+_BOUND_SLACK = 1e-9
+
+# A run of the greedy on a node while more than its largest chunk remains: (cached tokens at its
+# start, prefill tokens per step, steps or None when unbounded, first step's time, time added per
+# step, time at its start).
+PathRun = tuple[int, int, int | None, float, float, float]
+
+
+def _greedy_path(
+    models: LatencyModels, config: DeciderConfig, decode_tokens: int, kv_tokens: int
+) -> tuple[PathRun, ...]:
+    """The greedy's runs on (B, K) while more than the largest chunk remains. There every
+    candidate is smaller than what remains, so the choice at each step depends on the cached
+    tokens only, never on the prompt: every prompt's schedule takes exactly these steps (the
+    same float tests, ``_step_table`` and ``_safe_steps``) until its last ``largest`` tokens.
+    Ends where no candidate is safe any more (the schedule of a longer prompt is infeasible)."""
+    budget = config.step_budget_s
+    _, _, _, _, _, _, full, base, slope = _step_table(models, decode_tokens, kv_tokens, config.chunk_candidates)
+    runs: list[PathRun] = []
+    cached, t, idx = 0, 0.0, 0
+    while True:
+        while idx < len(full) and full[idx] > 0 and base[idx] + slope[idx] * cached > budget:
+            idx += 1
+        if idx == len(full) or full[idx] <= 0:
+            return tuple(runs)
+        p = full[idx]
+        first = base[idx] + slope[idx] * cached
+        inc = slope[idx] * p
+        n = _safe_steps(first, inc, budget) if inc > 0 else None
+        runs.append((cached, p, n, first, inc, t))
+        if n is None:
+            return tuple(runs)
+        t += n * first + inc * n * (n - 1) / 2
+        cached += p * n
+
+
+class _NodeFacts:
+    """What a decision derives from one decode node's state alone, for one (models, config):
+    kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
+    replaces the state, is what recomputes it, not every decision."""
+
+    __slots__ = ("_path", "config", "load_s", "models")
+
+    def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
+        self.models, self.config = models, config
+        self.load_s = decode_load_s(models, node)
+        # (time to run the backlog, coefficients of the request's own steps, largest chunk, path);
+        # built on the first deflection search that reads this node.
+        self._path: tuple[float, tuple[float, float, float, float], int, tuple[PathRun, ...]] | None = None
+
+    def path(self, node: DecodeNodeState) -> tuple[float, tuple[float, float, float, float], int, tuple[PathRun, ...]]:
+        if self._path is None:
+            models, config = self.models, self.config
+            b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+            for backlog in node.prefill_backlog_tokens:
+                done = greedy_schedule(
+                    models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t
+                )
+                t = math.inf if isinstance(done, str) else done[1]
+                b, k = b + 1, k + backlog
+            a0, a_c, b0, b1, _, _ = models.mixed_step_coefficients(b, k)
+            largest = config.chunk_candidates[0] - b
+            self._path = (t, (a0, a_c, b0, b1), largest, _greedy_path(models, config, b, k))
+        return self._path
+
+
+def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
+    facts = node.derived
+    if not (isinstance(facts, _NodeFacts) and facts.models is models and facts.config == config):
+        facts = _NodeFacts(models, config, node)
+        object.__setattr__(node, "derived", facts)
+    return facts
+
+
+def ttft_lower_bound_s(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int
+) -> float:
+    """A TTFT no schedule ``plan_on_decode_node`` finds on ``node`` for this prompt beats
+    (``math.inf``: it finds none), valid when ``models.mixed_nonnegative``.
+
+    The request's schedule takes the node's prompt-independent greedy path (``_greedy_path``)
+    until at most ``largest`` tokens remain, at cached c*; that time is exact. Each step after
+    costs at least ``a0 + a_c c* + p (b0 + b1 c*)`` for its p tokens, only the last one carries
+    more than the run's chunk at c* (the greedy's candidate index only grows), and the last one
+    carries no more than a TBT-safe step at c* can.
+    """
+    wait_s, (a0, a_c, b0, b1), largest, runs = _facts(models, config, node).path(node)
+    if largest <= 0:  # no chunk carries a prefill token beside B decodes
+        return math.inf
+    target = prompt_tokens - largest
+    cached, t, chunk = 0, wait_s, runs[0][1] if runs else 0
+    if target > 0:
+        for c0, p, n, first, inc, t0 in runs:
+            if n is None or c0 + p * n >= target:
+                j = -((c0 - target) // p)
+                cached, t, chunk = c0 + j * p, t + t0 + j * first + inc * j * (j - 1) / 2, p
+                break
+        else:
+            return math.inf  # no safe chunk before the tail: infeasible
+    rest = prompt_tokens - cached
+    head = a0 + a_c * cached
+    per_token = b0 + b1 * cached
+    steps = 1
+    if per_token > 0 and chunk > 0:
+        last_max = (config.step_budget_s * (1 + _BOUND_SLACK) - head) / per_token
+        if rest > last_max:  # integers from here: the count must not round up
+            steps += -((math.floor(max(0.0, last_max)) - rest) // chunk)
+    return t + steps * head + rest * per_token
+
+
+# ---------------------------------------------------------------------------------------------
 # Node eligibility and keep-path choices
 # ---------------------------------------------------------------------------------------------
 def is_fresh(reported_at: float, now: float, config: DeciderConfig) -> bool:
@@ -273,9 +405,24 @@ def pick_keep_decode_node(
     for the prompt's KV; ties broken by node id so the choice is deterministic."""
     if not view.decode:
         raise NoHealthyNodeError("no decode node is registered")
-    fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
-    roomy = [n for n in fresh if n.free_kv_tokens >= prompt_tokens] or fresh
-    return min(roomy, key=lambda n: (decode_load_s(models, n), n.node_id))
+    # One pass keeping the least-loaded node, first on a tie as min() keeps it, of each tier:
+    # fresh and roomy, fresh, roomy, any.
+    fresh_roomy = fresh = roomy = any_node = None
+    for n in view.decode:
+        key = (_facts(models, config, n).load_s, n.node_id, n)
+        is_roomy = n.free_kv_tokens >= prompt_tokens
+        if is_fresh(n.reported_at, now, config):
+            if is_roomy and (fresh_roomy is None or key[:2] < fresh_roomy[:2]):
+                fresh_roomy = key
+            if fresh is None or key[:2] < fresh[:2]:
+                fresh = key
+        if is_roomy and (roomy is None or key[:2] < roomy[:2]):
+            roomy = key
+        if any_node is None or key[:2] < any_node[:2]:
+            any_node = key
+    pick = (fresh_roomy or fresh) if fresh is not None else (roomy or any_node)
+    assert pick is not None  # view.decode is not empty
+    return pick[2]
 
 
 def best_prefill_node(
@@ -285,9 +432,17 @@ def best_prefill_node(
     if not view.prefill:
         raise NoHealthyNodeError("no prefill node is registered")
     fresh = [n for n in view.prefill if is_fresh(n.reported_at, now, config)] or list(view.prefill)
-    scored = [(prefill_ttft_s(models, n, prompt_tokens), n.node_id, n) for n in fresh]
-    ttft, _, node = min(scored, key=lambda x: (x[0], x[1]))
-    return node, ttft
+    exec_s: dict[int, float] = {}  # Eq. 3 depends on the node only through its chunk size
+    best: tuple[float, str, PrefillNodeState] | None = None
+    for n in fresh:
+        own = exec_s.get(n.chunk_tokens)
+        if own is None:
+            own = exec_s[n.chunk_tokens] = prefill_exec_s(models, prompt_tokens, n.chunk_tokens)
+        ttft = prefill_queue_wait_s(models, n) + own  # = prefill_ttft_s, to the bit
+        if best is None or (ttft, n.node_id) < best[:2]:
+            best = (ttft, n.node_id, n)
+    assert best is not None  # view.prefill is not empty
+    return best[2], best[0]
 
 
 def decide_without_prefill_pool(
@@ -348,6 +503,92 @@ def _deflect(
     )
 
 
+# The deflection search: the decode node whose schedule gives the lowest TTFT within ``bound``,
+# the lowest node id on a tie (then the first in the view), and whether any node's schedule
+# was abandoned for running past the bound (rather than finding no TBT-safe chunk).
+_Best = tuple[float, str, _Plan]
+_PlanMemo = dict[tuple[int, int, tuple[int, ...]], "_Plan | str"]
+
+
+def _beyond(lower_bound_s: float, limit_s: float) -> bool:
+    """The bound says for sure that the schedule's TTFT, as computed, is above ``limit_s``."""
+    return lower_bound_s > limit_s + abs(limit_s) * _BOUND_SLACK
+
+
+def _memo_plan(
+    memo: _PlanMemo,
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    give_up: float,
+) -> _Plan | str:
+    """``plan_on_decode_node``, once per distinct node state in a search. Bounds only tighten
+    during a search, and a schedule too slow for a looser bound is too slow for a tighter one."""
+    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+    plan = memo.get(key)
+    if plan is None:
+        plan = memo[key] = plan_on_decode_node(models, config, node, prompt_tokens, give_up)
+    return plan
+
+
+def _search_in_id_order(
+    models: LatencyModels, config: DeciderConfig, eligible: list[DecodeNodeState], prompt_tokens: int, bound: float
+) -> tuple[_Best | None, bool]:
+    """Every node in id order, each schedule search abandoned once slower than both the bound
+    and the best node so far (§4.4). The search for profiles ``_search_bounded`` cannot bound."""
+    best: _Best | None = None
+    any_too_slow = False
+    memo: _PlanMemo = {}
+    for node in sorted(eligible, key=lambda n: n.node_id):
+        plan = _memo_plan(memo, models, config, node, prompt_tokens, bound if best is None else min(bound, best[0]))
+        if plan == _TOO_SLOW:
+            any_too_slow = True
+        elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
+            best = (plan.ttft_s, node.node_id, plan)
+    return best, any_too_slow
+
+
+def _search_bounded(
+    models: LatencyModels, config: DeciderConfig, eligible: list[DecodeNodeState], prompt_tokens: int, bound: float
+) -> tuple[_Best | None, bool]:
+    """``_search_in_id_order``'s result, visiting only the nodes whose TTFT lower bound
+    (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first.
+
+    The same winner: it is the least (TTFT, node id, place in the view) among the nodes whose
+    schedule fits the bound, and a node is skipped only when its bound, hence its TTFT, is above
+    the best so far (or the bound). The same reason when none fits: a node skipped for the bound
+    is searched after all if no node searched ran past it."""
+    beyond: list[DecodeNodeState] = []  # cannot finish within the bound
+    order: list[tuple[float, str, int, DecodeNodeState]] = []
+    for i, node in enumerate(eligible):
+        lb = ttft_lower_bound_s(models, config, node, prompt_tokens)
+        if _beyond(lb, bound):
+            beyond.append(node)
+        else:
+            order.append((lb, node.node_id, i, node))
+    heapq.heapify(order)
+    best: tuple[float, str, int, _Plan] | None = None
+    any_too_slow = False
+    memo: _PlanMemo = {}
+    while order:
+        lb, node_id, i, node = heapq.heappop(order)
+        limit = bound if best is None else min(bound, best[0])
+        if _beyond(lb, limit):
+            break  # every node left has a bound at least this high
+        plan = _memo_plan(memo, models, config, node, prompt_tokens, limit)
+        if plan == _TOO_SLOW:
+            any_too_slow = True
+        elif isinstance(plan, _Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
+            best = (plan.ttft_s, node_id, i, plan)
+    if best is None:
+        any_too_slow = any_too_slow or any(
+            _memo_plan(memo, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
+        )
+        return None, any_too_slow
+    return (best[0], best[1], best[3]), any_too_slow
+
+
 def validate_prompt(prompt_tokens: int) -> None:
     if prompt_tokens < 1:
         raise InvalidRequestError(f"the prompt has {prompt_tokens} tokens; at least 1 is needed")
@@ -385,24 +626,10 @@ def decide(
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
 
-    # A node can only win if it beats the Eq. 7 bound and the best node so far, so its
-    # schedule search stops as soon as it is slower than both (bounds the loop, §4.4).
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
-    best: tuple[float, str, _Plan] | None = None
-    any_too_slow = False
-    memo: dict[tuple[int, int, tuple[int, ...]], _Plan | str] = {}
-    for node in sorted(eligible, key=lambda n: n.node_id):
-        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
-        give_up = bound if best is None else min(bound, best[0])
-        plan = memo.get(key)  # identical states give identical plans; a tighter bound stays too slow
-        if plan is None:
-            plan = plan_on_decode_node(models, config, node, prompt_tokens, give_up)
-            memo[key] = plan
-        if plan == _TOO_SLOW:
-            any_too_slow = True
-        elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
-            best = (plan.ttft_s, node.node_id, plan)
+    search = _search_bounded if models.mixed_nonnegative else _search_in_id_order
+    best, any_too_slow = search(models, config, eligible, prompt_tokens, bound)
 
     if best is None:
         if not any_too_slow:

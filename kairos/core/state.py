@@ -48,6 +48,10 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
+    # What the decider derives from this state alone (kairos.core.algorithm fills it on first
+    # use): a state lives from one heartbeat or dispatch to the next, and every decision in
+    # between reads it. Not a field of the state: equality, repr and replace() ignore it.
+    derived: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
