@@ -103,21 +103,36 @@ def main() -> int:
     config = DeciderConfig()
     cases = [(d, 2, p) for d in DECODE_SWEEP for p in PROMPTS] + [(16, n, 32768) for n in PREFILL_SWEEP if n != 2]
     rows = []
-    print(f"{'decode nodes':>12} {'prefill nodes':>13} {'prompt':>7} {'route':>8} {'decode node':>11} "
-          f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>8}")
+    print(
+        f"{'decode nodes':>12} {'prefill nodes':>13} {'prompt':>7} {'route':>8} {'decode node':>11} "
+        f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>8}"
+    )
     for decode_nodes, prefill_nodes, prompt in cases:
         view = cluster(decode_nodes, prefill_nodes)
         decision = decide(prompt, view, 0.05, models, config)
         stats = percentiles_us(decision_samples(view, prompt, args.calls, models, config))
-        rows.append({"decode_nodes": decode_nodes, "prefill_nodes": prefill_nodes, "prompt_tokens": prompt,
-                     "route": decision.route.value, "reason": decision.reason.value,
-                     "decode_node": decision.decode_node, **stats})
-        print(f"{decode_nodes:>12} {prefill_nodes:>13} {prompt:>7} {decision.route.value:>8} "
-              f"{decision.decode_node:>11} {stats['p50_us']:>8.1f} {stats['p99_us']:>8.1f} {stats['max_us']:>8.1f}")
+        rows.append(
+            {
+                "decode_nodes": decode_nodes,
+                "prefill_nodes": prefill_nodes,
+                "prompt_tokens": prompt,
+                "route": decision.route.value,
+                "reason": decision.reason.value,
+                "decode_node": decision.decode_node,
+                **stats,
+            }
+        )
+        print(
+            f"{decode_nodes:>12} {prefill_nodes:>13} {prompt:>7} {decision.route.value:>8} "
+            f"{decision.decode_node:>11} {stats['p50_us']:>8.1f} {stats['p99_us']:>8.1f} {stats['max_us']:>8.1f}"
+        )
 
     def p99(decode_nodes: int, prompt: int) -> float:
-        return next(r for r in rows if r["decode_nodes"] == decode_nodes and r["prefill_nodes"] == 2
-                    and r["prompt_tokens"] == prompt)["p99_us"]
+        return next(
+            r
+            for r in rows
+            if r["decode_nodes"] == decode_nodes and r["prefill_nodes"] == 2 and r["prompt_tokens"] == prompt
+        )["p99_us"]
 
     targets = {
         "2_nodes_10k_p99_us<=100": p99(2, 10240) <= 100,
@@ -126,15 +141,15 @@ def main() -> int:
     }
     print("targets met:", targets)
     tracker_rows = []
-    print(f"\ncluster view per dispatch (record + view), keeps incoming for 2 s\n{'decode nodes':>12} "
-          f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>8}")
+    print(
+        f"\ncluster view per dispatch (record + view), keeps incoming for 2 s\n{'decode nodes':>12} "
+        f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>8}"
+    )
     for nodes in DECODE_SWEEP:
         stats = percentiles_us(tracker_samples(nodes, max(args.calls, 5000))[1000:])  # past the 2 s fill-up
         tracker_rows.append({"decode_nodes": nodes, **stats})
         print(f"{nodes:>12} {stats['p50_us']:>8.1f} {stats['p99_us']:>8.1f} {stats['max_us']:>8.1f}")
-    write_result(
-        "decision_latency", {"rows": rows, "targets_met": targets, "tracker_rows": tracker_rows}, args.json
-    )
+    write_result("decision_latency", {"rows": rows, "targets_met": targets, "tracker_rows": tracker_rows}, args.json)
     return 0
 
 
