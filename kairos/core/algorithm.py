@@ -7,6 +7,7 @@ this same function.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -105,7 +106,7 @@ def expand_runs(runs: list[Run] | tuple[Run, ...]) -> tuple[list[int], list[floa
     times: list[float] = []
     for p, n, first, inc in runs:
         sizes.extend([p] * n)
-        times.extend(first + j * inc for j in range(n))
+        times.extend([first + j * inc for j in range(n)])
     return sizes, times
 
 
@@ -264,6 +265,10 @@ def plan_on_decode_node(
 # differs by ~1e-14 of their size.
 _BOUND_SLACK = 1e-9
 
+# Fewer eligible decode nodes than this are searched in id order: the bound could spare a
+# schedule search or two, and costs a greedy path for every node state it has not seen.
+BOUNDED_SEARCH_MIN_NODES = 4
+
 # A run of the greedy on a node while more than its largest chunk remains: (cached tokens at its
 # start, prefill tokens per step, steps or None when unbounded, first step's time, time added per
 # step, time at its start).
@@ -303,34 +308,37 @@ class _NodeFacts:
     kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
     replaces the state, is what recomputes it, not every decision."""
 
-    __slots__ = ("_path", "config", "load_s", "models")
+    __slots__ = ("a0", "a_c", "b0", "b1", "config", "ends", "largest", "load_s", "models", "runs", "wait_s")
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
         self.load_s = decode_load_s(models, node)
-        # (time to run the backlog, coefficients of the request's own steps, largest chunk, path);
-        # built on the first deflection search that reads this node.
-        self._path: tuple[float, tuple[float, float, float, float], int, tuple[PathRun, ...]] | None = None
+        self.runs: tuple[PathRun, ...] | None = None  # the rest is built on the first bound asked for
+        self.ends: tuple[float, ...] = ()  # cached tokens at each run's end (inf: unbounded)
 
-    def path(self, node: DecodeNodeState) -> tuple[float, tuple[float, float, float, float], int, tuple[PathRun, ...]]:
-        if self._path is None:
-            models, config = self.models, self.config
-            b, k, t = node.decode_tokens, node.kv_tokens, 0.0
-            for backlog in node.prefill_backlog_tokens:
-                done = greedy_schedule(
-                    models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t
-                )
-                t = math.inf if isinstance(done, str) else done[1]
-                b, k = b + 1, k + backlog
-            a0, a_c, b0, b1, _, _ = models.mixed_step_coefficients(b, k)
-            largest = config.chunk_candidates[0] - b
-            self._path = (t, (a0, a_c, b0, b1), largest, _greedy_path(models, config, b, k))
-        return self._path
+    def build_path(self, node: DecodeNodeState) -> None:
+        """The time to run the node's backlog, then, for the request's own steps beside it:
+        Eq. 4's coefficients, the largest chunk's prefill tokens and the greedy's path."""
+        models, config = self.models, self.config
+        b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+        for backlog in node.prefill_backlog_tokens:
+            done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t)
+            t = math.inf if isinstance(done, str) else done[1]
+            b, k = b + 1, k + backlog
+        self.wait_s = t
+        self.a0, self.a_c, self.b0, self.b1, _, _ = models.mixed_step_coefficients(b, k)
+        self.largest = config.chunk_candidates[0] - b
+        self.runs = _greedy_path(models, config, b, k)
+        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, _, _, _ in self.runs)
 
 
 def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
     facts = node.derived
-    if not (isinstance(facts, _NodeFacts) and facts.models is models and facts.config == config):
+    if (
+        type(facts) is not _NodeFacts
+        or facts.models is not models
+        or not (facts.config is config or facts.config == config)
+    ):
         facts = _NodeFacts(models, config, node)
         object.__setattr__(node, "derived", facts)
     return facts
@@ -348,22 +356,26 @@ def ttft_lower_bound_s(
     more than the run's chunk at c* (the greedy's candidate index only grows), and the last one
     carries no more than a TBT-safe step at c* can.
     """
-    wait_s, (a0, a_c, b0, b1), largest, runs = _facts(models, config, node).path(node)
+    facts = _facts(models, config, node)
+    runs = facts.runs
+    if runs is None:
+        facts.build_path(node)
+        runs = facts.runs
+    largest = facts.largest
     if largest <= 0:  # no chunk carries a prefill token beside B decodes
         return math.inf
     target = prompt_tokens - largest
-    cached, t, chunk = 0, wait_s, runs[0][1] if runs else 0
+    cached, t, chunk = 0, facts.wait_s, runs[0][1] if runs else 0
     if target > 0:
-        for c0, p, n, first, inc, t0 in runs:
-            if n is None or c0 + p * n >= target:
-                j = -((c0 - target) // p)
-                cached, t, chunk = c0 + j * p, t + t0 + j * first + inc * j * (j - 1) / 2, p
-                break
-        else:
+        r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
+        if r == len(runs):
             return math.inf  # no safe chunk before the tail: infeasible
+        c0, chunk, _, first, inc, t0 = runs[r]
+        j = -((c0 - target) // chunk)
+        cached, t = c0 + j * chunk, t + t0 + j * first + inc * j * (j - 1) / 2
     rest = prompt_tokens - cached
-    head = a0 + a_c * cached
-    per_token = b0 + b1 * cached
+    head = facts.a0 + facts.a_c * cached
+    per_token = facts.b0 + facts.b1 * cached
     steps = 1
     if per_token > 0 and chunk > 0:
         last_max = (config.step_budget_s * (1 + _BOUND_SLACK) - head) / per_token
@@ -405,24 +417,9 @@ def pick_keep_decode_node(
     for the prompt's KV; ties broken by node id so the choice is deterministic."""
     if not view.decode:
         raise NoHealthyNodeError("no decode node is registered")
-    # One pass keeping the least-loaded node, first on a tie as min() keeps it, of each tier:
-    # fresh and roomy, fresh, roomy, any.
-    fresh_roomy = fresh = roomy = any_node = None
-    for n in view.decode:
-        key = (_facts(models, config, n).load_s, n.node_id, n)
-        is_roomy = n.free_kv_tokens >= prompt_tokens
-        if is_fresh(n.reported_at, now, config):
-            if is_roomy and (fresh_roomy is None or key[:2] < fresh_roomy[:2]):
-                fresh_roomy = key
-            if fresh is None or key[:2] < fresh[:2]:
-                fresh = key
-        if is_roomy and (roomy is None or key[:2] < roomy[:2]):
-            roomy = key
-        if any_node is None or key[:2] < any_node[:2]:
-            any_node = key
-    pick = (fresh_roomy or fresh) if fresh is not None else (roomy or any_node)
-    assert pick is not None  # view.decode is not empty
-    return pick[2]
+    fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
+    roomy = [n for n in fresh if n.free_kv_tokens >= prompt_tokens] or fresh
+    return min(roomy, key=lambda n: (_facts(models, config, n).load_s, n.node_id))  # load_s = decode_load_s
 
 
 def best_prefill_node(
@@ -510,9 +507,10 @@ _Best = tuple[float, str, _Plan]
 _PlanMemo = dict[tuple[int, int, tuple[int, ...]], "_Plan | str"]
 
 
-def _beyond(lower_bound_s: float, limit_s: float) -> bool:
-    """The bound says for sure that the schedule's TTFT, as computed, is above ``limit_s``."""
-    return lower_bound_s > limit_s + abs(limit_s) * _BOUND_SLACK
+def _cutoff(limit_s: float) -> float:
+    """A lower bound above this says for sure that the schedule's TTFT, as computed, is above
+    ``limit_s``."""
+    return limit_s + abs(limit_s) * _BOUND_SLACK
 
 
 def _memo_plan(
@@ -561,9 +559,10 @@ def _search_bounded(
     is searched after all if no node searched ran past it."""
     beyond: list[DecodeNodeState] = []  # cannot finish within the bound
     order: list[tuple[float, str, int, DecodeNodeState]] = []
+    limit, cutoff = bound, _cutoff(bound)
     for i, node in enumerate(eligible):
         lb = ttft_lower_bound_s(models, config, node, prompt_tokens)
-        if _beyond(lb, bound):
+        if lb > cutoff:
             beyond.append(node)
         else:
             order.append((lb, node.node_id, i, node))
@@ -573,14 +572,15 @@ def _search_bounded(
     memo: _PlanMemo = {}
     while order:
         lb, node_id, i, node = heapq.heappop(order)
-        limit = bound if best is None else min(bound, best[0])
-        if _beyond(lb, limit):
+        if lb > cutoff:
             break  # every node left has a bound at least this high
         plan = _memo_plan(memo, models, config, node, prompt_tokens, limit)
         if plan == _TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, _Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
             best = (plan.ttft_s, node_id, i, plan)
+            limit = min(bound, plan.ttft_s)
+            cutoff = _cutoff(limit)
     if best is None:
         any_too_slow = any_too_slow or any(
             _memo_plan(memo, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
@@ -628,7 +628,8 @@ def decide(
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
-    search = _search_bounded if models.mixed_nonnegative else _search_in_id_order
+    bounded = models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES
+    search = _search_bounded if bounded else _search_in_id_order
     best, any_too_slow = search(models, config, eligible, prompt_tokens, bound)
 
     if best is None:

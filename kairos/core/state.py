@@ -4,6 +4,7 @@ dispatches since then. Plain frozen values so the core stays pure and testable."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,10 @@ class DecodeNodeState:
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not a field of the state: equality, repr and replace() ignore it.
-    derived: object = field(default=None, init=False, repr=False, compare=False)
+    derived: Any = field(default=None, init=False, repr=False, compare=False)
+    # KV-cache tokens left once the backlog and the incoming keeps hold theirs; every decision
+    # reads it for every node, so it is worked out once, from the fields above.
+    free_kv_tokens: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
@@ -59,11 +63,8 @@ class DecodeNodeState:
                 f"decode node {self.node_id}: decode_tokens={self.decode_tokens}, kv_tokens={self.kv_tokens}, "
                 f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= 0"
             )
-
-    @property
-    def free_kv_tokens(self) -> int:
         promised = sum(self.prefill_backlog_tokens) + self.incoming_keep_tokens
-        return max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
+        object.__setattr__(self, "free_kv_tokens", max(0, self.kv_capacity_tokens - self.kv_tokens - promised))
 
 
 @dataclass(frozen=True, slots=True)

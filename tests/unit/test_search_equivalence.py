@@ -21,6 +21,14 @@ from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from tests.builders import flat_models, make_models
+from tests.unit import test_algorithm
+
+
+@pytest.fixture(autouse=True)
+def bounded_from_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounded search on every view here, however few its nodes."""
+    monkeypatch.setattr(alg, "BOUNDED_SEARCH_MIN_NODES", 1)
+
 
 MODELS: dict[str, LatencyModels] = {
     "packaged": load_profile(),
@@ -214,6 +222,11 @@ def test_lower_bound_never_exceeds_the_schedules_ttft(
         assert plan == "infeasible"
     else:
         assert 0 < bound <= plan.ttft_s * (1 + 1e-12), (bound, plan.ttft_s)
+
+
+@pytest.mark.parametrize("case", test_algorithm.DECIDE_CASES)
+def test_the_decision_table_holds_under_the_bounded_search(case: test_algorithm.DecideCase) -> None:
+    test_algorithm.test_decide(case)  # its nodes are few: the search would otherwise go in id order
 
 
 @pytest.mark.parametrize("seed", range(12))
