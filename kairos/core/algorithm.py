@@ -309,6 +309,12 @@ class _NodeFacts:
     replaces the state, is what recomputes it, not every decision."""
 
     __slots__ = ("a0", "a_c", "b0", "b1", "config", "ends", "largest", "load_s", "models", "runs", "wait_s")
+    wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
+    a0: float  # Eq. 4 beside the backlog, as in mixed_step_coefficients
+    a_c: float
+    b0: float
+    b1: float
+    largest: int  # prefill tokens of the largest chunk candidate beside B decodes
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
