@@ -11,6 +11,7 @@ import bisect
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kairos.common import defaults
@@ -121,9 +122,12 @@ _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
 _TOO_SLOW = "too_slow"  # abandoned: already slower than the bound that could make it win
 
 
-def _step_table(
-    models: LatencyModels, decode_tokens: int, kv_tokens: int, candidates: tuple[int, ...]
-) -> tuple[float, float, float, float, float, float, list[int], list[float], list[float]]:
+# Eq. 4 on one (B, K), for the schedule search: (a0, a_c, b0, b1, k_coef, knee) as in
+# mixed_step_coefficients, then per candidate its full chunk's prefill tokens, base and slope.
+StepTable = tuple[float, float, float, float, float, float, list[int], list[float], list[float]]
+
+
+def _step_table(models: LatencyModels, decode_tokens: int, kv_tokens: int, candidates: tuple[int, ...]) -> StepTable:
     """Eq. 4 on one (B, K): its coefficients (``mixed_step_coefficients``), and per candidate
     chi the prefill tokens of a full chunk and its step time ``base + slope * cached``."""
     a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(decode_tokens, kv_tokens)
@@ -164,16 +168,30 @@ def greedy_schedule(
     the greedy keeps one chi for as many steps as that stays within budget, a count and a time
     sum that are closed-form. The result is the step-by-step greedy's, in O(candidates).
     """
-    b = decode_tokens
-    a0, a_c, b0, b1, k_coef, knee, full, base, slope = _step_table(models, b, kv_tokens, candidates)
-    n_cand = len(candidates)
+    table = _step_table(models, decode_tokens, kv_tokens, candidates)
+    return _greedy_steps(
+        table, decode_tokens, models.mixed_monotone, step_budget_s, give_up_after_s, prompt_tokens, 0, 0, start_s, []
+    )
+
+
+def _greedy_steps(
+    table: StepTable,
+    b: int,
+    monotone: bool,
+    step_budget_s: float,
+    give_up_after_s: float,
+    remaining: int,
+    cached: int,
+    idx: int,
+    t: float,
+    runs: list[Run],
+) -> tuple[list[Run], float] | str:
+    """``greedy_schedule``'s loop, from any point of a schedule: ``remaining`` tokens left over
+    ``cached`` ones, ``idx`` the candidate reached (those above it were unsafe as full chunks;
+    they only get costlier as c grows), ``t`` the time so far, ``runs`` the runs so far (extended)."""
+    a0, a_c, b0, b1, k_coef, knee, full, base, slope = table
+    n_cand = len(full)
     largest = full[0]
-    monotone = models.mixed_monotone
-    runs: list[Run] = []
-    t = start_s
-    cached = 0
-    remaining = prompt_tokens
-    idx = 0  # candidates above idx were unsafe as full chunks; they only get costlier as c grows
     while remaining > 0:
         if not monotone:
             idx = 0
@@ -271,34 +289,33 @@ BOUNDED_SEARCH_MIN_NODES = 4
 
 # A run of the greedy on a node while more than its largest chunk remains: (cached tokens at its
 # start, prefill tokens per step, steps or None when unbounded, first step's time, time added per
-# step, time at its start).
-PathRun = tuple[int, int, int | None, float, float, float]
+# step, time at its start, candidate index).
+PathRun = tuple[int, int, int | None, float, float, float, int]
 
 
-def _greedy_path(
-    models: LatencyModels, config: DeciderConfig, decode_tokens: int, kv_tokens: int
-) -> tuple[PathRun, ...]:
-    """The greedy's runs on (B, K) while more than the largest chunk remains. There every
-    candidate is smaller than what remains, so the choice at each step depends on the cached
-    tokens only, never on the prompt: every prompt's schedule takes exactly these steps (the
-    same float tests, ``_step_table`` and ``_safe_steps``) until its last ``largest`` tokens.
-    Ends where no candidate is safe any more (the schedule of a longer prompt is infeasible)."""
-    budget = config.step_budget_s
-    _, _, _, _, _, _, full, base, slope = _step_table(models, decode_tokens, kv_tokens, config.chunk_candidates)
+def _greedy_path(table: StepTable, step_budget_s: float, start_s: float) -> tuple[tuple[PathRun, ...], float]:
+    """The greedy's runs (``_greedy_steps``') on one (B, K) while more than the largest chunk
+    remains, and the time at their end. There every candidate is smaller than what remains, so
+    the choice at each step depends on the cached tokens only, never on the prompt: every
+    prompt's schedule takes exactly these steps, with the same floats (the same tests and sums
+    from the same ``start_s``), until its last ``largest`` tokens. Ends where no candidate is
+    safe any more (there the schedule of a longer prompt is infeasible). Needs a monotone
+    profile (``mixed_monotone``: the candidate index only grows)."""
+    full, base, slope = table[6:]
     runs: list[PathRun] = []
-    cached, t, idx = 0, 0.0, 0
+    cached, t, idx = 0, start_s, 0
     while True:
-        while idx < len(full) and full[idx] > 0 and base[idx] + slope[idx] * cached > budget:
+        while idx < len(full) and full[idx] > 0 and base[idx] + slope[idx] * cached > step_budget_s:
             idx += 1
         if idx == len(full) or full[idx] <= 0:
-            return tuple(runs)
+            return tuple(runs), t
         p = full[idx]
         first = base[idx] + slope[idx] * cached
         inc = slope[idx] * p
-        n = _safe_steps(first, inc, budget) if inc > 0 else None
-        runs.append((cached, p, n, first, inc, t))
+        n = _safe_steps(first, inc, step_budget_s) if inc > 0 else None
+        runs.append((cached, p, n, first, inc, t, idx))
         if n is None:
-            return tuple(runs)
+            return tuple(runs), t
         t += n * first + inc * n * (n - 1) / 2
         cached += p * n
 
@@ -308,13 +325,11 @@ class _NodeFacts:
     kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
     replaces the state, is what recomputes it, not every decision."""
 
-    __slots__ = ("a0", "a_c", "b0", "b1", "config", "ends", "largest", "load_s", "models", "runs", "wait_s")
+    __slots__ = ("b", "config", "end_s", "ends", "load_s", "models", "runs", "table", "wait_s")
     wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
-    a0: float  # Eq. 4 beside the backlog, as in mixed_step_coefficients
-    a_c: float
-    b0: float
-    b1: float
-    largest: int  # prefill tokens of the largest chunk candidate beside B decodes
+    b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
+    table: StepTable  # Eq. 4 for the request's own steps
+    end_s: float  # time at the end of the path
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
@@ -331,11 +346,10 @@ class _NodeFacts:
             done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t)
             t = math.inf if isinstance(done, str) else done[1]
             b, k = b + 1, k + backlog
-        self.wait_s = t
-        self.a0, self.a_c, self.b0, self.b1, _, _ = models.mixed_step_coefficients(b, k)
-        self.largest = config.chunk_candidates[0] - b
-        self.runs = _greedy_path(models, config, b, k)
-        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, _, _, _ in self.runs)
+        self.wait_s, self.b = t, b
+        self.table = _step_table(models, b, k, config.chunk_candidates)
+        self.runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
+        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in self.runs)
 
 
 def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
@@ -348,6 +362,61 @@ def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) 
         facts = _NodeFacts(models, config, node)
         object.__setattr__(node, "derived", facts)
     return facts
+
+
+def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) -> tuple[int, float, int, int] | None:
+    """Where the greedy's schedule of this prompt leaves the node's path: (cached tokens, time
+    then, the run it leaves in, steps taken of that run; the start when the prompt is no longer
+    than the largest chunk), or None when the path ends first (no schedule: infeasible or too slow)."""
+    runs = facts.runs
+    if runs is None:
+        facts.build_path(node)
+        runs = facts.runs
+    full = facts.table[6]
+    if full[0] <= 0:  # no chunk carries a prefill token beside B decodes
+        return None
+    target = prompt_tokens - full[0]
+    if target <= 0:
+        return 0, facts.wait_s, 0, 0
+    r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
+    if r == len(runs):
+        return None
+    c0, p, _, first, inc, t0, _ = runs[r]
+    j = -((c0 - target) // p)  # the greedy's n_tail
+    return c0 + j * p, t0 + (j * first + inc * j * (j - 1) / 2), r, j
+
+
+def _plan_on_path(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, give_up_after_s: float
+) -> _Plan | str:
+    """``plan_on_decode_node``, to the bit, on a monotone profile: for a node without a backlog
+    the greedy's steps along the node's path are read from it, and the greedy runs on from where
+    the prompt's tail starts."""
+    if node.prefill_backlog_tokens:
+        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s)
+    facts = _facts(models, config, node)
+    tail = _tail_start(facts, node, prompt_tokens)
+    if tail is None:  # the greedy follows the whole path, then finds no safe candidate
+        return _TOO_SLOW if facts.runs and facts.end_s > give_up_after_s else _INFEASIBLE
+    cached, t, r, j = tail
+    runs: list[Run] = []
+    idx = 0
+    if j:
+        if t > give_up_after_s:  # the greedy's earlier run ends are no later
+            return _TOO_SLOW
+        path = facts.runs
+        assert path is not None  # built by _tail_start
+        for _, p, n, first, inc, _, _ in path[:r]:
+            assert n is not None  # only a path's last run is unbounded
+            runs.append((p, n, first, inc))
+        _, p, _, first, inc, _, idx = path[r]
+        runs.append((p, j, first, inc))
+    done = _greedy_steps(
+        facts.table, facts.b, True, config.step_budget_s, give_up_after_s, prompt_tokens - cached, cached, idx, t, runs
+    )
+    if isinstance(done, str):
+        return done
+    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1])
 
 
 def ttft_lower_bound_s(
@@ -363,25 +432,16 @@ def ttft_lower_bound_s(
     carries no more than a TBT-safe step at c* can.
     """
     facts = _facts(models, config, node)
-    runs = facts.runs
-    if runs is None:
-        facts.build_path(node)
-        runs = facts.runs
-    largest = facts.largest
-    if largest <= 0:  # no chunk carries a prefill token beside B decodes
+    tail = _tail_start(facts, node, prompt_tokens)
+    if tail is None:
         return math.inf
-    target = prompt_tokens - largest
-    cached, t, chunk = 0, facts.wait_s, runs[0][1] if runs else 0
-    if target > 0:
-        r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
-        if r == len(runs):
-            return math.inf  # no safe chunk before the tail: infeasible
-        c0, chunk, _, first, inc, t0 = runs[r]
-        j = -((c0 - target) // chunk)
-        cached, t = c0 + j * chunk, t + t0 + j * first + inc * j * (j - 1) / 2
+    cached, t, r, _ = tail
+    runs = facts.runs
+    chunk = runs[r][1] if runs else 0
+    a0, a_c, b0, b1 = facts.table[:4]
     rest = prompt_tokens - cached
-    head = facts.a0 + facts.a_c * cached
-    per_token = facts.b0 + facts.b1 * cached
+    head = a0 + a_c * cached
+    per_token = b0 + b1 * cached
     steps = 1
     if per_token > 0 and chunk > 0:
         last_max = (config.step_budget_s * (1 + _BOUND_SLACK) - head) / per_token
@@ -521,18 +581,20 @@ def _cutoff(limit_s: float) -> float:
 
 def _memo_plan(
     memo: _PlanMemo,
+    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float], _Plan | str],
     models: LatencyModels,
     config: DeciderConfig,
     node: DecodeNodeState,
     prompt_tokens: int,
     give_up: float,
 ) -> _Plan | str:
-    """``plan_on_decode_node``, once per distinct node state in a search. Bounds only tighten
-    during a search, and a schedule too slow for a looser bound is too slow for a tighter one."""
+    """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state in a
+    search. Bounds only tighten during a search, and a schedule too slow for a looser bound is
+    too slow for a tighter one."""
     key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = plan_on_decode_node(models, config, node, prompt_tokens, give_up)
+        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up)
     return plan
 
 
@@ -545,7 +607,8 @@ def _search_in_id_order(
     any_too_slow = False
     memo: _PlanMemo = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
-        plan = _memo_plan(memo, models, config, node, prompt_tokens, bound if best is None else min(bound, best[0]))
+        give_up = bound if best is None else min(bound, best[0])
+        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up)
         if plan == _TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
@@ -580,7 +643,7 @@ def _search_bounded(
         lb, node_id, i, node = heapq.heappop(order)
         if lb > cutoff:
             break  # every node left has a bound at least this high
-        plan = _memo_plan(memo, models, config, node, prompt_tokens, limit)
+        plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit)
         if plan == _TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, _Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
@@ -589,7 +652,7 @@ def _search_bounded(
             cutoff = _cutoff(limit)
     if best is None:
         any_too_slow = any_too_slow or any(
-            _memo_plan(memo, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
+            _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
         )
         return None, any_too_slow
     return (best[0], best[1], best[3]), any_too_slow

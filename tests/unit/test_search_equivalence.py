@@ -224,6 +224,35 @@ def test_lower_bound_never_exceeds_the_schedules_ttft(
         assert 0 < bound <= plan.ttft_s * (1 + 1e-12), (bound, plan.ttft_s)
 
 
+@EXAMPLES
+@given(
+    node=decode_nodes(1).map(lambda nodes: replace(nodes[0], prefill_backlog_tokens=())),
+    prompt=prompts,
+    config=configs,
+    name=st.sampled_from(sorted(n for n, m in MODELS.items() if m.mixed_nonnegative)),
+    give_up=st.sampled_from([math.inf, 0.0]) | st.floats(0.0, 30.0),
+)
+def test_a_schedule_read_off_the_nodes_path_is_the_greedys_to_the_bit(
+    node: DecodeNodeState, prompt: int, config: alg.DeciderConfig, name: str, give_up: float
+) -> None:
+    models = MODELS[name]
+    expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+    assert alg._plan_on_path(models, config, node, prompt, give_up) == expected
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in MODELS.items() if m.mixed_nonnegative))
+def test_schedules_read_off_paths_over_a_sweep(name: str) -> None:
+    """Many schedules that leave the path after its first run, where the time at the tail's
+    start is a sum over several runs (hypothesis draws few of them)."""
+    rng, models = random.Random(name), MODELS[name]
+    for _ in range(1500):
+        config = alg.DeciderConfig(tbt_slo_s=rng.choice([0.05, 0.07, 0.1, 0.2]))
+        node = DecodeNodeState("d0", rng.randint(0, 80), rng.randint(0, 400_000), 10_000_000, 0.0)
+        prompt, give_up = rng.randint(1, 40_000), rng.choice([math.inf, rng.uniform(0.0, 30.0)])
+        expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+        assert alg._plan_on_path(models, config, node, prompt, give_up) == expected, (node, prompt, give_up)
+
+
 @pytest.mark.parametrize("case", test_algorithm.DECIDE_CASES)
 def test_the_decision_table_holds_under_the_bounded_search(case: test_algorithm.DecideCase) -> None:
     test_algorithm.test_decide(case)  # its nodes are few: the search would otherwise go in id order
