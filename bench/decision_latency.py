@@ -1,5 +1,6 @@
 """Algorithm 1 decision time, p50/p99, from 2 to 512 decode nodes (1K/10K/32K-token prompts,
-2 prefill nodes) and from 2 to 64 prefill nodes (16 decode nodes, 32K tokens).
+2 prefill nodes) and from 2 to 64 prefill nodes (16 decode nodes, 32K tokens); and with 16 to
+512 decode nodes all alike (10K tokens), the bounded search's own worst case.
 
 Also the cluster view's share of each decision (``ClusterTracker``: record the dispatch, read
 the view) under a keep-path stream, where every keep stays incoming on its decode node for its
@@ -35,16 +36,20 @@ from kairos.core.view import ClusterTracker
 DECODE_SWEEP = (2, 16, 64, 128, 512)
 PROMPTS = (1024, 10240, 32768)
 PREFILL_SWEEP = (2, 4, 8, 16, 32, 64)  # at 16 decode nodes and 32K tokens
+ALIKE_SWEEP = (16, 128, 512)  # decode nodes all alike (see cluster), 10K tokens
 
 
-def cluster(decode_nodes: int, prefill_nodes: int = 2) -> ClusterView:
+def cluster(decode_nodes: int, prefill_nodes: int = 2, alike: bool = False) -> ClusterView:
     prefill = tuple(
         PrefillNodeState(f"p{i}", tuple([3569] * (12 + i)), 2048, reported_at=0.0) for i in range(prefill_nodes)
     )
-    # B cycles through 64 batch sizes (a 2048-token chunk stays TBT-safe beside them); K differs
-    # on every node.
+    # B cycles through 64 batch sizes (4 to 67) and K differs on every node. ``alike``: every node
+    # at B = 4 with K one token apart, TTFTs a hair apart that no lower bound tells apart, so
+    # every node's schedule is planned.
     decode = tuple(
-        DecodeNodeState(f"d{i}", 4 + i % 64, (4 + i % 64) * 3569 + 97 * i, 1_300_000, reported_at=0.0)
+        DecodeNodeState(f"d{i}", 4, 4 * 3569 + i, 1_300_000, reported_at=0.0)
+        if alike
+        else DecodeNodeState(f"d{i}", 4 + i % 64, (4 + i % 64) * 3569 + 97 * i, 1_300_000, reported_at=0.0)
         for i in range(decode_nodes)
     )
     return ClusterView(prefill=prefill, decode=decode)
@@ -101,14 +106,16 @@ def main() -> int:
     args = parser.parse_args()
     models = load_profile()
     config = DeciderConfig()
-    cases = [(d, 2, p) for d in DECODE_SWEEP for p in PROMPTS] + [(16, n, 32768) for n in PREFILL_SWEEP if n != 2]
+    cases = [(d, 2, p, False) for d in DECODE_SWEEP for p in PROMPTS]
+    cases += [(16, n, 32768, False) for n in PREFILL_SWEEP if n != 2]
+    cases += [(d, 2, 10240, True) for d in ALIKE_SWEEP]
     rows = []
     print(
-        f"{'decode nodes':>12} {'prefill nodes':>13} {'prompt':>7} {'route':>8} {'decode node':>11} "
+        f"{'decode nodes':>12} {'prefill nodes':>13} {'prompt':>7} {'alike':>5} {'route':>8} {'decode node':>11} "
         f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>8}"
     )
-    for decode_nodes, prefill_nodes, prompt in cases:
-        view = cluster(decode_nodes, prefill_nodes)
+    for decode_nodes, prefill_nodes, prompt, alike in cases:
+        view = cluster(decode_nodes, prefill_nodes, alike)
         decision = decide(prompt, view, 0.05, models, config)
         stats = percentiles_us(decision_samples(view, prompt, args.calls, models, config))
         rows.append(
@@ -116,6 +123,7 @@ def main() -> int:
                 "decode_nodes": decode_nodes,
                 "prefill_nodes": prefill_nodes,
                 "prompt_tokens": prompt,
+                "alike": alike,
                 "route": decision.route.value,
                 "reason": decision.reason.value,
                 "decode_node": decision.decode_node,
@@ -123,15 +131,17 @@ def main() -> int:
             }
         )
         print(
-            f"{decode_nodes:>12} {prefill_nodes:>13} {prompt:>7} {decision.route.value:>8} "
-            f"{decision.decode_node:>11} {stats['p50_us']:>8.1f} {stats['p99_us']:>8.1f} {stats['max_us']:>8.1f}"
+            f"{decode_nodes:>12} {prefill_nodes:>13} {prompt:>7} {'yes' if alike else 'no':>5} "
+            f"{decision.route.value:>8} {decision.decode_node:>11} "
+            f"{stats['p50_us']:>8.1f} {stats['p99_us']:>8.1f} {stats['max_us']:>8.1f}"
         )
 
     def p99(decode_nodes: int, prompt: int) -> float:
         return next(
             r
             for r in rows
-            if r["decode_nodes"] == decode_nodes and r["prefill_nodes"] == 2 and r["prompt_tokens"] == prompt
+            if (r["decode_nodes"], r["prefill_nodes"], r["prompt_tokens"], r["alike"])
+            == (decode_nodes, 2, prompt, False)
         )["p99_us"]
 
     targets = {
