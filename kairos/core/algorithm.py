@@ -348,8 +348,9 @@ class _NodeFacts:
             b, k = b + 1, k + backlog
         self.wait_s, self.b = t, b
         self.table = _step_table(models, b, k, config.chunk_candidates)
-        self.runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
-        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in self.runs)
+        runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
+        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in runs)
+        self.runs = runs  # last: a set ``runs`` says the rest is there
 
 
 def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
