@@ -7,8 +7,11 @@ this same function.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kairos.common import defaults
@@ -104,7 +107,7 @@ def expand_runs(runs: list[Run] | tuple[Run, ...]) -> tuple[list[int], list[floa
     times: list[float] = []
     for p, n, first, inc in runs:
         sizes.extend([p] * n)
-        times.extend(first + j * inc for j in range(n))
+        times.extend([first + j * inc for j in range(n)])
     return sizes, times
 
 
@@ -117,6 +120,29 @@ class _Plan:
 
 _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
 _TOO_SLOW = "too_slow"  # abandoned: already slower than the bound that could make it win
+
+
+# Eq. 4 on one (B, K), for the schedule search: (a0, a_c, b0, b1, k_coef, knee) as in
+# mixed_step_coefficients, then per candidate its full chunk's prefill tokens, base and slope.
+StepTable = tuple[float, float, float, float, float, float, list[int], list[float], list[float]]
+
+
+def _step_table(models: LatencyModels, decode_tokens: int, kv_tokens: int, candidates: tuple[int, ...]) -> StepTable:
+    """Eq. 4 on one (B, K): its coefficients (``mixed_step_coefficients``), and per candidate
+    chi the prefill tokens of a full chunk and its step time ``base + slope * cached``."""
+    a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(decode_tokens, kv_tokens)
+    full = [x - decode_tokens for x in candidates]
+    base = [a0 + p * b0 + (k_coef * (x - knee) if x > knee else 0.0) for x, p in zip(candidates, full, strict=True)]
+    slope = [a_c + p * b1 for p in full]
+    return a0, a_c, b0, b1, k_coef, knee, full, base, slope
+
+
+def _safe_steps(first: float, inc: float, step_budget_s: float) -> int:
+    """How many steps of a run (``first``, growing by ``inc`` > 0) stay within the budget."""
+    n = int((step_budget_s - first) / inc) + 1
+    while n > 1 and first + (n - 1) * inc > step_budget_s:  # float rounding
+        n -= 1
+    return n
 
 
 def greedy_schedule(
@@ -142,19 +168,30 @@ def greedy_schedule(
     the greedy keeps one chi for as many steps as that stays within budget, a count and a time
     sum that are closed-form. The result is the step-by-step greedy's, in O(candidates).
     """
-    b = decode_tokens
-    a0, a_c, b0, b1, k_coef, knee = models.mixed_step_coefficients(b, kv_tokens)
-    n_cand = len(candidates)
-    full = [x - b for x in candidates]
-    base = [a0 + p * b0 + (k_coef * (x - knee) if x > knee else 0.0) for x, p in zip(candidates, full, strict=True)]
-    slope = [a_c + p * b1 for p in full]
+    table = _step_table(models, decode_tokens, kv_tokens, candidates)
+    return _greedy_steps(
+        table, decode_tokens, models.mixed_monotone, step_budget_s, give_up_after_s, prompt_tokens, 0, 0, start_s, []
+    )
+
+
+def _greedy_steps(
+    table: StepTable,
+    b: int,
+    monotone: bool,
+    step_budget_s: float,
+    give_up_after_s: float,
+    remaining: int,
+    cached: int,
+    idx: int,
+    t: float,
+    runs: list[Run],
+) -> tuple[list[Run], float] | str:
+    """``greedy_schedule``'s loop, from any point of a schedule: ``remaining`` tokens left over
+    ``cached`` ones, ``idx`` the candidate reached (those above it were unsafe as full chunks;
+    they only get costlier as c grows), ``t`` the time so far, ``runs`` the runs so far (extended)."""
+    a0, a_c, b0, b1, k_coef, knee, full, base, slope = table
+    n_cand = len(full)
     largest = full[0]
-    monotone = models.mixed_monotone
-    runs: list[Run] = []
-    t = start_s
-    cached = 0
-    remaining = prompt_tokens
-    idx = 0  # candidates above idx were unsafe as full chunks; they only get costlier as c grows
     while remaining > 0:
         if not monotone:
             idx = 0
@@ -201,9 +238,7 @@ def greedy_schedule(
             if n_tail < n:
                 n = n_tail
             if inc > 0:
-                n_safe = int((step_budget_s - first) / inc) + 1
-                while n_safe > 1 and first + (n_safe - 1) * inc > step_budget_s:  # float rounding
-                    n_safe -= 1
+                n_safe = _safe_steps(first, inc, step_budget_s)
                 if n_safe < n:
                     n = n_safe
             if n < 1:
@@ -241,6 +276,182 @@ def plan_on_decode_node(
 
 
 # ---------------------------------------------------------------------------------------------
+# A lower bound on a node's deflection TTFT, from what its state alone determines
+# ---------------------------------------------------------------------------------------------
+# Relative slack on every comparison of a bound with a computed TTFT: the bound and the
+# schedule's time are sums of the same non-negative terms in different orders, whose rounding
+# differs by ~1e-14 of their size.
+_BOUND_SLACK = 1e-9
+
+# Fewer eligible decode nodes than this are searched in id order: the bound could spare a
+# schedule search or two, and costs a greedy path for every node state it has not seen.
+BOUNDED_SEARCH_MIN_NODES = 4
+
+# A run of the greedy on a node while more than its largest chunk remains: (cached tokens at its
+# start, prefill tokens per step, steps or None when unbounded, first step's time, time added per
+# step, time at its start, candidate index).
+PathRun = tuple[int, int, int | None, float, float, float, int]
+
+
+def _greedy_path(table: StepTable, step_budget_s: float, start_s: float) -> tuple[tuple[PathRun, ...], float]:
+    """The greedy's runs (``_greedy_steps``') on one (B, K) while more than the largest chunk
+    remains, and the time at their end. There every candidate is smaller than what remains, so
+    the choice at each step depends on the cached tokens only, never on the prompt: every
+    prompt's schedule takes exactly these steps, with the same floats (the same tests and sums
+    from the same ``start_s``), until its last ``largest`` tokens. Ends where no candidate is
+    safe any more (there the schedule of a longer prompt is infeasible). Needs a monotone
+    profile (``mixed_monotone``: the candidate index only grows)."""
+    full, base, slope = table[6:]
+    runs: list[PathRun] = []
+    cached, t, idx = 0, start_s, 0
+    while True:
+        while idx < len(full) and full[idx] > 0 and base[idx] + slope[idx] * cached > step_budget_s:
+            idx += 1
+        if idx == len(full) or full[idx] <= 0:
+            return tuple(runs), t
+        p = full[idx]
+        first = base[idx] + slope[idx] * cached
+        inc = slope[idx] * p
+        n = _safe_steps(first, inc, step_budget_s) if inc > 0 else None
+        runs.append((cached, p, n, first, inc, t, idx))
+        if n is None:
+            return tuple(runs), t
+        t += n * first + inc * n * (n - 1) / 2
+        cached += p * n
+
+
+class _NodeFacts:
+    """What a decision derives from one decode node's state alone, for one (models, config):
+    kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
+    replaces the state, is what recomputes it, not every decision."""
+
+    __slots__ = ("b", "config", "end_s", "ends", "load_s", "models", "runs", "table", "wait_s")
+    wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
+    b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
+    table: StepTable  # Eq. 4 for the request's own steps
+    end_s: float  # time at the end of the path
+
+    def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
+        self.models, self.config = models, config
+        self.load_s = decode_load_s(models, node)
+        self.runs: tuple[PathRun, ...] | None = None  # the rest is built on the first bound asked for
+        self.ends: tuple[float, ...] = ()  # cached tokens at each run's end (inf: unbounded)
+
+    def build_path(self, node: DecodeNodeState) -> None:
+        """The time to run the node's backlog, then, for the request's own steps beside it:
+        Eq. 4's coefficients, the largest chunk's prefill tokens and the greedy's path."""
+        models, config = self.models, self.config
+        b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+        for backlog in node.prefill_backlog_tokens:
+            done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t)
+            t = math.inf if isinstance(done, str) else done[1]
+            b, k = b + 1, k + backlog
+        self.wait_s, self.b = t, b
+        self.table = _step_table(models, b, k, config.chunk_candidates)
+        runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
+        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in runs)
+        self.runs = runs  # last: a set ``runs`` says the rest is there
+
+
+def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
+    facts = node.derived
+    if (
+        type(facts) is not _NodeFacts
+        or facts.models is not models
+        or not (facts.config is config or facts.config == config)
+    ):
+        facts = _NodeFacts(models, config, node)
+        object.__setattr__(node, "derived", facts)
+    return facts
+
+
+def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) -> tuple[int, float, int, int] | None:
+    """Where the greedy's schedule of this prompt leaves the node's path: (cached tokens, time
+    then, the run it leaves in, steps taken of that run; the start when the prompt is no longer
+    than the largest chunk), or None when the path ends first (no schedule: infeasible or too slow)."""
+    runs = facts.runs
+    if runs is None:
+        facts.build_path(node)
+        runs = facts.runs
+    full = facts.table[6]
+    if full[0] <= 0:  # no chunk carries a prefill token beside B decodes
+        return None
+    target = prompt_tokens - full[0]
+    if target <= 0:
+        return 0, facts.wait_s, 0, 0
+    r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
+    if r == len(runs):
+        return None
+    c0, p, _, first, inc, t0, _ = runs[r]
+    j = -((c0 - target) // p)  # the greedy's n_tail
+    return c0 + j * p, t0 + (j * first + inc * j * (j - 1) / 2), r, j
+
+
+def _plan_on_path(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, give_up_after_s: float
+) -> _Plan | str:
+    """``plan_on_decode_node``, to the bit, on a monotone profile: for a node without a backlog
+    the greedy's steps along the node's path are read from it, and the greedy runs on from where
+    the prompt's tail starts."""
+    if node.prefill_backlog_tokens:
+        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s)
+    facts = _facts(models, config, node)
+    tail = _tail_start(facts, node, prompt_tokens)
+    if tail is None:  # the greedy follows the whole path, then finds no safe candidate
+        return _TOO_SLOW if facts.runs and facts.end_s > give_up_after_s else _INFEASIBLE
+    cached, t, r, j = tail
+    runs: list[Run] = []
+    idx = 0
+    if j:
+        if t > give_up_after_s:  # the greedy's earlier run ends are no later
+            return _TOO_SLOW
+        path = facts.runs
+        assert path is not None  # built by _tail_start
+        for _, p, n, first, inc, _, _ in path[:r]:
+            assert n is not None  # only a path's last run is unbounded
+            runs.append((p, n, first, inc))
+        _, p, _, first, inc, _, idx = path[r]
+        runs.append((p, j, first, inc))
+    done = _greedy_steps(
+        facts.table, facts.b, True, config.step_budget_s, give_up_after_s, prompt_tokens - cached, cached, idx, t, runs
+    )
+    if isinstance(done, str):
+        return done
+    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1])
+
+
+def ttft_lower_bound_s(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int
+) -> float:
+    """A TTFT no schedule ``plan_on_decode_node`` finds on ``node`` for this prompt beats
+    (``math.inf``: it finds none), valid when ``models.mixed_nonnegative``.
+
+    The request's schedule takes the node's prompt-independent greedy path (``_greedy_path``)
+    until at most ``largest`` tokens remain, at cached c*; that time is exact. Each step after
+    costs at least ``a0 + a_c c* + p (b0 + b1 c*)`` for its p tokens, only the last one carries
+    more than the run's chunk at c* (the greedy's candidate index only grows), and the last one
+    carries no more than a TBT-safe step at c* can.
+    """
+    facts = _facts(models, config, node)
+    tail = _tail_start(facts, node, prompt_tokens)
+    if tail is None:
+        return math.inf
+    cached, t, r, _ = tail
+    runs = facts.runs
+    chunk = runs[r][1] if runs else 0
+    a0, a_c, b0, b1 = facts.table[:4]
+    rest = prompt_tokens - cached
+    head = a0 + a_c * cached
+    per_token = b0 + b1 * cached
+    steps = 1
+    if per_token > 0 and chunk > 0:
+        last_max = (config.step_budget_s * (1 + _BOUND_SLACK) - head) / per_token
+        if rest > last_max:  # integers from here: the count must not round up
+            steps += -((math.floor(max(0.0, last_max)) - rest) // chunk)
+    return t + steps * head + rest * per_token
+
+
+# ---------------------------------------------------------------------------------------------
 # Node eligibility and keep-path choices
 # ---------------------------------------------------------------------------------------------
 def is_fresh(reported_at: float, now: float, config: DeciderConfig) -> bool:
@@ -275,7 +486,7 @@ def pick_keep_decode_node(
         raise NoHealthyNodeError("no decode node is registered")
     fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
     roomy = [n for n in fresh if n.free_kv_tokens >= prompt_tokens] or fresh
-    return min(roomy, key=lambda n: (decode_load_s(models, n), n.node_id))
+    return min(roomy, key=lambda n: (_facts(models, config, n).load_s, n.node_id))  # load_s = decode_load_s
 
 
 def best_prefill_node(
@@ -285,9 +496,17 @@ def best_prefill_node(
     if not view.prefill:
         raise NoHealthyNodeError("no prefill node is registered")
     fresh = [n for n in view.prefill if is_fresh(n.reported_at, now, config)] or list(view.prefill)
-    scored = [(prefill_ttft_s(models, n, prompt_tokens), n.node_id, n) for n in fresh]
-    ttft, _, node = min(scored, key=lambda x: (x[0], x[1]))
-    return node, ttft
+    exec_s: dict[int, float] = {}  # Eq. 3 depends on the node only through its chunk size
+    best: tuple[float, str, PrefillNodeState] | None = None
+    for n in fresh:
+        own = exec_s.get(n.chunk_tokens)
+        if own is None:
+            own = exec_s[n.chunk_tokens] = prefill_exec_s(models, prompt_tokens, n.chunk_tokens)
+        ttft = prefill_queue_wait_s(models, n) + own  # = prefill_ttft_s, to the bit
+        if best is None or (ttft, n.node_id) < best[:2]:
+            best = (ttft, n.node_id, n)
+    assert best is not None  # view.prefill is not empty
+    return best[2], best[0]
 
 
 def decide_without_prefill_pool(
@@ -348,6 +567,98 @@ def _deflect(
     )
 
 
+# The deflection search: the decode node whose schedule gives the lowest TTFT within ``bound``,
+# the lowest node id on a tie (then the first in the view), and whether any node's schedule
+# was abandoned for running past the bound (rather than finding no TBT-safe chunk).
+_Best = tuple[float, str, _Plan]
+_PlanMemo = dict[tuple[int, int, tuple[int, ...]], "_Plan | str"]
+
+
+def _cutoff(limit_s: float) -> float:
+    """A lower bound above this says for sure that the schedule's TTFT, as computed, is above
+    ``limit_s``."""
+    return limit_s + abs(limit_s) * _BOUND_SLACK
+
+
+def _memo_plan(
+    memo: _PlanMemo,
+    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float], _Plan | str],
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    give_up: float,
+) -> _Plan | str:
+    """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state in a
+    search. Bounds only tighten during a search, and a schedule too slow for a looser bound is
+    too slow for a tighter one."""
+    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+    plan = memo.get(key)
+    if plan is None:
+        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up)
+    return plan
+
+
+def _search_in_id_order(
+    models: LatencyModels, config: DeciderConfig, eligible: list[DecodeNodeState], prompt_tokens: int, bound: float
+) -> tuple[_Best | None, bool]:
+    """Every node in id order, each schedule search abandoned once slower than both the bound
+    and the best node so far (§4.4). The search for profiles ``_search_bounded`` cannot bound."""
+    best: _Best | None = None
+    any_too_slow = False
+    memo: _PlanMemo = {}
+    for node in sorted(eligible, key=lambda n: n.node_id):
+        give_up = bound if best is None else min(bound, best[0])
+        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up)
+        if plan == _TOO_SLOW:
+            any_too_slow = True
+        elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
+            best = (plan.ttft_s, node.node_id, plan)
+    return best, any_too_slow
+
+
+def _search_bounded(
+    models: LatencyModels, config: DeciderConfig, eligible: list[DecodeNodeState], prompt_tokens: int, bound: float
+) -> tuple[_Best | None, bool]:
+    """``_search_in_id_order``'s result, visiting only the nodes whose TTFT lower bound
+    (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first.
+
+    The same winner: it is the least (TTFT, node id, place in the view) among the nodes whose
+    schedule fits the bound, and a node is skipped only when its bound, hence its TTFT, is above
+    the best so far (or the bound). The same reason when none fits: a node skipped for the bound
+    is searched after all if no node searched ran past it."""
+    beyond: list[DecodeNodeState] = []  # cannot finish within the bound
+    order: list[tuple[float, str, int, DecodeNodeState]] = []
+    limit, cutoff = bound, _cutoff(bound)
+    for i, node in enumerate(eligible):
+        lb = ttft_lower_bound_s(models, config, node, prompt_tokens)
+        if lb > cutoff:
+            beyond.append(node)
+        else:
+            order.append((lb, node.node_id, i, node))
+    heapq.heapify(order)
+    best: tuple[float, str, int, _Plan] | None = None
+    any_too_slow = False
+    memo: _PlanMemo = {}
+    while order:
+        lb, node_id, i, node = heapq.heappop(order)
+        if lb > cutoff:
+            break  # every node left has a bound at least this high
+        plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit)
+        if plan == _TOO_SLOW:
+            any_too_slow = True
+        elif isinstance(plan, _Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
+            best = (plan.ttft_s, node_id, i, plan)
+            limit = min(bound, plan.ttft_s)
+            cutoff = _cutoff(limit)
+    if best is None:
+        any_too_slow = any_too_slow or any(
+            _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
+        )
+        return None, any_too_slow
+    return (best[0], best[1], best[3]), any_too_slow
+
+
 def validate_prompt(prompt_tokens: int) -> None:
     if prompt_tokens < 1:
         raise InvalidRequestError(f"the prompt has {prompt_tokens} tokens; at least 1 is needed")
@@ -385,24 +696,11 @@ def decide(
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
 
-    # A node can only win if it beats the Eq. 7 bound and the best node so far, so its
-    # schedule search stops as soon as it is slower than both (bounds the loop, §4.4).
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
-    best: tuple[float, str, _Plan] | None = None
-    any_too_slow = False
-    memo: dict[tuple[int, int, tuple[int, ...]], _Plan | str] = {}
-    for node in sorted(eligible, key=lambda n: n.node_id):
-        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
-        give_up = bound if best is None else min(bound, best[0])
-        plan = memo.get(key)  # identical states give identical plans; a tighter bound stays too slow
-        if plan is None:
-            plan = plan_on_decode_node(models, config, node, prompt_tokens, give_up)
-            memo[key] = plan
-        if plan == _TOO_SLOW:
-            any_too_slow = True
-        elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
-            best = (plan.ttft_s, node.node_id, plan)
+    bounded = models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES
+    search = _search_bounded if bounded else _search_in_id_order
+    best, any_too_slow = search(models, config, eligible, prompt_tokens, bound)
 
     if best is None:
         if not any_too_slow:

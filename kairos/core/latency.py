@@ -99,6 +99,16 @@ class LatencyModels:
         lets the schedule search skip candidates already found unsafe."""
         return self._d[2] >= 0 and self._m[3] + self._m[4] >= 0
 
+    @property
+    def mixed_nonnegative(self) -> bool:
+        """True when no term of a mixed step (Eq. 4, in :meth:`mixed_step_coefficients`' form)
+        can be negative for any B, K, chunk and cached prefill: every step then costs >= 0 and
+        costs more with more tokens, which is what lets a decision bound a node's TTFT from
+        below and skip the nodes that cannot win. Implies :attr:`mixed_monotone`."""
+        d0, d_b, d_k = self._d
+        m0, m_p, m_pb, m_pk, m_pc, m_knee, _ = self._m
+        return d0 + m0 >= 0 and min(d_b, d_k, m_p, m_pb, m_pk, m_pk + m_pc, m_knee) >= 0
+
     # -- step models ------------------------------------------------------------------------
     def prefill_step_s(self, tokens: float, cached: float) -> float:
         """A prefill-only step of ``tokens`` new tokens over ``cached`` already-cached ones."""

@@ -4,6 +4,7 @@ dispatches since then. Plain frozen values so the core stays pure and testable."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,13 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
+    # What the decider derives from this state alone (kairos.core.algorithm fills it on first
+    # use): a state lives from one heartbeat or dispatch to the next, and every decision in
+    # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
+    derived: Any = field(default=None, init=False, repr=False, compare=False)
+    # free_kv_tokens once worked out (-1: not yet): every decision reads it for every node, and a
+    # heartbeat builds every node's state at once, so it is worked out on the first read.
+    _free_kv: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.kv_tokens < 0 or self.kv_capacity_tokens < 0:
@@ -58,8 +66,13 @@ class DecodeNodeState:
 
     @property
     def free_kv_tokens(self) -> int:
-        promised = sum(self.prefill_backlog_tokens) + self.incoming_keep_tokens
-        return max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
+        """KV-cache tokens left once the backlog and the incoming keeps hold theirs."""
+        free = self._free_kv
+        if free < 0:
+            promised = sum(self.prefill_backlog_tokens) + self.incoming_keep_tokens
+            free = max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
+            object.__setattr__(self, "_free_kv", free)
+        return free
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,284 @@
+"""The bounded deflection search decides exactly what the plain one did: ``decide`` against the
+search it replaced (every eligible decode node in id order, kept below as the reference) over
+random views, profiles and configs, the same ``Decision`` in every field. And the bound the
+search skips nodes by never exceeds the TTFT of the schedule it stands for.
+
+Hypothesis runs derandomized (the same examples every run); the views draw their decode nodes
+from a few (B, K) shapes so that ties between nodes, which the node id breaks, are common."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kairos.core import algorithm as alg
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import LatencyModels, load_profile
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from tests.builders import flat_models, make_models
+from tests.unit import test_algorithm
+
+
+@pytest.fixture(autouse=True)
+def bounded_from_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounded search on every view here, however few its nodes."""
+    monkeypatch.setattr(alg, "BOUNDED_SEARCH_MIN_NODES", 1)
+
+
+MODELS: dict[str, LatencyModels] = {
+    "packaged": load_profile(),
+    "round": make_models(),
+    "flat": flat_models(),  # no cached-token cost: a safe chunk stays safe for ever
+    "knee": make_models(mixed_knee=600.0, mixed_over_knee=5e-5, decode_per_k=2e-8, mixed_p_x_k=1e-10),
+    "negative": make_models(mixed_p_x_b=-1e-6),  # not bounded: the search runs in id order
+}
+NOW = 0.05
+EXAMPLES = settings(
+    max_examples=400, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# -- the reference: Algorithm 1 as it was before the bounded search ----------------------------
+def reference_best_prefill(
+    models: LatencyModels, view: ClusterView, config: alg.DeciderConfig, prompt: int
+) -> tuple[PrefillNodeState, float]:
+    fresh = [n for n in view.prefill if alg.is_fresh(n.reported_at, NOW, config)] or list(view.prefill)
+    ttft, _, node = min(
+        ((alg.prefill_ttft_s(models, n, prompt), n.node_id, n) for n in fresh), key=lambda x: (x[0], x[1])
+    )
+    return node, ttft
+
+
+def reference_keep_decode(
+    models: LatencyModels, view: ClusterView, config: alg.DeciderConfig, prompt: int
+) -> DecodeNodeState:
+    fresh = [n for n in view.decode if alg.is_fresh(n.reported_at, NOW, config)] or list(view.decode)
+    roomy = [n for n in fresh if n.free_kv_tokens >= prompt] or fresh
+    return min(roomy, key=lambda n: (alg.decode_load_s(models, n), n.node_id))
+
+
+def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, config: alg.DeciderConfig) -> Decision:
+    prefill_node, ttft_pf = reference_best_prefill(models, view, config, prompt)
+    keep_decode = reference_keep_decode(models, view, config, prompt)
+
+    def keep(reason: Reason, ttft_dec: float | None) -> Decision:
+        return Decision(Route.KEEP, reason, keep_decode.node_id, prefill_node.node_id, (), ttft_pf, ttft_dec, prompt)
+
+    eligible = [n for n in view.decode if alg.can_take_deflection(n, NOW, config, prompt)]
+    if not eligible:
+        return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    margin_s = config.alpha * ttft_pf
+    bound = min(margin_s, config.ttft_slo_s)
+    best = None
+    any_too_slow = False
+    memo: dict[tuple[int, int, tuple[int, ...]], object] = {}
+    for node in sorted(eligible, key=lambda n: n.node_id):
+        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+        give_up = bound if best is None else min(bound, best[0])
+        plan = memo.get(key)
+        if plan is None:
+            plan = memo[key] = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+        if plan == "too_slow":
+            any_too_slow = True
+        elif not isinstance(plan, str) and (best is None or plan.ttft_s < best[0]):
+            best = (plan.ttft_s, node.node_id, plan)
+    if best is None:
+        if not any_too_slow:
+            return keep(Reason.KEEP_NO_SAFE_SCHEDULE, None)
+        return keep(Reason.KEEP_DECODE_SLOWER if margin_s <= config.ttft_slo_s else Reason.KEEP_DECODE_OVER_SLO, None)
+    ttft_dec, node_id, plan = best
+    if ttft_dec > margin_s:
+        return keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
+    if ttft_dec > config.ttft_slo_s:
+        return keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
+    sizes, times = alg.expand_runs(plan.runs)
+    return Decision(
+        Route.DEFLECT,
+        Reason.DEFLECT_WITHIN_MARGIN,
+        node_id,
+        None,
+        tuple(sizes),
+        ttft_pf,
+        ttft_dec,
+        prompt,
+        config.step_budget_s if config.node_step_guard else None,
+        tuple(times),
+        plan.decode_tokens,
+    )
+
+
+# -- random scenes -------------------------------------------------------------------------------
+configs = st.builds(
+    alg.DeciderConfig,
+    alpha=st.sampled_from([1.0, 1.3, 3.0]),
+    beta=st.sampled_from([0.8, 1.0]),
+    tbt_slo_s=st.sampled_from([0.05, 0.07, 0.1, 0.2]),
+    ttft_slo_s=st.sampled_from([0.5, 4.0, 30.0]),
+    chunk_candidates=st.sampled_from([alg.DEFAULT_CHUNK_CANDIDATES, (1024, 256, 64), (600,)]),
+    max_pending_deflections=st.sampled_from([1, 2, None]),
+)
+shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
+
+
+@st.composite
+def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
+    pool = draw(st.lists(shapes, min_size=1, max_size=5))
+    ids = draw(st.permutations(range(n)))  # the view's order is not the ids' order
+    nodes = []
+    for i in ids:
+        b, k = draw(st.sampled_from(pool) | shapes)
+        nodes.append(
+            DecodeNodeState(
+                f"d{i}",
+                b,
+                k,
+                kv_capacity_tokens=draw(st.sampled_from([10_000_000, k + 20_000, k])),
+                reported_at=draw(st.sampled_from([0.0, 0.0, 0.0, -1.0])),  # -1.0: stale
+                prefill_backlog_tokens=tuple(draw(st.lists(st.integers(1, 6000), max_size=2))),
+                incoming_keeps=draw(st.integers(0, 2)),
+                incoming_keep_tokens=draw(st.integers(0, 8000)),
+            )
+        )
+    return tuple(nodes)
+
+
+@st.composite
+def views(draw: st.DrawFn) -> ClusterView:
+    prefill = tuple(
+        PrefillNodeState(
+            f"p{i}",
+            tuple(draw(st.lists(st.integers(1, 8000), max_size=30))),
+            draw(st.sampled_from([256, 512, 2048])),
+            reported_at=draw(st.sampled_from([0.0, -1.0])),
+        )
+        for i in range(draw(st.integers(1, 4)))
+    )
+    return ClusterView(prefill=prefill, decode=draw(decode_nodes(draw(st.integers(1, 40)))))
+
+
+prompts = st.integers(1, 40_000) | st.sampled_from([1, 128, 1024, 2047, 2048, 2049, 10_240, 32_768])
+
+
+@EXAMPLES
+@given(
+    view=views(),
+    prompt=prompts,
+    config=configs,
+    first=st.sampled_from(sorted(MODELS)),
+    second=st.sampled_from(sorted(MODELS)),
+)
+def test_decide_equals_the_plain_search(
+    view: ClusterView, prompt: int, config: alg.DeciderConfig, first: str, second: str
+) -> None:
+    # Twice on the same state objects, under two profiles: what one decision derived and kept on
+    # a node's state must not leak into a decision under other models.
+    for models in (MODELS[first], MODELS[second]):
+        assert alg.decide(prompt, view, NOW, models, config) == reference_decide(prompt, view, models, config)
+
+
+@EXAMPLES
+@given(view=views(), prompt=prompts, config=configs, seed=st.integers(0, 2**32))
+def test_any_valid_bound_gives_the_same_decision(
+    view: ClusterView, prompt: int, config: alg.DeciderConfig, seed: int
+) -> None:
+    """The search's result must not depend on how tight the bound is, only on its being a lower
+    bound: here it is the real one scaled down at random (so nodes are visited in an arbitrary
+    order, a higher id before a tie's lower one), and any number at all where no schedule exists."""
+    rng = random.Random(seed)
+    real = alg.ttft_lower_bound_s
+
+    def loose(models: LatencyModels, config: alg.DeciderConfig, node: DecodeNodeState, prompt: int) -> float:
+        bound = real(models, config, node, prompt)
+        if math.isinf(bound):
+            return rng.choice([math.inf, rng.uniform(0.0, 10.0)])
+        return bound * rng.choice([0.0, 1.0, rng.random()])
+
+    models = MODELS["packaged" if seed % 2 else "round"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(alg, "ttft_lower_bound_s", loose)
+        got = alg.decide(prompt, view, NOW, models, config)
+    assert got == reference_decide(prompt, view, models, config)
+
+
+@EXAMPLES
+@given(
+    node=decode_nodes(1).map(lambda nodes: nodes[0]),
+    prompt=prompts,
+    config=configs,
+    name=st.sampled_from(sorted(n for n, m in MODELS.items() if m.mixed_nonnegative)),
+)
+def test_lower_bound_never_exceeds_the_schedules_ttft(
+    node: DecodeNodeState, prompt: int, config: alg.DeciderConfig, name: str
+) -> None:
+    models = MODELS[name]
+    plan = alg.plan_on_decode_node(models, config, node, prompt, math.inf)
+    bound = alg.ttft_lower_bound_s(models, config, node, prompt)
+    if isinstance(plan, str):
+        assert plan == "infeasible"
+    else:
+        assert 0 < bound <= plan.ttft_s * (1 + 1e-12), (bound, plan.ttft_s)
+
+
+@EXAMPLES
+@given(
+    node=decode_nodes(1).map(lambda nodes: replace(nodes[0], prefill_backlog_tokens=())),
+    prompt=prompts,
+    config=configs,
+    name=st.sampled_from(sorted(n for n, m in MODELS.items() if m.mixed_nonnegative)),
+    give_up=st.sampled_from([math.inf, 0.0]) | st.floats(0.0, 30.0),
+)
+def test_a_schedule_read_off_the_nodes_path_is_the_greedys_to_the_bit(
+    node: DecodeNodeState, prompt: int, config: alg.DeciderConfig, name: str, give_up: float
+) -> None:
+    models = MODELS[name]
+    expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+    assert alg._plan_on_path(models, config, node, prompt, give_up) == expected
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in MODELS.items() if m.mixed_nonnegative))
+def test_schedules_read_off_paths_over_a_sweep(name: str) -> None:
+    """Many schedules that leave the path after its first run, where the time at the tail's
+    start is a sum over several runs (hypothesis draws few of them)."""
+    rng, models = random.Random(name), MODELS[name]
+    for _ in range(1500):
+        config = alg.DeciderConfig(tbt_slo_s=rng.choice([0.05, 0.07, 0.1, 0.2]))
+        node = DecodeNodeState("d0", rng.randint(0, 80), rng.randint(0, 400_000), 10_000_000, 0.0)
+        prompt, give_up = rng.randint(1, 40_000), rng.choice([math.inf, rng.uniform(0.0, 30.0)])
+        expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+        assert alg._plan_on_path(models, config, node, prompt, give_up) == expected, (node, prompt, give_up)
+
+
+@pytest.mark.parametrize("case", test_algorithm.DECIDE_CASES)
+def test_the_decision_table_holds_under_the_bounded_search(case: test_algorithm.DecideCase) -> None:
+    test_algorithm.test_decide(case)  # its nodes are few: the search would otherwise go in id order
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_large_clusters_decide_as_the_plain_search(seed: int) -> None:
+    """Hundreds of decode nodes, many within a few tokens of KV of each other (the bound cannot
+    tell them apart, so the search must), on the packaged profile and its defaults."""
+    rng = random.Random(seed)
+    models, config = MODELS["packaged"], alg.DeciderConfig()
+    decode = tuple(
+        DecodeNodeState(f"d{i}", b, b * 3569 + rng.choice([0, 0, 1, 97 * i]), 1_300_000, reported_at=0.0)
+        for i in rng.sample(range(512), rng.choice([64, 128, 512]))
+        for b in [4 + rng.randrange(64)]
+    )
+    prefill = tuple(PrefillNodeState(f"p{i}", (3569,) * rng.randrange(0, 40), 2048, 0.0) for i in range(2))
+    view = ClusterView(prefill=prefill, decode=decode)
+    for prompt in (1024, 4096, 10_240, 20_000, 32_768):
+        assert alg.decide(prompt, view, NOW, models, config) == reference_decide(prompt, view, models, config)
+
+
+def test_what_a_decision_keeps_on_a_state_is_not_part_of_it() -> None:
+    node = DecodeNodeState("d0", 4, 14_000, 1_300_000, 0.0)
+    view = ClusterView(prefill=(PrefillNodeState("p0", (3569,) * 12, 2048, 0.0),), decode=(node,))
+    alg.decide(10_240, view, NOW, MODELS["packaged"], alg.DeciderConfig())
+    assert node.derived is not None
+    renewed = replace(node)
+    assert renewed == node and renewed.derived is None and repr(renewed) == repr(node)
