@@ -37,6 +37,9 @@ class DeciderConfig:
     # Send beta x tau with each schedule so the decode node shrinks a chunk whose step would
     # overrun it with the batch it actually has then (decodes join between heartbeats).
     node_step_guard: bool = True
+    # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
+    # paper's Algorithm 1) only to measure what the rule changes.
+    decode_overload_guard: bool = True
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
@@ -58,6 +61,14 @@ class DeciderConfig:
     def step_budget_s(self) -> float:
         """beta x tau: the longest step a schedule may contain."""
         return self.beta * self.tbt_slo_s
+
+    @property
+    def decode_overload_s(self) -> float:
+        """min(tau, beta x tau): a decode node whose decode-only step is already longer takes no
+        deflection. Over beta x tau no chunk fits and the node's own guard would hold the prefill
+        until its batch shrinks; over tau (beta > 1) its decodes already miss the SLO on every
+        step, and prefill work there only lengthens those steps and the batch's drain."""
+        return min(self.tbt_slo_s, self.step_budget_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,6 +266,14 @@ def can_take_deflection(node: DecodeNodeState, now: float, config: DeciderConfig
     return limit is None or len(node.prefill_backlog_tokens) < limit
 
 
+def is_decode_overloaded(models: LatencyModels, node: DecodeNodeState, config: DeciderConfig) -> bool:
+    """The node's decode-only step, with its backlog and incoming keeps (:func:`decode_load_s`),
+    is over :attr:`DeciderConfig.decode_overload_s`. The schedule search plans on the heartbeat's
+    B alone, so it can still find a chunk for a node that the decodes already on their way to it
+    will push over budget: P/D would leave that node to its decodes, and so must we."""
+    return decode_load_s(models, node) > config.decode_overload_s
+
+
 def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
     """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
     the node's backlog and its incoming keeps included. It is the TBT a newly arriving decode
@@ -384,6 +403,10 @@ def decide(
     eligible = [n for n in view.decode if can_take_deflection(n, now, config, prompt_tokens)]
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    if config.decode_overload_guard:
+        eligible = [n for n in eligible if not is_decode_overloaded(models, n, config)]
+    if not eligible:
+        return keep(Reason.KEEP_DECODE_OVERLOADED, None)
 
     # A node can only win if it beats the Eq. 7 bound and the best node so far, so its
     # schedule search stops as soon as it is slower than both (bounds the loop, §4.4).

@@ -21,6 +21,7 @@ class Reason(StrEnum):
     KEEP_DECODE_OVER_SLO = "keep_decode_over_slo"  # fastest decode TTFT > TTFT SLO
     KEEP_NO_SAFE_SCHEDULE = "keep_no_safe_schedule"  # no node has a TBT-safe schedule
     KEEP_NO_ELIGIBLE_DECODE = "keep_no_eligible_decode"  # all decode nodes stale, busy or full
+    KEEP_DECODE_OVERLOADED = "keep_decode_overloaded"  # every eligible node's decode-only step > min(tau, beta tau)
     KEEP_STATIC_RULE = "keep_static_rule"  # SQ/SL threshold did not fire
     KEEP_POLICY = "keep_policy"  # the policy never deflects (P/D baseline)
     # The field's deciders (kairos.core.policies): <route>_<system>_<rule>

@@ -168,8 +168,9 @@ class KairosPolicy:
     def label(self) -> str:
         name = "oracle" if self.fresh_state else "kairos"
         guard = "" if self.config.node_step_guard else ",guard=off"
+        overload = "" if self.config.decode_overload_guard else ",overload=off"
         pending = "" if self.config.max_pending_deflections == 1 or self.fresh_state else ",pending=none"
-        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard})"
+        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         return alg.decide(prompt_tokens, view, now, self.models, self.config)
@@ -407,8 +408,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard"),
-    "oracle": ("alpha", "beta", "guard"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload"),
+    "oracle": ("alpha", "beta", "guard", "overload"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -502,6 +503,10 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         if params["guard"].lower() not in ("on", "off"):
             raise UnknownPolicyError(f"policy {name!r}: guard={params['guard']!r} must be 'on' or 'off'")
         changes["node_step_guard"] = params["guard"].lower() == "on"
+    if "overload" in params:
+        if params["overload"].lower() not in ("on", "off"):
+            raise UnknownPolicyError(f"policy {name!r}: overload={params['overload']!r} must be 'on' or 'off'")
+        changes["decode_overload_guard"] = params["overload"].lower() == "on"
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:
