@@ -660,6 +660,47 @@ def test_decide(case: DecideCase) -> None:
         assert all(s.predicted_s <= cfg.step_budget_s for s in d.schedule)  # Eq. 5 on every step
 
 
+# A step model with a 10% mean absolute error: predicted steps are held under tau / 1.20615 =
+# 0.087054 (the P95 of normal errors: 1 + 1.6449 x sqrt(pi/2) x 0.1), on both lines.
+MODEL_ERROR_CASES = [
+    pytest.param(
+        (5000, 20, 0.0, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (400, 400, 200), 0.105),
+        id="B20, exact model: 400-token chunks of 0.100 under tau",
+    ),
+    pytest.param(
+        (5000, 20, 0.1, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (200,) * 5, 0.087054),
+        id="B20, 10% error: 200-token chunks of 0.080, budget 0.087 sent to the node",
+    ),
+    pytest.param(
+        (10000, 48, 0.0, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (72,) * 12 + (136,), 0.105),
+        id="B48 (T0 0.088), exact model: 72-token chunks of 0.0952",
+    ),
+    pytest.param(
+        (10000, 48, 0.1, Route.KEEP, Reason.KEEP_DECODE_OVERLOADED, (), None),
+        id="B48 (T0 0.088), 10% error: over 0.087, decode overloaded, keeps",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MODEL_ERROR_CASES)
+def test_model_error_shrinks_both_step_lines(
+    case: tuple[int, int, float, Route, Reason, tuple[int, ...], float | None],
+) -> None:
+    queue, b, error, route, reason, chunks, budget = case
+    cfg = dataclasses.replace(CFG, model_error=error)
+    d = decide(1000, view((prefill_node(queue=(queue,)),), (decode_node("d1", b=b),)), 0.0, FLAT, cfg)
+    assert (d.route, d.reason, d.chunk_sizes) == (route, reason, chunks)
+    assert d.step_budget_s == pytest.approx(budget, abs=1e-6)
+    assert all(s.predicted_s <= cfg.step_budget_s for s in d.schedule)
+
+
+def test_error_margin_is_the_p95_of_normal_errors() -> None:
+    assert DeciderConfig().error_margin == 1.0
+    # 1 + z(0.95) x sqrt(pi/2) x 0.1 = 1 + 1.644854 x 1.253314 x 0.1
+    assert DeciderConfig(model_error=0.1).error_margin == pytest.approx(1.2061518, abs=1e-7)
+    assert DeciderConfig(model_error=0.1, beta=1.5).decode_overload_s == pytest.approx(0.070 / 1.2061518)
+
+
 @pytest.mark.parametrize("case", OVERLOAD_CASES)
 def test_overload_guard_off_deflects(case: DecideCase) -> None:
     """Algorithm 1 as the paper writes it deflects in every overload case: what the rule changes."""
@@ -820,6 +861,9 @@ def test_inconsistent_decision_rejected(kwargs: dict[str, object]) -> None:
         pytest.param({"chunk_candidates": (256, 0)}, id="candidate-0"),
         pytest.param({"stale_after_s": 0.0}, id="stale-after-0"),
         pytest.param({"max_pending_deflections": 0}, id="pending-0"),
+        pytest.param({"model_error": -0.1}, id="model-error-negative"),
+        pytest.param({"model_error": 1.0}, id="model-error-1"),
+        pytest.param({"model_error": math.nan}, id="model-error-nan"),
     ],
 )
 def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:

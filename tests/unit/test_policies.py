@@ -83,6 +83,12 @@ PARSED = [
         id="kairos-overload-off",
     ),
     pytest.param(
+        "kairos:error=0.1",
+        KairosPolicy,
+        {"config.model_error": 0.1, "label": "kairos(alpha=1.3,beta=1,error=0.1)"},
+        id="kairos-model-error",
+    ),
+    pytest.param(
         "oracle",
         KairosPolicy,
         {"fresh_state": True, "config.max_pending_deflections": None, "config.alpha": 1.3, "config.beta": 1.0},
@@ -191,6 +197,7 @@ UNKNOWN = [
     pytest.param("sq:theta=1.5", ["theta='1.5' is not a int"], id="theta-not-an-integer"),
     pytest.param("kairos:alpha=high", ["alpha='high' is not a float"], id="alpha-not-a-number"),
     pytest.param("kairos:pending=many", ["pending='many' is not a int"], id="pending-not-a-number"),
+    pytest.param("kairos:error=tenth", ["error='tenth' is not a float"], id="error-not-a-number"),
     pytest.param("kairos:overload=no", ["overload='no' must be 'on' or 'off'"], id="overload-neither-on-nor-off"),
     pytest.param("sq:theta=-1", ["threshold=-1 must be >= 0"], id="negative-theta"),
     pytest.param("sl:chunk=1", ["chunk=1 >= 2"], id="chunk-below-2"),
