@@ -284,14 +284,6 @@ def can_take_deflection(node: DecodeNodeState, now: float, config: DeciderConfig
     return limit is None or len(node.prefill_backlog_tokens) < limit
 
 
-def is_decode_overloaded(models: LatencyModels, node: DecodeNodeState, config: DeciderConfig) -> bool:
-    """The node's decode-only step, with its backlog and incoming keeps (:func:`decode_load_s`),
-    is over :attr:`DeciderConfig.decode_overload_s`. The schedule search plans on the heartbeat's
-    B alone, so it can still find a chunk for a node that the decodes already on their way to it
-    will push over budget: P/D would leave that node to its decodes, and so must we."""
-    return decode_load_s(models, node) > config.decode_overload_s
-
-
 def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
     """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
     the node's backlog and its incoming keeps included. It is the TBT a newly arriving decode
@@ -422,7 +414,11 @@ def decide(
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
     if config.decode_overload_guard:
-        eligible = [n for n in eligible if not is_decode_overloaded(models, n, config)]
+        # Never worse than P/D: the schedule search plans on the heartbeat's B alone, so it can
+        # still find a chunk for a node that the decodes on their way to it (backlog, incoming
+        # keeps) will push over the line; P/D would leave that node to its decodes.
+        line = config.decode_overload_s
+        eligible = [n for n in eligible if decode_load_s(models, n) <= line]
     if not eligible:
         return keep(Reason.KEEP_DECODE_OVERLOADED, None)
 
