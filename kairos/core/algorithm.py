@@ -39,7 +39,7 @@ class DeciderConfig:
     # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
     # deflection is then scheduled behind the node's backlog.
     max_pending_deflections: int | None = 1
-    # Send beta x tau with each schedule so the decode node shrinks a chunk whose step would
+    # Send step_budget_s with each schedule so the decode node shrinks a chunk whose step would
     # overrun it with the batch it actually has then (decodes join between heartbeats).
     node_step_guard: bool = True
     # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
