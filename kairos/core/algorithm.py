@@ -13,6 +13,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from kairos.common import defaults
 from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
@@ -21,6 +22,10 @@ from kairos.core.latency import LatencyModels
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
+# A step predicted at t runs up to t x (1 + _P95_SIGMAS_PER_MAE x model_error) at its 95th
+# percentile when the model's relative errors are normal with that mean absolute value: z(0.95)
+# sigmas, and sigma = sqrt(pi/2) x MAE. The TBT SLO is a P95, so that is the margin it needs.
+_P95_SIGMAS_PER_MAE = NormalDist().inv_cdf(0.95) * math.sqrt(math.pi / 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +42,17 @@ class DeciderConfig:
     # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
     # deflection is then scheduled behind the node's backlog.
     max_pending_deflections: int | None = 1
-    # Send beta x tau with each schedule so the decode node shrinks a chunk whose step would
+    # Send step_budget_s with each schedule so the decode node shrinks a chunk whose step would
     # overrun it with the batch it actually has then (decodes join between heartbeats).
     node_step_guard: bool = True
+    # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
+    # paper's Algorithm 1) only to measure what the rule changes.
+    decode_overload_guard: bool = True
+    # The step model's mean absolute relative error against the node's real step times (a
+    # profile's held-out MAPE). Schedules planned to the budget's edge with an erring model
+    # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
+    # both step lines shrink by the error's P95 (see step_budget_s). 0 trusts the model.
+    model_error: float = 0.0
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
@@ -56,11 +69,27 @@ class DeciderConfig:
             raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
         if self.max_pending_deflections is not None and self.max_pending_deflections < 1:
             raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")
+        if not (0.0 <= self.model_error < 1.0):
+            raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
+
+    @property
+    def error_margin(self) -> float:
+        """1 + z(0.95) x sigma of the model's error: predicted steps are held this much under a line."""
+        return 1.0 + _P95_SIGMAS_PER_MAE * self.model_error
 
     @property
     def step_budget_s(self) -> float:
-        """beta x tau: the longest step a schedule may contain."""
-        return self.beta * self.tbt_slo_s
+        """beta x tau / error_margin: the longest predicted step a schedule may contain."""
+        return self.beta * self.tbt_slo_s / self.error_margin
+
+    @property
+    def decode_overload_s(self) -> float:
+        """min(tau, beta x tau) / error_margin: a decode node whose predicted decode-only step is
+        already longer takes no deflection. Over beta x tau no chunk fits and the node's own guard
+        would hold the prefill until its batch shrinks; over tau (beta > 1) its decodes already
+        miss the SLO on every step, and prefill work there only lengthens those steps and the
+        batch's drain."""
+        return min(self.tbt_slo_s / self.error_margin, self.step_budget_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -695,6 +724,14 @@ def decide(
     eligible = [n for n in view.decode if can_take_deflection(n, now, config, prompt_tokens)]
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    if config.decode_overload_guard:
+        # Never worse than P/D: the schedule search plans on the heartbeat's B alone, so it can
+        # still find a chunk for a node that the decodes on their way to it (backlog, incoming
+        # keeps) will push over the line; P/D would leave that node to its decodes.
+        line = config.decode_overload_s
+        eligible = [n for n in eligible if _facts(models, config, n).load_s <= line]
+    if not eligible:
+        return keep(Reason.KEEP_DECODE_OVERLOADED, None)
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)

@@ -21,6 +21,7 @@ class Reason(StrEnum):
     KEEP_DECODE_OVER_SLO = "keep_decode_over_slo"  # fastest decode TTFT > TTFT SLO
     KEEP_NO_SAFE_SCHEDULE = "keep_no_safe_schedule"  # no node has a TBT-safe schedule
     KEEP_NO_ELIGIBLE_DECODE = "keep_no_eligible_decode"  # all decode nodes stale, busy or full
+    KEEP_DECODE_OVERLOADED = "keep_decode_overloaded"  # every eligible node's decode-only step over its line
     KEEP_STATIC_RULE = "keep_static_rule"  # SQ/SL threshold did not fire
     KEEP_POLICY = "keep_policy"  # the policy never deflects (P/D baseline)
     # The field's deciders (kairos.core.policies): <route>_<system>_<rule>
@@ -57,8 +58,8 @@ class Decision:
     predicted_ttft_prefill_s: float | None  # Eq. 1 on the chosen/best prefill node
     predicted_ttft_decode_s: float | None  # Eq. 6 on the best feasible decode node, if any
     prompt_tokens: int
-    # On deflect: the step-time budget (beta x tau) the decode node enforces on each chunk with
-    # its own model and the batch it has at that step; None leaves the schedule unguarded.
+    # On deflect: the step-time budget (DeciderConfig.step_budget_s) the decode node enforces on
+    # each chunk with its own model and the batch it has at that step; None leaves it unguarded.
     step_budget_s: float | None = None
     predicted_step_s: tuple[float, ...] = ()  # Eq. 4 for each scheduled step
     planned_decode_tokens: int = 0  # the B the schedule was planned beside

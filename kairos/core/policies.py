@@ -168,8 +168,10 @@ class KairosPolicy:
     def label(self) -> str:
         name = "oracle" if self.fresh_state else "kairos"
         guard = "" if self.config.node_step_guard else ",guard=off"
+        overload = "" if self.config.decode_overload_guard else ",overload=off"
+        error = f",error={self.config.model_error:g}" if self.config.model_error else ""
         pending = "" if self.config.max_pending_deflections == 1 or self.fresh_state else ",pending=none"
-        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard})"
+        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload}{error})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         return alg.decide(prompt_tokens, view, now, self.models, self.config)
@@ -407,8 +409,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard"),
-    "oracle": ("alpha", "beta", "guard"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error"),
+    "oracle": ("alpha", "beta", "guard", "overload", "error"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -497,11 +499,19 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         return DynamoPolicy(
             models, cfg, mode, isl, bounded("ratio", 0.7, 0, 1), bounded("busy", 4.0, 0, math.inf), kv, chunk
         )
-    changes: dict[str, object] = {"alpha": number("alpha", cfg.alpha), "beta": number("beta", cfg.beta)}
+    changes: dict[str, object] = {
+        "alpha": number("alpha", cfg.alpha),
+        "beta": number("beta", cfg.beta),
+        "model_error": number("error", cfg.model_error),
+    }
     if "guard" in params:
         if params["guard"].lower() not in ("on", "off"):
             raise UnknownPolicyError(f"policy {name!r}: guard={params['guard']!r} must be 'on' or 'off'")
         changes["node_step_guard"] = params["guard"].lower() == "on"
+    if "overload" in params:
+        if params["overload"].lower() not in ("on", "off"):
+            raise UnknownPolicyError(f"policy {name!r}: overload={params['overload']!r} must be 'on' or 'off'")
+        changes["decode_overload_guard"] = params["overload"].lower() == "on"
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

@@ -26,12 +26,13 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "defaults < --config YAML (section 'sim') < KAIROS_SIM_* environment < flags.",
     )
     p.add_argument("--config", type=Path, help="YAML file with a 'sim' section")
-    p.add_argument("--workload", help="bursty, lpld, lphd, hpld or hphd (default bursty)")
+    p.add_argument("--workload", help="bursty, lpld, lphd, hpld, hphd or azure_conv (default bursty)")
     p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL; rescaled to each --rps")
     p.add_argument(
         "--policies",
-        help="comma-separated specs: pd, sq:theta=N, sl:l=N, kairos:alpha=A,beta=B[,pending=none], "
-        "oracle:alpha=A,beta=B, llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
+        help="comma-separated specs: pd, sq:theta=N, sl:l=N, "
+        "kairos:alpha=A,beta=B[,pending=none][,guard=off][,overload=off], oracle:alpha=A,beta=B, "
+        "llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
         "aibrix[:high=S,low=S] (default pd,kairos)",
     )
     p.add_argument("--rps", type=floats, help="request rates, e.g. 6,7,8 (default 8)")

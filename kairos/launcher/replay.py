@@ -506,7 +506,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="gateway base URL (default http://127.0.0.1:8000)")
     p.add_argument("--model", help="model name sent in each request")
     p.add_argument("--model-dir", help="the served model's tokenizer dir (builds the token-id prompts)")
-    p.add_argument("--workload", help="bursty, lpld, lphd, hpld or hphd (default bursty)")
+    p.add_argument("--workload", help="bursty, lpld, lphd, hpld, hphd or azure_conv (default bursty)")
     p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL")
     p.add_argument("--rps", type=float, help="workload rate, or the rate a trace is rescaled to")
     p.add_argument("--duration", dest="duration_s", type=float, help="model seconds of arrivals (workload: 60)")

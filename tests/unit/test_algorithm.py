@@ -392,6 +392,43 @@ def _keep(
 
 
 B20 = (decode_node("d1", b=20),)
+
+
+def _incoming(node: DecodeNodeState, keeps: int) -> DecodeNodeState:
+    return dataclasses.replace(node, incoming_keeps=keeps)
+
+
+# Never worse than P/D: no deflection to a node whose decode-only step with its backlog and
+# incoming keeps, T0 = 0.040 + 0.001 (B + backlog + incoming), is over min(tau, beta tau). The
+# schedule search plans on the heartbeat's B alone, so without the rule every one of these
+# deflects (test_overload_guard_off_deflects).
+OVERLOAD_CASES = [
+    pytest.param(
+        _keep(5000, (_incoming(decode_node("d1", b=20), 50),), Reason.KEEP_DECODE_OVERLOADED, "d1", 0.660),
+        id="B20 + 50 incoming keeps: T0 0.110 > tau 0.105, keeps",
+    ),
+    pytest.param(
+        _deflect(5000, (_incoming(decode_node("d1", b=20), 44),), "d1", 0.660, 0.280, (400, 400, 200)),
+        id="B20 + 44 incoming keeps: T0 0.104 <= tau, deflects",
+    ),
+    pytest.param(
+        _deflect(
+            5000, (_incoming(decode_node("d1", b=10), 60), decode_node("d2", b=20)), "d2", 0.660, 0.280, (400, 400, 200)
+        ),
+        id="B10 + 60 incoming (0.250 on its heartbeat) overloaded: the B20 node (0.280) takes it",
+    ),
+    # beta 0.9: the line is beta tau = 0.0945; the plan on B20 alone fits 345-token chunks
+    pytest.param(
+        _keep(5000, (_incoming(decode_node("d1", b=20), 36),), Reason.KEEP_DECODE_OVERLOADED, "d1", 0.660, beta=0.9),
+        id="beta 0.9: B20 + 36 incoming, T0 0.096 > 0.9 tau 0.0945, keeps",
+    ),
+    # beta 1.2: chunks may take 0.126, but the line stays at tau: B68's decodes alone (0.108)
+    # already miss it; the plan would run 152-token chunks of 0.1232
+    pytest.param(
+        _keep(10000, (decode_node("d1", b=68),), Reason.KEEP_DECODE_OVERLOADED, "d1", 1.210, beta=1.2),
+        id="beta 1.2: B68 T0 0.108 > tau (< 1.2 tau), keeps",
+    ),
+]
 DECIDE_CASES = [
     # Q=960: Eq. 1 = 0.1056 + 0.110 = 0.2156; x1.3 = 0.28028 >= 0.280
     pytest.param(
@@ -449,8 +486,25 @@ DECIDE_CASES = [
         id="two identical nodes: the lower id wins",
     ),
     pytest.param(
-        _keep(5000, (decode_node("d3", b=70),), Reason.KEEP_NO_SAFE_SCHEDULE, "d3", 0.660),
-        id="only B70 (T0 0.110 > tau): no safe schedule, keeps",
+        _keep(5000, (decode_node("d3", b=70),), Reason.KEEP_DECODE_OVERLOADED, "d3", 0.660),
+        id="only B70 (T0 0.110 > tau): decode overloaded, keeps",
+    ),
+    # B64: T0 0.104 is within tau, but the smallest candidate's 56 prefill tokens make 0.1096
+    pytest.param(
+        _keep(5000, (decode_node("d3", b=64),), Reason.KEEP_NO_SAFE_SCHEDULE, "d3", 0.660),
+        id="only B64 (T0 0.104, no chunk fits): no safe schedule, keeps",
+    ),
+    *OVERLOAD_CASES,
+    pytest.param(
+        _keep(
+            5000,
+            (decode_node("d1", b=60, backlog=(300,) * 6),),
+            Reason.KEEP_DECODE_OVERLOADED,
+            "d1",
+            0.660,
+            max_pending_deflections=None,
+        ),
+        id="B60 + 6 deflections queued (pending none): T0 0.106 > tau, keeps before planning behind them",
     ),
     pytest.param(
         _keep(5000, (decode_node("d1", b=20, reported_at=-0.36),), Reason.KEEP_NO_ELIGIBLE_DECODE, "d1", 0.660),
@@ -549,7 +603,7 @@ DECIDE_CASES = [
             prefill=(prefill_node("p1", reported_at=-1.0), prefill_node("p2", (2000,))),
             decode=(decode_node("d3", b=70),),
             route=Route.KEEP,
-            reason=Reason.KEEP_NO_SAFE_SCHEDULE,
+            reason=Reason.KEEP_DECODE_OVERLOADED,
             decode_node="d3",
             prefill_node="p2",
             ttft_pf=0.330,
@@ -562,7 +616,7 @@ DECIDE_CASES = [
             prefill=(prefill_node("p2", (2000,), reported_at=-1.0), prefill_node("p1", reported_at=-1.0)),
             decode=(decode_node("d3", b=70),),
             route=Route.KEEP,
-            reason=Reason.KEEP_NO_SAFE_SCHEDULE,
+            reason=Reason.KEEP_DECODE_OVERLOADED,
             decode_node="d3",
             prefill_node="p1",
             ttft_pf=0.110,
@@ -581,6 +635,7 @@ def test_decide_cases_cover_every_algorithm_1_reason() -> None:
         Reason.KEEP_DECODE_OVER_SLO,
         Reason.KEEP_NO_SAFE_SCHEDULE,
         Reason.KEEP_NO_ELIGIBLE_DECODE,
+        Reason.KEEP_DECODE_OVERLOADED,
     }
 
 
@@ -603,6 +658,60 @@ def test_decide(case: DecideCase) -> None:
     if d.route is Route.DEFLECT:
         assert sum(d.chunk_sizes) == case.prompt
         assert all(s.predicted_s <= cfg.step_budget_s for s in d.schedule)  # Eq. 5 on every step
+
+
+# A step model with a 10% mean absolute error: predicted steps are held under tau / 1.20615 =
+# 0.087054 (the P95 of normal errors: 1 + 1.6449 x sqrt(pi/2) x 0.1), on both lines.
+MODEL_ERROR_CASES = [
+    pytest.param(
+        (5000, 20, 0.0, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (400, 400, 200), 0.105),
+        id="B20, exact model: 400-token chunks of 0.100 under tau",
+    ),
+    pytest.param(
+        (5000, 20, 0.1, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (200,) * 5, 0.087054),
+        id="B20, 10% error: 200-token chunks of 0.080, budget 0.087 sent to the node",
+    ),
+    pytest.param(
+        (10000, 48, 0.0, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, (72,) * 12 + (136,), 0.105),
+        id="B48 (T0 0.088), exact model: 72-token chunks of 0.0952",
+    ),
+    pytest.param(
+        (10000, 48, 0.1, Route.KEEP, Reason.KEEP_DECODE_OVERLOADED, (), None),
+        id="B48 (T0 0.088), 10% error: over 0.087, decode overloaded, keeps",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", MODEL_ERROR_CASES)
+def test_model_error_shrinks_both_step_lines(
+    case: tuple[int, int, float, Route, Reason, tuple[int, ...], float | None],
+) -> None:
+    queue, b, error, route, reason, chunks, budget = case
+    cfg = dataclasses.replace(CFG, model_error=error)
+    d = decide(1000, view((prefill_node(queue=(queue,)),), (decode_node("d1", b=b),)), 0.0, FLAT, cfg)
+    assert (d.route, d.reason, d.chunk_sizes) == (route, reason, chunks)
+    assert d.step_budget_s == pytest.approx(budget, abs=1e-6)
+    assert all(s.predicted_s <= cfg.step_budget_s for s in d.schedule)
+
+
+def test_error_margin_is_the_p95_of_normal_errors() -> None:
+    assert DeciderConfig().error_margin == 1.0
+    # 1 + z(0.95) x sqrt(pi/2) x 0.1 = 1 + 1.644854 x 1.253314 x 0.1
+    assert DeciderConfig(model_error=0.1).error_margin == pytest.approx(1.2061518, abs=1e-7)
+    assert DeciderConfig(model_error=0.1, beta=1.5).decode_overload_s == pytest.approx(0.070 / 1.2061518)
+
+
+@pytest.mark.parametrize("case", OVERLOAD_CASES)
+def test_overload_guard_off_deflects(case: DecideCase) -> None:
+    """Algorithm 1 as the paper writes it deflects in every overload case: what the rule changes."""
+    cfg = dataclasses.replace(CFG, **case.config, decode_overload_guard=False)  # type: ignore[arg-type]
+    d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
+    assert (d.route, d.reason) == (Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN)
+
+
+@pytest.mark.parametrize(("beta", "line"), [(0.9, 0.0945), (1.0, 0.105), (1.2, 0.105), (2.0, 0.105)])
+def test_decode_overload_line_is_the_lower_of_tau_and_the_step_budget(beta: float, line: float) -> None:
+    assert dataclasses.replace(CFG, beta=beta).decode_overload_s == pytest.approx(line)
 
 
 # Keep-path decode node: the lowest T0(B + backlog count, K + backlog tokens), ties by id. With
@@ -752,6 +861,9 @@ def test_inconsistent_decision_rejected(kwargs: dict[str, object]) -> None:
         pytest.param({"chunk_candidates": (256, 0)}, id="candidate-0"),
         pytest.param({"stale_after_s": 0.0}, id="stale-after-0"),
         pytest.param({"max_pending_deflections": 0}, id="pending-0"),
+        pytest.param({"model_error": -0.1}, id="model-error-negative"),
+        pytest.param({"model_error": 1.0}, id="model-error-1"),
+        pytest.param({"model_error": math.nan}, id="model-error-nan"),
     ],
 )
 def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:

@@ -71,6 +71,24 @@ PARSED = [
     ),
     pytest.param("kairos:pending=2", KairosPolicy, {"config.max_pending_deflections": 2}, id="kairos-pending-2"),
     pytest.param(
+        "kairos",
+        KairosPolicy,
+        {"config.decode_overload_guard": True, "label": "kairos(alpha=1.3,beta=1)"},
+        id="kairos-overload-guard-on-by-default",
+    ),
+    pytest.param(
+        "kairos:overload=off",
+        KairosPolicy,
+        {"config.decode_overload_guard": False, "label": "kairos(alpha=1.3,beta=1,overload=off)"},
+        id="kairos-overload-off",
+    ),
+    pytest.param(
+        "kairos:error=0.1",
+        KairosPolicy,
+        {"config.model_error": 0.1, "label": "kairos(alpha=1.3,beta=1,error=0.1)"},
+        id="kairos-model-error",
+    ),
+    pytest.param(
         "oracle",
         KairosPolicy,
         {"fresh_state": True, "config.max_pending_deflections": None, "config.alpha": 1.3, "config.beta": 1.0},
@@ -179,6 +197,8 @@ UNKNOWN = [
     pytest.param("sq:theta=1.5", ["theta='1.5' is not a int"], id="theta-not-an-integer"),
     pytest.param("kairos:alpha=high", ["alpha='high' is not a float"], id="alpha-not-a-number"),
     pytest.param("kairos:pending=many", ["pending='many' is not a int"], id="pending-not-a-number"),
+    pytest.param("kairos:error=tenth", ["error='tenth' is not a float"], id="error-not-a-number"),
+    pytest.param("kairos:overload=no", ["overload='no' must be 'on' or 'off'"], id="overload-neither-on-nor-off"),
     pytest.param("sq:theta=-1", ["threshold=-1 must be >= 0"], id="negative-theta"),
     pytest.param("sl:chunk=1", ["chunk=1 >= 2"], id="chunk-below-2"),
     pytest.param("llmd:l=100", ["bad parameter 'l=100'", "'threshold'", "'chunk'"], id="llmd-takes-threshold"),

@@ -72,6 +72,10 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     eligible = [n for n in view.decode if alg.can_take_deflection(n, NOW, config, prompt)]
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    if config.decode_overload_guard:
+        eligible = [n for n in eligible if alg.decode_load_s(models, n) <= config.decode_overload_s]
+        if not eligible:
+            return keep(Reason.KEEP_DECODE_OVERLOADED, None)
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
     best = None
@@ -121,6 +125,8 @@ configs = st.builds(
     ttft_slo_s=st.sampled_from([0.5, 4.0, 30.0]),
     chunk_candidates=st.sampled_from([alg.DEFAULT_CHUNK_CANDIDATES, (1024, 256, 64), (600,)]),
     max_pending_deflections=st.sampled_from([1, 2, None]),
+    decode_overload_guard=st.booleans(),
+    model_error=st.sampled_from([0.0, 0.0, 0.1]),
 )
 shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
 

@@ -18,6 +18,7 @@ from kairos.sim.workloads import (
     WORKLOADS,
     Geometric,
     LogNormal,
+    Quantiles,
     make_workload,
 )
 
@@ -43,7 +44,7 @@ def bursty_50k() -> list[RequestSpec]:
 
 
 def test_registry_names() -> None:
-    assert WORKLOAD_NAMES == ("bursty", "lpld", "lphd", "hpld", "hphd")
+    assert WORKLOAD_NAMES == ("bursty", "lpld", "lphd", "hpld", "hphd", "azure_conv")
     assert all(WORKLOADS[name].name == name for name in WORKLOAD_NAMES)
 
 
@@ -112,6 +113,51 @@ def test_stratum_distribution_medians_are_exact() -> None:
     assert Geometric(1 / 72).median == 50
 
 
+# Percentiles of AzureLLMInferenceTrace_conv.csv (19,366 requests), the table the workload holds.
+AZURE_CONV = [
+    # (percent, prompt tokens, output tokens)
+    (10, 207, 54),
+    (25, 395, 85),  # between the 20 and 30 knots; the trace's own P25s are 396 and 85
+    (50, 1020, 129),
+    (75, 1189, 395),
+    (90, 2735, 424),
+    (95, 4083, 451),
+]
+
+
+def test_azure_conv_follows_the_trace_percentiles() -> None:
+    requests = make_workload("azure_conv", rps=None, num_requests=50_000, seed=4)
+    arrivals, prompts, outputs = _columns(requests)
+    for pct, prompt, output in AZURE_CONV:
+        # 0.03: P95 sits where the prompt density is thin (P90 2,735 to P95 4,083)
+        assert _within(float(np.percentile(prompts, pct)), prompt, 0.03), (pct, np.percentile(prompts, pct))
+        assert _within(float(np.percentile(outputs, pct)), output, 0.02), (pct, np.percentile(outputs, pct))
+    assert _within(float(outputs.mean()), 211.1, 0.02)  # the trace's mean: long outputs
+    assert _within(float(prompts.mean()), 1154.7, 0.03)
+    assert prompts.min() >= 2 and prompts.max() <= 14_050 and outputs.min() >= 7 and outputs.max() <= 1000
+    assert _within(_realised_rps(arrivals), 5.5, 0.05)
+    gaps = np.diff(arrivals)
+    assert _within(float(gaps.std() / gaps.mean()), 1.09, 0.10)
+    assert WORKLOADS["azure_conv"].prompt.median == pytest.approx(1020)
+    assert WORKLOADS["azure_conv"].completion.median == pytest.approx(129)
+
+
+def test_quantiles_hit_their_knots_and_reject_bad_tables() -> None:
+    q = Quantiles(((0, 10), (50, 100), (100, 1000)))
+    assert q.median == pytest.approx(100)
+    draws = q.sample(np.random.default_rng(0), 20_000)
+    assert draws.min() >= 10 and draws.max() <= 1000
+    assert _within(float(np.median(draws)), 100, 0.03)
+    with pytest.raises(ValueError, match=r"from percent 0 to 100, got \[0, 50\]"):
+        Quantiles(((0, 10), (50, 100)))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Quantiles(((0, 10), (50, 100), (50, 200), (100, 1000)))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        Quantiles(((0, 10), (50, 5), (100, 1000)))
+    with pytest.raises(ValueError, match=">= 1"):
+        Quantiles(((0, 0), (100, 1000)))
+
+
 @pytest.mark.parametrize("name", WORKLOAD_NAMES)
 def test_shape_ids_and_order(name: str) -> None:
     requests = make_workload(name, rps=5.0, num_requests=300, seed=3)
@@ -160,7 +206,7 @@ def test_max_context_clips_prompt_to_fit() -> None:
 
 
 def test_unknown_workload_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown workload 'nope'.*bursty, lpld, lphd, hpld, hphd"):
+    with pytest.raises(ValueError, match=r"unknown workload 'nope'.*bursty, lpld, lphd, hpld, hphd, azure_conv"):
         make_workload("nope", rps=None, num_requests=10)
 
 
