@@ -55,13 +55,13 @@ from bench._common import (  # noqa: E402
     CpuMeter,
     histogram_summary,
     percentiles_us,
-    redis_ready,
+    redis_server,
     scrape_decisions,
     scrape_histogram,
     wait_until,
     write_result,
 )
-from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, sequential  # noqa: E402
+from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, post_once, sequential  # noqa: E402
 from bench.noop_extproc import NOOP_ROUTE  # noqa: E402
 from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
 from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
@@ -303,11 +303,7 @@ async def check_paths(ports: dict[str, int], body: bytes) -> dict[str, dict[str,
     path carries the dispatcher's x-kairos-route."""
     seen: dict[str, dict[str, str]] = {}
     for p, port in ports.items():
-        conn = await HttpConnection.open(HOST, port)
-        try:
-            resp = await conn.send(build_request(HOST, port, "/v1/completions", body))
-        finally:
-            await conn.close()
+        resp = await post_once(HOST, port, "/v1/completions", body)
         if resp.status != 200:
             raise RuntimeError(f"{p}: status {resp.status}: {resp.body[:300]!r}")
         route = resp.headers.get("x-upstream-saw-route", "?")
@@ -365,15 +361,7 @@ def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict
             cwd=ROOT,
         )
     )
-    group.start(
-        ManagedProcess(
-            "redis",
-            [redis_bin, "--port", str(redis_port), "--bind", HOST, "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--daemonize", "no"],
-            logs / "redis.log",
-            ready=redis_ready(HOST, redis_port),
-        )
-    )
+    group.start(redis_server(redis_bin, HOST, redis_port, workdir, logs / "redis.log"))
     heartbeats = FakeHeartbeats(redis_url, upstream)
     heartbeats.start()
     group.start(

@@ -34,9 +34,7 @@ class HttpError(Exception):
     """A malformed response, or a status the caller did not expect."""
 
 
-def build_request(
-    host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
-) -> bytes:
+def build_request(host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> bytes:
     """A complete keep-alive HTTP/1.1 POST, encoded once and sent as is."""
     lines = [
         f"POST {path} HTTP/1.1",
@@ -102,6 +100,15 @@ class HttpConnection:
         self._writer.close()
         with contextlib.suppress(OSError, ConnectionError):
             await self._writer.wait_closed()
+
+
+async def post_once(host: str, port: int, path: str, body: bytes) -> Response:
+    """One POST on a connection of its own (a path's check before it is timed)."""
+    conn = await HttpConnection.open(host, port)
+    try:
+        return await conn.send(build_request(host, port, path, body))
+    finally:
+        await conn.close()
 
 
 async def sequential(conn: HttpConnection, request: bytes, n: int, expect_status: int = 200) -> list[int]:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import percentiles_us, wait_until, write_result  # noqa: E402
 from bench.gateway_overhead import completion_body  # noqa: E402
-from bench.loadgen import HttpConnection, build_request  # noqa: E402
+from bench.loadgen import HttpConnection, build_request, post_once  # noqa: E402
 from kairos.common import contracts as c  # noqa: E402
 from kairos.extproc.cluster import ClusterViewConfig  # noqa: E402
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
@@ -67,11 +67,7 @@ def hostport(url: str) -> tuple[str, int]:
 
 async def check_path(name: str, host: str, port: int, body: bytes, want_route: str | None) -> dict[str, str]:
     """One request: 200, and on a Kairos path the route the dispatcher says it took."""
-    conn = await HttpConnection.open(host, port)
-    try:
-        resp = await conn.send(build_request(host, port, "/v1/completions", body))
-    finally:
-        await conn.close()
+    resp = await post_once(host, port, "/v1/completions", body)
     if resp.status != 200:
         raise RuntimeError(f"{name}: status {resp.status}: {resp.body[:300]!r}")
     route = resp.headers.get(c.H_ROUTE.lower(), "-")

@@ -53,7 +53,7 @@ from bench._common import (  # noqa: E402
     CpuMeter,
     histogram_summary,
     percentiles_us,
-    redis_ready,
+    redis_server,
     scrape_decisions,
     scrape_histogram,
     wait_until,
@@ -441,28 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cwd=ROOT,
             )
         )
-        redis_proc = group.start(
-            ManagedProcess(
-                "redis",
-                [
-                    redis_bin,
-                    "--port",
-                    str(redis_port),
-                    "--bind",
-                    HOST,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(workdir),
-                    "--daemonize",
-                    "no",
-                ],
-                logs / "redis.log",
-                ready=redis_ready(HOST, redis_port),
-            )
-        )
+        redis_proc = group.start(redis_server(redis_bin, HOST, redis_port, workdir, logs / "redis.log"))
         base_pids = {"redis": redis_proc.pid}
         share = -(-args.nodes // args.publishers)
         stats_paths = []
