@@ -354,11 +354,12 @@ class _NodeFacts:
     kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
     replaces the state, is what recomputes it, not every decision."""
 
-    __slots__ = ("b", "config", "end_s", "ends", "load_s", "models", "runs", "table", "wait_s")
+    __slots__ = ("b", "bound_step_s", "config", "end_s", "ends", "load_s", "models", "runs", "table", "wait_s")
     wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
     b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
     table: StepTable  # Eq. 4 for the request's own steps
     end_s: float  # time at the end of the path
+    bound_step_s: float  # the longest step ttft_lower_bound_s lets a schedule's last step take
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
@@ -379,6 +380,7 @@ class _NodeFacts:
         self.table = _step_table(models, b, k, config.chunk_candidates)
         runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
         self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in runs)
+        self.bound_step_s = config.step_budget_s * (1 + _BOUND_SLACK)
         self.runs = runs  # last: a set ``runs`` says the rest is there
 
 
@@ -474,7 +476,7 @@ def ttft_lower_bound_s(
     per_token = b0 + b1 * cached
     steps = 1
     if per_token > 0 and chunk > 0:
-        last_max = (config.step_budget_s * (1 + _BOUND_SLACK) - head) / per_token
+        last_max = (facts.bound_step_s - head) / per_token
         if rest > last_max:  # integers from here: the count must not round up
             steps += -((math.floor(max(0.0, last_max)) - rest) // chunk)
     return t + steps * head + rest * per_token
@@ -721,17 +723,20 @@ def decide(
             prompt_tokens=prompt_tokens,
         )
 
-    eligible = [n for n in view.decode if can_take_deflection(n, now, config, prompt_tokens)]
+    # Never worse than P/D: the schedule search plans on the heartbeat's B alone, so it can still
+    # find a chunk for a node that the decodes on their way to it (backlog, incoming keeps) will
+    # push over the overload line; P/D would leave that node to its decodes. One pass over the
+    # nodes (the keep pick above has built every fresh node's facts, load_s among them).
+    line = config.decode_overload_s if config.decode_overload_guard else math.inf
+    eligible = [
+        n
+        for n in view.decode
+        if can_take_deflection(n, now, config, prompt_tokens) and _facts(models, config, n).load_s <= line
+    ]
     if not eligible:
+        if any(can_take_deflection(n, now, config, prompt_tokens) for n in view.decode):
+            return keep(Reason.KEEP_DECODE_OVERLOADED, None)
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
-    if config.decode_overload_guard:
-        # Never worse than P/D: the schedule search plans on the heartbeat's B alone, so it can
-        # still find a chunk for a node that the decodes on their way to it (backlog, incoming
-        # keeps) will push over the line; P/D would leave that node to its decodes.
-        line = config.decode_overload_s
-        eligible = [n for n in eligible if _facts(models, config, n).load_s <= line]
-    if not eligible:
-        return keep(Reason.KEEP_DECODE_OVERLOADED, None)
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
