@@ -176,13 +176,17 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 # In-process: Algorithm 1 and the membership rules on the dispatcher's 1,000-node view
 # ---------------------------------------------------------------------------------------------
-def in_process(redis_url: str, calls: int) -> dict[str, Any]:
+def read_heartbeats(redis_url: str) -> tuple[list[str], list[bytes | None]]:
+    """Every node's heartbeat key and value, as one dispatcher poll reads them."""
     client = redis.Redis.from_url(redis_url)
     try:
         keys = sorted(k.decode() for k in client.scan_iter(match=REDIS_NODE_PATTERN, count=1000))
-        values = client.mget(keys)
+        return keys, client.mget(keys)
     finally:
         client.close()
+
+
+def in_process(keys: list[str], values: list[bytes | None], calls: int) -> dict[str, Any]:
     prefix = REDIS_NODE_PATTERN.rstrip("*")
     beats = [(k[len(prefix) :], v) for k, v in zip(keys, values, strict=True) if v is not None]
     membership = Membership(MembershipConfig())
@@ -490,11 +494,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = measure_k(k, args, base, base_pids, body)
             print_row(row)
             rows.append(row)
-        decision = in_process(redis_url, args.calls)
-        print_in_process(decision)
-        for proc in group.procs:
+        keys, values = read_heartbeats(redis_url)
+        for proc in group.procs:  # they stand for remote nodes: not on the dispatcher's cores
             if proc.name.startswith("publisher-"):
                 proc.stop()
+        decision = in_process(keys, values, args.calls)
+        print_in_process(decision)
         publishers = [json.loads(p.read_text()) for p in stats_paths if p.exists()]
         return {
             "config": {
@@ -525,19 +530,27 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _quantile(summary: dict[str, Any], q: str) -> str:
+    """A bucket-interpolated quantile in ms, or the open bucket it fell in ("> 100")."""
+    if not summary.get("count"):
+        return "-"
+    value = summary.get(f"{q}_ms_from_buckets")
+    return format(value, ".1f") if value is not None else summary[f"{q}_bucket"].removesuffix(" ms")
+
+
 def print_row(row: dict[str, Any]) -> None:
     k = row["dispatchers"]
     for phase in ("idle", "load"):
         w = row[phase]
         cores = w["cores"]
         d = w["dispatchers"]
-        poll_p99 = max((x["poll"].get("p99_ms_from_buckets") or 0.0) for x in d)
+        poll_p99 = ", ".join(_quantile(x["poll"], "p99") for x in d)
         oldest = ", ".join(x["oldest_heartbeat_max_bucket_s"] for x in d)
         polls = ", ".join(format(x["polls_per_s"], ".1f") for x in d)
         extra = ""
         if phase == "load":
-            dec = [x["decision"] for x in d if x["decision"].get("count")]
-            p99 = max((x.get("p99_ms_from_buckets") or float("inf")) for x in dec) if dec else None
+            p50 = ", ".join(_quantile(x["decision"], "p50") for x in d)
+            p99 = ", ".join(_quantile(x["decision"], "p99") for x in d)
             routes: dict[str, float] = {}
             for x in d:
                 for label, n in x["decisions"].items():
@@ -545,13 +558,13 @@ def print_row(row: dict[str, Any]) -> None:
                     routes[route] = routes.get(route, 0) + n
             conflicts = sum(x["reservation_conflicts"] for x in d)
             extra = (
-                f" | {w['req_per_s']:.0f} req/s, {w['errors']} errors, decision p99 {_fmt(p99)} ms (buckets),"
+                f" | {w['req_per_s']:.0f} req/s, {w['errors']} errors, decision p50 {p50}, p99 {p99} ms,"
                 f" routes {routes}, reservation conflicts {conflicts:.0f}"
             )
         print(
             f"K={k} {phase:4}: redis {cores['redis']:.2f} cores, {w['redis_commands_per_s']:.0f} cmd/s;"
             f" dispatchers {', '.join(_fmt(x['cores']) for x in d)} cores,"
-            f" {polls} polls/s, poll p99 {poll_p99:.2f} ms;"
+            f" {polls} polls/s, poll p99 {poll_p99} ms;"
             f" oldest heartbeat <= {oldest} s{extra}"
         )
 
