@@ -15,11 +15,5 @@ fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 12))' \
   || { echo "kairos: inference-perf needs Python >= 3.12; set PYTHON= to one" >&2; exit 1; }
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-stamp="$VENV/.kairos-installed"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$SPEC" ]; then
-  echo "kairos: installing $SPEC into $VENV" >&2
-  # shellcheck disable=SC2086 # the spec is a list of requirements
-  "$VENV/bin/python" -m pip install -q $SPEC
-  echo "$SPEC" > "$stamp"
-fi
+. scripts/_venv.sh
+ensure_venv "$VENV" "$SPEC" "$PYTHON"

@@ -9,11 +9,5 @@ VENV=${KAIROS_ROUTER_VENV:-.venv-router}
 SPEC=${KAIROS_ROUTER_SPEC:-"vllm-router==0.1.17"}
 PYTHON=${PYTHON:-python3}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-stamp="$VENV/.kairos-installed"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$SPEC" ]; then
-  echo "kairos: installing $SPEC into $VENV" >&2
-  # shellcheck disable=SC2086 # the spec is a list of requirements
-  "$VENV/bin/python" -m pip install -q $SPEC
-  echo "$SPEC" > "$stamp"
-fi
+. scripts/_venv.sh
+ensure_venv "$VENV" "$SPEC" "$PYTHON"
