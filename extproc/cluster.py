@@ -64,7 +64,7 @@ from kairos.extproc.membership import (
     RejectReason,
 )
 from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter, view_poll_metrics
-from kairos.extproc.reservations import ReservationClient
+from kairos.extproc.reservations import REFUSED, Reservation, ReservationClient
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,26 @@ class RedisClusterView:
         age and staleness, and whether the view is degraded or from the static lists."""
         return self.membership.report(self.now())
 
-    async def try_reserve(self, node_id: str, owner: str) -> bool:
-        """Take ``node_id``'s deflection reservation; False while degraded (never on a guess)."""
-        if self.degraded:
-            return False
-        return await self._reservations.try_reserve(self._redis(), node_id, owner)
+    async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation:
+        """Promise a deflection of ``tokens`` onto ``node_id`` (``kairos.extproc.reservations``).
+        Refused while degraded (never on a guess). Refused because other dispatchers promised
+        more than the view counted: their promises join the view, and the caller decides again."""
+        reported_at = self.tracker.reported_at(node_id)
+        if self.degraded or reported_at is None:
+            return REFUSED
+        now = self.now()
+        tracker = self.tracker
+        reservation = await self._reservations.try_reserve(
+            self._redis(),
+            node_id,
+            owner,
+            tokens,
+            known_tokens=tracker.foreign_tokens(node_id),
+            since_s=now - reported_at + tracker.dispatch_grace_s,
+        )
+        if not reservation.granted and reservation.foreign:
+            tracker.set_foreign(node_id, [(now - p.age_s, p.tokens) for p in reservation.foreign])
+        return reservation
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property

@@ -36,6 +36,7 @@ from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
 from kairos.core.state import ClusterView
 from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.reservations import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ClusterSource(Protocol):
 
     def addresses(self) -> Mapping[str, NodeAddressLike]: ...
 
-    async def try_reserve(self, node_id: str, owner: str) -> bool: ...
+    async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +265,12 @@ class Dispatcher:
         )
 
     async def _decide(self, prompt_tokens: int) -> Decision:
-        """Run the policy; a deflection must win its decode node's reservation (so two
-        dispatcher replicas never deflect onto one node within a heartbeat), else the node is
-        taken out and the policy runs again. The policies are read once: a profile reload while
-        a reservation is in flight takes effect at the next request."""
+        """Run the policy; a deflection must have its promise taken on its decode node
+        (``kairos.extproc.reservations``), so that no dispatcher replica plans a node's step
+        budget without the others' deflections there. Refused because the others promised more
+        than the view counted, the policy runs again on the view with them; refused because
+        Redis did not answer, the node is taken out. The policies are read once: a profile
+        reload while a promise is in flight takes effect at the next request."""
         policies = self.policies
         full_view = view = self.cluster.view()
         if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
@@ -275,34 +278,49 @@ class Dispatcher:
         if self._prefill_pool_gone:
             self._prefill_pool_gone = False
             log.warning("a prefill node is fresh again: routing normally")
-        if self._reserving:
-            free = tuple(n for n in view.decode if n.node_id not in self._reserving)
-            if free:
-                view = dataclasses.replace(view, decode=free)
+        excluded: set[str] = set()  # nodes whose promise Redis could not take
         reserved = False
+        decision: Decision | None = None
         for _ in range(self.settings.reservation_attempts):
-            now = self._clock()
-            decision = policies.policy.decide(prompt_tokens, view, now)
+            view = self._deflection_view(view, excluded)
+            if decision is not None and not view.decode:
+                break
+            decision = policies.policy.decide(prompt_tokens, view, self._clock())
             if decision.route is not Route.DEFLECT:
                 break
             node_id = decision.decode_node
             self._reserving.add(node_id)
             try:
-                reserved = await self.cluster.try_reserve(node_id, self.owner)
+                reservation = await self.cluster.try_reserve(node_id, self.owner, prompt_tokens)
             finally:
                 self._reserving.discard(node_id)
+            reserved = reservation.granted
             if reserved:
                 break
             self.metrics.reservation_conflicts.inc()
-            view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id != decision.decode_node))
-            if not view.decode:
-                break
+            if reservation.foreign:
+                view = self.cluster.view()  # now with the other dispatchers' promises on the node
+            else:
+                excluded.add(node_id)
+        assert decision is not None  # the loop runs at least once
         if decision.route is Route.DEFLECT and not reserved:
-            # Every deflection target is taken by another dispatcher: the P/D path, where any
-            # decode node (taken ones included) can take the request after its prefill.
+            # No deflection target took the promise: the P/D path, where any decode node
+            # (promised ones included) can take the request after its prefill.
             decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
+
+    def _deflection_view(self, view: ClusterView, excluded: set[str]) -> ClusterView:
+        """``view`` without the decode nodes in ``excluded``, nor those whose promise another of
+        this dispatcher's requests is making right now (its deflection is not in the view yet,
+        and a decision that missed it could overcommit the node), unless none is left."""
+        skip = excluded | self._reserving
+        if not skip:
+            return view
+        free = tuple(n for n in view.decode if n.node_id not in skip)
+        if free or excluded:
+            return dataclasses.replace(view, decode=free)
+        return view
 
     def _prefill_pool_gone_from(self, view: ClusterView, policy: NoPrefillPoolPolicy) -> bool:
         """No fresh prefill node, and a fresh decode node to prefill instead. While Redis is

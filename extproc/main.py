@@ -65,7 +65,7 @@ class DispatcherConfig:
     tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
     ttft_slo_s: float = defaults.TTFT_SLO_S
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
-    max_pending_deflections: int | None = 1
+    max_pending_deflections: int | None = defaults.MAX_PENDING_DEFLECTIONS
     node_step_guard: bool = True
     max_body_bytes: int = 8 * 1024 * 1024
     max_model_len: int = defaults.MAX_MODEL_LEN

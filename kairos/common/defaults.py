@@ -14,6 +14,11 @@ BETA = 1.0  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
 TBT_SLO_S = 0.070  # tau: P95 time between tokens
 TTFT_SLO_S = 4.0  # P95 time to first token
 CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # prefill chunk sizes, strictly decreasing
+# Deflected prefills a decode node may hold in flight for it to take another. The paper's §5.3
+# allows one (1); None lifts the limit: a new deflection is scheduled behind the node's backlog,
+# its own dispatcher's and, through their promises in Redis, the other replicas' (which on
+# Bursty moves PD's knee from 4 RPS to 6, where one per node reaches 5).
+MAX_PENDING_DEFLECTIONS: int | None = None
 
 # Membership: a node with no new heartbeat for this long is stale (never deflected to). Three and
 # a half heartbeat periods: one late beat on a loaded host is not an outage.

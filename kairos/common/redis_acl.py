@@ -42,9 +42,13 @@ _CONNECT = "+ping"
 # The heartbeat publisher: SET ... PX, PUBLISH, and on shutdown a compare-and-delete script
 # (EVAL runs its GET and DEL under the same rights). The sidecar: XADD ... MAXLEN ~.
 _NODE_COMMANDS = f"-@all {_CONNECT} +set +get +del +pexpire +publish +eval +evalsha"
-# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, SET NX PX (and
-# on a conflict PTTL) of a reservation.
-_DISPATCHER_COMMANDS = f"-@all {_CONNECT} +scan +mget +get +set +pttl +xread +xrevrange"
+# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, and the promise
+# script (EVALSHA, SCRIPT LOAD when Redis lacks it) with the commands it runs on a reservation
+# key under the same rights.
+_DISPATCHER_COMMANDS = (
+    f"-@all {_CONNECT} +scan +mget +get +xread +xrevrange +evalsha +script|load "
+    "+time +type +del +pexpire +zadd +zrange +zrem +zremrangebyscore"
+)
 
 
 def check_node_id(node_id: str) -> str:

@@ -38,10 +38,10 @@ class DeciderConfig:
     ttft_slo_s: float = defaults.TTFT_SLO_S  # TTFT SLO of Eq. 7
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES  # strictly decreasing step sizes
     stale_after_s: float = defaults.STALE_AFTER_S  # a heartbeat older than this makes a node ineligible to deflect to
-    # Deflected prefills a decode node may hold in flight (reported backlog + own dispatches since
-    # the heartbeat) for it to take another. 1 is the paper's §5.3 rule; None lifts it, and a new
-    # deflection is then scheduled behind the node's backlog.
-    max_pending_deflections: int | None = 1
+    # Deflected prefills a decode node may hold in flight (reported backlog + dispatches since
+    # the heartbeat) for it to take another; None: no limit, a new deflection is scheduled behind
+    # the node's backlog. 1 is the paper's §5.3 rule.
+    max_pending_deflections: int | None = defaults.MAX_PENDING_DEFLECTIONS
     # Send step_budget_s with each schedule so the decode node shrinks a chunk whose step would
     # overrun it with the batch it actually has then (decodes join between heartbeats).
     node_step_guard: bool = True

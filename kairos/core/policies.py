@@ -170,7 +170,8 @@ class KairosPolicy:
         guard = "" if self.config.node_step_guard else ",guard=off"
         overload = "" if self.config.decode_overload_guard else ",overload=off"
         error = f",error={self.config.model_error:g}" if self.config.model_error else ""
-        pending = "" if self.config.max_pending_deflections == 1 or self.fresh_state else ",pending=none"
+        limit = self.config.max_pending_deflections
+        pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload}{error})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:

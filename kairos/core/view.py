@@ -4,10 +4,13 @@ dispatcher's own dispatches since that heartbeat applied on top.
 Without the overlay every request arriving between two heartbeats would see the same queues
 and herd onto the same "best" node; with it, a prefill queue grows by each prompt the moment
 it is dispatched, and a decode node shows each deflection sent to it, which is what the
-pending-deflection limit of §5.3 counts. A keep-path request also shows on its decode node as
-incoming, from its dispatch until its predicted prefill end (when the node starts holding it,
-so its heartbeats show it): its prefill runs elsewhere for seconds, far longer than a heartbeat
-period, and a burst of keeps would otherwise all pick the same least-loaded decode node.
+pending-deflection limit of §5.3 counts and what a new deflection is scheduled behind. Other
+dispatcher replicas' deflections join the overlay too, as their promises in Redis tell them
+(:meth:`ClusterTracker.set_foreign`; ``kairos.extproc.reservations``). A keep-path request
+also shows on its decode node as incoming, from its dispatch until its predicted prefill end
+(when the node starts holding it, so its heartbeats show it): its prefill runs elsewhere for
+seconds, far longer than a heartbeat period, and a burst of keeps would otherwise all pick the
+same least-loaded decode node.
 
 Keeps stay incoming for as long as their predicted prefill takes, which grows with the prefill
 queues: under overload a node can have thousands in flight. They are held in a heap keyed by
@@ -32,6 +35,7 @@ S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 class _Dispatch:
     at: float  # when the node starts holding it: dispatch time, or a keep's predicted prefill end
     tokens: int  # prompt tokens sent
+    foreign: bool = False  # another dispatcher's deflection, learnt from its promise
 
 
 @dataclass(slots=True)
@@ -107,6 +111,23 @@ class ClusterTracker:
         else:
             self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
             self._changed(decision.decode_node)
+
+    def set_foreign(self, node_id: str, promises: list[tuple[float, int]]) -> None:
+        """Other dispatchers' deflections onto ``node_id`` that its heartbeat does not show yet,
+        as (when, prompt tokens): they replace the ones known before, and leave the view as
+        this dispatcher's own do, when a heartbeat shows them."""
+        own = [d for d in self._overlay.get(node_id, ()) if not d.foreign]
+        self._overlay[node_id] = own + [_Dispatch(at, tokens, foreign=True) for at, tokens in promises]
+        self._changed(node_id)
+
+    def foreign_tokens(self, node_id: str) -> int:
+        """Prompt tokens of the other dispatchers' deflections onto ``node_id`` in the view."""
+        return sum(d.tokens for d in self._overlay.get(node_id, ()) if d.foreign)
+
+    def reported_at(self, node_id: str) -> float | None:
+        """When ``node_id``'s heartbeat in the view was received (None: not in the view)."""
+        state = self._decode.get(node_id) or self._prefill.get(node_id)
+        return state.reported_at if state is not None else None
 
     def _expire(self, node_id: str, reported_at: float) -> None:
         horizon = reported_at - self.dispatch_grace_s

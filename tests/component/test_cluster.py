@@ -9,7 +9,6 @@ background poller with 10 ms polls beside real publishers beating every 20 ms.""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -29,10 +28,12 @@ from kairos.common.errors import NoHealthyNodeError
 from kairos.core.algorithm import DeciderConfig, can_take_deflection
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig, NodeAddress
-from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.metrics import DispatcherMetrics, reservations_forged_counter
+from kairos.extproc.reservations import Reservation, ReservationClient
 from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
 from tests.builders import heartbeat_json as beat
 from tests.redis_server import RedisServer
@@ -270,7 +271,7 @@ async def test_degraded_mode_keeps_the_last_view_and_heals_when_redis_returns(
         await eventually(lambda: len(live.stale_node_ids()) == 4, what="all nodes stale")
         assert ids(live.view()) == (["p0", "p1"], ["d0", "d1"])
         assert not live.static_fallback
-        assert await live.try_reserve("d0", "me") is False  # never deflect on a guess
+        assert (await live.try_reserve("d0", "me", 1)).granted is False  # never deflect on a guess
         failures = errors(registry, "poll")
         await eventually(lambda: errors(registry, "poll") >= failures + 3, what="more failed polls")
         warnings = messages(caplog, "redis unreachable at redis://127.0.0.1:")
@@ -283,7 +284,7 @@ async def test_degraded_mode_keeps_the_last_view_and_heals_when_redis_returns(
         assert ids(live.view()) == (["p0", "p1"], ["d0", "d1"])
         assert len(messages(caplog, "answers again")) == 1
         assert len(messages(caplog, "redis unreachable")) == 1
-        assert await live.try_reserve("d0", "me") is True
+        assert (await live.try_reserve("d0", "me", 1)).granted is True
     finally:
         watcher.cancel()
     assert min(sizes) == 4  # the view never lost a node, not even while Redis restarted empty
@@ -369,7 +370,7 @@ async def test_static_fallback_when_redis_was_never_up_is_plain_pd_routing(
         assert view.address("p1") == NodeAddress("prefill", "127.0.0.1:8002", "", "")
         decider = DeciderConfig()
         assert not can_take_deflection(view.view().decode[0], 100.0, decider, 1)  # never a deflection target
-        assert await view.try_reserve("d0", "me") is False
+        assert (await view.try_reserve("d0", "me", 1)).granted is False
 
         clock.t = 101.0  # each poll refreshes reported_at so the keep path treats them as live
         await view.poll_once()
@@ -564,67 +565,128 @@ async def test_without_feedback_the_stream_is_not_read(
 
 
 # ---------------------------------------------------------------------------------------------
-# Reservations
+# Reservations: promises of deflected tokens (extproc/reservations.py)
 # ---------------------------------------------------------------------------------------------
-async def test_a_reservation_excludes_other_owners_until_its_ttl(
+def promises(registry: CollectorRegistry, ttl_ms: int = 300) -> ReservationClient:
+    return ReservationClient(ttl_ms, lambda: None, "test", reservations_forged_counter(registry).inc)
+
+
+async def test_a_promise_counts_other_dispatchers_promises_and_never_its_own(
+    client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    r = promises(registry)
+    # One dispatcher may promise one node several deflections: each decision counted its own.
+    for _ in range(3):
+        assert await r.try_reserve(client, "d0", "dispatcher-a", 500, known_tokens=0, since_s=0.3) == Reservation(True)
+    assert await client.zcard("kairos:reserve:d0") == 3
+    assert 0 < await client.pttl("kairos:reserve:d0") <= 300
+    # Another dispatcher that counted none of them is refused, and told what they are.
+    refused = await r.try_reserve(client, "d0", "dispatcher-b", 700, known_tokens=0, since_s=0.3)
+    assert not refused.granted
+    assert [p.tokens for p in refused.foreign] == [500, 500, 500]
+    assert all(0 <= p.age_s <= 0.3 for p in refused.foreign)
+    # Counting them, it is granted; and now dispatcher-a must count dispatcher-b's 700.
+    assert (await r.try_reserve(client, "d0", "dispatcher-b", 700, known_tokens=1500, since_s=0.3)).granted
+    again = await r.try_reserve(client, "d0", "dispatcher-a", 100, known_tokens=0, since_s=0.3)
+    assert not again.granted and [p.tokens for p in again.foreign] == [700]
+    assert (await r.try_reserve(client, "d0", "dispatcher-a", 100, known_tokens=700, since_s=0.3)).granted
+    # Promises older than the caller's heartbeat (since_s) are in that heartbeat: not counted.
+    assert (await r.try_reserve(client, "d0", "dispatcher-c", 1, known_tokens=0, since_s=0.0)).granted
+    # Other nodes are independent.
+    assert (await r.try_reserve(client, "d1", "dispatcher-b", 700, known_tokens=0, since_s=0.3)).granted
+
+
+async def test_promises_lapse_after_their_ttl(client: aioredis.Redis, registry: CollectorRegistry) -> None:
+    r = promises(registry, ttl_ms=50)
+    assert (await r.try_reserve(client, "d0", "dispatcher-a", 500, known_tokens=0, since_s=10)).granted
+
+    async def lapsed() -> bool:
+        return not await client.exists("kairos:reserve:d0")
+
+    await eventually(lapsed, what="d0's promises expired")
+    assert (await r.try_reserve(client, "d0", "dispatcher-b", 500, known_tokens=0, since_s=10)).granted
+
+
+async def _unparseable_now(c: aioredis.Redis) -> None:
+    seconds, micros = await c.time()
+    await c.zadd("kairos:reserve:d0", {"junk": seconds * 1000 + micros // 1000})
+
+
+FORGERIES = {
+    "a string key with no expiry": lambda c: c.set("kairos:reserve:d0", "attacker"),
+    "a promise dated in 2096": lambda c: c.zadd("kairos:reserve:d0", {"attacker|1|1000000": 4e12}),
+    "an unparseable member dated now": _unparseable_now,
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES)
+async def test_promises_no_dispatcher_wrote_are_removed_and_counted(
+    client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, forgery: str
+) -> None:
+    """A writer that holds kairos:reserve:d0 with a forged promise must not stop deflection to d0."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await FORGERIES[forgery](client)
+    r = promises(registry)
+    assert await r.try_reserve(client, "d0", "dispatcher-b", 10, known_tokens=0, since_s=0.3) == Reservation(True)
+    members = await client.zrange("kairos:reserve:d0", 0, -1)
+    assert len(members) == 1 and members[0].startswith(b"dispatcher-b|")
+    assert 0 < await client.pttl("kairos:reserve:d0") <= 300
+    assert registry.get_sample_value("kairos_dispatcher_reservations_forged_total") == 1
+    assert (await r.try_reserve(client, "d1", "dispatcher-b", 10, known_tokens=0, since_s=0.3)).granted
+    await client.delete("kairos:reserve:d0")
+    await FORGERIES[forgery](client)
+    assert (await r.try_reserve(client, "d0", "dispatcher-b", 10, known_tokens=0, since_s=0.3)).granted
+    assert registry.get_sample_value("kairos_dispatcher_reservations_forged_total") == 2
+    assert len(messages(caplog, "promises no dispatcher writes")) == 1  # logged once
+
+
+async def test_the_view_adds_other_dispatchers_promises_and_decides_again_on_them(
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
-    # view_config's generous Redis timeout matters here: a reservation that times out fails
-    # closed, which is not what this tests.
-    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3), registry=registry)
+    clock = FakeClock()
+    config = view_config(redis, reservation_ttl_s=0.3, last_resort_s=0)
+    # Promises younger than d0's heartbeat age plus the grace are not in that heartbeat.
+    view = RedisClusterView(config, ClusterTracker(dispatch_grace_s=0.2), clock=clock, registry=registry)
+    other = RedisClusterView(config, registry=CollectorRegistry())
     try:
-        assert await view.try_reserve("d0", "dispatcher-a") is True
-        assert await client.get("kairos:reserve:d0") == b"dispatcher-a"
-        assert 0 < await client.pttl("kairos:reserve:d0") <= 300
-        assert await view.try_reserve("d0", "dispatcher-b") is False
-        assert await view.try_reserve("d0", "dispatcher-a") is False  # not re-entrant either
-        assert await view.try_reserve("d1", "dispatcher-b") is True  # other nodes are independent
-
-        async def expired() -> bool:
-            return not await client.exists("kairos:reserve:d0")
-
-        await eventually(expired, what="d0's reservation expired")
-        assert await view.try_reserve("d0", "dispatcher-b") is True
+        assert await view.try_reserve("d0", "dispatcher-a", 100) == Reservation(False)  # not in the view
+        await client.set("kairos:node:d0", beat("d0", seq=1))
+        await view.poll_once()
+        await other.poll_once()
+        assert (await other.try_reserve("d0", "dispatcher-b", 800)).granted
+        assert (await other.try_reserve("d0", "dispatcher-b", 300)).granted
+        refused = await view.try_reserve("d0", "dispatcher-a", 100)
+        assert not refused.granted and sorted(p.tokens for p in refused.foreign) == [300, 800]
+        (d0,) = view.view().decode
+        assert sorted(d0.prefill_backlog_tokens) == [300, 800]  # the next decision counts them
+        assert (await view.try_reserve("d0", "dispatcher-a", 100)).granted
+        # A heartbeat received well after them shows them: they leave the view.
+        clock.t += 1.0
+        await client.set("kairos:node:d0", beat("d0", seq=2))
+        await view.poll_once()
+        assert view.view().decode[0].prefill_backlog_tokens == ()
     finally:
         await view.stop()
+        await other.stop()
 
 
-@pytest.mark.parametrize("forged_px", [None, 3_600_000], ids=["no expiry", "an hour"])
-async def test_a_reservation_no_dispatcher_set_is_taken_over_and_counted(
-    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture,
-    forged_px: int | None,
-) -> None:
-    """A writer that holds kairos:reserve:d0 for good would stop deflection to d0 forever."""
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    await client.set("kairos:reserve:d0", "attacker", px=forged_px)
-    await client.set("kairos:reserve:d1", "dispatcher-a", px=5_000)  # a dispatcher's (within the limit)
-    view = RedisClusterView(view_config(redis, reservation_ttl_s=0.3), registry=registry)
-    try:
-        assert await view.try_reserve("d0", "dispatcher-b") is True
-        assert await client.get("kairos:reserve:d0") == b"dispatcher-b"
-        assert 0 < await client.pttl("kairos:reserve:d0") <= 300
-        assert await view.try_reserve("d1", "dispatcher-b") is False  # a dispatcher's stays honoured
-        assert await view.try_reserve("d0", "dispatcher-c") is False  # and now so is d0's
-        assert registry.get_sample_value("kairos_dispatcher_reservations_forged_total") == 1
-        assert len(messages(caplog, "which no dispatcher sets")) == 1
-    finally:
-        await view.stop()
-
-
-async def test_a_reservation_fails_closed_when_redis_is_down(
-    redis: RedisServer, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+async def test_a_promise_fails_closed_when_redis_is_down(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    view = RedisClusterView(view_config(redis), registry=registry)
+    view = RedisClusterView(view_config(redis, last_resort_s=0), registry=registry)
     try:
-        assert await view.try_reserve("d0", "me") is True
+        for node_id in ("d0", "d1", "d2", "d3"):
+            await client.set(f"kairos:node:{node_id}", beat(node_id, seq=1))
+        await view.poll_once()
+        assert (await view.try_reserve("d0", "me", 1)).granted
         redis.stop()
-        assert await view.try_reserve("d1", "me") is False
-        assert await view.try_reserve("d2", "me") is False
+        assert await view.try_reserve("d1", "me", 1) == Reservation(False)
+        assert await view.try_reserve("d2", "me", 1) == Reservation(False)
         assert errors(registry, "reserve") == 2
         assert len(messages(caplog, "for reservations")) == 1
         redis.start()
-        assert await view.try_reserve("d3", "me") is True
+        assert (await view.try_reserve("d3", "me", 1)).granted
         assert len(messages(caplog, "takes reservations again")) == 1
     finally:
         await view.stop()
@@ -632,31 +694,36 @@ async def test_a_reservation_fails_closed_when_redis_is_down(
 
 WORKER = r"""
 import asyncio, json, random, sys, time
-from prometheus_client import CollectorRegistry
-from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
+import redis.asyncio as aioredis
+from kairos.extproc.reservations import ReservationClient
 
-async def main(url, owner, seed, ttl, race_s):
-    view = RedisClusterView(ClusterViewConfig(redis_url=url, reservation_ttl_s=ttl), registry=CollectorRegistry())
+async def main(url, owner, seed, ttl_ms, race_s):
+    client = aioredis.Redis.from_url(url)
+    promises = ReservationClient(ttl_ms, lambda: None, "race")
     rng = random.Random(seed)
-    await view.try_reserve("warm-up-" + owner, owner)  # connect before the race
+    await promises.try_reserve(client, "warm-up-" + owner, owner, 1, 0, 0)  # connect before the race
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    attempts = []
+    attempts, known = [], 0
     deadline = time.monotonic() + race_s  # a fixed time, not a count: a late start still overlaps
     while time.monotonic() < deadline:
         await asyncio.sleep(rng.uniform(0.0, 0.002))
         sent = time.monotonic()
-        won = await view.try_reserve("d0", owner)
-        attempts.append((sent, time.monotonic(), won))
-    await view.stop()
+        r = await promises.try_reserve(client, "d0", owner, 1, known, ttl_ms / 1000)
+        attempts.append((sent, time.monotonic(), r.granted, known))
+        known = 0 if r.granted else sum(p.tokens for p in r.foreign)  # what the next decision counts
+    await client.aclose()
     print(json.dumps(attempts), flush=True)
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])))
 """
 
 
-async def test_two_dispatcher_processes_never_hold_the_same_node_at_once(redis: RedisServer) -> None:
-    ttl = 0.05
+async def test_two_dispatcher_processes_never_grant_a_promise_that_missed_the_others(redis: RedisServer) -> None:
+    """Two processes promise one token each onto d0 as fast as they can. Every granted promise
+    must have counted (``known``) every promise of the other process that was surely alive when
+    it ran: granted before it was sent, and answered less than the TTL before it was answered."""
+    ttl_ms = 50
     race_s = 1.0  # each process races this long: many TTL windows, and a starved start still overlaps
     seeds = {"dispatcher-a": 1, "dispatcher-b": 2}
     procs = [
@@ -667,7 +734,7 @@ async def test_two_dispatcher_processes_never_hold_the_same_node_at_once(redis: 
             redis.url,
             owner,
             str(seed),
-            str(ttl),
+            str(ttl_ms),
             str(race_s),
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -695,9 +762,14 @@ async def test_two_dispatcher_processes_never_hold_the_same_node_at_once(redis: 
     spans = [(a[0][0], a[-1][1]) for a in attempts.values()]
     assert max(s for s, _ in spans) < min(e for _, e in spans)  # the two races overlapped in time
 
-    wins = sorted((sent, got, owner) for owner, tries in attempts.items() for sent, got, won in tries if won)
-    assert len(wins) >= 2  # the node could be reserved again after each TTL
-    for (sent_a, _, owner_a), (_, got_b, owner_b) in itertools.pairwise(wins):
-        # Redis ran win B's SET no later than got_b and win A's no earlier than sent_a; B could
-        # only succeed once A's key had expired, so the two are at least a TTL apart.
-        assert got_b - sent_a > ttl - 0.001, f"{owner_a} and {owner_b} both held d0 within {got_b - sent_a:.4f} s"
+    ttl = ttl_ms / 1000
+    grants = {o: [(sent, got, known) for sent, got, won, known in tries if won] for o, tries in attempts.items()}
+    assert all(len(g) >= 2 for g in grants.values())
+    checked = 0
+    for owner, mine in grants.items():
+        theirs = [got for other, gs in grants.items() if other != owner for _, got, _ in gs]
+        for sent, got, known in mine:
+            surely_alive = sum(1 for o_got in theirs if o_got < sent and got - o_got < ttl - 0.001)
+            checked += surely_alive > 0
+            assert surely_alive <= known, f"{owner} was granted at {sent:.4f} counting {known}, not {surely_alive}"
+    assert checked >= 1  # some grant did have the other's promises to count

@@ -24,6 +24,7 @@ from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.reservations import PROMISE_SCRIPT
 from kairos.nodeagent.heartbeat import HeartbeatPublisher, PublisherConfig
 from kairos.nodeagent.sidecar import SidecarMetrics, TtftFeedbackPublisher
 from tests.builders import heartbeat_json
@@ -108,7 +109,11 @@ def test_a_node_credential_writes_its_own_key_and_the_stream_only(server: Secure
 
 def test_the_dispatcher_credential_reads_and_reserves_but_writes_no_heartbeat(server: SecuredRedisServer) -> None:
     dispatcher = sync(server.setup.dispatcher_url)
-    assert dispatcher.set(c.REDIS_RESERVATION_KEY.format(node_id="d9"), "dispatcher0", nx=True, px=300)
+    promise = dispatcher.register_script(PROMISE_SCRIPT)
+    args = ["dispatcher0", 1, 10, 0, 300, 300]  # owner, id, tokens, known, since_ms, ttl_ms
+    assert promise(keys=[c.REDIS_RESERVATION_KEY.format(node_id="d9")], args=args)[0] == 1  # granted
+    with pytest.raises(NoPermissionError):  # its scripts run with its rights: no heartbeat key
+        promise(keys=[c.REDIS_NODE_KEY.format(node_id="p0")], args=args)
     dispatcher.mget([c.REDIS_NODE_KEY.format(node_id="p0")])
     with pytest.raises(NoPermissionError):
         dispatcher.set(c.REDIS_NODE_KEY.format(node_id="p0"), heartbeat_json("p0"))
@@ -143,8 +148,9 @@ async def test_publishers_sidecar_and_dispatcher_over_rediss_with_their_own_user
         async with view:
             await view.wait_ready(timeout=30)
             assert sorted(view.addresses()) == ["d0", "p0"] and not view.degraded
-            assert await view.try_reserve("d0", "dispatcher0")
-            assert not await view.try_reserve("d0", "dispatcher1")
+            assert (await view.try_reserve("d0", "dispatcher0", 10)).granted
+            refused = await view.try_reserve("d0", "dispatcher1", 10)  # had not counted dispatcher0's
+            assert not refused.granted and [p.tokens for p in refused.foreign] == [10]
             await writer.start()
             writer.offer("r1", "keep", "d0", predicted_s=0.1, observed_s=0.2)
             feedback = view.feedback

@@ -871,9 +871,11 @@ def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:
         DeciderConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_config_is_the_papers() -> None:
+def test_default_config_is_the_papers_but_for_the_pending_limit() -> None:
     cfg = DeciderConfig()
     assert (cfg.alpha, cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s) == (1.3, 1.0, 0.070, 4.0)
     assert cfg.chunk_candidates == (2048, 1024, 512, 256, 128)
-    assert cfg.max_pending_deflections == 1
+    # The paper's one deflection in flight per decode node is kairos:pending=1; by default a
+    # deflection is scheduled behind every one in flight (defaults.MAX_PENDING_DEFLECTIONS).
+    assert cfg.max_pending_deflections is None
     assert cfg.step_budget_s == pytest.approx(0.070)

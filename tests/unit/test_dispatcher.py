@@ -42,6 +42,7 @@ from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import NodeAddress
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
 from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.reservations import REFUSED, Promise, Reservation
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.waiting import eventually
 
@@ -70,7 +71,8 @@ class FakeCluster:
 
     tracker: ClusterTracker = field(default_factory=ClusterTracker)
     nodes: dict[str, NodeAddress] = field(default_factory=dict)
-    refuse: set[str] = field(default_factory=set)  # try_reserve answers False for these
+    refuse: set[str] = field(default_factory=set)  # Redis takes no promise on these
+    foreign: dict[str, tuple[int, ...]] = field(default_factory=dict)  # other dispatchers' promises
     degraded: bool = False  # as in RedisClusterView: no reservation is granted while degraded
     reservations: list[tuple[str, str]] = field(default_factory=list)  # (node_id, owner) per call
     recorded: list[tuple[Decision, float]] = field(default_factory=list)
@@ -88,9 +90,17 @@ class FakeCluster:
     def addresses(self) -> Mapping[str, NodeAddress]:
         return self.nodes
 
-    async def try_reserve(self, node_id: str, owner: str) -> bool:
+    async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation:
+        """As the real one: refused while degraded or for a ``refuse`` node (Redis did not take
+        it); refused with the promises of ``foreign`` until the view counts them."""
         self.reservations.append((node_id, owner))
-        return not self.degraded and node_id not in self.refuse
+        if self.degraded or node_id in self.refuse:
+            return REFUSED
+        promised = self.foreign.get(node_id, ())
+        if sum(promised) > self.tracker.foreign_tokens(node_id):
+            self.tracker.set_foreign(node_id, [(NOW, t) for t in promised])
+            return Reservation(False, tuple(Promise(0.0, t) for t in promised))
+        return Reservation(True)
 
 
 def make_cluster(
@@ -101,6 +111,7 @@ def make_cluster(
     prefill: bool = True,
     prefill_age_s: float = 0.0,
     refuse: tuple[str, ...] = (),
+    foreign: dict[str, tuple[int, ...]] | None = None,
     degraded: bool = False,
 ) -> FakeCluster:
     """p0 and p1 with ``prefill_queue`` each; d0 (B=8) and d1 (B=16), both with room for any prompt."""
@@ -116,7 +127,7 @@ def make_cluster(
                 DecodeNodeState(node_id, b, k, kv_capacity_tokens=100_000, reported_at=NOW - decode_age_s)
             )
             nodes[node_id] = ADDRESSES[node_id]
-    return FakeCluster(tracker=tracker, nodes=nodes, refuse=set(refuse), degraded=degraded)
+    return FakeCluster(tracker=tracker, nodes=nodes, refuse=set(refuse), foreign=foreign or {}, degraded=degraded)
 
 
 class ExplodingPolicy:
@@ -246,7 +257,7 @@ ROUTE_CASES = [
             ("d0", "d1"),
             1,
         ),
-        id="d0 reserved by another dispatcher deflects to d1",
+        id="Redis takes no promise on d0: it deflects to d1",
     ),
     pytest.param(
         RouteCase(
@@ -259,7 +270,20 @@ ROUTE_CASES = [
             ("d0", "d1"),
             2,
         ),
-        id="every decode node reserved elsewhere keeps on the P/D path, never 503",
+        id="Redis takes no promise on any decode node: keeps on the P/D path, never 503",
+    ),
+    pytest.param(
+        RouteCase(
+            {"prefill_queue": LOADED_QUEUE, "foreign": {"d0": (3000,)}},
+            1000,
+            Route.DEFLECT,
+            Reason.DEFLECT_WITHIN_MARGIN,
+            "d1",
+            None,
+            ("d0", "d1"),
+            1,
+        ),
+        id="another dispatcher's deflection onto d0 joins the view: d0 is slower behind it, d1 takes it",
     ),
     pytest.param(
         RouteCase(
@@ -973,6 +997,24 @@ async def test_a_parse_that_outlasts_its_budget_is_a_413_before_envoys_timeout(
     assert "could not be read and counted within 0.2 s" in error_of(rejected)["message"]
 
 
+async def test_a_node_with_another_dispatchers_deflection_takes_one_more_behind_it(harness: HarnessFactory) -> None:
+    """Refused because another dispatcher promised d0 a deflection the view lacked, the
+    dispatcher decides again with it in the view and promises d0 again: one node, two
+    deflections in flight, the second scheduled behind the first."""
+    cluster = make_cluster(prefill_queue=LOADED_QUEUE, foreign={"d0": (300,)})
+    cluster.tracker.remove("d1")
+    del cluster.nodes["d1"]
+    h = harness(cluster, settings=DispatchSettings(dispatcher_id=OWNER))
+    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+
+    assert isinstance(routed, Routed) and routed.decision is not None
+    assert (routed.decision.route, routed.decision.decode_node) == (Route.DEFLECT, "d0")
+    assert cluster.reservations == [("d0", OWNER), ("d0", OWNER)]
+    assert h.sample("kairos_dispatcher_reservation_conflicts_total") == 1
+    (d0,) = cluster.view().decode
+    assert d0.prefill_backlog_tokens == (300, 1000)  # the other dispatcher's, then its own
+
+
 # ---------------------------------------------------------------------------------------------
 # Profile reload: the policies swap as one object
 # ---------------------------------------------------------------------------------------------
@@ -984,11 +1026,11 @@ class GatedCluster(FakeCluster):
     waiting: asyncio.Event = field(default_factory=asyncio.Event)
     entered: int = 0  # try_reserve calls that reached the gate
 
-    async def try_reserve(self, node_id: str, owner: str) -> bool:
+    async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation:
         self.entered += 1
         self.waiting.set()
         await self.gate.wait()
-        return await super().try_reserve(node_id, owner)
+        return await super().try_reserve(node_id, owner, tokens)
 
 
 async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(harness: HarnessFactory) -> None:

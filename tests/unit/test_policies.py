@@ -57,7 +57,7 @@ PARSED = [
         {
             "config.alpha": 1.3,
             "config.beta": 0.9,
-            "config.max_pending_deflections": 1,
+            "config.max_pending_deflections": None,
             "fresh_state": False,
             "label": "kairos(alpha=1.3,beta=0.9)",
         },
@@ -884,14 +884,16 @@ BACKLOGGED = view((prefill_node(queue=(1700,)),), (decode_node("d1", b=20, backl
 @pytest.mark.parametrize(
     ("spec", "route", "reason", "chunks", "ttft_dec"),
     [
-        pytest.param("kairos", Route.KEEP, Reason.KEEP_NO_ELIGIBLE_DECODE, (), None, id="kairos: pending 1 keeps"),
         pytest.param(
-            "kairos:pending=none",
+            "kairos:pending=1", Route.KEEP, Reason.KEEP_NO_ELIGIBLE_DECODE, (), None, id="kairos pending 1 keeps"
+        ),
+        pytest.param(
+            "kairos",
             Route.DEFLECT,
             Reason.DEFLECT_WITHIN_MARGIN,
             (399, 399, 202),
             0.373,
-            id="kairos pending none: deflects behind the backlog",
+            id="kairos (no pending limit): deflects behind the backlog",
         ),
         pytest.param(
             "oracle",
@@ -927,7 +929,8 @@ def test_kairos_and_oracle(
     ("spec", "label"),
     [
         pytest.param("kairos", "kairos(alpha=1.3,beta=1)", id="kairos-defaults"),
-        pytest.param("kairos:pending=none", "kairos(alpha=1.3,beta=1,pending=none)", id="kairos-pending-none"),
+        pytest.param("kairos:pending=none", "kairos(alpha=1.3,beta=1)", id="kairos-pending-none-is-the-default"),
+        pytest.param("kairos:pending=1", "kairos(alpha=1.3,beta=1,pending=1)", id="kairos-pending-1"),
         pytest.param("oracle:alpha=1.5", "oracle(alpha=1.5,beta=1)", id="oracle"),
         pytest.param("sl:l=512", "sl(l=512)", id="sl"),
     ],

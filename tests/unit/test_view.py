@@ -191,7 +191,7 @@ def test_overlay_feeds_the_pending_deflection_limit() -> None:
     # Flat models, tau 0.105, candidates (420, 220, 120): a 1000-token prompt on B=20 takes
     # 0.280; p1 queue 5000 -> Eq. 1 = 0.660, so the first request deflects to d1.
     models = flat_models()
-    cfg = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120))
+    cfg = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120), max_pending_deflections=1)
     tracker = ClusterTracker()
     tracker.update_prefill(prefill_node("p1", (5000,), reported_at=0.0))
     tracker.update_decode(decode_node("d1", b=20, reported_at=0.0))
