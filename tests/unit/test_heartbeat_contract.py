@@ -7,12 +7,15 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kairos.common.contracts import (
     Heartbeat,
     HeartbeatField,
     MalformedHeartbeat,
     Role,
+    _parse_heartbeat_checked,
     encode_heartbeat,
     parse_heartbeat,
 )
@@ -88,3 +91,43 @@ def test_nan_sent_at_is_refused() -> None:
     raw = encode_heartbeat(BEAT).replace('"sent_at":1700000000.25', '"sent_at":NaN')
     with pytest.raises(MalformedHeartbeat, match="sent_at must be a number"):
         parse_heartbeat(raw, "d0")
+
+
+_ANY_JSON = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.lists(
+        st.one_of(st.integers(min_value=-5, max_value=10**20), st.booleans(), st.floats(), st.text(max_size=2)),
+        max_size=3,
+    ),
+)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(
+    changes=st.dictionaries(st.sampled_from((*HeartbeatField.ALL, *HeartbeatField.OPTIONAL)), _ANY_JSON, max_size=3),
+    dropped=st.sets(st.sampled_from(HeartbeatField.ALL), max_size=1),
+)
+def test_the_fast_decoder_and_the_checked_one_give_the_same_verdict(
+    changes: dict[str, Any], dropped: set[str]
+) -> None:
+    """parse_heartbeat decodes with msgspec and falls back to the Python checks only for a value
+    msgspec refuses: both must accept exactly the same heartbeats, as the same values."""
+    data = {**json.loads(encode_heartbeat(BEAT)), **changes}
+    for name in dropped:
+        data.pop(name, None)
+    raw = json.dumps(data)
+    try:
+        checked: Heartbeat | str = _parse_heartbeat_checked(raw)
+    except MalformedHeartbeat:
+        checked = "refused"
+    try:
+        fast: Heartbeat | str = parse_heartbeat(raw)
+    except MalformedHeartbeat:
+        fast = "refused"
+    if isinstance(checked, Heartbeat) and (not checked.url or (checked.role is Role.DECODE and not checked.sidecar)):
+        checked = "refused"  # parse_heartbeat's checks across fields, after either decoder
+    assert fast == checked
