@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -196,17 +197,17 @@ def test_any_valid_bound_gives_the_same_decision(
     bound: here it is the real one scaled down at random (so nodes are visited in an arbitrary
     order, a higher id before a tie's lower one), and any number at all where no schedule exists."""
     rng = random.Random(seed)
-    real = alg.ttft_lower_bound_s
+    real = alg._lower_bound  # what the search calls: ttft_lower_bound_s from the node's facts
 
-    def loose(models: LatencyModels, config: alg.DeciderConfig, node: DecodeNodeState, prompt: int) -> float:
-        bound = real(models, config, node, prompt)
+    def loose(facts: Any, node: DecodeNodeState, prompt: int) -> float:
+        bound = real(facts, node, prompt)
         if math.isinf(bound):
             return rng.choice([math.inf, rng.uniform(0.0, 10.0)])
         return bound * rng.choice([0.0, 1.0, rng.random()])
 
     models = MODELS["packaged" if seed % 2 else "round"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(alg, "ttft_lower_bound_s", loose)
+        patch.setattr(alg, "_lower_bound", loose)
         got = alg.decide(prompt, view, NOW, models, config)
     assert got == reference_decide(prompt, view, models, config)
 
