@@ -322,16 +322,18 @@ def _heartbeat_wire() -> type[msgspec.Struct]:
     }
     plain = {int: count, float: Annotated[float, msgspec.Meta(ge=0)], str: str, tuple[int, ...]: tuple[count, ...]}
     hints = get_type_hints(Heartbeat)
-    fields = []
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for f in dataclasses.fields(Heartbeat):
         hint = hints[f.name]
         optional = get_origin(hint) in (Union, UnionType) and type(None) in get_args(hint)
         base = next(a for a in get_args(hint) if a is not type(None)) if optional else hint
         kind = special.get(f.name) or plain[base]
         if optional:
-            fields.append((f.name, kind | None, None))
-        else:
+            kind = kind | None
+        if f.default is dataclasses.MISSING:
             fields.append((f.name, kind))
+        else:  # an optional field: absent in older heartbeats
+            fields.append((f.name, kind, f.default))
     return msgspec.defstruct("HeartbeatWire", fields, frozen=True)
 
 
