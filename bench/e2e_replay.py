@@ -146,9 +146,14 @@ def resyncs(workdir: Path) -> int:
     return total
 
 
-def start(policy: str, model_dir: Path, scale: float, workdir: Path) -> LocalCluster:
+def start(policy: str, model_dir: Path, scale: float, workdir: Path, dispatchers: int) -> LocalCluster:
     config = LocalClusterConfig(
-        gateway_port=0, model_dir=str(model_dir), time_scale=scale, policy=policy, log_level="WARNING"
+        gateway_port=0,
+        model_dir=str(model_dir),
+        time_scale=scale,
+        policy=policy,
+        dispatchers=dispatchers,
+        log_level="WARNING",
     )
     cluster = LocalCluster(config, workdir)
     cluster.start()
@@ -224,6 +229,8 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=1.0, help="emulated nodes' speed-up over real time")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rates", default="5,5.5,6,6.5,7", help="candidate rates, lowest first")
+    parser.add_argument("--policies", default="kairos,pd", help="';'-separated specs; each is compared with pd")
+    parser.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     scale = float(args.time_scale)
@@ -262,13 +269,17 @@ def main() -> int:
         "policies": {},
     }
 
-    for policy in ("kairos", "pd"):
-        workdir = workroot / policy
-        print(f"\n{'2/3' if policy == 'kairos' else '3'}. {policy}: fresh cluster, time scale {scale:g}", flush=True)
-        cluster = start(policy, model_dir, scale, workdir)
+    policies = args.policies.split(";") if ";" in args.policies else args.policies.split(",")
+    if "pd" not in policies:
+        policies.append("pd")
+    out["dispatchers"] = args.dispatchers
+    for i, policy in enumerate(policies):
+        workdir = workroot / policy.replace(":", "_").replace("=", "-").replace(",", "_")
+        print(f"\n{i + 2}. {policy}: fresh cluster, time scale {scale:g}", flush=True)
+        cluster = start(policy, model_dir, scale, workdir, args.dispatchers)
         try:
             cfg = dataclasses.replace(base, url=cluster.gateway_url)
-            if policy == "kairos":
+            if i == 0 and policy != "pd":
                 low = make_workload("bursty", rps=0.5, num_requests=8, seed=args.seed + 100, cv=1.0)
                 low_res = replay(low, cfg, stream=None)
                 _, sim_low = simulate(low, policy, twin_hb)
@@ -348,9 +359,17 @@ def main() -> int:
         if record["keep_parts"]:
             print(f"   {policy}: {format_keep_parts(record['keep_parts'])}", flush=True)
 
-    k, p = out["policies"]["kairos"], out["policies"]["pd"]
-    ratio = k["p95_ttft_s"] / p["p95_ttft_s"] if k["p95_ttft_s"] and p["p95_ttft_s"] else None
-    sim_ratio = k["sim"]["p95_ttft_s"] / p["sim"]["p95_ttft_s"]
+    p = out["policies"]["pd"]
+    ratios: dict[str, float | None] = {}
+    for name, rec in out["policies"].items():
+        if name != "pd":
+            ratios[name] = rec["p95_ttft_s"] / p["p95_ttft_s"] if rec["p95_ttft_s"] and p["p95_ttft_s"] else None
+            rec["p95_ttft_over_pd"] = ratios[name]
+            rec["sim_p95_ttft_over_pd"] = rec["sim"]["p95_ttft_s"] / p["sim"]["p95_ttft_s"]
+            rec["attainment_minus_pd_points"] = 100 * (rec["slo_attainment"] - p["slo_attainment"])
+    first = policies[0] if policies[0] != "pd" else None
+    ratio = ratios.get(first) if first else None
+    sim_ratio = out["policies"][first]["sim_p95_ttft_over_pd"] if first else 1.0
     out["kairos_over_pd_p95_ttft"] = ratio
     out["sim_kairos_over_pd_p95_ttft"] = sim_ratio
     for name, rec in out["policies"].items():
@@ -388,16 +407,23 @@ def main() -> int:
     out["total_wall_s"] = time.monotonic() - started
 
     print("\n== End to end: Bursty trace through the gateway (model time) ==")
-    print(f"{'':8}{'P50 TTFT':>10}{'P95':>8}{'P99':>8}{'P95 TBT':>10}{'SLO':>8}{'defl':>6}{'sim P95':>10}{'gap':>8}")
+    print(f"{'':22}{'P50 TTFT':>10}{'P95':>8}{'P99':>8}{'P95 TBT':>10}{'SLO':>8}{'defl':>6}{'sim P95':>10}{'gap':>8}")
     for name, rec in out["policies"].items():
         print(
-            f"{name:8}{rec['p50_ttft_s']:>10.2f}{rec['p95_ttft_s']:>8.2f}{rec['p99_ttft_s']:>8.2f}"
+            f"{name:22}{rec['p50_ttft_s']:>10.2f}{rec['p95_ttft_s']:>8.2f}{rec['p99_ttft_s']:>8.2f}"
             f"{rec['p95_tbt_ms']:>10.1f}{rec['slo_attainment']:>8.1%}{rec['deflections']:>6}"
             f"{rec['sim']['p95_ttft_s']:>10.2f}{rec['p95_ttft_gap_vs_sim']:>+8.1%}"
         )
+    for name, rec in out["policies"].items():
+        if name != "pd":
+            r = rec["p95_ttft_over_pd"]
+            print(
+                f"{name}/PD P95 TTFT: {'-' if r is None else f'{r:.2f}'} measured, {rec['sim_p95_ttft_over_pd']:.2f} "
+                f"simulated; attainment {rec['attainment_minus_pd_points']:+.1f} points"
+            )
     print(
-        f"Kairos/PD P95 TTFT: {'-' if ratio is None else f'{ratio:.2f}'} measured, {sim_ratio:.2f} simulated "
-        f"({rps:g} rps, {len(trace)} requests, time scale {scale:g}, {out['total_wall_s']:.0f} s wall)"
+        f"({rps:g} rps, {len(trace)} requests, time scale {scale:g}, {args.dispatchers} dispatcher(s), "
+        f"{out['total_wall_s']:.0f} s wall)"
     )
     for note in notes:
         print(f"note: {note}")
