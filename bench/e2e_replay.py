@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_result
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import make_policy, split_policy_list
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig, RequestResult, format_summary, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
@@ -229,7 +229,7 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=1.0, help="emulated nodes' speed-up over real time")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rates", default="5,5.5,6,6.5,7", help="candidate rates, lowest first")
-    parser.add_argument("--policies", default="kairos,pd", help="';'-separated specs; each is compared with pd")
+    parser.add_argument("--policies", default="kairos,pd", help="specs as kairos sim takes them; each vs pd")
     parser.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -269,7 +269,7 @@ def main() -> int:
         "policies": {},
     }
 
-    policies = args.policies.split(";") if ";" in args.policies else args.policies.split(",")
+    policies = split_policy_list(args.policies)
     if "pd" not in policies:
         policies.append("pd")
     out["dispatchers"] = args.dispatchers
