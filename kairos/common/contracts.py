@@ -152,6 +152,10 @@ TTFT_FEEDBACK_MAX_ID_CHARS = 256  # request_id and node
 
 HEARTBEAT_PERIOD_S = 0.1  # Delta_h
 HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
+# A node's step calibration (kairos.core.calibration) lies in this range: a quarter to four times
+# its latency model. A value outside it is malformed; a heartbeat without it reads as 1.0.
+STEP_CALIBRATION_MIN = 0.25
+STEP_CALIBRATION_MAX = 4.0
 
 
 class HeartbeatField:
@@ -175,7 +179,11 @@ class HeartbeatField:
     RUNNING_REQUESTS = "running_requests"
     WAITING_REQUESTS = "waiting_requests"
     KV_USAGE = "kv_usage"
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE)
+    # Optional: the decode node's step calibration, the upper quantile of its actual / predicted
+    # step times (kairos.core.calibration); the dispatcher plans its steps to beta x tau / this.
+    # Absent (a node older than the field, or one with no latency model): 1.0.
+    STEP_CALIBRATION = "step_calibration"
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION)
 
     ALL = (
         NODE_ID,
@@ -233,6 +241,7 @@ class Heartbeat:
     running_requests: int | None = None
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    step_calibration: float | None = None  # None: not reported (the dispatcher reads 1.0)
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -257,6 +266,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.RUNNING_REQUESTS: hb.running_requests,
         f.WAITING_REQUESTS: hb.waiting_requests,
         f.KV_USAGE: hb.kv_usage,
+        f.STEP_CALIBRATION: hb.step_calibration,
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
@@ -291,6 +301,23 @@ def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
     if not ok or (kind is int and not isinstance(value, int)):
         raise MalformedHeartbeat(f"{name} must be {'an int' if kind is int else 'a number'} >= 0, got {value!r}")
     return kind(value)
+
+
+def _step_calibration(value: Any, error: type[Exception]) -> float | None:
+    """A reported step calibration: None when absent, else a number within
+    [STEP_CALIBRATION_MIN, STEP_CALIBRATION_MAX]."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (STEP_CALIBRATION_MIN <= value <= STEP_CALIBRATION_MAX)
+    ):
+        raise error(
+            f"{HeartbeatField.STEP_CALIBRATION} must be a number in [{STEP_CALIBRATION_MIN}, "
+            f"{STEP_CALIBRATION_MAX}], got {value!r}"
+        )
+    return float(value)
 
 
 def _json_object(raw: bytes | str, error: type[Exception], prefix: str = "") -> dict[str, Any]:
@@ -335,6 +362,7 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
         running_requests=_hb_optional(data, f.RUNNING_REQUESTS, int),
         waiting_requests=_hb_optional(data, f.WAITING_REQUESTS, int),
         kv_usage=_hb_optional(data, f.KV_USAGE, float),
+        step_calibration=_step_calibration(data.get(f.STEP_CALIBRATION), MalformedHeartbeat),
     )
     if node_id is not None and hb.node_id != node_id:
         raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
@@ -486,6 +514,7 @@ class EngineStateField:
     RUNNING_REQUESTS = HeartbeatField.RUNNING_REQUESTS
     WAITING_REQUESTS = HeartbeatField.WAITING_REQUESTS
     KV_USAGE = HeartbeatField.KV_USAGE
+    STEP_CALIBRATION = HeartbeatField.STEP_CALIBRATION  # the node's, when it measures its steps
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -497,7 +526,7 @@ class EngineStateField:
         MAX_STEP_TOKENS,
         MODEL,
     )
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, AS_OF)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, AS_OF)
 
 
 class EngineStateError(KairosError):
@@ -520,6 +549,7 @@ class EngineState:
     running_requests: int | None = None  # None where the engine does not say
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    step_calibration: float | None = None  # actual / predicted step time, its upper quantile
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -542,6 +572,7 @@ class EngineState:
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
+        _step_calibration(self.step_calibration, EngineStateError)
         as_of = self.as_of
         if as_of is not None and (
             isinstance(as_of, bool) or not isinstance(as_of, int | float) or not math.isfinite(as_of)
@@ -565,6 +596,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.RUNNING_REQUESTS: state.running_requests,
         f.WAITING_REQUESTS: state.waiting_requests,
         f.KV_USAGE: state.kv_usage,
+        f.STEP_CALIBRATION: state.step_calibration,
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}
