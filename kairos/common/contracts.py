@@ -486,11 +486,16 @@ STEP_BUDGET_OVERRUNS_HELP = (
 )
 
 
-def overran_step_budget(decode_tokens: int, budgets_s: Iterable[float | None], duration_s: float) -> bool:
+def overran_step_budget(
+    decode_tokens: int, budgets_s: Iterable[float | None], duration_s: float, step_calibration: float = 1.0
+) -> bool:
     """Whether one step counts as an overrun: decodes ran in it (the budget protects their TBT;
-    with none running it does not apply) and it lasted longer than the tightest budget of its chunks."""
+    with none running it does not apply) and it lasted longer than the tightest budget of its
+    chunks times the node's step calibration (a budget is predicted time, beta x tau / the
+    calibration the dispatcher planned with: a step of the planned length is allowed to run that
+    much slower than its prediction)."""
     budgets = [b for b in budgets_s if b is not None]
-    return decode_tokens > 0 and bool(budgets) and duration_s > min(budgets)
+    return decode_tokens > 0 and bool(budgets) and duration_s > min(budgets) * step_calibration
 
 
 # ---------------------------------------------------------------------------------------------

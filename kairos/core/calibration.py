@@ -27,8 +27,10 @@ whatever the number of steps), where each new step weighs ``2 ** (1 / half_life_
 the one before it (recent steps weigh more; a step ``half_life_steps`` old counts half). The
 quantile is the upper edge of the bin where the cumulative weight reaches ``quantile`` of the
 total (conservative by at most one bin, 0.54%), kept up to date as steps arrive, so reading it
-is free. Until ``min_samples`` steps are in, it reports no less than its prior: 1.0 (trust the
-model), or what a profile's measured error implies (:func:`prior_from_mape`).
+is free. Until ``min_samples`` steps are in, it reports no less than its prior, 1.0 (trust the
+model) or what a profile's measured error implies (:func:`prior_from_mape`), nor than a normal
+tail bound from the steps so far (:attr:`StepCalibration.value`): a node just started is not yet
+trusted to be faster than its model, but is at once taken to be slower when its first steps say so.
 """
 
 from __future__ import annotations
@@ -92,8 +94,11 @@ class StepCalibration:
         "_growth",
         "_idx",
         "_inc",
+        "_m2",
+        "_mean",
         "_total",
         "_weights",
+        "_z",
         "count",
         "min_samples",
         "prior",
@@ -127,6 +132,11 @@ class StepCalibration:
         self._total = 0.0
         self._idx = 0  # the quantile's bin (offset by -_LOW)
         self._cum = 0.0  # weight in bins 0.._idx
+        # Warm-up only: the ratios' running mean and sum of squared deviations (Welford), for a
+        # normal tail bound while too few steps are in for the histogram's tail to mean anything.
+        self._mean = 0.0
+        self._m2 = 0.0
+        self._z = NormalDist().inv_cdf(quantile)
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         """One step: its predicted and its measured time. A step with no valid prediction or
@@ -149,6 +159,11 @@ class StepCalibration:
         elif j <= self._idx:
             self._cum += inc
         self.count += 1
+        if self.count <= self.min_samples:
+            r = actual_s / predicted_s
+            delta = r - self._mean
+            self._mean += delta / self.count
+            self._m2 += delta * (r - self._mean)
         # Move the quantile's bin to the first one where the cumulative weight reaches q x total.
         target = self.quantile * self._total
         idx, cum = self._idx, self._cum
@@ -176,10 +191,17 @@ class StepCalibration:
 
     @property
     def value(self) -> float:
-        """What the node reports: the estimate once ``min_samples`` steps are in; before, the
-        larger of the prior and the estimate so far (a few steps can show the node slower than
-        the prior says, never yet that it is faster: the upper quantile of a few samples is
-        about their maximum, which only grows with more)."""
-        if self.count >= self.min_samples:
+        """What the node reports: the estimate once ``min_samples`` steps are in. Before, the
+        largest of the prior, the estimate so far and a normal tail bound from the steps so far
+        (mean + z(quantile) x their standard deviation, from 2 steps on): a few steps can show
+        the node slower than the prior says, never yet that it is faster (the upper quantile of a
+        few samples is about their maximum, which only grows with more, and the tail beyond it
+        is what the normal bound stands in for)."""
+        n = self.count
+        if n >= self.min_samples:
             return self.estimate
-        return max(self.prior, self.estimate)
+        value = max(self.prior, self.estimate)
+        if n >= 2:
+            tail = self._mean + self._z * math.sqrt(self._m2 / (n - 1))
+            value = max(value, min(STEP_CALIBRATION_MAX, tail))
+        return value

@@ -243,7 +243,8 @@ class KairosScheduler(Scheduler):
         if self._budgeted_step is not None and self._server is not None:
             start, decodes, budget_s = self._budgeted_step
             self._budgeted_step = None
-            if overran_step_budget(decodes, (budget_s,), ended - start):
+            calibration = 1.0 if self._calibration is None else self._calibration.value
+            if overran_step_budget(decodes, (budget_s,), ended - start, calibration):
                 self._server.count_step_budget_overrun()
         result = super().update_from_output(scheduler_output, model_runner_output)
         if len(self._plans) > len(self.requests) or any(rid not in self.requests for rid in self._plans):

@@ -29,8 +29,11 @@ def test_it_reports_no_less_than_its_prior_until_it_has_enough_steps() -> None:
     assert cal.value == 1.2  # not yet trusted to be faster than the prior
     feed(cal, [1.0])
     assert cal.value == 1.0
+    # But at once slower, with the normal tail of the few steps in: 1.25 + 2.326 x 0.3536.
     slow = feed(StepCalibration(min_samples=10, prior=1.2), [1.0, 1.5])
-    assert 1.5 <= slow.value < 1.5 * BIN  # but at once slower
+    assert slow.value == pytest.approx(1.25 + 2.3263479 * math.sqrt(0.125))
+    one = feed(StepCalibration(min_samples=10), [1.3])  # one step: no spread yet, its own bin
+    assert 1.3 <= one.value < 1.3 * BIN
     assert StepCalibration().value == 1.0  # no prior known: trust the model
 
 
