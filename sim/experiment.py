@@ -39,6 +39,7 @@ class SimSettings:
     error: float = 0.0  # ground-truth step-time error (mean absolute relative error)
     error_form: str = "iid"  # "iid" or "correlated" (a per-node bias plus per-step noise)
     error_bias_share: float = defaults.SIM_ERROR_BIAS_SHARE  # correlated: the bias's share of the variance
+    calibration_quantile: float = defaults.CALIBRATION_QUANTILE  # the decode nodes' (only to measure it)
     profile: str = DEFAULT_PROFILE  # packaged profile name or profile file path
     prefill_nodes: int = 2
     decode_nodes: int = 2
@@ -79,6 +80,7 @@ class SimSettings:
             seed=self.seed,
             error_form=self.error_form,
             error_bias_share=self.error_bias_share,
+            calibration_quantile=self.calibration_quantile,
         )
 
     def decider(self) -> DeciderConfig:

@@ -53,6 +53,9 @@ class ClusterConfig:
     # plus per-step noise, with error_bias_share of the error's variance in the bias.
     error_form: str = "iid"
     error_bias_share: float = defaults.SIM_ERROR_BIAS_SHARE
+    # The quantile of actual / predicted step time the decode nodes report (kairos.core.calibration);
+    # the default is the guard's, a setting here only to measure the trade-off.
+    calibration_quantile: float = defaults.CALIBRATION_QUANTILE
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -176,7 +179,7 @@ class Simulator:
                 EngineConfig(n, Role.DECODE, c.decode_step_tokens, c.kv_capacity_tokens),
                 timers[n],
                 models,
-                calibration=StepCalibration(prior=prior),
+                calibration=StepCalibration(quantile=c.calibration_quantile, prior=prior),
             )
             for n in decode_ids
         ]
