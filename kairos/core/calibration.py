@@ -36,7 +36,7 @@ trusted to be faster than its model, but is at once taken to be slower when its 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from statistics import NormalDist
 from typing import Protocol
 
@@ -60,12 +60,14 @@ class _Chunk(Protocol):
 
 
 def predicted_step_s(
-    models: LatencyModels, role: Role, decode_tokens: int, kv_tokens: int, chunks: Iterable[_Chunk]
+    models: LatencyModels, role: Role, decode_tokens: int, kv_tokens: int, chunks: Sequence[_Chunk]
 ) -> float:
     """A step's time as the latency models predict it, the one prediction every node compares its
     measured steps with (and the simulator's and emulated node's clean step time): the prefill
     model for a prefill node's prefill-only steps, Eq. 4 for every other. Several chunks in one
     step are costed as one over their token-weighted mean cached length."""
+    if not chunks and decode_tokens:  # decode-only: Eq. 4's increment is 0.0 (the same float)
+        return models.decode_step_s(decode_tokens, kv_tokens)
     p = weighted = 0
     for c in chunks:
         p += c.tokens
@@ -141,32 +143,33 @@ class StepCalibration:
     def observe(self, predicted_s: float, actual_s: float) -> None:
         """One step: its predicted and its measured time. A step with no valid prediction or
         time (zero, negative, NaN) is skipped."""
-        if not (predicted_s > 0 and actual_s > 0 and math.isfinite(predicted_s) and math.isfinite(actual_s)):
+        if not (0.0 < predicted_s < math.inf and 0.0 < actual_s < math.inf):  # NaN fails too
             return
+        r = actual_s / predicted_s
         # A ratio within 1e-9 of a bin's edge counts in the bin below it: a duration measured as a
         # difference of two clock readings (end - start) rounds off the one it was planned as.
-        i = math.ceil(math.log2(actual_s / predicted_s) * BINS_PER_OCTAVE - _EDGE_TOLERANCE)
-        j = min(_HIGH, max(_LOW, i)) - _LOW
-        if self._inc > _RESCALE_AT:
-            self._rescale()
+        i = math.ceil(math.log2(r) * BINS_PER_OCTAVE - _EDGE_TOLERANCE)
+        j = (_HIGH if i > _HIGH else _LOW if i < _LOW else i) - _LOW
         inc = self._inc
+        if inc > _RESCALE_AT:
+            self._rescale()
+            inc = 1.0
         self._inc = inc * self._growth
         w = self._weights
         w[j] += inc
-        self._total += inc
-        if self.count == 0:
-            self._idx, self._cum = j, inc
-        elif j <= self._idx:
-            self._cum += inc
-        self.count += 1
-        if self.count <= self.min_samples:
-            r = actual_s / predicted_s
+        total = self._total = self._total + inc
+        n = self.count = self.count + 1
+        idx, cum = self._idx, self._cum
+        if n == 1:
+            idx, cum = j, inc
+        elif j <= idx:
+            cum += inc
+        if n <= self.min_samples:
             delta = r - self._mean
-            self._mean += delta / self.count
+            self._mean += delta / n
             self._m2 += delta * (r - self._mean)
         # Move the quantile's bin to the first one where the cumulative weight reaches q x total.
-        target = self.quantile * self._total
-        idx, cum = self._idx, self._cum
+        target = self.quantile * total
         while idx > 0 and cum - w[idx] >= target:
             cum -= w[idx]
             idx -= 1
