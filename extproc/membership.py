@@ -432,6 +432,8 @@ class Membership:
                     hb.kv_capacity_tokens,
                     reported_at=now,
                     prefill_backlog_tokens=hb.scheduled_prefill_tokens,
+                    # Not reported (a node older than the field): 1.0, the model taken as it is.
+                    step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
                 )
             )
         return events
@@ -514,6 +516,7 @@ def _load_of(hb: Heartbeat) -> dict[str, Any]:
         f.RUNNING_REQUESTS: hb.running_requests,
         f.WAITING_REQUESTS: hb.waiting_requests,
         f.KV_USAGE: hb.kv_usage,
+        f.STEP_CALIBRATION: hb.step_calibration,
     }
     load.update({name: value for name, value in optional.items() if value is not None})
     return load

@@ -59,6 +59,7 @@ from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.runtime import stop_on_signals
+from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 from kairos.sim.engine import Engine, EngineConfig, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
@@ -274,6 +275,11 @@ class EmulatedNode:
             model_step_time(self.models),
             guard=self.models,
             track_tokens=True,
+            # A decode node measures its steps against its model and reports the calibration in
+            # its engine state (the heartbeat's step_calibration), as the vLLM plugin does.
+            calibration=StepCalibration(prior=prior_from_mape(self.models.mixed.mape))
+            if cfg.role is Role.DECODE
+            else None,
         )
         self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size)
         self.rt.start()
@@ -715,6 +721,7 @@ class EmulatedNode:
             scheduled_prefill_tokens=snap.scheduled_prefill_tokens,
             max_step_tokens=snap.max_step_tokens,
             model=self.config.model,
+            step_calibration=snap.step_calibration,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

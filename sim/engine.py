@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kairos.common import defaults
 from kairos.common.contracts import EngineStep, Role, StepChunk
+from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, largest_chunk_within
 
 
@@ -125,18 +126,12 @@ StepTimer = Callable[[Role, StepPlan], float]
 
 
 def model_step_time(models: LatencyModels) -> StepTimer:
-    """Step duration from the latency models: the prefill model on a prefill node's
-    prefill-only steps, T0 + Delta T (Eq. 4) on every step that has decodes or runs on a
-    decode node. Several chunks in one step are costed as one chunk over their token-weighted
-    mean cached length."""
+    """Step duration from the latency models (``predicted_step_s``): the prefill model on a
+    prefill node's prefill-only steps, T0 + Delta T (Eq. 4) on every step that has decodes or
+    runs on a decode node."""
 
     def timer(role: Role, plan: StepPlan) -> float:
-        p = plan.prefill_tokens
-        b = plan.decode_tokens
-        cached = sum(c.tokens * c.cached for c in plan.chunks) / p if p else 0.0
-        if b == 0 and role is Role.PREFILL:
-            return models.prefill_step_s(p, cached)
-        return models.mixed_step_s(b + p, cached, b, plan.kv_tokens)
+        return predicted_step_s(models, role, plan.decode_tokens, plan.kv_tokens, plan.chunks)
 
     return timer
 
@@ -154,6 +149,7 @@ class EngineSnapshot:
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
     queued_prefill_total: int  # sum(queued_prefill_tokens)
+    step_calibration: float | None = None  # the engine's, when it measures its steps
 
 
 @dataclass(slots=True)
@@ -189,6 +185,9 @@ class Engine:
     timer: StepTimer
     guard: LatencyModels | None = None  # the node's latency model, enforcing chunk step budgets
     track_tokens: bool = False  # report every token emission (the HTTP server streams them)
+    # Measures each step's duration against ``guard``'s prediction (a decode node's step
+    # calibration, reported in its snapshot); None: not measured.
+    calibration: StepCalibration | None = None
     waiting: deque[Sequence] = field(default_factory=deque)  # not yet admitted, FIFO
     prefilling: list[Sequence] = field(default_factory=list)  # admitted, prompt not done, FIFO
     decoding: list[Sequence] = field(default_factory=list)  # in every step's batch
@@ -290,6 +289,9 @@ class Engine:
     def finish_step(self, plan: StepPlan, now: float, duration: float) -> StepOutcome:
         """Apply a planned step that ended at ``now``. Sequences that joined while it ran
         (``joining``) are not part of it."""
+        if self.calibration is not None and self.guard is not None:
+            predicted = predicted_step_s(self.guard, self.config.role, plan.decode_tokens, plan.kv_tokens, plan.chunks)
+            self.calibration.observe(predicted, duration)
         first: list[Sequence] = []
         done: list[Sequence] = []
         emitted: list[Sequence] = []
@@ -357,4 +359,5 @@ class Engine:
             scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
             queued_prefill_total=self._unscheduled.total,
+            step_calibration=None if self.calibration is None else self.calibration.value,
         )

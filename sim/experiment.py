@@ -37,6 +37,9 @@ class SimSettings:
     seed: int = 1
     cv: float | None = None  # inter-arrival CV; None = the workload's default
     error: float = 0.0  # ground-truth step-time error (mean absolute relative error)
+    error_form: str = "iid"  # "iid" or "correlated" (a per-node bias plus per-step noise)
+    error_bias_share: float = defaults.SIM_ERROR_BIAS_SHARE  # correlated: the bias's share of the variance
+    calibration_quantile: float = defaults.CALIBRATION_QUANTILE  # the decode nodes' (only to measure it)
     profile: str = DEFAULT_PROFILE  # packaged profile name or profile file path
     prefill_nodes: int = 2
     decode_nodes: int = 2
@@ -75,6 +78,9 @@ class SimSettings:
             heartbeat_s=self.heartbeat_s,
             error=self.error,
             seed=self.seed,
+            error_form=self.error_form,
+            error_bias_share=self.error_bias_share,
+            calibration_quantile=self.calibration_quantile,
         )
 
     def decider(self) -> DeciderConfig:
@@ -113,6 +119,8 @@ def run_point(settings: SimSettings, policy_spec: str, rps: float) -> dict[str, 
         "duration_s": settings.duration_s,
         "seed": settings.seed,
         "error": settings.error,
+        # The correlated form's records say so; an i.i.d. run's record stays as it was before the option.
+        **({"error_form": settings.error_form} if settings.error_form != "iid" else {}),
         "profile": models.name,
         "topology": f"{settings.prefill_nodes}P{settings.decode_nodes}D",
         "tbt_slo_ms": settings.tbt_slo_s * 1e3,

@@ -62,6 +62,11 @@ class SimMetrics:
     decode_nodes: list[str]
     tbt_slo_s: float
     deflections: int = 0
+    # Decode steps (with TBT samples) that carried a deflected prefill's chunk, and how many of them
+    # went over tau: the probability the node's step calibration keeps under 1%. Not in the summary
+    # (its records stay as they were); bench/sim_calibration.py reads them.
+    deflect_steps: int = 0
+    deflect_steps_over_tau: int = 0
     steps: dict[str, _NodeSteps] = field(default_factory=dict)
     records: list[RequestRecord] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +79,9 @@ class SimMetrics:
         s.durations.append(duration)
         s.decodes.append(plan.decode_tokens - plan.new_decoders)
         s.violations_before.append(s.violations_before[-1] + (duration > self.tbt_slo_s))
+        if plan.chunks and plan.decode_tokens > plan.new_decoders and any(c.seq.schedule for c in plan.chunks):
+            self.deflect_steps += 1
+            self.deflect_steps_over_tau += duration > self.tbt_slo_s
 
     def request_tbt_violations(self, rec: RequestRecord) -> tuple[int, int]:
         """(steps over tau, TBT samples) for one request: it was in every step of its decode

@@ -206,7 +206,9 @@ class RealtimeEngine:
                 await asyncio.sleep(max(0.0, delay))
                 outcome = self.engine.finish_step(plan, end, duration)
                 self._record(plan, duration)
-                if overran_step_budget(plan.decode_tokens, (c.seq.step_budget_s for c in plan.chunks), duration):
+                budgets = (c.seq.step_budget_s for c in plan.chunks)
+                calibration = 1.0 if self.engine.calibration is None else self.engine.calibration.value
+                if overran_step_budget(plan.decode_tokens, budgets, duration, calibration):
                     self.step_budget_overruns += 1
                 self._dispatch(outcome)
                 self._pump_kv()

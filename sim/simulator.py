@@ -25,6 +25,7 @@ import numpy as np
 
 from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
+from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.decision import Route
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
@@ -48,6 +49,13 @@ class ClusterConfig:
     heartbeat_s: float = HEARTBEAT_PERIOD_S  # Delta_h
     error: float = 0.0  # mean absolute relative error of the true step time vs the model
     seed: int = 0  # seeds the ground-truth error
+    # "iid": every step's error drawn alone; "correlated": a per-node bias (drawn once per node)
+    # plus per-step noise, with error_bias_share of the error's variance in the bias.
+    error_form: str = "iid"
+    error_bias_share: float = defaults.SIM_ERROR_BIAS_SHARE
+    # The quantile of actual / predicted step time the decode nodes report (kairos.core.calibration);
+    # the default is the guard's, a setting here only to measure the trade-off.
+    calibration_quantile: float = defaults.CALIBRATION_QUANTILE
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -56,6 +64,10 @@ class ClusterConfig:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not 0.0 <= self.error < 1.0:
             raise ValueError(f"error must be in [0, 1), got {self.error}")
+        if self.error_form not in ERROR_FORMS:
+            raise ValueError(f"error_form must be one of {list(ERROR_FORMS)}, got {self.error_form!r}")
+        if not 0.0 <= self.error_bias_share <= 1.0:
+            raise ValueError(f"error_bias_share must be in [0, 1], got {self.error_bias_share}")
 
 
 class _Ev(IntEnum):
@@ -68,6 +80,9 @@ class _Ev(IntEnum):
 
 # As plain ints: the event loop compares and pushes them for every event.
 _STEP_END, _TRANSFER_END, _HEARTBEAT, _ARRIVAL = (int(e) for e in _Ev)
+
+
+ERROR_FORMS = ("iid", "correlated")
 
 
 def noisy_timer(base: StepTimer, error: float, seed: int) -> StepTimer:
@@ -86,6 +101,34 @@ def noisy_timer(base: StepTimer, error: float, seed: int) -> StepTimer:
         return base(role, plan) * block.pop()
 
     return timer
+
+
+def correlated_timers(
+    base: StepTimer, error: float, seed: int, node_ids: Sequence[str], bias_share: float
+) -> dict[str, StepTimer]:
+    """Ground truth with a correlated error: node n's steps take model x (1 + bias_n + noise),
+    bias_n ~ N(0, sigma^2 x bias_share) drawn once per node (in ``node_ids`` order, from its own
+    seeded stream), noise ~ N(0, sigma^2 x (1 - bias_share)) per step, sigma = error x sqrt(pi/2):
+    over nodes and steps, E|factor - 1| = ``error`` as in :func:`noisy_timer`, but a node's
+    steps err together (a profile measured on other hardware, a throttled GPU), the case a
+    per-node calibration is for. Floored at 0.1 as there."""
+    if error == 0:
+        return {n: base for n in node_ids}
+    sigma = error * math.sqrt(math.pi / 2)
+    biases = np.random.default_rng([seed, 1]).normal(0.0, sigma * math.sqrt(bias_share), len(node_ids))
+    noise_sigma = sigma * math.sqrt(1.0 - bias_share)
+    rng = np.random.default_rng(seed)
+    block: list[float] = []
+
+    def one(bias: float) -> StepTimer:
+        def timer(role: Role, plan: StepPlan) -> float:
+            if not block:
+                block.extend(rng.normal(0.0, noise_sigma, 4096).tolist())
+            return base(role, plan) * max(0.1, 1.0 + bias + block.pop())
+
+        return timer
+
+    return {n: one(float(b)) for n, b in zip(node_ids, biases, strict=True)}
 
 
 @dataclass
@@ -116,14 +159,29 @@ class Simulator:
         self.tbt_slo_s = tbt_slo_s
         self.ttft_slo_s = ttft_slo_s
         c = self.cluster
-        timer = noisy_timer(model_step_time(models), c.error, c.seed)
+        prefill_ids = [f"p{i}" for i in range(c.prefill_nodes)]
+        decode_ids = [f"d{i}" for i in range(c.decode_nodes)]
+        if c.error_form == "iid":
+            timer = noisy_timer(model_step_time(models), c.error, c.seed)
+            timers = dict.fromkeys((*prefill_ids, *decode_ids), timer)
+        else:
+            timers = correlated_timers(
+                model_step_time(models), c.error, c.seed, (*prefill_ids, *decode_ids), c.error_bias_share
+            )
+        prior = prior_from_mape(models.mixed.mape)
         self.prefill = [
-            Engine(EngineConfig(f"p{i}", Role.PREFILL, c.prefill_step_tokens, c.kv_capacity_tokens), timer)
-            for i in range(c.prefill_nodes)
+            Engine(EngineConfig(n, Role.PREFILL, c.prefill_step_tokens, c.kv_capacity_tokens), timers[n])
+            for n in prefill_ids
         ]
+        # Decode nodes hold the model (their step guard) and calibrate their steps against it.
         self.decode = [
-            Engine(EngineConfig(f"d{i}", Role.DECODE, c.decode_step_tokens, c.kv_capacity_tokens), timer, models)
-            for i in range(c.decode_nodes)
+            Engine(
+                EngineConfig(n, Role.DECODE, c.decode_step_tokens, c.kv_capacity_tokens),
+                timers[n],
+                models,
+                calibration=StepCalibration(quantile=c.calibration_quantile, prior=prior),
+            )
+            for n in decode_ids
         ]
         self.engines: dict[str, Engine] = {e.config.node_id: e for e in (*self.prefill, *self.decode)}
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
@@ -322,4 +380,5 @@ def _decode_state(snap: EngineSnapshot, now: float) -> DecodeNodeState:
         kv_capacity_tokens=snap.kv_capacity_tokens,
         reported_at=now,
         prefill_backlog_tokens=snap.scheduled_prefill_tokens,
+        step_calibration=1.0 if snap.step_calibration is None else snap.step_calibration,
     )

@@ -156,6 +156,10 @@ TTFT_FEEDBACK_MAX_ID_CHARS = 256  # request_id and node
 
 HEARTBEAT_PERIOD_S = 0.1  # Delta_h
 HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
+# A node's step calibration (kairos.core.calibration) lies in this range: a quarter to four times
+# its latency model. A value outside it is malformed; a heartbeat without it reads as 1.0.
+STEP_CALIBRATION_MIN = 0.25
+STEP_CALIBRATION_MAX = 4.0
 
 
 class HeartbeatField:
@@ -179,7 +183,11 @@ class HeartbeatField:
     RUNNING_REQUESTS = "running_requests"
     WAITING_REQUESTS = "waiting_requests"
     KV_USAGE = "kv_usage"
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE)
+    # Optional: the decode node's step calibration, the upper quantile of its actual / predicted
+    # step times (kairos.core.calibration); the dispatcher plans its steps to beta x tau / this.
+    # Absent (a node older than the field, or one with no latency model): 1.0.
+    STEP_CALIBRATION = "step_calibration"
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION)
 
     ALL = (
         NODE_ID,
@@ -237,6 +245,7 @@ class Heartbeat:
     running_requests: int | None = None
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    step_calibration: float | None = None  # None: not reported (the dispatcher reads 1.0)
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -261,6 +270,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.RUNNING_REQUESTS: hb.running_requests,
         f.WAITING_REQUESTS: hb.waiting_requests,
         f.KV_USAGE: hb.kv_usage,
+        f.STEP_CALIBRATION: hb.step_calibration,
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
@@ -297,6 +307,23 @@ def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
     return kind(value)
 
 
+def _step_calibration(value: Any, error: type[Exception]) -> float | None:
+    """A reported step calibration: None when absent, else a number within
+    [STEP_CALIBRATION_MIN, STEP_CALIBRATION_MAX]."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (STEP_CALIBRATION_MIN <= value <= STEP_CALIBRATION_MAX)
+    ):
+        raise error(
+            f"{HeartbeatField.STEP_CALIBRATION} must be a number in [{STEP_CALIBRATION_MIN}, "
+            f"{STEP_CALIBRATION_MAX}], got {value!r}"
+        )
+    return float(value)
+
+
 def _json_object(raw: bytes | str, error: type[Exception], prefix: str = "") -> dict[str, Any]:
     """``raw`` decoded as one JSON object, else ``error`` saying what it was instead (the one
     first step of every decoder here)."""
@@ -319,6 +346,7 @@ def _heartbeat_wire() -> type[msgspec.Struct]:
         "max_step_tokens": Annotated[int, msgspec.Meta(ge=1)],
         "sent_at": float,
         "role": Role,
+        "step_calibration": Annotated[float, msgspec.Meta(ge=STEP_CALIBRATION_MIN, le=STEP_CALIBRATION_MAX)],
     }
     plain = {int: count, float: Annotated[float, msgspec.Meta(ge=0)], str: str, tuple[int, ...]: tuple[count, ...]}
     hints = get_type_hints(Heartbeat)
@@ -390,6 +418,7 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
         running_requests=_hb_optional(data, f.RUNNING_REQUESTS, int),
         waiting_requests=_hb_optional(data, f.WAITING_REQUESTS, int),
         kv_usage=_hb_optional(data, f.KV_USAGE, float),
+        step_calibration=_step_calibration(data.get(f.STEP_CALIBRATION), MalformedHeartbeat),
     )
 
 
@@ -506,11 +535,16 @@ STEP_BUDGET_OVERRUNS_HELP = (
 )
 
 
-def overran_step_budget(decode_tokens: int, budgets_s: Iterable[float | None], duration_s: float) -> bool:
+def overran_step_budget(
+    decode_tokens: int, budgets_s: Iterable[float | None], duration_s: float, step_calibration: float = 1.0
+) -> bool:
     """Whether one step counts as an overrun: decodes ran in it (the budget protects their TBT;
-    with none running it does not apply) and it lasted longer than the tightest budget of its chunks."""
+    with none running it does not apply) and it lasted longer than the tightest budget of its
+    chunks times the node's step calibration (a budget is predicted time, beta x tau / the
+    calibration the dispatcher planned with: a step of the planned length is allowed to run that
+    much slower than its prediction)."""
     budgets = [b for b in budgets_s if b is not None]
-    return decode_tokens > 0 and bool(budgets) and duration_s > min(budgets)
+    return decode_tokens > 0 and bool(budgets) and duration_s > min(budgets) * step_calibration
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,6 +568,7 @@ class EngineStateField:
     RUNNING_REQUESTS = HeartbeatField.RUNNING_REQUESTS
     WAITING_REQUESTS = HeartbeatField.WAITING_REQUESTS
     KV_USAGE = HeartbeatField.KV_USAGE
+    STEP_CALIBRATION = HeartbeatField.STEP_CALIBRATION  # the node's, when it measures its steps
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -545,7 +580,7 @@ class EngineStateField:
         MAX_STEP_TOKENS,
         MODEL,
     )
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, AS_OF)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, AS_OF)
 
 
 class EngineStateError(KairosError):
@@ -568,6 +603,7 @@ class EngineState:
     running_requests: int | None = None  # None where the engine does not say
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    step_calibration: float | None = None  # actual / predicted step time, its upper quantile
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -590,6 +626,7 @@ class EngineState:
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
+        _step_calibration(self.step_calibration, EngineStateError)
         as_of = self.as_of
         if as_of is not None and (
             isinstance(as_of, bool) or not isinstance(as_of, int | float) or not math.isfinite(as_of)
@@ -613,6 +650,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.RUNNING_REQUESTS: state.running_requests,
         f.WAITING_REQUESTS: state.waiting_requests,
         f.KV_USAGE: state.kv_usage,
+        f.STEP_CALIBRATION: state.step_calibration,
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}

@@ -30,3 +30,13 @@ MAX_MODEL_LEN = 32768  # tokens of context
 PREFILL_STEP_TOKENS = 2048  # max_num_batched_tokens on prefill nodes (chi_p)
 DECODE_STEP_TOKENS = 4096  # max_num_batched_tokens on decode nodes
 KV_CAPACITY_TOKENS = 1_300_000  # KV-cache tokens per emulated node
+
+# The decode nodes' step-time calibration (kairos.core.calibration): the upper quantile of
+# actual / predicted step time each node reports, and the dispatcher divides its step budget by.
+CALIBRATION_QUANTILE = 0.99  # P(a step planned at the budget's edge runs over tau) <= 1%
+CALIBRATION_HALF_LIFE_STEPS = 2000  # a step this many steps old weighs half (~100 s of 50 ms steps)
+CALIBRATION_MIN_SAMPLES = 500  # steps measured before the estimate replaces the prior
+
+# The simulator's correlated ground-truth error (--error-form correlated): the share of the
+# error's variance that is a per-node bias (drawn once per node), the rest per-step noise.
+SIM_ERROR_BIAS_SHARE = 0.5

@@ -53,6 +53,13 @@ class DeciderConfig:
     # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
     # both step lines shrink by the error's P95 (see step_budget_s). 0 trusts the model.
     model_error: float = 0.0
+    # Plan each decode node's steps to its own line: both step lines divided by the step
+    # calibration the node reports (DecodeNodeState.step_calibration, the 99th percentile of its
+    # actual / predicted step times), so its steps with deflected chunks stay under tau 99% of the
+    # time however far its model is off. It composes with beta and model_error (each an extra,
+    # optional margin). A node that reports none counts 1.0: the lines above, unchanged. False
+    # ignores the reports (to measure what calibration changes).
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
@@ -90,6 +97,20 @@ class DeciderConfig:
         miss the SLO on every step, and prefill work there only lengthens those steps and the
         batch's drain."""
         return min(self.tbt_slo_s / self.error_margin, self.step_budget_s)
+
+
+def node_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """Eq. 5's line on ``node``: ``config.step_budget_s`` / the node's step calibration (with
+    ``config.calibrate``), the longest predicted step a schedule there may contain. A calibration
+    of 1.0 gives ``config.step_budget_s`` to the bit."""
+    budget = config.step_budget_s
+    return budget / node.step_calibration if config.calibrate else budget
+
+
+def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """``config.decode_overload_s`` on ``node``, divided by its step calibration likewise."""
+    line = config.decode_overload_s
+    return line / node.step_calibration if config.calibrate else line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +166,7 @@ class _Plan:
     decode_tokens: int  # B the request's own steps run beside (after any backlog finished)
     runs: tuple[Run, ...]  # the request's schedule
     ttft_s: float  # includes the wait behind the node's backlog, if any
+    step_budget_s: float  # the node's step budget the schedule was planned to (node_step_budget_s)
 
 
 _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
@@ -291,7 +313,7 @@ def plan_on_decode_node(
     """Schedule the request on one decode node, behind any deflected prefills already there
     (possible only when the pending-deflection limit is lifted)."""
     b, k, t = node.decode_tokens, node.kv_tokens, 0.0
-    cands, budget = config.chunk_candidates, config.step_budget_s
+    cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
     for backlog in node.prefill_backlog_tokens:
         done = greedy_schedule(models, backlog, b, k, cands, budget, give_up_after_s, t)
         if isinstance(done, str):
@@ -301,7 +323,7 @@ def plan_on_decode_node(
     done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t)
     if isinstance(done, str):
         return done
-    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1])
+    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +376,20 @@ class _NodeFacts:
     kept on the state (``DecodeNodeState.derived``), so a heartbeat or a dispatch, which
     replaces the state, is what recomputes it, not every decision."""
 
-    __slots__ = ("b", "bound_step_s", "config", "end_s", "ends", "load_s", "models", "runs", "table", "wait_s")
+    __slots__ = (
+        "b",
+        "bound_step_s",
+        "budget_s",
+        "config",
+        "end_s",
+        "ends",
+        "load_s",
+        "models",
+        "overload_s",
+        "runs",
+        "table",
+        "wait_s",
+    )
     wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
     b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
     table: StepTable  # Eq. 4 for the request's own steps
@@ -364,23 +399,25 @@ class _NodeFacts:
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
         self.load_s = decode_load_s(models, node)
+        self.budget_s = node_step_budget_s(config, node)  # Eq. 5's line on this node
+        self.overload_s = node_overload_s(config, node)
         self.runs: tuple[PathRun, ...] | None = None  # the rest is built on the first bound asked for
         self.ends: tuple[float, ...] = ()  # cached tokens at each run's end (inf: unbounded)
 
     def build_path(self, node: DecodeNodeState) -> None:
         """The time to run the node's backlog, then, for the request's own steps beside it:
         Eq. 4's coefficients, the largest chunk's prefill tokens and the greedy's path."""
-        models, config = self.models, self.config
+        models, config, budget = self.models, self.config, self.budget_s
         b, k, t = node.decode_tokens, node.kv_tokens, 0.0
         for backlog in node.prefill_backlog_tokens:
-            done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, config.step_budget_s, math.inf, t)
+            done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, budget, math.inf, t)
             t = math.inf if isinstance(done, str) else done[1]
             b, k = b + 1, k + backlog
         self.wait_s, self.b = t, b
         self.table = _step_table(models, b, k, config.chunk_candidates)
-        runs, self.end_s = _greedy_path(self.table, config.step_budget_s, t)
+        runs, self.end_s = _greedy_path(self.table, budget, t)
         self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in runs)
-        self.bound_step_s = config.step_budget_s * (1 + _BOUND_SLACK)
+        self.bound_step_s = budget * (1 + _BOUND_SLACK)
         self.runs = runs  # last: a set ``runs`` says the rest is there
 
 
@@ -444,11 +481,11 @@ def _plan_on_path(
         _, p, _, first, inc, _, idx = path[r]
         runs.append((p, j, first, inc))
     done = _greedy_steps(
-        facts.table, facts.b, True, config.step_budget_s, give_up_after_s, prompt_tokens - cached, cached, idx, t, runs
+        facts.table, facts.b, True, facts.budget_s, give_up_after_s, prompt_tokens - cached, cached, idx, t, runs
     )
     if isinstance(done, str):
         return done
-    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1])
+    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=facts.budget_s)
 
 
 def ttft_lower_bound_s(
@@ -558,7 +595,7 @@ def _scan_decode_nodes(
     pass is a third of a decision: it reads each node's facts once."""
     if not view.decode:
         raise NoHealthyNodeError("no decode node is registered")
-    line = config.decode_overload_s if config.decode_overload_guard else math.inf
+    guard = config.decode_overload_guard
     stale_after, limit = config.stale_after_s, config.max_pending_deflections
     eligible: list[DecodeNodeState] = []
     facts: list[_NodeFacts] = []
@@ -580,7 +617,7 @@ def _scan_decode_nodes(
             keep, keep_load = n, load
         if limit is None or len(n.prefill_backlog_tokens) < limit:
             any_can_take = True
-            if load <= line:
+            if not guard or load <= f.overload_s:  # the node's own line (its step calibration)
                 eligible.append(n)
                 facts.append(f)
     if keep is None or not any_fresh:  # no fresh node with room: the keep pick's fallbacks
@@ -609,13 +646,24 @@ def decide_without_prefill_pool(
         ttft_dec, node_id, plan = min(plans, key=lambda x: (x[0], x[1]))
         sizes, times = expand_runs(plan.runs)
         decode_tokens = plan.decode_tokens
+        budget = plan.step_budget_s
     else:
         node = pick_keep_decode_node(models, view, now, config, prompt_tokens)
         node_id, smallest = node.node_id, config.chunk_candidates[-1]
         whole, rest = divmod(prompt_tokens, smallest)
         sizes, times, ttft_dec, decode_tokens = [smallest] * whole + [rest] * bool(rest), [], None, node.decode_tokens
+        budget = node_step_budget_s(config, node)
     return _deflect(
-        Reason.DEFLECT_NO_PREFILL_NODE, node_id, sizes, times, decode_tokens, None, ttft_dec, prompt_tokens, config
+        Reason.DEFLECT_NO_PREFILL_NODE,
+        node_id,
+        sizes,
+        times,
+        decode_tokens,
+        None,
+        ttft_dec,
+        prompt_tokens,
+        config,
+        budget,
     )
 
 
@@ -629,8 +677,10 @@ def _deflect(
     ttft_dec: float | None,
     prompt_tokens: int,
     config: DeciderConfig,
+    step_budget_s: float,
 ) -> Decision:
-    """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces."""
+    """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces
+    (that node's: ``node_step_budget_s``)."""
     return Decision(
         route=Route.DEFLECT,
         reason=reason,
@@ -640,7 +690,7 @@ def _deflect(
         predicted_ttft_prefill_s=ttft_pf,
         predicted_ttft_decode_s=ttft_dec,
         prompt_tokens=prompt_tokens,
-        step_budget_s=config.step_budget_s if config.node_step_guard else None,
+        step_budget_s=step_budget_s if config.node_step_guard else None,
         predicted_step_s=tuple(times),
         planned_decode_tokens=decode_tokens,
     )
@@ -650,7 +700,7 @@ def _deflect(
 # the lowest node id on a tie (then the first in the view), and whether any node's schedule
 # was abandoned for running past the bound (rather than finding no TBT-safe chunk).
 _Best = tuple[float, str, _Plan]
-_PlanMemo = dict[tuple[int, int, tuple[int, ...]], "_Plan | str"]
+_PlanMemo = dict[tuple[int, int, tuple[int, ...], float], "_Plan | str"]
 
 
 def _cutoff(limit_s: float) -> float:
@@ -671,7 +721,7 @@ def _memo_plan(
     """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state in a
     search. Bounds only tighten during a search, and a schedule too slow for a looser bound is
     too slow for a tighter one."""
-    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration)
     plan = memo.get(key)
     if plan is None:
         plan = memo[key] = planner(models, config, node, prompt_tokens, give_up)
@@ -810,4 +860,5 @@ def decide(
         ttft_dec,
         prompt_tokens,
         config,
+        plan.step_budget_s,
     )

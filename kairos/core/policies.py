@@ -170,9 +170,11 @@ class KairosPolicy:
         guard = "" if self.config.node_step_guard else ",guard=off"
         overload = "" if self.config.decode_overload_guard else ",overload=off"
         error = f",error={self.config.model_error:g}" if self.config.model_error else ""
+        calibrate = "" if self.config.calibrate else ",calibrate=off"
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
-        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload}{error})"
+        knobs = f"{pending}{guard}{overload}{error}{calibrate}"
+        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         return alg.decide(prompt_tokens, view, now, self.models, self.config)
@@ -410,8 +412,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error"),
-    "oracle": ("alpha", "beta", "guard", "overload", "error"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate"),
+    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -505,14 +507,11 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         "beta": number("beta", cfg.beta),
         "model_error": number("error", cfg.model_error),
     }
-    if "guard" in params:
-        if params["guard"].lower() not in ("on", "off"):
-            raise UnknownPolicyError(f"policy {name!r}: guard={params['guard']!r} must be 'on' or 'off'")
-        changes["node_step_guard"] = params["guard"].lower() == "on"
-    if "overload" in params:
-        if params["overload"].lower() not in ("on", "off"):
-            raise UnknownPolicyError(f"policy {name!r}: overload={params['overload']!r} must be 'on' or 'off'")
-        changes["decode_overload_guard"] = params["overload"].lower() == "on"
+    for key, field in (("guard", "node_step_guard"), ("overload", "decode_overload_guard"), ("calibrate", "calibrate")):
+        if key in params:
+            if params[key].lower() not in ("on", "off"):
+                raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be 'on' or 'off'")
+            changes[field] = params[key].lower() == "on"
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

@@ -49,6 +49,10 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
+    # The node's step calibration from its heartbeat: the upper quantile of its actual / predicted
+    # step times (kairos.core.calibration). The decider plans its steps to beta x tau / this;
+    # 1.0 (a node that does not report one) plans to beta x tau, the paper's Eq. 5.
+    step_calibration: float = 1.0
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
@@ -63,6 +67,8 @@ class DecodeNodeState:
                 f"decode node {self.node_id}: decode_tokens={self.decode_tokens}, kv_tokens={self.kv_tokens}, "
                 f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= 0"
             )
+        if not (0 < self.step_calibration < float("inf")):
+            raise ValueError(f"decode node {self.node_id}: step_calibration must be > 0, got {self.step_calibration}")
 
     @property
     def free_kv_tokens(self) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kairos.common import defaults
 from kairos.common.cli_types import floats, ints
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
@@ -31,7 +32,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, "
-        "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,error=E], oracle:alpha=A,beta=B, "
+        "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,error=E][,calibrate=off], "
+        "oracle:alpha=A,beta=B, "
         "llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
         "aibrix[:high=S,low=S] (default pd,kairos)",
     )
@@ -40,6 +42,18 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--cv", type=float, help="inter-arrival coefficient of variation")
     p.add_argument("--error", type=float, help="ground-truth step-time error, e.g. 0.1 = 10%% MAE")
+    p.add_argument(
+        "--error-form",
+        choices=("iid", "correlated"),
+        help="iid (default): each step's error drawn alone; correlated: a per-node bias, drawn once "
+        "per node, plus per-step noise, with the same overall MAE (--error)",
+    )
+    p.add_argument(
+        "--error-bias-share",
+        type=float,
+        help=f"correlated form: the bias's share of the error's variance (default {defaults.SIM_ERROR_BIAS_SHARE:g}; "
+        "the per-step noise has the rest)",
+    )
     p.add_argument("--profile", help="latency profile: packaged name or JSON path")
     p.add_argument("--prefill-nodes", type=int)
     p.add_argument("--decode-nodes", type=int)
@@ -67,6 +81,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "cv": args.cv,
         "error": args.error,
+        "error_form": args.error_form,
+        "error_bias_share": args.error_bias_share,
         "profile": args.profile,
         "prefill_nodes": args.prefill_nodes,
         "decode_nodes": args.decode_nodes,

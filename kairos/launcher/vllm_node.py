@@ -92,6 +92,7 @@ class VllmNodeSpec:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
             "KAIROS_VLLM_STATE_PORT": str(self.state_port),
             "KAIROS_VLLM_NODE_ID": self.node_id,
+            "KAIROS_VLLM_ROLE": str(self.role),
             "KAIROS_VLLM_PROFILE": self.profile,
             "KAIROS_VLLM_RECORD_STEPS": "1" if self.record_steps or self.step_log else "0",
             "KAIROS_VLLM_STEP_LOG": self.step_log,

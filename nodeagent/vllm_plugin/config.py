@@ -35,12 +35,17 @@ class PluginConfig:
     # chunks within the step budget the dispatcher sent; "" = the budget cannot be enforced.
     profile: str = ""
     node_id: str = ""  # copied into step records, so records from several nodes stay apart
+    # The node's role: a decode node (or "", not said) with a profile measures its step times
+    # against the profile and reports its step calibration in the engine state.
+    role: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.state_port < 65536:
             raise ConfigError(f"{ENV_PREFIX}STATE_PORT must be a port number or 0, got {self.state_port}")
         if self.state_refresh_s <= 0:
             raise ConfigError(f"{ENV_PREFIX}STATE_REFRESH_S must be > 0, got {self.state_refresh_s}")
+        if self.role not in ("", "prefill", "decode"):
+            raise ConfigError(f"{ENV_PREFIX}ROLE must be 'prefill', 'decode' or empty, got {self.role!r}")
         if self.step_ring < 1:
             raise ConfigError(f"{ENV_PREFIX}STEP_RING must be >= 1, got {self.step_ring}")
 

@@ -34,6 +34,7 @@ def build_state(
     running_requests: int,
     waiting_requests: int,
     kv_usage: float,
+    step_calibration: float | None = None,
 ) -> EngineState:
     queued: list[int] = []
     scheduled: list[int] = []
@@ -51,5 +52,6 @@ def build_state(
         running_requests=running_requests,
         waiting_requests=waiting_requests,
         kv_usage=round(kv_usage, 6),
+        step_calibration=step_calibration,
         as_of=time.time(),
     )

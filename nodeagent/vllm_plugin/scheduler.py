@@ -17,6 +17,10 @@ Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosS
    once when the request counts change) the engine state is snapshotted for the heartbeat
    publisher, served on loopback (:mod:`.state_server`).
 3. **Step recorder** (off by default): wall time and composition of every step (:mod:`.recorder`).
+4. **Step calibration.** With a profile, on a decode node, every step's wall time is compared
+   with the profile's prediction for it (:class:`~kairos.core.calibration.StepCalibration`, the
+   one the emulated node and the simulator run), and the engine state reports the upper quantile
+   of actual / predicted; the dispatcher plans this node's steps to ``beta x tau`` divided by it.
 
 The hook is ``Scheduler._reserve_prefill_lookahead``, which vLLM calls for every running and
 waiting request after all its own token-budget clamping, so the cap composes with vLLM's
@@ -41,12 +45,14 @@ from kairos.common.contracts import (
     EngineStateError,
     EngineStep,
     MalformedSchedule,
+    Role,
     StepChunk,
     encode_engine_state,
     overran_step_budget,
     parse_schedule_xargs,
 )
 from kairos.common.errors import KairosError
+from kairos.core.calibration import StepCalibration, predicted_step_s, prior_from_mape
 from kairos.core.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
@@ -79,6 +85,12 @@ class KairosScheduler(Scheduler):
         self._profile_stamp = _stamp(self._profile_file)
         self._profile_checked_at = time.monotonic()
         self._warned_no_guard = False
+        self._calibration = (
+            StepCalibration(prior=prior_from_mape(self._guard.mixed.mape))
+            if self._guard is not None and self.kairos.role != Role.PREFILL
+            else None
+        )
+        self._calibrating_step: tuple[float, int, int, tuple[StepChunk, ...]] | None = None
         self._recorder = (
             StepRecorder(self.kairos.step_ring, self.kairos.step_log or None, self.kairos.node_id)
             if self.kairos.recorder_on
@@ -160,6 +172,8 @@ class KairosScheduler(Scheduler):
         if self._recorder is not None and output.total_num_scheduled_tokens > 0:
             self._pending_step = (self._step_index, started, step_decodes, kv, tuple(chunks))
             self._step_index += 1
+        if self._calibration is not None and output.total_num_scheduled_tokens > 0:
+            self._calibrating_step = (started, step_decodes, kv, tuple(chunks))
         owner = self._plans.get(self._step_owner) if self._step_owner is not None else None
         self._budgeted_step = None
         if owner is not None and owner.step_budget_s is not None and step_decodes > 0:
@@ -210,6 +224,8 @@ class KairosScheduler(Scheduler):
             kept = self._guard.name if self._guard else "none"
             log.error("kairos: profile reload rejected, keeping %s: %s", kept, exc)
             return
+        if self._calibration is not None:  # measured against the old model: start again from the new one's prior
+            self._calibration = StepCalibration(prior=prior_from_mape(self._guard.mixed.mape))
         log.info("kairos: step budgets now enforced with profile %s (%s)", self._guard.name, self._profile_file)
 
     # -- after each step ----------------------------------------------------------------------
@@ -219,10 +235,16 @@ class KairosScheduler(Scheduler):
             index, start, decodes, kv, chunks = self._pending_step
             self._pending_step = None
             self._recorder.record(EngineStep(index, start, ended - start, decodes, kv, chunks))
+        if self._calibrating_step is not None and self._calibration is not None and self._guard is not None:
+            start, decodes, kv, chunks = self._calibrating_step
+            self._calibrating_step = None
+            predicted = predicted_step_s(self._guard, Role.DECODE, decodes, kv, chunks)
+            self._calibration.observe(predicted, ended - start)
         if self._budgeted_step is not None and self._server is not None:
             start, decodes, budget_s = self._budgeted_step
             self._budgeted_step = None
-            if overran_step_budget(decodes, (budget_s,), ended - start):
+            calibration = 1.0 if self._calibration is None else self._calibration.value
+            if overran_step_budget(decodes, (budget_s,), ended - start, calibration):
                 self._server.count_step_budget_overrun()
         result = super().update_from_output(scheduler_output, model_runner_output)
         if len(self._plans) > len(self.requests) or any(rid not in self.requests for rid in self._plans):
@@ -288,6 +310,7 @@ class KairosScheduler(Scheduler):
             running_requests=counts[0],
             waiting_requests=counts[1],
             kv_usage=self.kv_cache_manager.usage,
+            step_calibration=None if self._calibration is None else self._calibration.value,
         )
 
     def _pending(self, r: Request) -> PendingPrefill:

@@ -479,7 +479,11 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "scheduled_prefill_tokens",
             "max_step_tokens",
             "model",
+            "step_calibration",
         }
+        # The emulated node's truth is its model: its steps calibrate to 1.0 (the prior, until
+        # it has measured enough steps, is 1.0 too: the packaged profile has no measured error).
+        assert state["step_calibration"] == 1.0
         assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
         assert state["scheduled_prefill_tokens"] == []
 

@@ -59,9 +59,10 @@ def test_state_snapshot_is_what_the_publisher_reads() -> None:
         running_requests=4,
         waiting_requests=2,
         kv_usage=0.0312,
+        step_calibration=1.25,
     )
     parsed = parse_engine_state(encode_engine_state(state).encode())
-    assert parsed == state
+    assert parsed == state and parsed.step_calibration == 1.25
     assert parsed.decode_tokens == 3 and parsed.kv_tokens == 4100 and parsed.kv_capacity_tokens == 131072
     assert parsed.queued_prefill_tokens == (500, 7)  # FIFO, finished prefills left out
     assert parsed.scheduled_prefill_tokens == (900,)

@@ -879,3 +879,59 @@ def test_default_config_is_the_papers_but_for_the_pending_limit() -> None:
     # deflection is scheduled behind every one in flight (defaults.MAX_PENDING_DEFLECTIONS).
     assert cfg.max_pending_deflections is None
     assert cfg.step_budget_s == pytest.approx(0.070)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step calibration: each node's lines are beta x tau / its reported calibration (flat models,
+# tau = 0.105, B = 20: T0 = 0.060, a chunk of p prefill tokens adds 1e-4 p)
+# ---------------------------------------------------------------------------------------------
+def calibrated(node_id: str, b: int, calibration: float) -> DecodeNodeState:
+    return dataclasses.replace(decode_node(node_id, b=b), step_calibration=calibration)
+
+
+@pytest.mark.parametrize(
+    ("calibration", "chunks", "budget"),
+    [
+        pytest.param(1.0, (400, 400, 200), 0.105, id="1.0: the paper's line, 400-token chunks of 0.100"),
+        pytest.param(1.25, (200,) * 5, 0.084, id="1.25: under 0.084 only 200-token chunks (0.080) fit"),
+        pytest.param(0.875, (400, 400, 200), 0.12, id="0.875: a fast node's line is over tau"),
+    ],
+)
+def test_each_node_plans_to_its_own_calibrated_budget_and_sends_it(
+    calibration: float, chunks: tuple[int, ...], budget: float
+) -> None:
+    d = decide(1000, view((prefill_node(queue=(5000,)),), (calibrated("d1", 20, calibration),)), 0.0, FLAT, CFG)
+    assert (d.route, d.chunk_sizes) == (Route.DEFLECT, chunks)
+    assert d.step_budget_s == pytest.approx(budget)
+    assert all(s.predicted_s <= budget for s in d.schedule)
+
+
+def test_a_calibration_of_one_is_the_uncalibrated_line_to_the_bit() -> None:
+    for cfg in (CFG, dataclasses.replace(CFG, beta=0.9, model_error=0.07)):
+        node = decode_node("d1", b=20)
+        assert alg.node_step_budget_s(cfg, node) == cfg.step_budget_s
+        assert alg.node_overload_s(cfg, node) == cfg.decode_overload_s
+
+
+def test_calibration_composes_with_beta_and_model_error_and_can_be_turned_off() -> None:
+    node = calibrated("d1", 20, 1.25)
+    cfg = dataclasses.replace(CFG, beta=0.9, model_error=0.1)
+    assert alg.node_step_budget_s(cfg, node) == pytest.approx(0.9 * 0.105 / 1.2061518 / 1.25)
+    off = dataclasses.replace(cfg, calibrate=False)
+    assert alg.node_step_budget_s(off, node) == off.step_budget_s
+
+
+def test_the_overload_line_is_calibrated_too() -> None:
+    # B = 40: T0 = 0.080, under tau = 0.105 but over 0.105 / 1.4 = 0.075.
+    v = view((prefill_node(queue=(5000,)),), (calibrated("d1", 40, 1.4),))
+    assert decide(1000, v, 0.0, FLAT, CFG).reason is Reason.KEEP_DECODE_OVERLOADED
+    off = decide(1000, v, 0.0, FLAT, dataclasses.replace(CFG, calibrate=False))
+    assert off.route is Route.DEFLECT
+
+
+def test_nodes_in_the_same_state_with_different_calibrations_are_planned_apart() -> None:
+    """The search memoises a schedule per node state: the calibration is part of that state."""
+    slow, fast = calibrated("d1", 20, 1.25), calibrated("d2", 20, 1.0)
+    d = decide(1000, view((prefill_node(queue=(5000,)),), (slow, fast)), 0.0, FLAT, CFG)
+    assert (d.decode_node, d.chunk_sizes, d.step_budget_s) == ("d2", (400, 400, 200), 0.105)
+    assert d.predicted_ttft_decode_s == pytest.approx(0.280)

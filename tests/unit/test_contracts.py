@@ -268,3 +268,6 @@ def test_a_step_overruns_its_budget_only_over_the_tightest_budget_with_decodes_r
     assert not c.overran_step_budget(0, [0.07], 0.5)  # no decode ran: the budget protected nobody
     assert not c.overran_step_budget(3, [None], 0.5)  # no chunk carried a budget
     assert not c.overran_step_budget(3, [], 0.5)
+    # A node calibrated at 1.25 was planned to 0.056 for a tau of 0.070: 0.065 is within tau.
+    assert not c.overran_step_budget(3, [0.056], 0.065, 1.25)
+    assert c.overran_step_budget(3, [0.056], 0.071, 1.25)

@@ -45,7 +45,9 @@ def test_encode_then_parse_is_the_identity() -> None:
 
 def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -> None:
     assert set(json.loads(encode_heartbeat(BEAT))) == set(HeartbeatField.ALL)
-    full = Heartbeat(**{**_fields(BEAT), "running_requests": 3, "waiting_requests": 0, "kv_usage": 0.25})
+    full = Heartbeat(
+        **{**_fields(BEAT), "running_requests": 3, "waiting_requests": 0, "kv_usage": 0.25, "step_calibration": 1.25}
+    )
     raw = encode_heartbeat(full)
     assert set(json.loads(raw)) == set(HeartbeatField.ALL) | set(HeartbeatField.OPTIONAL)
     assert parse_heartbeat(raw, "d0") == full
@@ -79,6 +81,10 @@ def _raw(**changes: Any) -> str:
         (_raw(sidecar=""), "a decode node needs a sidecar address"),
         (_raw(kv_usage=-0.5), "kv_usage must be a number >= 0"),
         (_raw(running_requests=1.5), "running_requests must be an int >= 0"),
+        (_raw(step_calibration=0), "step_calibration must be a number in [0.25, 4.0]"),
+        (_raw(step_calibration=4.5), "step_calibration must be a number in [0.25, 4.0]"),
+        (_raw(step_calibration="1.2"), "step_calibration must be a number in [0.25, 4.0]"),
+        (_raw(step_calibration=True), "step_calibration must be a number in [0.25, 4.0]"),
     ],
 )
 def test_parse_heartbeat_rejects_contract_violations(raw: str, message: str) -> None:
@@ -131,3 +137,11 @@ def test_the_fast_decoder_and_the_checked_one_give_the_same_verdict(
     if isinstance(checked, Heartbeat) and (not checked.url or (checked.role is Role.DECODE and not checked.sidecar)):
         checked = "refused"  # parse_heartbeat's checks across fields, after either decoder
     assert fast == checked
+
+
+def test_a_heartbeat_without_step_calibration_reads_as_not_reported() -> None:
+    """A node older than the field (or with no latency model) sends none: the decoder gives None,
+    which the dispatcher's membership turns into a calibration of 1.0 (Eq. 5 as the paper has it)."""
+    assert "step_calibration" not in json.loads(encode_heartbeat(BEAT))
+    assert parse_heartbeat(encode_heartbeat(BEAT), "d0").step_calibration is None
+    assert parse_heartbeat(_raw(step_calibration=1), "d0").step_calibration == 1.0

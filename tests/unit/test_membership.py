@@ -424,3 +424,10 @@ def test_a_value_seen_at_the_last_poll_is_not_parsed_again(monkeypatch: pytest.M
     m.poll_succeeded({"p0": beat("p0", 2), "d0": beat("d0", 1)}.items(), 0.1)
     assert parsed[-1] == beat("p0", 2) and len(parsed) == 3
     assert nodes_in_view(m) == {"p0": 0.1, "d0": 0.0}
+
+
+def test_the_view_carries_each_decode_nodes_step_calibration_and_an_old_heartbeat_reads_as_one() -> None:
+    m = Membership(MembershipConfig())
+    m.poll_succeeded([("d0", beat("d0", step_calibration=1.25)), ("d1", beat("d1"))], 5.0)
+    by_id = {n.node_id: n for n in m.tracker.view().decode}
+    assert (by_id["d0"].step_calibration, by_id["d1"].step_calibration) == (1.25, 1.0)

@@ -74,16 +74,18 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
     if config.decode_overload_guard:
-        eligible = [n for n in eligible if alg.decode_load_s(models, n) <= config.decode_overload_s]
+        eligible = [
+            n for n in eligible if alg.decode_load_s(models, n) <= config.decode_overload_s / n.step_calibration
+        ]
         if not eligible:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
     best = None
     any_too_slow = False
-    memo: dict[tuple[int, int, tuple[int, ...]], object] = {}
+    memo: dict[tuple[int, int, tuple[int, ...], float], object] = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
-        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens)
+        key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration)
         give_up = bound if best is None else min(bound, best[0])
         plan = memo.get(key)
         if plan is None:
@@ -91,12 +93,12 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
         if plan == "too_slow":
             any_too_slow = True
         elif not isinstance(plan, str) and (best is None or plan.ttft_s < best[0]):
-            best = (plan.ttft_s, node.node_id, plan)
+            best = (plan.ttft_s, node.node_id, plan, node)
     if best is None:
         if not any_too_slow:
             return keep(Reason.KEEP_NO_SAFE_SCHEDULE, None)
         return keep(Reason.KEEP_DECODE_SLOWER if margin_s <= config.ttft_slo_s else Reason.KEEP_DECODE_OVER_SLO, None)
-    ttft_dec, node_id, plan = best
+    ttft_dec, node_id, plan, chosen = best
     if ttft_dec > margin_s:
         return keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
     if ttft_dec > config.ttft_slo_s:
@@ -111,7 +113,7 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
         ttft_pf,
         ttft_dec,
         prompt,
-        config.step_budget_s if config.node_step_guard else None,
+        config.step_budget_s / chosen.step_calibration if config.node_step_guard else None,
         tuple(times),
         plan.decode_tokens,
     )
@@ -149,6 +151,7 @@ def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
                 prefill_backlog_tokens=tuple(draw(st.lists(st.integers(1, 6000), max_size=2))),
                 incoming_keeps=draw(st.integers(0, 2)),
                 incoming_keep_tokens=draw(st.integers(0, 8000)),
+                step_calibration=draw(st.sampled_from([1.0, 1.0, 1.0, 0.8, 1.3])),
             )
         )
     return tuple(nodes)

@@ -144,3 +144,39 @@ def test_heartbeat_work_follows_the_requests_not_the_simulated_time() -> None:
     assert tracker.reports <= len(sim.engines) * (len(spaced) + 1)
     assert len(ages) == len(sim.engines) * len(spaced)
     assert all(0 <= age < sim.cluster.heartbeat_s for age in ages)
+
+
+def test_the_correlated_error_form_is_seeded_and_differs_from_the_iid_one() -> None:
+    reqs = make_workload("bursty", rps=6, duration_s=60, seed=7)
+    a = simulate(reqs, "kairos", error=0.1, seed=1, error_form="correlated").metrics.summary
+    b = simulate(reqs, "kairos", error=0.1, seed=1, error_form="correlated").metrics.summary
+    other_seed = simulate(reqs, "kairos", error=0.1, seed=2, error_form="correlated").metrics.summary
+    iid = simulate(reqs, "kairos", error=0.1, seed=1).metrics.summary
+    assert a == b
+    assert a["p50_tbt_ms"] != iid["p50_tbt_ms"] and a["p50_tbt_ms"] != other_seed["p50_tbt_ms"]
+    with pytest.raises(ValueError, match="error_form"):
+        ClusterConfig(error_form="gaussian")
+
+
+def test_correlated_timers_give_each_node_its_own_bias() -> None:
+    from kairos.sim.simulator import correlated_timers
+
+    timers = correlated_timers(lambda role, plan: 1.0, 0.1, 3, ("d0", "d1"), bias_share=1.0)  # no noise
+    (d0, d1) = (timers["d0"](None, None), timers["d1"](None, None))  # type: ignore[arg-type]
+    assert d0 != d1
+    assert [timers["d0"](None, None) for _ in range(3)] == [d0] * 3  # type: ignore[arg-type]
+
+
+def test_decode_nodes_calibrate_to_exactly_one_on_an_exact_model_and_above_it_with_error() -> None:
+    reqs = make_workload("bursty", rps=8, duration_s=120, seed=5)
+    exact = simulate(reqs, "kairos")
+    assert all(e.calibration is not None and e.calibration.value == 1.0 for e in exact.decode)
+    # The same decisions as a dispatcher that ignores the calibration (1.0 is the paper's Eq. 5).
+    assert simulate(reqs, "kairos:calibrate=off").metrics.summary == exact.metrics.summary
+    noisy = simulate(reqs, "kairos", error=0.1, seed=1)
+    # i.i.d. normal errors with MAE 0.1: the 99th percentile of the ratio is 1 + 2.326 x 0.1253 = 1.29.
+    assert all(1.2 < e.calibration.value < 1.4 for e in noisy.decode if e.calibration is not None)
+    # Planned to tau / 1.29, the deflected steps stay under tau where the uncalibrated plan breaks it.
+    calibrated = noisy.metrics.summary["tbt_violation_rate"]
+    uncalibrated = simulate(reqs, "kairos:calibrate=off", error=0.1, seed=1).metrics.summary["tbt_violation_rate"]
+    assert calibrated < 0.01 < uncalibrated
