@@ -4,8 +4,8 @@ It runs the real gRPC service (:class:`kairos.extproc.server.ExternalProcessor` 
 :func:`kairos.extproc.server.start_grpc_server`, so the same grpc.aio server, options and answer
 encoding) in front of a dispatcher stand-in that routes every request to one fixed upstream at
 once: no JSON parse, no token count, no policy, no Redis. ``bench/gateway_overhead.py`` puts
-Envoy + this beside Envoy + the real dispatcher: what this adds over Envoy alone is the floor of
-Envoy's ext_proc filter and grpcio on the machine; the rest is the dispatcher's own work.
+Envoy + this beside Envoy alone and the whole gateway: what this adds over Envoy alone is the
+floor of Envoy's ext_proc filter and grpcio on the machine; the rest is the dispatcher's own work.
 
     python bench/noop_extproc.py --port PORT --destination HOST:PORT
 """
