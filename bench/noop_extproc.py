@@ -4,10 +4,10 @@ It runs the real gRPC service (:class:`kairos.extproc.server.ExternalProcessor` 
 :func:`kairos.extproc.server.start_grpc_server`, so the same grpc.aio server, options and answer
 encoding) in front of a dispatcher stand-in that routes every request to one fixed upstream at
 once: no JSON parse, no token count, no policy, no Redis. ``bench/gateway_overhead.py`` puts
-Envoy + this beside Envoy + the real dispatcher: what this adds over Envoy alone is the floor of
-Envoy's ext_proc filter and grpcio on the machine; the rest is the dispatcher's own work.
+Envoy + this beside Envoy alone and the whole gateway: what this adds over Envoy alone is the
+floor of Envoy's ext_proc filter and grpcio on the machine; the rest is the dispatcher's own work.
 
-    python bench/noop_extproc.py --port PORT --destination HOST:PORT
+    python bench/noop_extproc.py --port PORT --destination HOST:PORT [--header NAME=VALUE ...]
 """
 
 from __future__ import annotations
@@ -31,17 +31,16 @@ NOOP_ROUTE = "noop"  # the x-kairos-route this server sets, so the upstream can 
 class FixedRoute:
     """Answers every request with the same :class:`Routed`, as fast as Python can."""
 
-    def __init__(self, destination: str) -> None:
-        self.routed = Routed(
-            destinations=(destination,), set_headers=((c.H_ROUTE, NOOP_ROUTE),), remove_headers=(), decision=None
-        )
+    def __init__(self, destination: str, headers: tuple[tuple[str, str], ...] = ((c.H_ROUTE, NOOP_ROUTE),)) -> None:
+        self.routed = Routed(destinations=(destination,), set_headers=headers, remove_headers=(), decision=None)
 
     async def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> Routed:
         return self.routed
 
 
-async def serve(host: str, port: int, destination: str) -> None:
-    server, bound = await start_grpc_server(FixedRoute(destination), host, port)  # type: ignore[arg-type]
+async def serve(host: str, port: int, destination: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    route = FixedRoute(destination, headers) if headers else FixedRoute(destination)
+    server, bound = await start_grpc_server(route, host, port)  # type: ignore[arg-type]
     print(f"no-op ext_proc listening on {host}:{bound}, routing to {destination}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -56,8 +55,17 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--destination", required=True, help="host:port every request is sent to")
+    parser.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"a header to set, instead of {c.H_ROUTE}: {NOOP_ROUTE} (repeatable): e.g. the routing headers of the "
+        "P/D path, for a no-op in front of a decode node's sidecar",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port, args.destination))
+    headers = tuple(tuple(h.split("=", 1)) for h in args.header)
+    asyncio.run(serve(args.host, args.port, args.destination, headers))  # type: ignore[arg-type]
     return 0
 
 

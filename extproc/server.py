@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # bodies arrive whole (BUFFERED); grpcio's default is 4 MB
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+# "Go on" answers to a message that is not the last one (the same every time: built once).
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
 def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -91,27 +94,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> None:
+        # context.read()/write() rather than an async generator over request_iterator: grpc.aio
+        # wraps a generator in more machinery per message (about 0.1 ms of the no-op ext_proc's
+        # ~1.2 ms per request on this machine, measured with both servers behind one Envoy config).
         headers: dict[str, str] = {}
         method = path = ""
         body = bytearray()
-        async for msg in request_iterator:
+        while True:
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                return
             kind = msg.WhichOneof("request")
             if kind == "request_headers":
                 headers = _headers_of(msg.request_headers)
                 method, path = headers.get(":method", ""), headers.get(":path", "")
                 if msg.request_headers.end_of_stream:
-                    yield self._answer(await self.dispatcher.route(method, path, headers, None), "headers")
+                    routed = await self.dispatcher.route(method, path, headers, None)
+                    await context.write(self._answer(routed, "headers"))
                     return
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                await context.write(_CONTINUE_HEADERS)
             elif kind == "request_body":
                 if msg.request_body.end_of_stream:
                     # BUFFERED mode sends the whole body in this one message: no copy then.
                     whole = bytes(body + msg.request_body.body) if body else msg.request_body.body
-                    yield self._answer(await self.dispatcher.route(method, path, headers, whole), "body")
+                    routed = await self.dispatcher.route(method, path, headers, whole)
+                    await context.write(self._answer(routed, "body"))
                     return
                 body += msg.request_body.body
-                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                await context.write(_CONTINUE_BODY)
             else:
                 # Only request headers and body are subscribed; anything else is passed on untouched.
                 log.warning("unexpected ext_proc message %s", kind)

@@ -639,6 +639,28 @@ async def test_client_sent_kv_transfer_params_never_reach_a_node(rig: Rig, route
     )
 
 
+@pytest.mark.parametrize("route", ["keep", "deflect"])
+async def test_values_orjson_cannot_write_reach_the_nodes_as_sent(rig: Rig, route: str) -> None:
+    """The hops' bodies are written with orjson where it can: NaN, infinities (it would write
+    null), integers past 64 bits and escaped surrogate pairs still reach the nodes as they came."""
+    url = await rig.start_sidecar()
+    raw = (
+        b'{"model": "tiny", "prompt": "hi \\ud83d\\ude00", "max_tokens": 3, "temperature": NaN, '
+        b'"top_p": Infinity, "seed": 123456789012345678901234567890}'
+    )
+    headers = {**(_keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}),
+               "Content-Type": "application/json"}
+    async with rig.http.post(f"{url}/v1/completions", data=raw, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    hops = [*rig.prefill.seen, *rig.decode.seen]
+    assert len(hops) == (2 if route == "keep" else 1)
+    for seen in hops:
+        assert b'"temperature":NaN' in seen.raw and b'"top_p":Infinity' in seen.raw
+        body = seen.json
+        assert body["seed"] == 123456789012345678901234567890
+        assert body["prompt"] == "hi \U0001f600"
+
+
 @pytest.mark.parametrize(
     ("raw", "headers", "status", "code"),
     [
@@ -775,7 +797,8 @@ async def test_a_redis_that_never_answers_never_delays_a_request(rig: Rig, monke
                 async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as r:
                     assert r.status == 200
                     await r.read()
-        assert held  # the writer did try
+        # The writer did try (it lets samples gather for _FEEDBACK_LINGER_S first).
+        assert await eventually(lambda: held, what="the writer's connection")
     finally:
         for writer in held:
             writer.close()
