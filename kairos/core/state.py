@@ -49,6 +49,10 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
+    # Prompt tokens of each KV transfer queued on or running over the node's inbound link
+    # (prefilled keep-path requests whose KV the node has yet to pull), FIFO, as its heartbeat
+    # reports them. The keep path's TTFT estimate queues a new transfer behind them.
+    pending_kv_pull_tokens: tuple[int, ...] = ()
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
