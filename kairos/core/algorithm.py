@@ -147,9 +147,13 @@ def keep_handoff_s(
     - T_xfer: the prompt's KV over the node's inbound link, the profile's transfer model
       (latency + tokens x bytes per token / bandwidth: the simulator's and the emulated node's).
     - W_link: the link is FIFO, one transfer at a time. Ahead of this one: the pulls the node
-      reports (pending_kv_pull_tokens) and the keeps this dispatcher sent it whose prefill still
-      runs (incoming_keeps); the link clears them by ``sum T_xfer`` from now at the earliest, so
-      the wait is what is left of that when this prefill ends.
+      reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take); the link
+      clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
+      prefill ends. The keeps this dispatcher sent the node whose prefill still runs
+      (incoming_keeps) are not counted on the link: they stay incoming until their Eq. 1 end,
+      which Eq. 2 over-predicts under load, so most of them have crossed the link by then and
+      show as pulls or decodes already (counting them too made the estimate worse from 5 RPS on
+      Bursty 2P2D: bench/sim_keep_estimate.py). They do count in b, k and the KV they promise.
     - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
       K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
       tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k
@@ -169,7 +173,7 @@ def keep_handoff_s(
     backlog_tokens = sum(backlog)
     ahead_n = len(pulls) + node.incoming_keeps
     ahead_tokens = pull_tokens + node.incoming_keep_tokens
-    link_wait = max(0.0, ahead_n * t.latency_s + ahead_tokens * per_token - prefill_s)
+    link_wait = max(0.0, len(pulls) * t.latency_s + pull_tokens * per_token - prefill_s)
     transfer = t.latency_s + prompt_tokens * per_token
     b = node.decode_tokens + len(backlog) + ahead_n
     k = node.kv_tokens + backlog_tokens + ahead_tokens

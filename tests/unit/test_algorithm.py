@@ -906,12 +906,20 @@ KEEP_HANDOFF_CASES = [
     pytest.param(
         _dn(pending_kv_pull_tokens=(999,)), 0.5, 0.5 + 1.001 + 0.042 + 0.0205, id="link clears 0.5 s after: 0.5"
     ),
-    # two incoming keeps (1500 tokens) queue on the link too: 0.002 + 1.5 - 0.2 = 1.302
+    # two incoming keeps (1500 tokens) are not on the link yet (their pulls will show it); they
+    # join the batch ahead of this one: T0(3) + T0(2) / 2
     pytest.param(
         _dn(incoming_keeps=2, incoming_keep_tokens=1500),
         0.2,
-        1.302 + 1.001 + 0.043 + 0.021,
-        id="incoming keeps ahead on the link",
+        1.001 + 0.043 + 0.021,
+        id="incoming keeps join the batch ahead, not the link",
+    ),
+    # ... and promise their KV: 1500 + 1000 into 2000 is 500 short: 500 x 72 x 0.042 / 1500 = 1.008
+    pytest.param(
+        _dn(capacity=2_000, incoming_keeps=2, incoming_keep_tokens=1500),
+        0.0,
+        1.008 + 1.001 + 0.043 + 0.021,
+        id="incoming keeps hold KV room",
     ),
     # B10 K9000: room for exactly the prompt: no wait; 500 short: 500 x 72 x 0.050 / 9000 = 0.2
     pytest.param(_dn(b=10, k=9000, capacity=10_000), 0.0, 1.001 + 0.076, id="KV fits exactly: no admission wait"),
