@@ -432,6 +432,7 @@ class Membership:
                     hb.kv_capacity_tokens,
                     reported_at=now,
                     prefill_backlog_tokens=hb.scheduled_prefill_tokens,
+                    pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),
                 )
             )
         return events

@@ -228,6 +228,7 @@ def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_
         running_requests=state.running_requests,
         waiting_requests=state.waiting_requests,
         kv_usage=state.kv_usage,
+        pending_kv_pull_tokens=state.pending_kv_pull_tokens,
     )
 
 

@@ -175,7 +175,11 @@ class HeartbeatField:
     RUNNING_REQUESTS = "running_requests"
     WAITING_REQUESTS = "waiting_requests"
     KV_USAGE = "kv_usage"
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE)
+    # Optional, decode nodes: list[int], prompt tokens of each KV transfer the node has yet to
+    # finish pulling (queued on or running over its inbound link), FIFO; the keep path's TTFT
+    # estimate queues a new transfer behind them. Absent: none reported.
+    PENDING_KV_PULL_TOKENS = "pending_kv_pull_tokens"
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, PENDING_KV_PULL_TOKENS)
 
     ALL = (
         NODE_ID,
@@ -233,6 +237,7 @@ class Heartbeat:
     running_requests: int | None = None
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    pending_kv_pull_tokens: tuple[int, ...] | None = None
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -257,6 +262,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.RUNNING_REQUESTS: hb.running_requests,
         f.WAITING_REQUESTS: hb.waiting_requests,
         f.KV_USAGE: hb.kv_usage,
+        f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
@@ -335,6 +341,9 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
         running_requests=_hb_optional(data, f.RUNNING_REQUESTS, int),
         waiting_requests=_hb_optional(data, f.WAITING_REQUESTS, int),
         kv_usage=_hb_optional(data, f.KV_USAGE, float),
+        pending_kv_pull_tokens=(
+            _hb_ints(data, f.PENDING_KV_PULL_TOKENS) if data.get(f.PENDING_KV_PULL_TOKENS) is not None else None
+        ),
     )
     if node_id is not None and hb.node_id != node_id:
         raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
@@ -486,6 +495,7 @@ class EngineStateField:
     RUNNING_REQUESTS = HeartbeatField.RUNNING_REQUESTS
     WAITING_REQUESTS = HeartbeatField.WAITING_REQUESTS
     KV_USAGE = HeartbeatField.KV_USAGE
+    PENDING_KV_PULL_TOKENS = HeartbeatField.PENDING_KV_PULL_TOKENS  # list[int], decode nodes' KV pulls
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -497,7 +507,7 @@ class EngineStateField:
         MAX_STEP_TOKENS,
         MODEL,
     )
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, AS_OF)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, PENDING_KV_PULL_TOKENS, AS_OF)
 
 
 class EngineStateError(KairosError):
@@ -520,6 +530,7 @@ class EngineState:
     running_requests: int | None = None  # None where the engine does not say
     waiting_requests: int | None = None
     kv_usage: float | None = None
+    pending_kv_pull_tokens: tuple[int, ...] | None = None  # KV transfers the node has yet to finish, FIFO
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -539,6 +550,9 @@ class EngineState:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        pulls = self.pending_kv_pull_tokens
+        if pulls is not None and (not isinstance(pulls, tuple) or not all(_is_int(x) and x >= 0 for x in pulls)):
+            raise EngineStateError(f"engine state: pending_kv_pull_tokens must be a tuple of ints >= 0, got {pulls!r}")
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
@@ -565,6 +579,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.RUNNING_REQUESTS: state.running_requests,
         f.WAITING_REQUESTS: state.waiting_requests,
         f.KV_USAGE: state.kv_usage,
+        f.PENDING_KV_PULL_TOKENS: None if state.pending_kv_pull_tokens is None else list(state.pending_kv_pull_tokens),
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}
@@ -584,6 +599,11 @@ def parse_engine_state(raw: bytes | str) -> EngineState:
             raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
         values[name] = tuple(values[name])
     values |= {n: data[n] for n in f.OPTIONAL if data.get(n) is not None}
+    pulls = values.get(f.PENDING_KV_PULL_TOKENS)
+    if pulls is not None:
+        if not isinstance(pulls, list):
+            raise EngineStateError(f"engine state: {f.PENDING_KV_PULL_TOKENS} must be a list, got {pulls!r}")
+        values[f.PENDING_KV_PULL_TOKENS] = tuple(pulls)
     return EngineState(**values)
 
 
