@@ -229,6 +229,7 @@ def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_
         waiting_requests=state.waiting_requests,
         kv_usage=state.kv_usage,
         step_calibration=state.step_calibration,
+        pending_kv_pull_tokens=state.pending_kv_pull_tokens,
     )
 
 

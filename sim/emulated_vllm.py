@@ -263,6 +263,9 @@ class EmulatedNode:
         self._held: dict[int, _HeldKV] = {}  # by first block id (unique per node run)
         self._block_ids = itertools.count()
         self._transferring = 0  # decode node: pulls in their transfer wait (vLLM counts them as waiting)
+        # decode node: prompt tokens of each KV pull from its arrival until its transfer ends, FIFO
+        # (waiting for KV room, for the link, or transferring): what its heartbeat reports
+        self._pulls: list[int] = []
         # One inbound KV link per decode node, FIFO, as the simulator models it: concurrent pulls
         # queue on the link instead of overlapping.
         self._link = asyncio.Lock()
@@ -551,23 +554,27 @@ class EmulatedNode:
         host = params["remote_host"]
         prefill = f"[{host}]:{params['remote_port']}" if ":" in host else f"{host}:{params['remote_port']}"
         wait_s = self.config.kv_hold_timeout_s  # as long as the prefill node holds the KV for us
+        self._pulls.append(tokens)
         try:
-            await asyncio.wait_for(rt.reserve_kv(tokens), wait_s)
-        except TimeoutError:
-            raise NoHealthyNodeError(
-                f"node {self.config.node_id}: no KV room for {tokens} tokens within "
-                f"{self.config.kv_hold_timeout_s:g}s"
-            ) from None
-        self._transferring += 1
-        try:
-            async with self._link:
-                await self._claim(prefill, params, tokens, rid)
-                await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
-        except BaseException:
-            rt.unreserve_kv(tokens)
-            raise
+            try:
+                await asyncio.wait_for(rt.reserve_kv(tokens), wait_s)
+            except TimeoutError:
+                raise NoHealthyNodeError(
+                    f"node {self.config.node_id}: no KV room for {tokens} tokens within "
+                    f"{self.config.kv_hold_timeout_s:g}s"
+                ) from None
+            self._transferring += 1
+            try:
+                async with self._link:
+                    await self._claim(prefill, params, tokens, rid)
+                    await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
+            except BaseException:
+                rt.unreserve_kv(tokens)
+                raise
+            finally:
+                self._transferring -= 1
         finally:
-            self._transferring -= 1
+            self._pulls.remove(tokens)  # one of equal values: the list is only read as a multiset and order
         return rt.accept_transferred(seq, tokens)
 
     async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, rid: str) -> None:
@@ -722,6 +729,7 @@ class EmulatedNode:
             max_step_tokens=snap.max_step_tokens,
             model=self.config.model,
             step_calibration=snap.step_calibration,
+            pending_kv_pull_tokens=tuple(self._pulls) if self.config.role is Role.DECODE else None,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

@@ -147,5 +147,18 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
         "slo_attainment": meets / len(records) if records else 0.0,
         "output_tokens_per_s": out_tokens / span,
         "total_tokens_per_s": all_tokens / span,
-        "ttft_prediction_mape": float(np.mean(np.abs(predicted[ok] - ttft[ok]) / ttft[ok])) if ok.any() else 0.0,
+        "ttft_prediction_mape": _mape(predicted, ttft, ok),
+        # per path: the keep path's estimate (Eq. 1 and the KV hand-off) and the deflect path's (Eq. 6)
+        "ttft_prediction_mape_keep": _mape(predicted, ttft, ok & ~deflected),
+        "ttft_prediction_mape_deflect": _mape(predicted, ttft, ok & deflected),
+        # signed mean of (predicted - observed) / observed on the keep path: < 0 under-predicts
+        "ttft_prediction_bias_keep": _mape(predicted, ttft, ok & ~deflected, signed=True),
     }
+
+
+def _mape(predicted: np.ndarray, observed: np.ndarray, mask: np.ndarray, signed: bool = False) -> float:
+    """Mean (absolute, unless ``signed``) relative error of the predictions where ``mask``; 0 for none."""
+    if not mask.any():
+        return 0.0
+    err = (predicted[mask] - observed[mask]) / observed[mask]
+    return float(np.mean(err if signed else np.abs(err)))

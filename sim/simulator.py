@@ -138,6 +138,12 @@ class _Link:
 
     queue: deque[RequestRecord] = field(default_factory=deque)
     busy: bool = False
+    current_tokens: int = 0  # the running transfer's prompt tokens (0: none)
+
+    def pending_tokens(self) -> tuple[int, ...]:
+        """Prompt tokens of each transfer running or queued, FIFO: the node's KV pulls to come."""
+        queued = tuple(rec.spec.prompt_tokens for rec in self.queue)
+        return (self.current_tokens, *queued) if self.busy else queued
 
 
 class Simulator:
@@ -234,7 +240,7 @@ class Simulator:
     def _fresh_view(self, now: float) -> ClusterView:
         return ClusterView(
             prefill=tuple(_prefill_state(e.snapshot(), now) for e in self.prefill),
-            decode=tuple(_decode_state(e.snapshot(), now) for e in self.decode),
+            decode=tuple(_decode_state(e.snapshot(), now, self.links[e.config.node_id]) for e in self.decode),
         )
 
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
@@ -326,6 +332,7 @@ class Simulator:
             return  # decode-side memory pressure: wait until a decode finishes
         link.queue.popleft()
         link.busy = True
+        link.current_tokens = rec.spec.prompt_tokens
         rec.transfer_start = now
         self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _TRANSFER_END, rec)
 
@@ -338,6 +345,7 @@ class Simulator:
         rec.seq = seq
         decode.accept_transferred(seq, reserved_tokens=rec.spec.prompt_tokens)
         self.links[rec.decode_node].busy = False
+        self.links[rec.decode_node].current_tokens = 0
         self._start_transfer(rec.decode_node, now)
         self._kick(decode, now)
         self._kick(self.engines[rec.prefill_node], now)  # freed KV may admit a waiting prompt
@@ -363,7 +371,7 @@ class Simulator:
         if snap.role is Role.PREFILL:
             self.tracker.update_prefill(_prefill_state(snap, now))
         else:
-            self.tracker.update_decode(_decode_state(snap, now))
+            self.tracker.update_decode(_decode_state(snap, now, self.links[node_id]))
 
 
 def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
@@ -372,7 +380,7 @@ def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
     )
 
 
-def _decode_state(snap: EngineSnapshot, now: float) -> DecodeNodeState:
+def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeState:
     return DecodeNodeState(
         node_id=snap.node_id,
         decode_tokens=snap.decode_tokens,
@@ -381,4 +389,5 @@ def _decode_state(snap: EngineSnapshot, now: float) -> DecodeNodeState:
         reported_at=now,
         prefill_backlog_tokens=snap.scheduled_prefill_tokens,
         step_calibration=1.0 if snap.step_calibration is None else snap.step_calibration,
+        pending_kv_pull_tokens=link.pending_tokens(),
     )

@@ -187,7 +187,11 @@ class HeartbeatField:
     # step times (kairos.core.calibration); the dispatcher plans its steps to beta x tau / this.
     # Absent (a node older than the field, or one with no latency model): 1.0.
     STEP_CALIBRATION = "step_calibration"
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION)
+    # Optional, decode nodes: list[int], prompt tokens of each KV transfer the node has yet to
+    # finish pulling (queued on or running over its inbound link), FIFO; the keep path's TTFT
+    # estimate queues a new transfer behind them. Absent: none reported.
+    PENDING_KV_PULL_TOKENS = "pending_kv_pull_tokens"
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS)
 
     ALL = (
         NODE_ID,
@@ -246,6 +250,7 @@ class Heartbeat:
     waiting_requests: int | None = None
     kv_usage: float | None = None
     step_calibration: float | None = None  # None: not reported (the dispatcher reads 1.0)
+    pending_kv_pull_tokens: tuple[int, ...] | None = None
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -271,6 +276,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.WAITING_REQUESTS: hb.waiting_requests,
         f.KV_USAGE: hb.kv_usage,
         f.STEP_CALIBRATION: hb.step_calibration,
+        f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
@@ -419,6 +425,9 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
         waiting_requests=_hb_optional(data, f.WAITING_REQUESTS, int),
         kv_usage=_hb_optional(data, f.KV_USAGE, float),
         step_calibration=_step_calibration(data.get(f.STEP_CALIBRATION), MalformedHeartbeat),
+        pending_kv_pull_tokens=(
+            _hb_ints(data, f.PENDING_KV_PULL_TOKENS) if data.get(f.PENDING_KV_PULL_TOKENS) is not None else None
+        ),
     )
 
 
@@ -569,6 +578,7 @@ class EngineStateField:
     WAITING_REQUESTS = HeartbeatField.WAITING_REQUESTS
     KV_USAGE = HeartbeatField.KV_USAGE
     STEP_CALIBRATION = HeartbeatField.STEP_CALIBRATION  # the node's, when it measures its steps
+    PENDING_KV_PULL_TOKENS = HeartbeatField.PENDING_KV_PULL_TOKENS  # list[int], decode nodes' KV pulls
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -580,7 +590,7 @@ class EngineStateField:
         MAX_STEP_TOKENS,
         MODEL,
     )
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, AS_OF)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS, AS_OF)
 
 
 class EngineStateError(KairosError):
@@ -604,6 +614,7 @@ class EngineState:
     waiting_requests: int | None = None
     kv_usage: float | None = None
     step_calibration: float | None = None  # actual / predicted step time, its upper quantile
+    pending_kv_pull_tokens: tuple[int, ...] | None = None  # KV transfers the node has yet to finish, FIFO
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -623,6 +634,9 @@ class EngineState:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
+        pulls = self.pending_kv_pull_tokens
+        if pulls is not None and (not isinstance(pulls, tuple) or not all(_is_int(x) and x >= 0 for x in pulls)):
+            raise EngineStateError(f"engine state: pending_kv_pull_tokens must be a tuple of ints >= 0, got {pulls!r}")
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
@@ -651,6 +665,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.WAITING_REQUESTS: state.waiting_requests,
         f.KV_USAGE: state.kv_usage,
         f.STEP_CALIBRATION: state.step_calibration,
+        f.PENDING_KV_PULL_TOKENS: None if state.pending_kv_pull_tokens is None else list(state.pending_kv_pull_tokens),
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}
@@ -670,6 +685,11 @@ def parse_engine_state(raw: bytes | str) -> EngineState:
             raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
         values[name] = tuple(values[name])
     values |= {n: data[n] for n in f.OPTIONAL if data.get(n) is not None}
+    pulls = values.get(f.PENDING_KV_PULL_TOKENS)
+    if pulls is not None:
+        if not isinstance(pulls, list):
+            raise EngineStateError(f"engine state: {f.PENDING_KV_PULL_TOKENS} must be a list, got {pulls!r}")
+        values[f.PENDING_KV_PULL_TOKENS] = tuple(pulls)
     return EngineState(**values)
 
 

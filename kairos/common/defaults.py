@@ -20,6 +20,13 @@ CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # prefill chunk sizes, strictly 
 # Bursty moves PD's knee from 4 RPS to 6, where one per node reaches 5).
 MAX_PENDING_DEFLECTIONS: int | None = None
 
+# The keep path's TTFT estimate (Eq. 1 plus what the paper leaves out; kairos.core.algorithm).
+KEEP_ESTIMATE = "full"  # "full": Eq. 1 + KV transfer + link queue + admission + first decode step; "eq1": the paper's
+# Decode-side admission: a running decode's remaining output tokens, memoryless (the Bursty
+# workload's geometric completions, mean 72). Only its KV-freeing rate matters, and only when a
+# decode node's KV cannot take a keep-path request's prompt.
+MEAN_OUTPUT_TOKENS = 72.0
+
 # Membership: a node with no new heartbeat for this long is stale (never deflected to). Three and
 # a half heartbeat periods: one late beat on a loaded host is not an outage.
 STALE_AFTER_S = 0.35

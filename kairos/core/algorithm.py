@@ -26,6 +26,7 @@ DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
 # percentile when the model's relative errors are normal with that mean absolute value: z(0.95)
 # sigmas, and sigma = sqrt(pi/2) x MAE. The TBT SLO is a P95, so that is the margin it needs.
 _P95_SIGMAS_PER_MAE = NormalDist().inv_cdf(0.95) * math.sqrt(math.pi / 2)
+KEEP_ESTIMATES = ("full", "eq1")  # DeciderConfig.keep_estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,13 @@ class DeciderConfig:
     # optional margin). A node that reports none counts 1.0: the lines above, unchanged. False
     # ignores the reports (to measure what calibration changes).
     calibrate: bool = True
+    # The keep path's TTFT estimate that Eq. 7 compares with: "full" (keep_ttft_s: Eq. 1 + the
+    # KV transfer behind the decode node's link queue + its admission wait + its first decode
+    # step) or "eq1" (the paper's Eq. 1 alone, for comparison).
+    keep_estimate: str = defaults.KEEP_ESTIMATE
+    # A running decode's mean remaining output tokens (memoryless): how fast a decode node frees
+    # KV, for the keep path's admission wait when the node's KV cannot take the prompt now.
+    mean_output_tokens: float = defaults.MEAN_OUTPUT_TOKENS
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
@@ -78,6 +86,10 @@ class DeciderConfig:
             raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")
         if not (0.0 <= self.model_error < 1.0):
             raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
+        if self.keep_estimate not in KEEP_ESTIMATES:
+            raise ConfigError(f"keep_estimate must be one of {list(KEEP_ESTIMATES)}, got {self.keep_estimate!r}")
+        if not (1.0 <= self.mean_output_tokens < math.inf):
+            raise ConfigError(f"mean_output_tokens must be a finite number >= 1, got {self.mean_output_tokens}")
 
     @property
     def error_margin(self) -> float:
@@ -142,6 +154,67 @@ def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int)
 def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens: int) -> float:
     """Eq. 1: queue wait + prefill execution on one prefill node."""
     return prefill_queue_wait_s(models, node) + prefill_exec_s(models, prompt_tokens, node.chunk_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The keep path's TTFT: Eq. 1 and what the paper leaves out
+# ---------------------------------------------------------------------------------------------
+def keep_handoff_s(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, prefill_s: float
+) -> float:
+    """From the prefill's end (``prefill_s`` from now, Eq. 1) to the first token on decode node
+    ``node``: W_link + T_xfer + W_adm + T_join.
+
+    - T_xfer: the prompt's KV over the node's inbound link, the profile's transfer model
+      (latency + tokens x bytes per token / bandwidth: the simulator's and the emulated node's).
+    - W_link: the link is FIFO, one transfer at a time. Ahead of this one: the pulls the node
+      reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take); the link
+      clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
+      prefill ends. The keeps this dispatcher sent the node whose prefill still runs
+      (incoming_keeps) are not counted on the link: they stay incoming until their Eq. 1 end,
+      which Eq. 2 over-predicts under load, so most of them have crossed the link by then and
+      show as pulls or decodes already (counting them too made the estimate worse from 5 RPS on
+      Bursty 2P2D: bench/sim_keep_estimate.py). They do count in b, k and the KV they promise.
+    - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
+      K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
+      tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k
+      tokens held by b decodes whose remaining outputs are memoryless with mean M
+      (``mean_output_tokens``), so D x M x T0 / k from now, less the time already to pass
+      before the transfer could start.
+    - T_join: the request joins the node's next step; its first token is that step's, T0(b+1,
+      k+prompt), after the step running then (half a step on average; none on an idle node).
+
+    b and k are the node's decodes and KV once the backlog, the incoming keeps and the pulls
+    ahead have joined."""
+    t = models.transfer
+    per_token = t.bytes_per_token / t.bandwidth_bytes_per_s
+    pulls = node.pending_kv_pull_tokens
+    pull_tokens = sum(pulls)
+    backlog = node.prefill_backlog_tokens
+    backlog_tokens = sum(backlog)
+    ahead_n = len(pulls) + node.incoming_keeps
+    ahead_tokens = pull_tokens + node.incoming_keep_tokens
+    link_wait = max(0.0, len(pulls) * t.latency_s + pull_tokens * per_token - prefill_s)
+    transfer = t.latency_s + prompt_tokens * per_token
+    b = node.decode_tokens + len(backlog) + ahead_n
+    k = node.kv_tokens + backlog_tokens + ahead_tokens
+    t0 = models.decode_step_s(b, k)
+    admission = 0.0
+    deficit = prompt_tokens - (node.kv_capacity_tokens - k)
+    if deficit > 0 and k > 0:
+        admission = max(0.0, deficit * config.mean_output_tokens * t0 / k - prefill_s - link_wait)
+    join = models.decode_step_s(b + 1, k + prompt_tokens) + (0.5 * t0 if b > 0 else 0.0)
+    return link_wait + transfer + admission + join
+
+
+def keep_ttft_s(
+    models: LatencyModels, config: DeciderConfig, prefill_s: float, node: DecodeNodeState, prompt_tokens: int
+) -> float:
+    """The keep path's TTFT through a prefill node whose Eq. 1 is ``prefill_s`` and decode node
+    ``node``: Eq. 1 + ``keep_handoff_s`` (``keep_estimate="full"``), or Eq. 1 alone ("eq1")."""
+    if config.keep_estimate == "eq1":
+        return prefill_s
+    return prefill_s + keep_handoff_s(models, config, node, prompt_tokens, prefill_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,10 +883,12 @@ def decide(
     config: DeciderConfig,
 ) -> Decision:
     """Algorithm 1: keep on the best prefill node, or deflect to the decode node whose
-    TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds."""
+    TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds against the keep path's
+    TTFT estimate (``keep_ttft_s``: Eq. 1 and the KV hand-off to the keep path's decode node)."""
     validate_prompt(prompt_tokens)
-    prefill_node, ttft_pf = best_prefill_node(models, view, now, config, prompt_tokens)
+    prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens)
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens)
+    ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
         return Decision(
@@ -825,6 +900,7 @@ def decide(
             predicted_ttft_prefill_s=ttft_pf,
             predicted_ttft_decode_s=ttft_dec,
             prompt_tokens=prompt_tokens,
+            predicted_prefill_end_s=prefill_s,
         )
 
     if not eligible:

@@ -55,7 +55,10 @@ class Decision:
     prefill_node: str | None  # the prefill node on keep, None on deflect
     # On deflect: prompt tokens per step (chi - B), what the decode node executes; () on keep.
     chunk_sizes: tuple[int, ...]
-    predicted_ttft_prefill_s: float | None  # Eq. 1 on the chosen/best prefill node
+    # The keep path's TTFT estimate on the chosen/best prefill node and the keep path's decode
+    # node: Eq. 1 + KV transfer + link queue + admission + first decode step
+    # (kairos.core.algorithm.keep_ttft_s), or Eq. 1 alone with keep_estimate="eq1".
+    predicted_ttft_prefill_s: float | None
     predicted_ttft_decode_s: float | None  # Eq. 6 on the best feasible decode node, if any
     prompt_tokens: int
     # On deflect: the step-time budget (DeciderConfig.step_budget_s) the decode node enforces on
@@ -63,6 +66,9 @@ class Decision:
     step_budget_s: float | None = None
     predicted_step_s: tuple[float, ...] = ()  # Eq. 4 for each scheduled step
     planned_decode_tokens: int = 0  # the B the schedule was planned beside
+    # On keep: Eq. 1 alone, when the prefill is predicted to end (the KV then leaves the prefill
+    # node); None where it equals predicted_ttft_prefill_s or there is no keep estimate.
+    predicted_prefill_end_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.route is Route.DEFLECT and (not self.chunk_sizes or self.prefill_node is not None):

@@ -39,9 +39,20 @@ class Policy(Protocol):
 def _keep(
     models: LatencyModels, cfg: alg.DeciderConfig, prompt_tokens: int, view: ClusterView, now: float, reason: Reason
 ) -> Decision:
-    prefill, ttft_pf = alg.best_prefill_node(models, view, now, cfg, prompt_tokens)
+    prefill, prefill_s = alg.best_prefill_node(models, view, now, cfg, prompt_tokens)
     decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens)
-    return Decision(Route.KEEP, reason, decode.node_id, prefill.node_id, (), ttft_pf, None, prompt_tokens)
+    ttft_pf = alg.keep_ttft_s(models, cfg, prefill_s, decode, prompt_tokens)
+    return Decision(
+        Route.KEEP,
+        reason,
+        decode.node_id,
+        prefill.node_id,
+        (),
+        ttft_pf,
+        None,
+        prompt_tokens,
+        predicted_prefill_end_s=prefill_s,
+    )
 
 
 def _fixed_chunk_schedule(
@@ -171,9 +182,10 @@ class KairosPolicy:
         overload = "" if self.config.decode_overload_guard else ",overload=off"
         error = f",error={self.config.model_error:g}" if self.config.model_error else ""
         calibrate = "" if self.config.calibrate else ",calibrate=off"
+        keep = "" if self.config.keep_estimate == defaults.KEEP_ESTIMATE else f",keep={self.config.keep_estimate}"
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
-        knobs = f"{pending}{guard}{overload}{error}{calibrate}"
+        knobs = f"{pending}{guard}{overload}{error}{calibrate}{keep}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
@@ -412,8 +424,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": (),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate"),
-    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate", "keep"),
+    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate", "keep"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -512,6 +524,12 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
             if params[key].lower() not in ("on", "off"):
                 raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be 'on' or 'off'")
             changes[field] = params[key].lower() == "on"
+    if "keep" in params:
+        if params["keep"].lower() not in alg.KEEP_ESTIMATES:
+            raise UnknownPolicyError(
+                f"policy {name!r}: keep={params['keep']!r} must be one of {list(alg.KEEP_ESTIMATES)}"
+            )
+        changes["keep_estimate"] = params["keep"].lower()
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

@@ -53,6 +53,10 @@ class DecodeNodeState:
     # step times (kairos.core.calibration). The decider plans its steps to beta x tau / this;
     # 1.0 (a node that does not report one) plans to beta x tau, the paper's Eq. 5.
     step_calibration: float = 1.0
+    # Prompt tokens of each KV transfer queued on or running over the node's inbound link
+    # (prefilled keep-path requests whose KV the node has yet to pull), FIFO, as its heartbeat
+    # reports them. The keep path's TTFT estimate queues a new transfer behind them.
+    pending_kv_pull_tokens: tuple[int, ...] = ()
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.

@@ -8,7 +8,7 @@ pending-deflection limit of §5.3 counts and what a new deflection is scheduled 
 dispatcher replicas' deflections join the overlay too, as their promises in Redis tell them
 (:meth:`ClusterTracker.set_foreign`; ``kairos.extproc.reservations``). A keep-path request
 also shows on its decode node as incoming, from its dispatch until its predicted prefill end
-(when the node starts holding it, so its heartbeats show it): its prefill runs elsewhere for
+(when the node starts pulling its KV, so its heartbeats show it): its prefill runs elsewhere for
 seconds, far longer than a heartbeat period, and a burst of keeps would otherwise all pick the
 same least-loaded decode node.
 
@@ -102,7 +102,12 @@ class ClusterTracker:
         if decision.route is Route.KEEP:
             assert decision.prefill_node is not None  # a keep decision always names its prefill node
             self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, tokens))
-            arrival = now + (decision.predicted_ttft_prefill_s or 0.0)
+            # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
+            # pull (pending_kv_pull_tokens), then the request itself.
+            prefill_s = decision.predicted_prefill_end_s
+            if prefill_s is None:
+                prefill_s = decision.predicted_ttft_prefill_s or 0.0
+            arrival = now + prefill_s
             incoming = self._incoming.get(decision.decode_node)
             if incoming is None:
                 incoming = self._incoming[decision.decode_node] = _Incoming()

@@ -269,6 +269,44 @@ async def test_concurrent_kv_pulls_queue_on_the_decode_nodes_link(model_dir: Pat
         await _two_pulls(prefill, decode, http, time_scale=2.0)
 
 
+async def test_the_state_reports_the_kv_pulls_the_decode_node_has_yet_to_finish(
+    prefill: Node, decode: Node, http: aiohttp.ClientSession
+) -> None:
+    """While its link is held, a decode node's two pulls wait on it and its state lists their
+    prompt tokens in arrival order (what the keep path's estimate queues behind); once they are
+    done, none. A prefill node reports none at all."""
+    params = []
+    for i, n in enumerate((300, 200)):
+        hop1 = {
+            "model": MODEL,
+            "prompt": ids(n),
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        }
+        status, reply = await post(http, f"{prefill.url}/v1/completions", hop1, **{"X-Request-Id": f"pull-{i}"})
+        assert status == 200, reply
+        params.append((n, reply["kv_transfer_params"]))
+    assert "pending_kv_pull_tokens" not in await get_json(http, f"{prefill.url}/kairos/state")
+    assert (await get_json(http, f"{decode.url}/kairos/state"))["pending_kv_pull_tokens"] == []
+    hops: list[asyncio.Task[tuple[int, Any]]] = []
+    async with decode.node._link:  # the link is busy: both pulls queue on it
+        for i, (n, kv) in enumerate(params):
+            body = {"model": MODEL, "prompt": ids(n), "max_tokens": 1, "kv_transfer_params": kv}
+            hop2 = post(http, f"{decode.url}/v1/completions", body, **{"X-Request-Id": f"pull-{i}"})
+            hops.append(asyncio.create_task(hop2))
+
+            async def queued(count: int = i + 1) -> bool:
+                state = await get_json(http, f"{decode.url}/kairos/state")
+                return len(state["pending_kv_pull_tokens"]) == count
+
+            await eventually(queued, what=f"{i + 1} pulls queued")
+        state = await get_json(http, f"{decode.url}/kairos/state")
+        assert state["pending_kv_pull_tokens"] == [300, 200]
+    assert [status for status, _ in await asyncio.gather(*hops)] == [200, 200]
+    assert (await get_json(http, f"{decode.url}/kairos/state"))["pending_kv_pull_tokens"] == []
+
+
 async def _two_pulls(prefill: Node, decode: Node, http: aiohttp.ClientSession, time_scale: float) -> None:
     n = 20_000
     transfer_wall = decode.node.models.kv_transfer_s(n) / time_scale
@@ -480,10 +518,12 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "max_step_tokens",
             "model",
             "step_calibration",
+            "pending_kv_pull_tokens",  # a decode node's KV pulls: none here
         }
         # The emulated node's truth is its model: its steps calibrate to 1.0 (the prior, until
         # it has measured enough steps, is 1.0 too: the packaged profile has no measured error).
         assert state["step_calibration"] == 1.0
+        assert state["pending_kv_pull_tokens"] == []
         assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
         assert state["scheduled_prefill_tokens"] == []
 

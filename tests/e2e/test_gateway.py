@@ -25,9 +25,10 @@ def rid() -> str:
 def test_keep_request_prefills_on_a_prefill_node_and_decodes_on_a_decode_node(
     cluster: LocalCluster, tokenizer: PromptTokenizer
 ) -> None:
-    # 2500 tokens on an idle cluster: the decode path needs several TBT-safe steps, slower
-    # than alpha x one prefill node's 2 steps, so Algorithm 1 keeps it.
-    prompt = text_of(tokenizer, 2500)
+    # 6000 tokens on an idle cluster: the decode path needs several TBT-safe steps (1.07 s),
+    # slower than alpha x the keep path (3 prefill steps, the KV transfer and the first decode
+    # step: 0.50 s), so Algorithm 1 keeps it. (2500 tokens deflect now: 0.255 s vs 1.3 x 0.249.)
+    prompt = text_of(tokenizer, 6000)
     request_id = rid()
     status, headers, body = post_json(
         f"{cluster.gateway_url}/v1/completions",
@@ -116,7 +117,7 @@ def test_openai_sdk_completions_and_chat_streaming_and_not(cluster: LocalCluster
 
 
 def test_spoofed_kairos_headers_change_nothing(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
-    prompt = text_of(tokenizer, 2500)
+    prompt = text_of(tokenizer, 6000)
     request_id = rid()
     status, headers, body = post_json(
         f"{cluster.gateway_url}/v1/completions",

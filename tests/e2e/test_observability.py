@@ -82,8 +82,8 @@ def has_data(prometheus: str, query: str) -> bool:
 def send_traffic(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
     """What every panel needs to show something: keeps and deflections with the sidecars' TTFT
     feedback, one request the dispatcher rejects, and one hop a sidecar refuses."""
-    # On an idle cluster 400 tokens deflect, 2500 keep (tests/e2e/test_faults.py, test_gateway.py).
-    deflected, kept = text_of(tokenizer, 400), text_of(tokenizer, 2500)
+    # On an idle cluster 400 tokens deflect, 6000 keep (tests/e2e/test_gateway.py).
+    deflected, kept = text_of(tokenizer, 400), text_of(tokenizer, 6000)
     routes = []
     for prompt in (deflected, kept) * 3:
         status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",

@@ -52,7 +52,7 @@ def test_every_part_talks_rediss_with_its_own_user_and_no_secret_is_on_a_command
     setup = cluster.redis_setup
     assert setup is not None and setup.tls and cluster.redis_url.startswith("rediss://kairos-admin:")
     status, _, body = post_json(f"{cluster.gateway_url}/v1/completions",
-                                {"model": MODEL, "prompt": text_of(tokenizer, 2500), "max_tokens": 4})
+                                {"model": MODEL, "prompt": text_of(tokenizer, 6000), "max_tokens": 4})
     assert status == 200, body
     # the sidecar's TTFT sample went over TLS with the decode node's user; the dispatcher read it
     wait_until(lambda: metric(cluster, "kairos_dispatcher_ttft_observed_over_predicted_count", 'path="keep"') >= 1,
@@ -123,7 +123,7 @@ def test_a_heartbeat_under_a_key_content_mismatch_is_ignored_and_counted(
     try:
         wait_until(lambda: all(rejected(cluster, r) > before[r] for r in before),
                    what="the dispatcher counting both kinds of forged heartbeat")
-        prompt = text_of(tokenizer, 2500)  # kept: its prefill runs on p0 or p1, never at a forged address
+        prompt = text_of(tokenizer, 6000)  # kept: its prefill runs on p0 or p1, never at a forged address
         for _ in range(5):
             status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
                                               {"model": MODEL, "prompt": prompt, "max_tokens": 2})

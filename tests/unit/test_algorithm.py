@@ -324,7 +324,11 @@ def test_greedy_start_time_and_give_up() -> None:
 #   decode B=40: 180 x 5 + 100  -> 0.098 x 5 + 0.090     = 0.580
 #   decode B=70: T0 = 0.110 > 0.105                       -> no safe schedule
 #   prefill chi_p=1000, queue Q: Eq. 1 = Q/1000 x 0.110 + 0.110
+# These tables check Algorithm 1's comparisons (Eqs. 5-7) against the paper's Eq. 1
+# (keep_estimate="eq1"): the builders' 1 MB/s link would add a second to every keep. The keep
+# path's full estimate (Eq. 1 + the KV hand-off) has its own tables below (KEEP_HANDOFF_CASES).
 CFG = DeciderConfig(
+    keep_estimate="eq1",
     alpha=1.3,
     beta=1.0,
     tbt_slo_s=0.105,
@@ -935,3 +939,107 @@ def test_nodes_in_the_same_state_with_different_calibrations_are_planned_apart()
     d = decide(1000, view((prefill_node(queue=(5000,)),), (slow, fast)), 0.0, FLAT, CFG)
     assert (d.decode_node, d.chunk_sizes, d.step_budget_s) == ("d2", (400, 400, 200), 0.105)
     assert d.predicted_ttft_decode_s == pytest.approx(0.280)
+# The keep path's TTFT beyond Eq. 1: W_link + T_xfer + W_adm + T_join (keep_handoff_s)
+# ---------------------------------------------------------------------------------------------
+# Flat models: T0(B) = 0.040 + 0.001 B (no K term), T_xfer(n) = 0.001 + n x 1000 B / 1e6 B/s.
+# A 1000-token prompt: T_xfer = 1.001; T_join = T0(b + 1) + T0(b) / 2 (T0(1) alone when b = 0).
+# M = 72: a node short of D KV tokens frees them in D x 72 x T0(b) / k.
+def _dn(b: int = 0, k: int = 0, capacity: int = 10_000_000, **fields: object) -> DecodeNodeState:
+    return dataclasses.replace(decode_node("d1", b=b, k=k, capacity=capacity), **fields)  # type: ignore[arg-type]
+
+
+KEEP_HANDOFF_CASES = [
+    pytest.param(_dn(), 0.0, 1.001 + 0.041, id="idle node: transfer + one step of B=1"),
+    pytest.param(_dn(b=10), 0.0, 1.001 + 0.051 + 0.025, id="B10: transfer + T0(11) + half of T0(10)"),
+    # one pull of 2000 ahead: the link clears it 2.001 s from now, 0.5 s after this prefill ends
+    pytest.param(
+        _dn(pending_kv_pull_tokens=(2000,)), 0.5, 1.501 + 1.001 + 0.042 + 0.0205, id="a pull ahead: link wait 1.501"
+    ),
+    pytest.param(
+        _dn(pending_kv_pull_tokens=(499,)), 0.5, 0.0 + 1.001 + 0.042 + 0.0205, id="link clears as the prefill ends: 0"
+    ),
+    pytest.param(
+        _dn(pending_kv_pull_tokens=(999,)), 0.5, 0.5 + 1.001 + 0.042 + 0.0205, id="link clears 0.5 s after: 0.5"
+    ),
+    # two incoming keeps (1500 tokens) are not on the link yet (their pulls will show it); they
+    # join the batch ahead of this one: T0(3) + T0(2) / 2
+    pytest.param(
+        _dn(incoming_keeps=2, incoming_keep_tokens=1500),
+        0.2,
+        1.001 + 0.043 + 0.021,
+        id="incoming keeps join the batch ahead, not the link",
+    ),
+    # ... and promise their KV: 1500 + 1000 into 2000 is 500 short: 500 x 72 x 0.042 / 1500 = 1.008
+    pytest.param(
+        _dn(capacity=2_000, incoming_keeps=2, incoming_keep_tokens=1500),
+        0.0,
+        1.008 + 1.001 + 0.043 + 0.021,
+        id="incoming keeps hold KV room",
+    ),
+    # B10 K9000: room for exactly the prompt: no wait; 500 short: 500 x 72 x 0.050 / 9000 = 0.2
+    pytest.param(_dn(b=10, k=9000, capacity=10_000), 0.0, 1.001 + 0.076, id="KV fits exactly: no admission wait"),
+    pytest.param(_dn(b=10, k=9000, capacity=9_500), 0.0, 0.2 + 1.001 + 0.076, id="500 tokens short: waits 0.2"),
+    pytest.param(
+        _dn(b=10, k=9000, capacity=9_500), 0.15, 0.05 + 1.001 + 0.076, id="short, but 0.15 s of prefill frees most"
+    ),
+    pytest.param(
+        _dn(b=10, k=9000, capacity=9_500), 0.25, 1.001 + 0.076, id="short, but freed before the prefill ends"
+    ),
+    # the backlog's 2000 tokens hold KV and join the batch: b 1, k 2000, 500 short:
+    # 500 x 72 x 0.041 / 2000 = 0.738
+    pytest.param(
+        _dn(capacity=2_500, prefill_backlog_tokens=(2000,)), 0.0, 0.738 + 1.001 + 0.042 + 0.0205, id="backlog holds KV"
+    ),
+    pytest.param(_dn(capacity=500), 0.0, 1.001 + 0.041, id="nothing held, nothing to free: no wait"),
+]
+
+
+@pytest.mark.parametrize(("node", "prefill_s", "expected"), KEEP_HANDOFF_CASES)
+def test_keep_handoff(node: DecodeNodeState, prefill_s: float, expected: float) -> None:
+    cfg = DeciderConfig()
+    assert alg.keep_handoff_s(FLAT, cfg, node, 1000, prefill_s) == pytest.approx(expected, abs=1e-9)
+    assert alg.keep_ttft_s(FLAT, cfg, prefill_s, node, 1000) == pytest.approx(prefill_s + expected, abs=1e-9)
+    assert alg.keep_ttft_s(FLAT, dataclasses.replace(cfg, keep_estimate="eq1"), prefill_s, node, 1000) == prefill_s
+
+
+def test_admission_wait_scales_with_the_mean_output() -> None:
+    node = _dn(b=10, k=9000, capacity=9_500)
+    cfg = DeciderConfig(mean_output_tokens=36)
+    assert alg.keep_handoff_s(FLAT, cfg, node, 1000, 0.0) == pytest.approx(0.1 + 1.001 + 0.076)
+
+
+# Eq. 7 against the full keep estimate. A 100 MB/s link: T_xfer(1000) = 0.011; on B20 the
+# hand-off is 0.011 + T0(21) + T0(20) / 2 = 0.011 + 0.061 + 0.030 = 0.102, and the B20 deflection
+# takes 0.280: deflect when 1.3 x (Eq. 1 + 0.102) >= 0.280, Eq. 1 >= 0.113385, Q >= 31.
+FAST_LINK = flat_models(bandwidth_bytes_per_s=1e8)
+
+
+@pytest.mark.parametrize(
+    ("q", "models", "route", "reason", "ttft_pf"),
+    [
+        pytest.param(31, FAST_LINK, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.11341 + 0.102, id="Q31: deflects"),
+        pytest.param(30, FAST_LINK, Route.KEEP, Reason.KEEP_DECODE_SLOWER, 0.1133 + 0.102, id="Q30: keeps"),
+        # the 1 MB/s link: a second of transfer; 1.3 x (0.2145 + 1.092) >= 0.280, where Eq. 1
+        # alone keeps ("0.280 just outside 1.3 x 0.2145" above)
+        pytest.param(950, FLAT, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.2145 + 1.092, id="slow link deflects"),
+    ],
+)
+def test_eq7_compares_with_the_full_keep_estimate(
+    q: int, models: object, route: Route, reason: Reason, ttft_pf: float
+) -> None:
+    cfg = dataclasses.replace(CFG, keep_estimate="full")
+    d = decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, cfg)  # type: ignore[arg-type]
+    assert (d.route, d.reason) == (route, reason)
+    assert d.predicted_ttft_prefill_s == pytest.approx(ttft_pf, abs=1e-9)
+    if route is Route.KEEP:
+        assert d.predicted_prefill_end_s == pytest.approx(q / 1000 * 0.110 + 0.110)
+        assert decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, CFG).route is Route.KEEP  # type: ignore[arg-type]
+    else:
+        assert d.predicted_ttft_decode_s == pytest.approx(0.280)
+
+
+def test_keep_estimate_is_checked() -> None:
+    with pytest.raises(ConfigError, match="keep_estimate"):
+        DeciderConfig(keep_estimate="eq2")
+    with pytest.raises(ConfigError, match="mean_output_tokens"):
+        DeciderConfig(mean_output_tokens=0.5)

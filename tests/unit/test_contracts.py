@@ -130,6 +130,7 @@ FULL_STATE = EngineState(
     running_requests=4,
     waiting_requests=2,
     kv_usage=0.0312,
+    pending_kv_pull_tokens=(3000, 0),
     as_of=1_700_000_000.5,
 )
 BARE_STATE = EngineState(0, 0, 100, (), (), 1, "m")  # what the emulated node serves: no optional fields
@@ -167,6 +168,11 @@ def test_engine_state_fields_are_the_heartbeats() -> None:
             "max_step_tokens must be >= 1",
         ),
         (c.encode_engine_state(FULL_STATE).replace("0.0312", "1.5"), "kv_usage must be a number in [0, 1]"),
+        (
+            c.encode_engine_state(FULL_STATE).replace("[3000,0]", "3000"),
+            "pending_kv_pull_tokens must be a list, got 3000",
+        ),
+        (c.encode_engine_state(FULL_STATE).replace("[3000,0]", "[3000,-1]"), "pending_kv_pull_tokens must be a tuple"),
         (
             c.encode_engine_state(FULL_STATE).replace('"running_requests":4', '"running_requests":true'),
             "running_requests",

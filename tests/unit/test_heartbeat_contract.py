@@ -46,7 +46,14 @@ def test_encode_then_parse_is_the_identity() -> None:
 def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -> None:
     assert set(json.loads(encode_heartbeat(BEAT))) == set(HeartbeatField.ALL)
     full = Heartbeat(
-        **{**_fields(BEAT), "running_requests": 3, "waiting_requests": 0, "kv_usage": 0.25, "step_calibration": 1.25}
+        **{
+            **_fields(BEAT),
+            "running_requests": 3,
+            "waiting_requests": 0,
+            "kv_usage": 0.25,
+            "step_calibration": 1.25,
+            "pending_kv_pull_tokens": (3000, 120),
+        }
     )
     raw = encode_heartbeat(full)
     assert set(json.loads(raw)) == set(HeartbeatField.ALL) | set(HeartbeatField.OPTIONAL)
@@ -73,6 +80,8 @@ def _raw(**changes: Any) -> str:
         (_raw(seq=True), "seq must be an int >= 0"),
         (_raw(sent_at="now"), "sent_at must be a number"),
         (_raw(queued_prefill_tokens=[1, True]), "queued_prefill_tokens must be a list of ints"),
+        (_raw(pending_kv_pull_tokens=[1, -2]), "pending_kv_pull_tokens must be a list of ints"),
+        (_raw(pending_kv_pull_tokens=5), "pending_kv_pull_tokens must be a list of ints"),
         (_raw(role="router"), "role must be 'prefill' or 'decode'"),
         (_raw(url=""), "url is empty"),
         (_raw(model=None), "model must be a string"),

@@ -269,16 +269,33 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
     m.poll_succeeded(
         [
             ("p0", beat("p0", queued_prefill_tokens=[3000, 500], max_step_tokens=2048)),
-            ("d0", beat("d0", decode_tokens=7, kv_tokens=21_000, scheduled_prefill_tokens=[900], model="tiny")),
+            (
+                "d0",
+                beat(
+                    "d0",
+                    decode_tokens=7,
+                    kv_tokens=21_000,
+                    scheduled_prefill_tokens=[900],
+                    model="tiny",
+                    pending_kv_pull_tokens=[4000, 12],
+                ),
+            ),
+            ("d1", beat("d1")),  # reports no pulls (real vLLM today): none
         ],
         5.0,
     )
     view = m.tracker.view()
     assert view.prefill == (PrefillNodeState("p0", (3000, 500), 2048, 5.0),)
-    assert view.decode == (DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,)),)
+    assert view.decode == (
+        DecodeNodeState(
+            "d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12)
+        ),
+        DecodeNodeState("d1", 0, 0, 50_000, 5.0),
+    )
     assert dict(m.addresses()) == {
         "p0": NodeAddress(Role.PREFILL, "10.0.0.1:8100", "", "m"),
         "d0": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "tiny"),
+        "d1": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "m"),
     }
 
 

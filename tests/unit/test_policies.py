@@ -8,6 +8,7 @@ queue Q and prompt l <= 1000 is Q/1000 x 0.110 + 0.010 + 1e-4 l.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -859,7 +860,10 @@ def test_pd_never_deflects(decode: tuple[DecodeNodeState, ...], expected: str) -
     # Q=100000: 100 x 0.110 + 0.110 = 11.11 s on the prefill path, still kept
     d = make_policy("pd", FLAT).decide(1000, view((prefill_node(queue=(100_000,)),), decode), 0.0)
     assert (d.route, d.reason, d.prefill_node, d.decode_node) == (Route.KEEP, Reason.KEEP_POLICY, "p1", expected)
-    assert d.predicted_ttft_prefill_s == pytest.approx(11.11)
+    # the keep path's TTFT: Eq. 1 (11.11) + the KV hand-off, 1.001 s of transfer + the first
+    # decode step (0.041 on the idle d1; T0(11) + T0(10) / 2 = 0.076 on d2)
+    assert d.predicted_prefill_end_s == pytest.approx(11.11)
+    assert d.predicted_ttft_prefill_s == pytest.approx(11.11 + 1.001 + (0.041 if expected == "d1" else 0.076))
     assert d.predicted_ttft_decode_s is None
     assert d.chunk_sizes == ()
 
@@ -877,7 +881,8 @@ def test_pd_without_decode_nodes_raises() -> None:
 
 # tau = 0.105, candidates (420, 220, 120); Q=1700: Eq. 1 = 0.297, bound 0.3861. d1 carries one
 # deflected 300-token prefill: 0.090, then the request beside B=21: 0.1009 + 0.1009 + 0.0812.
-KAIROS_BASE = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120))
+# Against the paper's Eq. 1 (keep_estimate="eq1"); test_kairos_keep_estimate adds the hand-off.
+KAIROS_BASE = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120), keep_estimate="eq1")
 BACKLOGGED = view((prefill_node(queue=(1700,)),), (decode_node("d1", b=20, backlog=(300,)),))
 
 
@@ -932,8 +937,30 @@ def test_kairos_and_oracle(
         pytest.param("kairos:pending=none", "kairos(alpha=1.3,beta=1)", id="kairos-pending-none-is-the-default"),
         pytest.param("kairos:pending=1", "kairos(alpha=1.3,beta=1,pending=1)", id="kairos-pending-1"),
         pytest.param("oracle:alpha=1.5", "oracle(alpha=1.5,beta=1)", id="oracle"),
+        pytest.param("kairos:keep=eq1", "kairos(alpha=1.3,beta=1,keep=eq1)", id="kairos-keep-eq1"),
+        pytest.param("kairos:keep=full", "kairos(alpha=1.3,beta=1)", id="kairos-keep-full-is-the-default"),
         pytest.param("sl:l=512", "sl(l=512)", id="sl"),
     ],
 )
 def test_policy_labels(spec: str, label: str) -> None:
     assert make_policy(spec, FLAT).label == label
+
+
+def test_kairos_keep_estimate() -> None:
+    """keep=full (the default) compares with Eq. 1 + the KV hand-off to d1: 1.001 s of transfer
+    and T0(22) + T0(21) / 2 = 0.0925 (B 20 + the backlog's request): 0.297 + 1.0935 = 1.3905, so
+    alpha 1.2 now deflects (0.373 <= 1.6686); keep=eq1 is the paper's Eq. 1 and keeps."""
+    base = dataclasses.replace(KAIROS_BASE, keep_estimate="full")
+    full = make_policy("kairos:alpha=1.2,pending=none", FLAT, base=base).decide(1000, BACKLOGGED, 0.0)
+    assert (full.route, full.predicted_ttft_prefill_s) == (Route.DEFLECT, pytest.approx(1.3905))
+    eq1 = make_policy("kairos:alpha=1.2,pending=none,keep=eq1", FLAT, base=base)
+    assert isinstance(eq1, KairosPolicy) and eq1.config.keep_estimate == "eq1"
+    d = eq1.decide(1000, BACKLOGGED, 0.0)
+    assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_DECODE_SLOWER)
+    assert d.predicted_ttft_prefill_s == pytest.approx(0.297)
+
+
+@pytest.mark.parametrize("spec", ["kairos:keep=eq2", "oracle:keep=", "pd:keep=eq1"])
+def test_keep_estimate_param_is_checked(spec: str) -> None:
+    with pytest.raises(UnknownPolicyError, match="keep"):
+        make_policy(spec, FLAT)

@@ -64,11 +64,23 @@ def reference_keep_decode(
 
 
 def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, config: alg.DeciderConfig) -> Decision:
-    prefill_node, ttft_pf = reference_best_prefill(models, view, config, prompt)
+    prefill_node, prefill_s = reference_best_prefill(models, view, config, prompt)
     keep_decode = reference_keep_decode(models, view, config, prompt)
+    # Eq. 7 compares with the keep path's estimate on the keep pick (test_algorithm checks its terms)
+    ttft_pf = alg.keep_ttft_s(models, config, prefill_s, keep_decode, prompt)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
-        return Decision(Route.KEEP, reason, keep_decode.node_id, prefill_node.node_id, (), ttft_pf, ttft_dec, prompt)
+        return Decision(
+            Route.KEEP,
+            reason,
+            keep_decode.node_id,
+            prefill_node.node_id,
+            (),
+            ttft_pf,
+            ttft_dec,
+            prompt,
+            predicted_prefill_end_s=prefill_s,
+        )
 
     eligible = [n for n in view.decode if alg.can_take_deflection(n, NOW, config, prompt)]
     if not eligible:
@@ -130,6 +142,7 @@ configs = st.builds(
     max_pending_deflections=st.sampled_from([1, 2, None]),
     decode_overload_guard=st.booleans(),
     model_error=st.sampled_from([0.0, 0.0, 0.1]),
+    keep_estimate=st.sampled_from(alg.KEEP_ESTIMATES),
 )
 shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
 
@@ -152,6 +165,7 @@ def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
                 incoming_keeps=draw(st.integers(0, 2)),
                 incoming_keep_tokens=draw(st.integers(0, 8000)),
                 step_calibration=draw(st.sampled_from([1.0, 1.0, 1.0, 0.8, 1.3])),
+                pending_kv_pull_tokens=tuple(draw(st.lists(st.integers(1, 30_000), max_size=3))),
             )
         )
     return tuple(nodes)

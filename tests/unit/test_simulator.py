@@ -12,6 +12,7 @@ from kairos.core.view import ClusterTracker
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.workloads import make_workload
+from tests.builders import make_models
 
 MODELS = load_profile()
 
@@ -32,6 +33,39 @@ def test_keep_path_ttft_is_prefill_plus_transfer_plus_first_decode_step() -> Non
     assert rec.ttft_parts() == pytest.approx((0.0, prefill, transfer, first_decode))
     assert rec.prefill_node == "p0" and rec.decode_node == "d0"
     assert sim.metrics.summary["deflections"] == 0
+    # the keep path's estimate has every one of those parts: exact on an idle cluster
+    assert rec.predicted_ttft_s == pytest.approx(rec.ttft)
+    assert sim.metrics.summary["ttft_prediction_mape_keep"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_eq1_alone_misses_the_transfer_and_the_first_decode_step() -> None:
+    sim = simulate([RequestSpec("r", 0.0, 1000, 3)], "kairos:keep=eq1")
+    (rec,) = sim.metrics.records
+    assert rec.predicted_ttft_s == pytest.approx(rec.ttft_parts()[1])  # the prefill alone
+    summary = sim.metrics.summary
+    assert summary["ttft_prediction_mape_keep"] == pytest.approx(1 - rec.predicted_ttft_s / rec.ttft)
+    assert summary["ttft_prediction_bias_keep"] == pytest.approx(-summary["ttft_prediction_mape_keep"])
+    assert summary["ttft_prediction_mape_deflect"] == 0.0  # no deflection
+
+
+def test_decode_heartbeats_report_the_kv_pulls_on_their_link() -> None:
+    """With a 1 MB/s link (1 s per 1000 tokens), two keeps prefilled at once on p0 and p1 head
+    for d0: from 0.100 the 900-token one transfers, the 1000-token one (done at 0.110) queues
+    behind it, and d0's heartbeat at 0.2 shows both, in link order."""
+    models = make_models()  # prefill step 0.010 + 1e-4 n; T_xfer(n) = 0.001 + n / 1000
+    seen: list[tuple[int, ...]] = []
+    pd = make_policy("pd", models)
+
+    class Watching:
+        label, fresh_state = "watching", False
+
+        def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+            seen.append(view.decode[0].pending_kv_pull_tokens)
+            return pd.decide(prompt_tokens, view, now)
+
+    requests = [RequestSpec("a", 0.0, 1000, 2), RequestSpec("b", 0.0, 900, 2), RequestSpec("probe", 0.25, 10, 2)]
+    Simulator(requests, Watching(), models, ClusterConfig(prefill_nodes=2, decode_nodes=1)).run()  # type: ignore[arg-type]
+    assert seen == [(), (), (900, 1000)]
 
 
 def test_a_deflected_request_prefills_in_place_with_its_schedule() -> None:

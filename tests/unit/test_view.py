@@ -238,8 +238,11 @@ def test_a_burst_of_keeps_spreads_over_the_decode_nodes(loads: dict[str, int], e
         tracker.record(decision, 0.01 * i)
         chosen.append(decision.decode_node)
     assert chosen == expected
-    # A heartbeat after their predicted prefill ends: the node holds them now, and says so.
-    prefill_end = max(0.01 * i for i in range(len(expected))) + decision.predicted_ttft_prefill_s
+    # A heartbeat after their predicted prefill ends (Eq. 1, before the keep path's first token):
+    # the node pulls their KV or holds them now, and says so.
+    assert decision.predicted_prefill_end_s is not None
+    assert decision.predicted_prefill_end_s < decision.predicted_ttft_prefill_s
+    prefill_end = max(0.01 * i for i in range(len(expected))) + decision.predicted_prefill_end_s
     tracker.update_decode(decode_node("d1", b=loads["d1"] + expected.count("d1"), reported_at=prefill_end + 0.01))
     assert (tracker.view().decode[0].incoming_keeps, tracker.view().decode[0].incoming_keep_tokens) == (0, 0)
 
