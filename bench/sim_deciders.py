@@ -40,10 +40,13 @@ POLICIES = (
     "dynamo",
     "dynamo:mode=either",
     "aibrix",
-    "kairos:pending=1",  # the paper's Algorithm 1 (one deflection in flight per decode node)
-    "kairos",  # the defaults
+    # The paper's Algorithm 1: one deflection in flight per decode node, Eq. 1 as the keep path's
+    # TTFT, no overload line, no step calibration.
+    PAPER := "kairos:pending=1,overload=off,calibrate=off,keep=eq1",
+    "kairos",  # the defaults (this changes)
     "oracle",
 )
+SHORT = {PAPER: "kairos (paper)"}
 
 
 def meets_slos(rec: dict[str, Any]) -> bool:
@@ -146,7 +149,8 @@ def print_table(workload: str, rates: tuple[float, ...], rows: list[dict[str, An
             cells.append(
                 f"{100 * p['slo_attainment']:6.1f}/{100 * p['tbt_violation_rate']:5.2f}/{p['deflections']:>5}"
             )
-        print(f"{row['policy']:<22}{knee_text:>7}{ratio:>6}  " + "  ".join(f"{c:>18}" for c in cells), flush=True)
+        name = SHORT.get(row["policy"], row["policy"])
+        print(f"{name:<22}{knee_text:>7}{ratio:>6}  " + "  ".join(f"{c:>18}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
