@@ -34,6 +34,7 @@ maps both to the int, the key every index uses (see :mod:`kairos.common.block_ha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -238,3 +239,13 @@ def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
     if seq == REPLAY_END_FRAME:
         return None
     return decode_seq(seq), payload
+
+
+# -- where a node publishes ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KvEventEndpoints:
+    """A node's event sockets, as ZMQ endpoints a subscriber connects to."""
+
+    pub: str  # e.g. tcp://10.0.0.5:5557: vLLM's --kv-events-config endpoint, its host filled in
+    replay: str | None = None  # its replay_endpoint; None: gaps reset instead of replaying
+    topic: str = KV_EVENTS_TOPIC

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kairos.common import defaults
+from kairos.common.block_hash import block_keys
 from kairos.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, block_key
 
 _INDEXED_MEDIA = (None, "GPU")
@@ -217,3 +218,10 @@ class PrefixIndex:
             low = mask & -mask
             hits[self._by_slot[low.bit_length() - 1]] = tokens
             mask ^= low
+
+
+def prompt_prefix_hits(index: PrefixIndex, token_ids: Sequence[int], now: float) -> dict[str, int]:
+    """Per node, the prompt's leading tokens cached there: the prompt hashed once per block size
+    the nodes use (:func:`kairos.common.block_hash.block_keys`), then one walk of the index."""
+    keys = {size: block_keys(token_ids, size) for size in index.block_sizes()}
+    return index.longest_prefix_tokens(keys, now)

@@ -8,7 +8,7 @@ import pytest
 from kairos.common.block_hash import block_keys
 from kairos.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from kairos.core.kv_event_sync import EventStreamSync, ReplayRequest
-from kairos.core.prefix_index import PrefixIndex
+from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 
 BS = 4
 PROMPT = list(range(100, 132))  # 8 blocks of 4
@@ -212,3 +212,11 @@ def test_join_mid_stream_replays_what_the_publisher_buffers() -> None:
     assert s.on_live(50, one(3), 0.1) == ReplayRequest(0)
     s.on_replay([(48, one(1)), (49, one(2))], 0.2)  # buffer starts at 48: a subset, never a wrong hit
     assert s.last_seq == 50 and ix.stats("d0").cached_blocks == 3 and hits(ix) == {"d0": 0}
+
+
+def test_prompt_prefix_hits_hashes_at_each_nodes_block_size() -> None:
+    ix = index("a", "b")
+    ix.apply("a", [stored(KEYS[:2])], 0.1)
+    ix.apply("b", [stored(block_keys(PROMPT, 16)[:1], block_size=16)], 0.1)
+    assert prompt_prefix_hits(ix, PROMPT, 0.5) == {"a": 8, "b": 16}
+    assert prompt_prefix_hits(ix, PROMPT[:15], 0.5) == {"a": 8, "b": 0}
