@@ -760,6 +760,15 @@ class PromptTokenizer:
             return len(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
+    def completion_prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids vLLM runs for one ``/v1/completions`` prompt, the ones its prefix cache
+        hashes (:mod:`kairos.common.block_hash`): a full encode, dearer than the count."""
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens=True)
+        if _is_token_ids(prompt):
+            return list(prompt)
+        raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
     # -- chat ---------------------------------------------------------------------------------
     def render_chat(
         self,
