@@ -221,7 +221,10 @@ class PrefixIndex:
 
 
 def prompt_prefix_hits(index: PrefixIndex, token_ids: Sequence[int], now: float) -> dict[str, int]:
-    """Per node, the prompt's leading tokens cached there: the prompt hashed once per block size
-    the nodes use (:func:`kairos.common.block_hash.block_keys`), then one walk of the index."""
-    keys = {size: block_keys(token_ids, size) for size in index.block_sizes()}
+    """Per node, the prompt tokens vLLM will find cached there: the prompt hashed once per block
+    size the nodes use (:func:`kairos.common.block_hash.block_keys`), then one walk of the index.
+    As vLLM, never the prompt's last token (it is always computed): the blocks of all tokens but
+    the last, so a prompt of exactly ``k`` full blocks hits at most ``k - 1``."""
+    head = token_ids[:-1]
+    keys = {size: block_keys(head, size) for size in index.block_sizes()}
     return index.longest_prefix_tokens(keys, now)

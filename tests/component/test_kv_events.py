@@ -32,9 +32,9 @@ from kairos.extproc.kv_events import KvEventConsumer
 from tests.waiting import eventually
 
 BS = 16
-PROMPT = list(range(1000, 1000 + 8 * BS))  # 8 blocks
+PROMPT = list(range(1000, 1000 + 8 * BS + 1))  # 8 full blocks and a token (vLLM never hits the last one)
 KEYS = block_keys(PROMPT, BS)
-OTHER = list(range(5000, 5000 + 4 * BS))
+OTHER = list(range(5000, 5000 + 4 * BS + 1))
 
 
 def stored(prompt: list[int], first: int, last: int) -> BlockStored:

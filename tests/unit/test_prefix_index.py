@@ -220,3 +220,6 @@ def test_prompt_prefix_hits_hashes_at_each_nodes_block_size() -> None:
     ix.apply("b", [stored(block_keys(PROMPT, 16)[:1], block_size=16)], 0.1)
     assert prompt_prefix_hits(ix, PROMPT, 0.5) == {"a": 8, "b": 16}
     assert prompt_prefix_hits(ix, PROMPT[:15], 0.5) == {"a": 8, "b": 0}
+    ix.apply("b", [stored(block_keys(PROMPT, 16)[:2], block_size=16)], 0.1)
+    assert prompt_prefix_hits(ix, PROMPT, 0.5) == {"a": 8, "b": 16}  # never the last token: 32 is 2 full blocks
+    assert prompt_prefix_hits(ix, [*PROMPT, 0], 0.5) == {"a": 8, "b": 32}
