@@ -1,7 +1,8 @@
 """What a prefix-cache lookup costs the dispatcher, beside today's count-only parse.
 
 A lookup needs the prompt's token ids, not only their count: the dispatcher must encode the
-prompt (``parse_request(..., token_ids=True)``: the exact count first, then a full encode), hash
+prompt (``parse_request(..., token_ids=True)``: the exact count first, then the ids by the same
+counter's steps, ``PromptTokenizer.prompt_ids``; tokenizers' own Encoding is timed beside), hash
 its full blocks as vLLM does (``block_keys``: sha256 over pickle, one per 16 tokens), and walk
 the nodes' index (``PrefixIndex.longest_prefix_tokens``). Each part is timed in process on the
 same bodies as ``bench/gateway_overhead.py`` (about 2 KB and 100 KB of English-like text, the
@@ -18,6 +19,7 @@ end), the others a prefix of it growing with their number, and each node also ho
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -93,7 +95,10 @@ def main() -> int:
         count_only = timed(lambda b=body: parse_request(PATH, b, tok, limits, stop_over_context=True), reps)
         row(prompt, len(ids), None, "parse + count (today)", count_only)
         with_ids = lambda b=body: parse_request(PATH, b, tok, limits, stop_over_context=True, token_ids=True)  # noqa: E731
-        row(prompt, len(ids), None, "parse + count + encode ids", timed(with_ids, reps))
+        row(prompt, len(ids), None, "parse + count + token ids", timed(with_ids, reps))
+        text = json.loads(body)["prompt"]
+        encode = lambda p=text: tok.encode(p)  # noqa: E731
+        row(prompt, len(ids), None, "(an Encoding instead, for scale)", timed(encode, reps))
         row(prompt, len(ids), None, "hash blocks", timed(lambda i=ids: block_keys(i, BLOCK), reps))
         for nodes in NODES:
             ix = index_for(keys, nodes, args.filler, rng)

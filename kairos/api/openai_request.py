@@ -369,5 +369,5 @@ def _chat_prompt_tokens(
     count = tokenizer.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit)
     if not want_ids or (limit is not None and count > limit):
         return count, None
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = tokenizer.prompt_ids(text, add_special_tokens=add_special_tokens)
     return len(ids), ids
