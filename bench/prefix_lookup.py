@@ -4,14 +4,16 @@ A lookup needs the prompt's token ids, not only their count: the dispatcher must
 prompt (``parse_request(..., token_ids=True)``: the exact count first, then the ids by the same
 counter's steps, ``PromptTokenizer.prompt_ids``; tokenizers' own Encoding is timed beside), hash
 its full blocks as vLLM does (``block_keys``: sha256 over pickle, one per 16 tokens), and walk
-the nodes' index (``PrefixIndex.longest_prefix_tokens``). Each part is timed in process on the
+the nodes' index (``PrefixIndex.longest_prefix_tokens``); ``prompt_prefix_hits`` does the last
+two lazily, hashing no further than the first block no node holds. Each part is timed in process on the
 same bodies as ``bench/gateway_overhead.py`` (about 2 KB and 100 KB of English-like text, the
 tiny model's tokenizer), and on token-id prompts of 1K/10K/32K tokens (no tokenizer: the hash
 and the walk alone, the sizes of ``bench/decision_latency.py``), at 2, 16 and 128 nodes.
 
-The index is the worst case for the walk: one node holds the whole prompt (the walk runs to its
-end), the others a prefix of it growing with their number, and each node also holds
-``--filler`` unrelated blocks.
+The index is the worst case for the walk: one node holds the whole prompt (the walk, and the
+hashing, run to its end), the others a prefix of it growing with their number, and each node
+also holds ``--filler`` unrelated blocks; one row times the best case, no node holding the
+prompt's first block.
 
     python bench/prefix_lookup.py [--reps 300] [--filler 4096] [--json PATH]
 """
@@ -36,7 +38,7 @@ from kairos.api.openai_request import RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.block_hash import block_keys
 from kairos.common.kv_events import BlockStored
-from kairos.core.prefix_index import PrefixIndex
+from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 from kairos.launcher.tinymodel import build_tiny_model
 
 BLOCK = 16  # vLLM's default block size on GPU
@@ -112,10 +114,10 @@ def main() -> int:
 
             def whole(b: bytes = body, x: PrefixIndex = ix) -> None:
                 got = parse_request(PATH, b, tok, limits, stop_over_context=True, token_ids=True)
-                x.longest_prefix_tokens({BLOCK: block_keys(got.prompt_token_ids or [], BLOCK)}, 0.0)
+                prompt_prefix_hits(x, got.prompt_token_ids or [], 0.0)
 
             total = timed(whole, reps)
-            row(prompt, len(ids), nodes, "parse + ids + hash + walk", total)
+            row(prompt, len(ids), nodes, "parse + ids + hits (whole prompt held)", total)
             row(
                 prompt,
                 len(ids),
@@ -123,6 +125,14 @@ def main() -> int:
                 "added over today (p50, p99 of each)",
                 {"p50_us": total["p50_us"] - count_only["p50_us"], "p99_us": total["p99_us"] - count_only["p99_us"]},
             )
+        cold = index_for(block_keys(list(range(4096, 4096 + 64)), BLOCK), 2, args.filler, rng)  # holds none of it
+        row(
+            prompt,
+            len(ids),
+            2,
+            "hits, no node holds its first block",
+            timed(lambda x=cold, i=ids: prompt_prefix_hits(x, i, 0.0), reps),
+        )
     for tokens in ID_PROMPTS:
         ids = [rng.randrange(4096) for _ in range(tokens)]
         keys = block_keys(ids, BLOCK)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
 NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for the first block's parent
@@ -40,19 +40,28 @@ def none_hash(seed: str = NONE_HASH_SEED) -> bytes:
     return _sha256_pickle(seed)
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, seed: str = NONE_HASH_SEED) -> list[bytes]:
-    """The 32-byte digests of the prompt's full blocks, in order (a partial last block has none)."""
+def iter_block_digests(token_ids: Sequence[int], block_size: int, seed: str = NONE_HASH_SEED) -> Iterator[bytes]:
+    """The 32-byte digests of the prompt's full blocks, in order (a partial last block has none),
+    each computed when asked for: a lookup that stops at its first miss hashes no further."""
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
     parent = none_hash(seed)
-    digests = []
     dumps, sha256 = pickle.dumps, hashlib.sha256
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = sha256(dumps((parent, tuple(token_ids[start : start + block_size]), None), _PICKLE_PROTOCOL)).digest()
-        digests.append(parent)
-    return digests
+        yield parent
+
+
+def iter_block_keys(token_ids: Sequence[int], block_size: int, seed: str = NONE_HASH_SEED) -> Iterator[int]:
+    """The prompt's full blocks as index keys, lazily: each digest's low 64 bits, as vLLM
+    publishes them."""
+    for digest in iter_block_digests(token_ids, block_size, seed):
+        yield int.from_bytes(digest[-8:], "big")
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, seed: str = NONE_HASH_SEED) -> list[bytes]:
+    return list(iter_block_digests(token_ids, block_size, seed))
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, seed: str = NONE_HASH_SEED) -> list[int]:
-    """The prompt's full blocks as index keys: each digest's low 64 bits, as vLLM publishes them."""
-    return [int.from_bytes(d[-8:], "big") for d in block_digests(token_ids, block_size, seed)]
+    return list(iter_block_keys(token_ids, block_size, seed))

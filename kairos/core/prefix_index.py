@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kairos.common import defaults
-from kairos.common.block_hash import block_keys
+from kairos.common.block_hash import iter_block_keys
 from kairos.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, block_key
 
 _INDEXED_MEDIA = (None, "GPU")
@@ -189,10 +189,12 @@ class PrefixIndex:
         node = self._nodes[node_id]
         return node.synced and now - node.last_seen <= self.stale_after_s
 
-    def longest_prefix_tokens(self, keys_by_block_size: Mapping[int, Sequence[int]], now: float) -> dict[str, int]:
+    def longest_prefix_tokens(self, keys_by_block_size: Mapping[int, Iterable[int]], now: float) -> dict[str, int]:
         """Per node, the prompt's leading tokens it holds in full blocks (0 when stale, out of
         step, or at a block size not given). vLLM computes at least the prompt's last token, so
-        a request's hit is at most ``prompt_tokens - 1`` rounded down to a block: the caller caps."""
+        a request's hit is at most ``prompt_tokens - 1`` rounded down to a block: the caller caps.
+        Keys are read in order and no further than the first block no fresh node holds, so a
+        lazy iterable (:func:`~kairos.common.block_hash.iter_block_keys`) hashes no more."""
         hits = dict.fromkeys(self._nodes, 0)
         groups: dict[int, int] = {}
         for node_id, node in self._nodes.items():
@@ -221,10 +223,11 @@ class PrefixIndex:
 
 
 def prompt_prefix_hits(index: PrefixIndex, token_ids: Sequence[int], now: float) -> dict[str, int]:
-    """Per node, the prompt tokens vLLM will find cached there: the prompt hashed once per block
-    size the nodes use (:func:`kairos.common.block_hash.block_keys`), then one walk of the index.
+    """Per node, the prompt tokens vLLM will find cached there: the prompt hashed per block size
+    the nodes use (:func:`kairos.common.block_hash.iter_block_keys`), as far as the walk of the
+    index goes (up to the first block no fresh node holds).
     As vLLM, never the prompt's last token (it is always computed): the blocks of all tokens but
     the last, so a prompt of exactly ``k`` full blocks hits at most ``k - 1``."""
     head = token_ids[:-1]
-    keys = {size: block_keys(head, size) for size in index.block_sizes()}
+    keys = {size: iter_block_keys(head, size) for size in index.block_sizes()}
     return index.longest_prefix_tokens(keys, now)

@@ -3,6 +3,8 @@ reading zero; and kairos.core.kv_event_sync: sequence gaps, replays, restarts an
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from kairos.common.block_hash import block_keys
@@ -223,3 +225,18 @@ def test_prompt_prefix_hits_hashes_at_each_nodes_block_size() -> None:
     ix.apply("b", [stored(block_keys(PROMPT, 16)[:2], block_size=16)], 0.1)
     assert prompt_prefix_hits(ix, PROMPT, 0.5) == {"a": 8, "b": 16}  # never the last token: 32 is 2 full blocks
     assert prompt_prefix_hits(ix, [*PROMPT, 0], 0.5) == {"a": 8, "b": 32}
+
+
+def test_the_walk_reads_keys_no_further_than_the_first_block_no_node_holds() -> None:
+    ix = index("a", "b")
+    ix.apply("a", [stored(KEYS[:2])], 0.1)
+    ix.apply("b", [stored(KEYS[:3])], 0.1)
+    read: list[int] = []
+
+    def keys() -> Iterator[int]:
+        for k in KEYS:
+            read.append(k)
+            yield k
+
+    assert ix.longest_prefix_tokens({BS: keys()}, 0.5) == {"a": 8, "b": 12}
+    assert read == KEYS[:4]  # block 3 is the first no node holds: blocks 4-7 are never hashed
