@@ -97,7 +97,7 @@ def main() -> int:
         count_only = timed(lambda b=body: parse_request(PATH, b, tok, limits, stop_over_context=True), reps)
         row(prompt, len(ids), None, "parse + count (today)", count_only)
         with_ids = lambda b=body: parse_request(PATH, b, tok, limits, stop_over_context=True, token_ids=True)  # noqa: E731
-        row(prompt, len(ids), None, "parse + count + token ids", timed(with_ids, reps))
+        row(prompt, len(ids), None, "parse + token ids (count: their len)", timed(with_ids, reps))
         text = json.loads(body)["prompt"]
         encode = lambda p=text: tok.encode(p)  # noqa: E731
         row(prompt, len(ids), None, "(an Encoding instead, for scale)", timed(encode, reps))

@@ -120,8 +120,8 @@ def parse_request(
     counting once the prompt is known to exceed ``max_model_len`` (the gateway: a multi-MB
     prompt is refused after its first ~100 KB are counted, not after seconds), so the error
     says "more than" instead of the exact count vLLM would give (the emulated node keeps it).
-    ``token_ids``: also encode the prompt into its token ids (``prompt_token_ids``), for a
-    prefix-cache lookup; counted first, so a prompt past the context is refused as cheaply.
+    ``token_ids``: encode the prompt into its token ids (``prompt_token_ids``), for a
+    prefix-cache lookup; the count is their number, and a prompt past the context stops as early.
     """
     route = path.split("?", 1)[0]
     kind = _ROUTES.get(route)
@@ -288,11 +288,10 @@ def _completion_prompt_tokens(
             raise RequestError(
                 f"token id {bad} is out of vocabulary (valid ids are 0 to {tokenizer.vocab_size - 1})", "prompt"
             )
-    count = tokenizer.count_completion_prompt(single, limit)
-    if not want_ids or (limit is not None and count > limit):
-        return count, None
-    ids = tokenizer.completion_prompt_ids(single)
-    return len(ids), ids
+    if not want_ids:
+        return tokenizer.count_completion_prompt(single, limit), None
+    ids = tokenizer.completion_prompt_ids(single, limit)
+    return len(ids), (None if limit is not None and len(ids) > limit else ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +365,7 @@ def _chat_prompt_tokens(
         template_kwargs=template_kwargs,
     )
     add_special_tokens = _optional_bool(data, "add_special_tokens", False)
-    count = tokenizer.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit)
-    if not want_ids or (limit is not None and count > limit):
-        return count, None
-    ids = tokenizer.prompt_ids(text, add_special_tokens=add_special_tokens)
-    return len(ids), ids
+    if not want_ids:
+        return tokenizer.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit), None
+    ids = tokenizer.prompt_ids(text, add_special_tokens=add_special_tokens, limit=limit)
+    return len(ids), (None if limit is not None and len(ids) > limit else ids)

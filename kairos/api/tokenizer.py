@@ -583,10 +583,12 @@ class _WordCounter:
             total += n
         return total
 
-    def ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    def ids(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
         """``text``'s token ids, by the same steps as :meth:`count` (every cut it makes is a
         pre-token boundary, so the ids of the parts, in order, are the text's): the Rust encoder
-        only for the islands around non-ASCII characters."""
+        only for the islands around non-ASCII characters. With ``limit``, once more than
+        ``limit`` ids are known the rest is never encoded: the result is then a prefix of the
+        text's ids, longer than ``limit``."""
         segments: list[str | int] = [text]
         for splitter in self._id_splitters:
             split: list[str | int] = []
@@ -604,27 +606,44 @@ class _WordCounter:
         for segment in segments:
             if type(segment) is int:
                 out.append(segment)
-            elif segment.isascii():
+            elif segment.isascii() and (limit is None or len(segment) <= self._chunk_chars):
                 self._ids_ascii(segment, out)
             else:
-                parts: list[str | int] = []  # ASCII text, or the index of an island in ``islands``
-                islands: list[str] = []
-                for chunk in _chunks(segment, self._chunk_chars):
-                    for part in [chunk] if chunk.isascii() else _islands(chunk):
-                        if part.isascii():
-                            parts.append(part)
-                        else:
-                            parts.append(len(islands))
-                            islands.append(part)
-                encodings = self._encode_many(islands, False) if islands else []
-                for part in parts:
-                    if type(part) is int:
-                        out.extend(encodings[part].ids)
-                    else:
-                        self._ids_ascii(part, out)
+                self._ids_chunked(segment, out, limit)
+            if limit is not None and len(out) > limit:
+                return out
         if add_special_tokens:
             out.extend(self._special_tail)
         return out
+
+    def _ids_chunked(self, segment: str, out: list[int], limit: int | None) -> None:
+        """Append ``segment``'s ids a safe chunk at a time, its islands batched into one Rust
+        call (with ``limit``: one per ``_BOUNDED_BATCH_CHARS`` of text, checking it between)."""
+        parts: list[str | int] = []  # ASCII text, or the index of an island in ``islands``
+        islands: list[str] = []
+        pending = 0  # characters in ``parts`` since the last flush
+        for chunk in _chunks(segment, self._chunk_chars):
+            for part in [chunk] if chunk.isascii() else _islands(chunk):
+                if part.isascii():
+                    parts.append(part)
+                else:
+                    parts.append(len(islands))
+                    islands.append(part)
+            pending += len(chunk)
+            if limit is not None and (not islands or pending >= _BOUNDED_BATCH_CHARS):
+                self._flush_ids(parts, islands, out)
+                parts, islands, pending = [], [], 0
+                if len(out) > limit:
+                    return
+        self._flush_ids(parts, islands, out)
+
+    def _flush_ids(self, parts: list[str | int], islands: list[str], out: list[int]) -> None:
+        encodings = self._encode_many(islands, False) if islands else []
+        for part in parts:
+            if type(part) is int:
+                out.extend(encodings[part].ids)
+            else:
+                self._ids_ascii(part, out)
 
     def _ids_ascii(self, text: str, out: list[int]) -> None:
         """Append ASCII ``text``'s ids: closed space pieces from the cache, runs of open ones
@@ -867,12 +886,14 @@ class PromptTokenizer:
         """Token ids of ``text``, as vLLM's ``tokenizer.encode`` gives them."""
         return self._encode_one(text, add_special_tokens).ids
 
-    def prompt_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def prompt_ids(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """``self.encode(text, add_special_tokens)``, without building an Encoding where the
         exact counter applies (its steps, ids in place of counts): what a prefix-cache lookup
-        hashes, at about the count's cost instead of the Encoding's."""
+        hashes, at about the count's cost instead of the Encoding's. With ``limit``, a result
+        longer than ``limit`` only says "more than ``limit``" (as ``count_tokens``'s): the exact
+        path stops there, with a prefix of the ids."""
         if self._counter is not None:
-            return self._counter.ids(text, add_special_tokens)
+            return self._counter.ids(text, add_special_tokens, limit)
         return self.encode(text, add_special_tokens)
 
     def count_tokens(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> int:
@@ -895,11 +916,11 @@ class PromptTokenizer:
             return len(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
-    def completion_prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def completion_prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
         """The token ids vLLM runs for one ``/v1/completions`` prompt, the ones its prefix cache
-        hashes (:mod:`kairos.common.block_hash`)."""
+        hashes (:mod:`kairos.common.block_hash`); ``limit`` as in :meth:`prompt_ids`."""
         if isinstance(prompt, str):
-            return self.prompt_ids(prompt, add_special_tokens=True)
+            return self.prompt_ids(prompt, add_special_tokens=True, limit=limit)
         if _is_token_ids(prompt):
             return list(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")

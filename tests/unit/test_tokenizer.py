@@ -813,3 +813,18 @@ def test_prompt_ids_without_the_counter_are_the_encoding(raw: Tokenizer) -> None
     tok = PromptTokenizer(custom)
     assert tok.counter_refusal is not None
     assert_ids(tok, custom, [*TEXTS, " ".join(TEXTS) * 50])
+
+
+@pytest.mark.parametrize("chunk_chars", [3, 200, COUNT_CHUNK_CHARS])
+def test_prompt_ids_with_a_limit_stop_with_a_prefix(raw: Tokenizer, chunk_chars: int) -> None:
+    tok = PromptTokenizer(raw, count_chunk_chars=chunk_chars)
+    rng = random.Random(17)
+    long_texts = [" ".join(random_texts(18, 200)), "word " * 30_000, "\u65e5\u672c " * 40_000]
+    for text in [*random_texts(16, 100), *long_texts]:
+        full = raw.encode(text).ids
+        for limit in (0, rng.randrange(1, 50), len(full) - 1, len(full), len(full) + 5):
+            got = tok.prompt_ids(text, True, max(limit, 0))
+            if len(full) > limit:
+                assert len(got) > limit and got == full[: len(got)], (limit, repr(text[:60]))
+            else:
+                assert got == full, (limit, repr(text[:60]))
