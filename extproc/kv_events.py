@@ -17,7 +17,8 @@ Each node gets one asyncio task with a SUB socket (ZMQ heartbeats on, so a peer 
 without closing is noticed), a monitor of its connection, and a DEALER for replays; what they
 receive goes through :class:`~kairos.core.kv_event_sync.EventStreamSync`, which owns the rules.
 While the SUB socket is connected the node stays fresh in the index (an idle node sends no
-events); once it is not, the node's hits read zero after ``stale_after_s``.
+events); once it is not, the node's hits read zero after ``stale_after_s``. A task wakes only
+for what its sockets receive and for a replay's deadline: 1,000 idle nodes cost no wake-ups.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 
 log = logging.getLogger("kairos.extproc.kv_events")
 
-TICK_S = 0.1  # how often a connected node is marked alive (a heartbeat period)
 ZMQ_HEARTBEAT_IVL_MS = 100
 ZMQ_HEARTBEAT_TIMEOUT_MS = 500  # a peer silent this long is disconnected (as a heartbeat TTL)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
@@ -89,10 +89,10 @@ class NodeEventSubscriber:
         poller.register(monitor, zmq.POLLIN)
         try:
             while True:
-                timeout = TICK_S
+                timeout_ms = -1  # none: wait for a message or a connection event
                 if self._replay_deadline is not None:
-                    timeout = min(timeout, max(0.0, self._replay_deadline - self.clock()))
-                ready = dict(await poller.poll(timeout * 1000))
+                    timeout_ms = max(0, round((self._replay_deadline - self.clock()) * 1000))
+                ready = dict(await poller.poll(timeout_ms))
                 if monitor in ready:
                     await self._on_monitor(monitor, poller)
                 if sub in ready:
@@ -106,8 +106,6 @@ class NodeEventSubscriber:
                     )
                     self._drop_dealer(poller)
                     self.sync.on_replay_failed(now)
-                if self.connected:
-                    self.sync.index.touch(self.sync.node_id, now)
         finally:
             self._drop_dealer(poller)
             sub.disable_monitor()
@@ -120,9 +118,11 @@ class NodeEventSubscriber:
             now = self.clock()
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self.sync.index.set_connected(self.sync.node_id, True, now)
                 self._ask(self.sync.on_connect(now), poller)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
+                self.sync.index.set_connected(self.sync.node_id, False, now)
                 self._drop_dealer(poller)
                 self.sync.on_disconnect(now)
 

@@ -8,9 +8,9 @@ resets); the dispatcher asks, for a prompt's chain of block keys
 Every rule keeps the index a subset of what the node really holds, so a lookup can under-count
 a hit, never report one the node will not have: a reset drops a node's blocks, the capacity
 drops its oldest, and a node whose index is not in step with its stream (a gap not yet repaired)
-or not heard from within ``stale_after_s`` (no event, and no :meth:`PrefixIndex.touch` from a
-live connection or a heartbeat) reports a hit of zero, as a stale heartbeat makes a node
-ineligible.
+or not heard from within ``stale_after_s`` (its event connection down, and no event or
+:meth:`PrefixIndex.touch` from a heartbeat since) reports a hit of zero, as a stale heartbeat
+makes a node ineligible.
 
 Memory: a node's blocks are an ordered dict of 64-bit keys (the eviction order), and every key
 maps once, for all nodes, to a bit mask of the nodes holding it, so the lookup walks the prompt's
@@ -43,6 +43,7 @@ class NodeStats:
     cached_blocks: int
     block_size: int | None
     synced: bool
+    connected: bool
     last_seen: float
     resets: int  # clears: AllBlocksCleared, restarts, holes no replay repaired
     evicted_blocks: int  # dropped by the capacity, not by the node
@@ -56,6 +57,7 @@ class _Node:
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest stored first
     block_size: int | None = None
     synced: bool = True
+    connected: bool = False  # its event stream's connection is up (ZMQ heartbeats watch it)
     resets: int = 0
     evicted_blocks: int = 0
     ignored_events: int = 0
@@ -101,7 +103,14 @@ class PrefixIndex:
     def stats(self, node_id: str) -> NodeStats:
         n = self._nodes[node_id]
         return NodeStats(
-            len(n.blocks), n.block_size, n.synced, n.last_seen, n.resets, n.evicted_blocks, n.ignored_events
+            len(n.blocks),
+            n.block_size,
+            n.synced,
+            n.connected,
+            n.last_seen,
+            n.resets,
+            n.evicted_blocks,
+            n.ignored_events,
         )
 
     # -- updates ---------------------------------------------------------------------------------
@@ -110,6 +119,14 @@ class PrefixIndex:
         node = self._nodes.get(node_id)
         if node is not None and now > node.last_seen:
             node.last_seen = now
+
+    def set_connected(self, node_id: str, connected: bool, now: float) -> None:
+        """The node's event stream connected or lost: while connected the node is fresh without
+        events (an idle node sends none, and a dead peer's connection drops within its
+        heartbeat timeout); from the loss on it ages from ``now``."""
+        node = self._nodes[node_id]
+        node.connected = connected
+        node.last_seen = max(node.last_seen, now)
 
     def set_synced(self, node_id: str, synced: bool) -> None:
         """Out of step (a gap being repaired): the node's hits read zero until it is back in step."""
@@ -187,7 +204,7 @@ class PrefixIndex:
 
     def fresh(self, node_id: str, now: float) -> bool:
         node = self._nodes[node_id]
-        return node.synced and now - node.last_seen <= self.stale_after_s
+        return node.synced and (node.connected or now - node.last_seen <= self.stale_after_s)
 
     def longest_prefix_tokens(self, keys_by_block_size: Mapping[int, Iterable[int]], now: float) -> dict[str, int]:
         """Per node, the prompt's leading tokens it holds in full blocks (0 when stale, out of

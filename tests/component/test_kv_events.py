@@ -191,16 +191,19 @@ async def test_restart_seen_only_in_sequence_numbers(zctx: zmq.asyncio.Context, 
     await pub.close()
 
 
-async def test_silent_node_goes_stale(zctx: zmq.asyncio.Context) -> None:
-    c = KvEventConsumer(PrefixIndex(stale_after_s=0.3))
+async def test_an_idle_connected_node_stays_fresh_and_a_lost_one_reads_zero(zctx: zmq.asyncio.Context) -> None:
+    now = [0.0]
+    c = KvEventConsumer(PrefixIndex(stale_after_s=1.0), clock=lambda: now[0])
     try:
         pub = await start(zctx, c)
         pub.publish(stored(PROMPT, 0, 8))
         await hits_become(c, PROMPT, {"d0": 8 * BS})
-        await c.set_nodes({"d0": KvEventEndpoints("tcp://127.0.0.1:1", None)})  # moved to a dead address
-        await hits_become(c, PROMPT, {"d0": 0})
+        now[0] = 100.0  # long past stale_after_s without an event: the connection vouches for it
+        assert c.hits(PROMPT) == {"d0": 8 * BS}
+        await pub.close()
+        await eventually(lambda: not c.subscribers["d0"].connected, what="disconnect seen")
+        assert c.hits(PROMPT) == {"d0": 0} and not c.index.stats("d0").connected
         await c.set_nodes({})
         assert c.index.nodes() == ()
-        await pub.close()
     finally:
         await c.close()

@@ -240,3 +240,12 @@ def test_the_walk_reads_keys_no_further_than_the_first_block_no_node_holds() -> 
 
     assert ix.longest_prefix_tokens({BS: keys()}, 0.5) == {"a": 8, "b": 12}
     assert read == KEYS[:4]  # block 3 is the first no node holds: blocks 4-7 are never hashed
+
+
+def test_a_connected_node_stays_fresh_without_events() -> None:
+    ix = index("d0")
+    ix.apply("d0", [stored(KEYS)], 0.1)
+    ix.set_connected("d0", True, 0.1)
+    assert hits(ix, now=50.0) == {"d0": 32}  # idle, connection up: its cache is still there
+    ix.set_connected("d0", False, 50.0)
+    assert hits(ix, now=51.0) == {"d0": 32} and hits(ix, now=51.1) == {"d0": 0}
