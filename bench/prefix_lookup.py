@@ -13,7 +13,8 @@ and the walk alone, the sizes of ``bench/decision_latency.py``), at 2, 16 and 12
 The index is the worst case for the walk: one node holds the whole prompt (the walk, and the
 hashing, run to its end), the others a prefix of it growing with their number, and each node
 also holds ``--filler`` unrelated blocks; one row times the best case, no node holding the
-prompt's first block.
+prompt's first block. Last, what ingesting one event batch costs the dispatcher (decode, sequence
+check, apply), for batches of 1, 16 and 223 blocks.
 
     python bench/prefix_lookup.py [--reps 300] [--filler 4096] [--json PATH]
 """
@@ -21,12 +22,13 @@ prompt's first block.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,8 @@ from bench.gateway_overhead import completion_body
 from kairos.api.openai_request import RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.block_hash import block_keys
-from kairos.common.kv_events import BlockStored
+from kairos.common.kv_events import BlockStored, KvEventBatch, decode_batch, decode_message, encode_message
+from kairos.core.kv_event_sync import EventStreamSync
 from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 from kairos.launcher.tinymodel import build_tiny_model
 
@@ -147,6 +150,26 @@ def main() -> int:
                 "index walk",
                 timed(lambda k=keys, x=ix: x.longest_prefix_tokens({BLOCK: k}, 0.0), reps),
             )
+    # What the dispatcher pays per event batch it ingests (decode + sequence + apply), by size:
+    # one block (a decode's new block), 16 (a short prompt), 223 (a 3,569-token prompt).
+    for blocks in (1, 16, 223):
+        ix = PrefixIndex()
+        ix.add_node("n", 0.0)
+        sync = EventStreamSync(ix, "n")
+        keys = tuple(rng.getrandbits(64) for _ in range(blocks))
+        tokens = tuple(rng.randrange(100_000) for _ in range(blocks * BLOCK))
+        event = BlockStored(keys, None, tokens, BLOCK, None, "GPU", None, group_idx=0)
+        frames = encode_message("kv-events", 0, KvEventBatch(1.0, (event,), 0))
+
+        counter = itertools.count()
+
+        def ingest(
+            f: tuple[bytes, bytes, bytes] = frames, s: EventStreamSync = sync, seqs: Iterator[int] = counter
+        ) -> None:
+            _, _, payload = decode_message(f)
+            s.on_live(next(seqs), decode_batch(payload), 0.0)
+
+        row("event batch", blocks * BLOCK, None, f"ingest {len(frames[2])} B", timed(ingest, args.reps))
     write_result("prefix_lookup", {"block_size": BLOCK, "filler_blocks": args.filler, "rows": rows}, args.json)
     return 0
 
