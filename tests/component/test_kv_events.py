@@ -207,3 +207,21 @@ async def test_an_idle_connected_node_stays_fresh_and_a_lost_one_reads_zero(zctx
         assert c.index.nodes() == ()
     finally:
         await c.close()
+
+
+async def test_a_malformed_batch_is_a_hole(zctx: zmq.asyncio.Context, consumer: KvEventConsumer) -> None:
+    """A payload that does not decode, live and again in the replay, is dropped: the batches
+    around it apply, the index resets over the hole (what it removed is unknown)."""
+    pub = await start(zctx, consumer)
+    pub.publish(stored(PROMPT, 0, 8))
+    await hits_become(consumer, PROMPT, {"d0": 8 * BS})
+    frames = encode_message(pub.endpoints.topic, pub.seq, KvEventBatch(1.0, (), 0))
+    pub.pub.send_multipart((frames[0], frames[1], b"\xc1 not msgpack"))
+    pub.buffer.append((pub.seq, b"\xc1 not msgpack"))
+    pub.seq += 1
+    pub.publish(stored(OTHER, 0, 4))
+    await hits_become(consumer, OTHER, {"d0": 4 * BS})
+    sub = consumer.subscribers["d0"]
+    assert sub.malformed == 2 and consumer.index.stats("d0").resets == 1 and pub.replay_requests == [0, 1]
+    assert consumer.hits(PROMPT) == {"d0": 0}
+    await pub.close()
