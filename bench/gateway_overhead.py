@@ -80,6 +80,7 @@ from bench.loadgen import HttpConnection, build_request, post_once  # noqa: E402
 from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
 from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
 from kairos.common import contracts as c  # noqa: E402
+from kairos.common.block_hash import block_keys  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
@@ -223,10 +224,18 @@ def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> 
         reps = 300 if len(body) < 16_384 else 40
         parsed = parse_request("/v1/completions", body, tokenizer, limits)
         prompt = json.loads(body)["prompt"]
+        ids = parse_request("/v1/completions", body, tokenizer, limits, token_ids=True).prompt_token_ids or []
         stages = {
             "json_loads": _timed(lambda b=body: json.loads(b), reps),
             "count_tokens_warm_cache": _timed(lambda p=prompt: tokenizer.count_tokens(p), reps),
             "count_tokens_cold_cache": _timed(lambda p=prompt: fresh[0].count_tokens(p), reps // 4 or 1, new_counter),
+            # What a prefix-cache-aware dispatcher pays instead of the parse + count (not on the
+            # request path yet): the parse to token ids, and their block hashes (the index walk
+            # after them: bench/prefix_lookup.py).
+            "parse_to_token_ids": _timed(
+                lambda b=body: parse_request("/v1/completions", b, tokenizer, limits, token_ids=True), reps
+            ),
+            "hash_blocks_16": _timed(lambda i=ids: block_keys(i, 16), reps),
         }
         samples = _timed(lambda b=body: parse_request("/v1/completions", b, tokenizer, limits), reps)
         out[label] = {
@@ -633,6 +642,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "parse_count_in_process: the dispatcher's parse + exact token count of each body timed alone in this "
             "process, for reference; kairos_pd_dispatcher_decision_seconds: the P/D dispatcher's own histogram "
             "(request body to routing answer) over the measured requests, percentiles interpolated in buckets.",
+            "parse_count_stages_in_process parse_to_token_ids and hash_blocks_16: what a prefix-cache lookup adds "
+            "(the prompt's token ids instead of its count, then vLLM's block hashes); the dispatcher does not "
+            "compute them yet, so the paths' figures do not include them.",
         ],
     }
 
@@ -654,6 +666,12 @@ def print_latency(label: str, row: dict[str, Any]) -> None:
         print(f"  dispatcher decision histogram (kairos_pd): n={h['count']} mean {h['mean_ms']:.3f} ms")
     tok = row["parse_count_in_process"]
     print(f"  parse + count in process: p50 {tok['p50_ms']:.3f} ms, p99 {tok['p99_ms']:.3f} ms")
+    stages = row["parse_count_stages_in_process"]
+    ids, hashes = stages["parse_to_token_ids"], stages["hash_blocks_16"]
+    print(
+        f"  a prefix lookup instead (not on the path yet): parse to token ids p50 {ids['p50_ms']:.3f} ms, "
+        f"p99 {ids['p99_ms']:.3f}; block hashes p50 {hashes['p50_ms']:.3f} ms, p99 {hashes['p99_ms']:.3f}"
+    )
 
 
 def main() -> int:

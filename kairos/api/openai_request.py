@@ -82,6 +82,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage (only meaningful when streaming)
     body: dict[str, Any]  # the parsed JSON object, unchanged
+    # The prompt's token ids, when asked for (parse_request's token_ids): what a prefix-cache
+    # lookup hashes. None on the count-only path, which never builds them.
+    prompt_token_ids: list[int] | None = None
 
 
 # A UTF-8-encoded surrogate (U+D800..U+DFFF: 0xED then 0xA0..0xBF) is not valid UTF-8, but
@@ -102,7 +105,13 @@ def _reject_lone_surrogates(data: object) -> None:
 
 
 def parse_request(
-    path: str, body: bytes, tokenizer: PromptTokenizer, limits: RequestLimits, *, stop_over_context: bool = False
+    path: str,
+    body: bytes,
+    tokenizer: PromptTokenizer,
+    limits: RequestLimits,
+    *,
+    stop_over_context: bool = False,
+    token_ids: bool = False,
 ) -> ParsedRequest:
     """Validate one OpenAI request and count its prompt; raise a ``KairosError`` with a code otherwise.
 
@@ -111,6 +120,8 @@ def parse_request(
     counting once the prompt is known to exceed ``max_model_len`` (the gateway: a multi-MB
     prompt is refused after its first ~100 KB are counted, not after seconds), so the error
     says "more than" instead of the exact count vLLM would give (the emulated node keeps it).
+    ``token_ids``: encode the prompt into its token ids (``prompt_token_ids``), for a
+    prefix-cache lookup; the count is their number, and a prompt past the context stops as early.
     """
     route = path.split("?", 1)[0]
     kind = _ROUTES.get(route)
@@ -145,11 +156,11 @@ def parse_request(
         field, requested = _max_tokens_field(data, ("max_tokens",))
         if field is None and "max_tokens" not in data:
             requested = limits.default_max_tokens  # absent (not null): vLLM's default of 16
-        prompt_tokens = _completion_prompt_tokens(data, tokenizer, count_limit)
+        prompt_tokens, ids = _completion_prompt_tokens(data, tokenizer, count_limit, token_ids)
         input_param = "prompt"
     else:
         field, requested = _max_tokens_field(data, ("max_completion_tokens", "max_tokens"))
-        prompt_tokens = _chat_prompt_tokens(data, tokenizer, count_limit)
+        prompt_tokens, ids = _chat_prompt_tokens(data, tokenizer, count_limit, token_ids)
         input_param = "messages"
     if count_limit is not None and prompt_tokens > count_limit:
         raise RequestError(
@@ -167,6 +178,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         body=data,
+        prompt_token_ids=ids,
     )
 
 
@@ -239,7 +251,9 @@ def _resolve_max_tokens(
 _PROMPT_FORMS = "a string, an array of token ids, or an array holding one string or one token-id array"
 
 
-def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
+def _completion_prompt_tokens(
+    data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None, want_ids: bool
+) -> tuple[int, list[int] | None]:
     if data.get("prompt_embeds") is not None:
         raise RequestError("prompt_embeds is not supported by the gateway; send prompt", "prompt_embeds")
     if "prompt" not in data or data["prompt"] is None:
@@ -274,7 +288,10 @@ def _completion_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenize
             raise RequestError(
                 f"token id {bad} is out of vocabulary (valid ids are 0 to {tokenizer.vocab_size - 1})", "prompt"
             )
-    return tokenizer.count_completion_prompt(single, limit)
+    if not want_ids:
+        return tokenizer.count_completion_prompt(single, limit), None
+    ids = tokenizer.completion_prompt_ids(single, limit)
+    return len(ids), (None if limit is not None and len(ids) > limit else ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +332,9 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None) -> int:
+def _chat_prompt_tokens(
+    data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None, want_ids: bool
+) -> tuple[int, list[int] | None]:
     messages = _validate_messages(data.get("messages"))
     if data.get("chat_template") is not None:
         # vLLM refuses request-supplied templates unless started with --trust-request-chat-template.
@@ -338,12 +357,15 @@ def _chat_prompt_tokens(data: Mapping[str, Any], tokenizer: PromptTokenizer, lim
         if name in template_kwargs:
             flags[name] = _optional_bool(template_kwargs, name, flags[name], "chat_template_kwargs.")
             del template_kwargs[name]
-    return tokenizer.count_chat_prompt(
+    text = tokenizer.render_chat(
         messages,
         flags["add_generation_prompt"],
         continue_final_message=flags["continue_final_message"],
-        add_special_tokens=_optional_bool(data, "add_special_tokens", False),
         tools=tools,
         template_kwargs=template_kwargs,
-        limit=limit,
     )
+    add_special_tokens = _optional_bool(data, "add_special_tokens", False)
+    if not want_ids:
+        return tokenizer.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit), None
+    ids = tokenizer.prompt_ids(text, add_special_tokens=add_special_tokens, limit=limit)
+    return len(ids), (None if limit is not None and len(ids) > limit else ids)

@@ -45,6 +45,11 @@ condition a tokenizer misses), so:
   it, ``_islands``) go to ``encode_batch_fast`` in one call, which releases the GIL and spreads
   them over the cores; the rest is ASCII, counted as above.
 
+The same steps give the token ids a prefix-cache lookup hashes (``prompt_ids``): each cut is a
+pre-token boundary, so the ids of the parts in order are the text's, from caches of each
+pre-token's and each closed piece's ids; at about the count's cost (100 KB of English: 3 ms,
+against 36 ms for an Encoding).
+
 Any other tokenizer is encoded whole through ``encode_batch_fast`` (no character offsets; it
 releases the GIL, so callers running it in a thread pool really free their event loop; plain
 ``encode`` holds it), or ``encode_batch`` for texts over ``GIL_RELEASE_CHARS`` on tokenizers
@@ -310,6 +315,7 @@ _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 # run as one string: a cut before a space that is followed by a closed piece is a boundary by
 # point 1, and so is a cut after a closed piece (_SAFE_CUT's point 2).
 _OPEN_PIECE = 1 << 40  # the piece cache's value for a piece that is not closed: counted in runs
+_UNSEEN: Any = object()  # the id piece cache's miss (None there means an open piece)
 _COUNT_BITS = _OPEN_PIECE - 1  # sums of piece counts stay far below this
 # In a chunk with non-ASCII characters (see _islands): ASCII stretches shorter than this stay in
 # the island around them, and after this many non-ASCII runs the rest of the chunk goes to Rust
@@ -382,7 +388,22 @@ class _WordCounter:
     module docstring for the steps and ``refusal`` for the tokenizers this is exact for.
     """
 
-    __slots__ = ("_cache", "_chunk_chars", "_encode_many", "_model", "_pieces", "_specials", "_splitters", "_words")
+    __slots__ = (
+        "_added_ids",
+        "_cache",
+        "_chunk_chars",
+        "_encode_many",
+        "_id_splitters",
+        "_model",
+        "_piece_ids",
+        "_pieces",
+        "_special_head",
+        "_special_tail",
+        "_specials",
+        "_splitters",
+        "_word_ids",
+        "_words",
+    )
 
     def __init__(self, tokenizer: Tokenizer, encode_many: Any, chunk_chars: int) -> None:
         self._model = tokenizer.model
@@ -404,6 +425,17 @@ class _WordCounter:
             if contents:
                 splitters.append(re.compile("|".join(map(re.escape, contents))))
         self._splitters = tuple(splitters)
+        # Token ids in the same steps (``ids``): the splitters capture the added token they match;
+        # each pre-token's ids and each closed piece's (of " " + piece) come from their own caches.
+        self._id_splitters = tuple(re.compile(f"({s.pattern})") for s in splitters)
+        self._added_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.content}
+        self._word_ids: dict[str, tuple[int, ...]] = {}
+        self._piece_ids: dict[str, tuple[int, ...] | None] = {}  # None: an open piece
+        # The post-processor's tokens around a text (refusal() checked their number is fixed).
+        bare = tokenizer.encode("a", add_special_tokens=False).ids
+        full = tokenizer.encode("a", add_special_tokens=True).ids
+        at = next(i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare)
+        self._special_head, self._special_tail = tuple(full[:at]), tuple(full[at + len(bare) :])
 
     @staticmethod
     def refusal(tokenizer: Tokenizer) -> str | None:
@@ -550,6 +582,120 @@ class _WordCounter:
                 n = self._learn(word)
             total += n
         return total
+
+    def ids(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
+        """``text``'s token ids, by the same steps as :meth:`count` (every cut it makes is a
+        pre-token boundary, so the ids of the parts, in order, are the text's): the Rust encoder
+        only for the islands around non-ASCII characters. With ``limit``, once more than
+        ``limit`` ids are known the rest is never encoded: the result is then a prefix of the
+        text's ids, longer than ``limit``."""
+        segments: list[str | int] = [text]
+        for splitter in self._id_splitters:
+            split: list[str | int] = []
+            for segment in segments:
+                if type(segment) is int:
+                    split.append(segment)
+                    continue
+                for j, part in enumerate(splitter.split(segment)):  # text, match, text, ...
+                    if j % 2:
+                        split.append(self._added_ids[part])
+                    elif part:
+                        split.append(part)
+            segments = split
+        out = list(self._special_head) if add_special_tokens else []
+        for segment in segments:
+            if type(segment) is int:
+                out.append(segment)
+            elif segment.isascii() and (limit is None or len(segment) <= self._chunk_chars):
+                self._ids_ascii(segment, out)
+            else:
+                self._ids_chunked(segment, out, limit)
+            if limit is not None and len(out) > limit:
+                return out
+        if add_special_tokens:
+            out.extend(self._special_tail)
+        return out
+
+    def _ids_chunked(self, segment: str, out: list[int], limit: int | None) -> None:
+        """Append ``segment``'s ids a safe chunk at a time, its islands batched into one Rust
+        call (with ``limit``: one per ``_BOUNDED_BATCH_CHARS`` of text, checking it between)."""
+        parts: list[str | int] = []  # ASCII text, or the index of an island in ``islands``
+        islands: list[str] = []
+        pending = 0  # characters in ``parts`` since the last flush
+        for chunk in _chunks(segment, self._chunk_chars):
+            for part in [chunk] if chunk.isascii() else _islands(chunk):
+                if part.isascii():
+                    parts.append(part)
+                else:
+                    parts.append(len(islands))
+                    islands.append(part)
+            pending += len(chunk)
+            if limit is not None and (not islands or pending >= _BOUNDED_BATCH_CHARS):
+                self._flush_ids(parts, islands, out)
+                parts, islands, pending = [], [], 0
+                if len(out) > limit:
+                    return
+        self._flush_ids(parts, islands, out)
+
+    def _flush_ids(self, parts: list[str | int], islands: list[str], out: list[int]) -> None:
+        encodings = self._encode_many(islands, False) if islands else []
+        for part in parts:
+            if type(part) is int:
+                out.extend(encodings[part].ids)
+            else:
+                self._ids_ascii(part, out)
+
+    def _ids_ascii(self, text: str, out: list[int]) -> None:
+        """Append ASCII ``text``'s ids: closed space pieces from the cache, runs of open ones
+        (the first piece starting one) by the regex, in text order (see ``_count_ascii``)."""
+        parts = text.split(" ")
+        run_start, run_end = 0, 0  # the open run parts[run_start:run_end + 1]; run_start -1: none
+        piece_ids = self._piece_ids
+        for i in range(1, len(parts)):
+            piece = parts[i]
+            ids = piece_ids.get(piece, _UNSEEN)
+            if ids is _UNSEEN:
+                ids = self._learn_piece(piece)
+            if ids is None:  # open
+                if run_start >= 0 and i == run_end + 1:
+                    run_end = i
+                    continue
+                run_start = run_end = i
+                continue
+            if run_start >= 0:
+                self._run_ids(parts, run_start, run_end, out)
+                run_start = -1
+            out.extend(ids)
+        if run_start >= 0:
+            self._run_ids(parts, run_start, run_end, out)
+
+    def _run_ids(self, parts: list[str], start: int, end: int, out: list[int]) -> None:
+        run = " ".join(parts[start : end + 1])
+        self._extend_words(run if start == 0 else " " + run, out)
+
+    def _learn_piece(self, piece: str) -> tuple[int, ...] | None:
+        closed = piece and piece[0] not in _ASCII_SPACE and piece[-1] not in _ASCII_SPACE
+        ids: tuple[int, ...] | None = None
+        if closed:
+            collected: list[int] = []
+            self._extend_words(" " + piece, collected)
+            ids = tuple(collected)
+        if len(self._piece_ids) >= WORD_CACHE_ENTRIES:
+            self._piece_ids.clear()
+        self._piece_ids[piece] = ids
+        return ids
+
+    def _extend_words(self, chunk: str, out: list[int]) -> None:
+        """Append ASCII ``chunk``'s ids, a pre-token at a time."""
+        cache = self._word_ids
+        for word in self._words.findall(chunk):
+            ids = cache.get(word)
+            if ids is None:
+                ids = tuple(t.id for t in self._model.tokenize(word.translate(_BYTE_LEVEL_ASCII)))
+                if len(cache) >= WORD_CACHE_ENTRIES:
+                    cache.clear()
+                cache[word] = ids
+            out.extend(ids)
 
     def _learn(self, word: str) -> int:
         """The model's token count for one ASCII pre-token, cached."""
@@ -740,6 +886,16 @@ class PromptTokenizer:
         """Token ids of ``text``, as vLLM's ``tokenizer.encode`` gives them."""
         return self._encode_one(text, add_special_tokens).ids
 
+    def prompt_ids(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """``self.encode(text, add_special_tokens)``, without building an Encoding where the
+        exact counter applies (its steps, ids in place of counts): what a prefix-cache lookup
+        hashes, at about the count's cost instead of the Encoding's. With ``limit``, a result
+        longer than ``limit`` only says "more than ``limit``" (as ``count_tokens``'s): the exact
+        path stops there, with a prefix of the ids."""
+        if self._counter is not None:
+            return self._counter.ids(text, add_special_tokens, limit)
+        return self.encode(text, add_special_tokens)
+
     def count_tokens(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> int:
         """``len(self.encode(text, add_special_tokens))``, without building an Encoding where
         that is provably exact (see the module docstring). With ``limit``, a result above it
@@ -758,6 +914,15 @@ class PromptTokenizer:
             return self.count_tokens(prompt, add_special_tokens=True, limit=limit)
         if _is_token_ids(prompt):
             return len(prompt)
+        raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def completion_prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
+        """The token ids vLLM runs for one ``/v1/completions`` prompt, the ones its prefix cache
+        hashes (:mod:`kairos.common.block_hash`); ``limit`` as in :meth:`prompt_ids`."""
+        if isinstance(prompt, str):
+            return self.prompt_ids(prompt, add_special_tokens=True, limit=limit)
+        if _is_token_ids(prompt):
+            return list(prompt)
         raise TypeError(f"a completion prompt is a string or a list of token ids, got {type(prompt).__name__}")
 
     # -- chat ---------------------------------------------------------------------------------

@@ -47,3 +47,14 @@ CALIBRATION_MIN_SAMPLES = 500  # steps measured before the estimate replaces the
 # The simulator's correlated ground-truth error (--error-form correlated): the share of the
 # error's variance that is a per-node bias (drawn once per node), the rest per-step noise.
 SIM_ERROR_BIAS_SHARE = 0.5
+
+# Prefix-cache residency at the dispatcher (kairos.core.prefix_index, from the nodes' KV events).
+# Blocks kept per node: past this, the block stored (or stored again) longest ago is dropped, an
+# under-count of the node's cache, never an over-count. 65,536 blocks of 16 tokens is 1M tokens,
+# most of an emulated node's KV_CAPACITY_TOKENS. Measured 164 B per block (distinct keys, tracemalloc):
+# 10.7 MB per node at the cap, so 1,000 nodes at the cap is about 11 GB in each dispatcher.
+PREFIX_INDEX_CAPACITY_BLOCKS = 65_536
+# Live event batches a node's stream holds while its replay is outstanding; past this the oldest
+# go, and the hole they leave resets that node's index (an under-count, never a wrong hit).
+KV_EVENTS_MAX_PENDING_BATCHES = 10_000
+KV_EVENTS_REPLAY_TIMEOUT_S = 1.0  # a replay unanswered this long counts as failed (reset)

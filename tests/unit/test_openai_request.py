@@ -474,3 +474,25 @@ def test_a_surrogate_pair_escape_is_ordinary_text(tok: PromptTokenizer) -> None:
     escaped = parse(tok, C, b'{"prompt": "emoji \\ud83d\\ude00 ok"}')
     literal = parse(tok, C, {"prompt": "emoji \U0001f600 ok"})
     assert escaped.prompt_tokens == literal.prompt_tokens > 0
+
+
+# -- the prompt's token ids, for a prefix-cache lookup (parse_request's token_ids) ----------------
+def test_token_ids_only_when_asked(tok: PromptTokenizer) -> None:
+    assert parse(tok, COMPLETIONS, {"prompt": "Hello there"}).prompt_token_ids is None
+    got = parse_request(COMPLETIONS, body(prompt="Hello there"), tok, LIMITS, token_ids=True)
+    assert got.prompt_token_ids == tok.encode("Hello there") and got.prompt_tokens == len(got.prompt_token_ids)
+    assert got.prompt_token_ids[0] == tok.bos_token_id  # vLLM hashes the BOS too
+
+
+def test_token_ids_of_a_token_id_prompt_and_of_chat(tok: PromptTokenizer) -> None:
+    ids = parse_request(COMPLETIONS, body(prompt=[[5, 6, 7]]), tok, LIMITS, token_ids=True).prompt_token_ids
+    assert ids == [5, 6, 7]
+    chat = parse_request(CHAT, body(messages=MESSAGES), tok, LIMITS, token_ids=True)
+    assert chat.prompt_token_ids == tok.encode(tok.render_chat(MESSAGES), add_special_tokens=False)
+    assert chat.prompt_tokens == tok.count_chat_prompt(MESSAGES) == len(chat.prompt_token_ids)
+
+
+def test_token_ids_past_the_context_refused_from_the_count(tok: PromptTokenizer) -> None:
+    small = RequestLimits(max_model_len=8, default_max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="more than 8 input tokens"):
+        parse_request(COMPLETIONS, body(prompt="word " * 50), tok, small, stop_over_context=True, token_ids=True)

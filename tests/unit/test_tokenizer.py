@@ -734,3 +734,97 @@ def test_split_tokenizers_the_fast_counter_cannot_prove_are_encoded_whole(change
     assert tok.counter_refusal is not None and reason in tok.counter_refusal
     for text in [*TEXTS, "caf\u00e9 cafe\u0301 \ufb01", " ".join(TEXTS) * 50]:
         assert tok.count_tokens(text) == len(custom.encode(text).ids)
+
+
+# -- token ids without Encodings (prompt_ids: the exact counter's steps, ids in place of counts) --
+def assert_ids(tok: PromptTokenizer, raw_tok: Tokenizer, texts: list[str]) -> None:
+    for _ in ("cold", "warm"):
+        for text in texts:
+            for specials in (True, False):
+                expected = raw_tok.encode(text, add_special_tokens=specials).ids
+                assert tok.prompt_ids(text, specials) == expected, (specials, repr(text[:80]))
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 3, 16, 200, COUNT_CHUNK_CHARS])
+def test_prompt_ids_equal_the_encoding_on_random_texts(raw: Tokenizer, chunk_chars: int) -> None:
+    tok = PromptTokenizer(raw, count_chunk_chars=chunk_chars)
+    assert tok.counter_refusal is None
+    assert_ids(tok, raw, random_texts(3, 300))
+
+
+def test_prompt_ids_on_long_mixed_texts_and_whitespace(raw: Tokenizer) -> None:
+    rng = random.Random(4)
+    words = [w for w in PIECES["words"] + PIECES["punct"] + PIECES["digits"] if w.isascii()]
+    ascii_text = " ".join(rng.choice(words) for _ in range(20_000))
+    sparse = " ".join(rng.choice(PIECES["unicode"]) if i % 97 == 0 else w for i, w in enumerate(ascii_text.split(" ")))
+    dense = "".join(random_texts(5, 300))
+    cells = ["word", "it's", " ", " ", "  ", "\n", " \n", "\n ", "\t", ".", "\x0b"]
+    ragged = "".join(rng.choice(cells) for _ in range(4000))
+    code = "def f(x):\n    if x:  # a comment \n\treturn  x \n\n  \n    y = [1,  2 ]\r\n" * 200
+    mixed = ascii_text + "<s>" + dense + "</s>" + sparse
+    texts = [ascii_text, sparse, dense, mixed, ragged, code, " ", "   ", "x", "\n x"]
+    assert_ids(PromptTokenizer(raw), raw, texts)
+
+
+def test_prompt_ids_with_more_added_tokens(raw: Tokenizer) -> None:
+    custom = Tokenizer.from_str(raw.to_str())
+    custom.add_special_tokens([AddedToken("<|im_start|>", normalized=False), AddedToken("s> <", normalized=False)])
+    custom.add_tokens(
+        [
+            AddedToken("ab", normalized=False, special=False),
+            AddedToken("abc", normalized=False, special=False),
+            AddedToken("hello world", normalized=True, special=False),
+            AddedToken("world", normalized=True, special=False),
+        ]
+    )
+    tok = PromptTokenizer(custom, count_chunk_chars=5)
+    assert tok.counter_refusal is None
+    extra = ["ab", "abc", "abcab", "aabc", "hello world", "hello worldab", "<|im_start|>", "s> <", "world"]
+    rng = random.Random(6)
+    cells = [*extra, " ", " ", "x", "\u00e9", *PIECES["specials"]]
+    texts = ["".join(rng.choice(cells) for _ in range(40)) for _ in range(300)]
+    assert_ids(tok, custom, texts)
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_split_family_prompt_ids_equal_the_encoding(pattern: str) -> None:
+    raw_split = _split_family_tokenizer(pattern)
+    rng = random.Random(13)
+    special = ["<|begin_of_text|>", "<|im_start|>", "<|im_start", "x<|end_of_text|>y"]
+    texts = [
+        *random_texts(14, 200),
+        *("".join(rng.choice([*special, " ", "a", "\u00e9", "e\u0301"]) for _ in range(30)) for _ in range(100)),
+        "def f(x):\n    return  x + 1234567\n" * 100,
+    ]
+    for chunk_chars in (7, COUNT_CHUNK_CHARS):
+        assert_ids(PromptTokenizer(raw_split, count_chunk_chars=chunk_chars), raw_split, texts)
+
+
+def test_prompt_ids_caches_are_bounded(raw: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenizer_module, "WORD_CACHE_ENTRIES", 16)
+    tok = PromptTokenizer(raw)
+    text = " ".join(f"w{i}x" for i in range(500)) + "  a  b "
+    assert_ids(tok, raw, [text])
+    assert len(tok._counter._word_ids) <= 16 and len(tok._counter._piece_ids) <= 16  # type: ignore[union-attr]
+
+
+def test_prompt_ids_without_the_counter_are_the_encoding(raw: Tokenizer) -> None:
+    custom = _variant(raw, "normalizer")
+    tok = PromptTokenizer(custom)
+    assert tok.counter_refusal is not None
+    assert_ids(tok, custom, [*TEXTS, " ".join(TEXTS) * 50])
+
+
+@pytest.mark.parametrize("chunk_chars", [3, 200, COUNT_CHUNK_CHARS])
+def test_prompt_ids_with_a_limit_stop_with_a_prefix(raw: Tokenizer, chunk_chars: int) -> None:
+    tok = PromptTokenizer(raw, count_chunk_chars=chunk_chars)
+    rng = random.Random(17)
+    long_texts = [" ".join(random_texts(18, 200)), "word " * 30_000, "\u65e5\u672c " * 40_000]
+    for text in [*random_texts(16, 100), *long_texts]:
+        full = raw.encode(text).ids
+        for limit in (0, rng.randrange(1, 50), len(full) - 1, len(full), len(full) + 5):
+            got = tok.prompt_ids(text, True, max(limit, 0))
+            if len(full) > limit:
+                assert len(got) > limit and got == full[: len(got)], (limit, repr(text[:60]))
+            else:
+                assert got == full, (limit, repr(text[:60]))
