@@ -286,12 +286,16 @@ class Engine:
     def step_duration(self, plan: StepPlan) -> float:
         return self.timer(self.config.role, plan)
 
-    def finish_step(self, plan: StepPlan, now: float, duration: float) -> StepOutcome:
+    def finish_step(
+        self, plan: StepPlan, now: float, duration: float, measured_s: float | None = None
+    ) -> StepOutcome:
         """Apply a planned step that ended at ``now``. Sequences that joined while it ran
-        (``joining``) are not part of it."""
+        (``joining``) are not part of it. ``measured_s``: the step as its tokens' readers saw
+        it, when that is not ``duration`` (a node in real time wakes late on a busy host); the
+        calibration learns from it."""
         if self.calibration is not None and self.guard is not None:
             predicted = predicted_step_s(self.guard, self.config.role, plan.decode_tokens, plan.kv_tokens, plan.chunks)
-            self.calibration.observe(predicted, duration)
+            self.calibration.observe(predicted, duration if measured_s is None else measured_s)
         first: list[Sequence] = []
         done: list[Sequence] = []
         emitted: list[Sequence] = []

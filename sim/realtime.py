@@ -202,9 +202,15 @@ class RealtimeEngine:
                     continue
                 duration = self.engine.step_duration(plan)
                 end = last_end = plan.start + duration
-                delay = self._t0 + end / self.time_scale - self._loop.time()
+                began = self._loop.time()
+                delay = self._t0 + end / self.time_scale - began
                 await asyncio.sleep(max(0.0, delay))
-                outcome = self.engine.finish_step(plan, end, duration)
+                # The step as its readers see it: from the previous step's tokens (or the wake) to
+                # this one's, in model seconds. A loop that wakes late on a busy host stretches it
+                # (and shortens the next, which catches up): the calibration learns that tail, as
+                # a real node's measures its real steps.
+                measured = (self._loop.time() - began) * self.time_scale
+                outcome = self.engine.finish_step(plan, end, duration, measured)
                 self._record(plan, duration)
                 budgets = (c.seq.step_budget_s for c in plan.chunks)
                 calibration = 1.0 if self.engine.calibration is None else self.engine.calibration.value

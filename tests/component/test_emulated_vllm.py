@@ -520,9 +520,10 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "step_calibration",
             "pending_kv_pull_tokens",  # a decode node's KV pulls: none here
         }
-        # The emulated node's truth is its model: its steps calibrate to 1.0 (the prior, until
-        # it has measured enough steps, is 1.0 too: the packaged profile has no measured error).
-        assert state["step_calibration"] == 1.0
+        # The node calibrates on its steps as its readers saw them (wall time, late wakes on a
+        # busy host included): never under the prior (1.0, the packaged profile has no measured
+        # error) while it has measured few steps.
+        assert 1.0 <= state["step_calibration"] <= 4.0
         assert state["pending_kv_pull_tokens"] == []
         assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
         assert state["scheduled_prefill_tokens"] == []

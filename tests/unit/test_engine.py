@@ -183,3 +183,30 @@ def test_model_timer_uses_the_prefill_model_on_prefill_nodes_and_eq4_elsewhere()
     assert plan is not None
     assert timer(Role.PREFILL, plan) == pytest.approx(MODELS.prefill_step_s(1000, 0))
     assert timer(Role.DECODE, plan) == pytest.approx(MODELS.mixed_step_s(1000, 0, 0, 0))
+
+
+def test_the_calibration_learns_the_measured_step_when_one_is_given() -> None:
+    """A node in real time passes each step as its readers saw it (``measured_s``): steps that
+    ran 30% long (late wakes on a busy host) raise the calibration though the model's own
+    duration was exact; the simulator passes none and calibrates on the duration."""
+    from kairos.core.calibration import StepCalibration, predicted_step_s
+
+    def run(measured_factor: float | None) -> float:
+        calibration = StepCalibration()
+        engine = Engine(EngineConfig("d0", Role.DECODE, 4096, 100_000), model_step_time(MODELS), MODELS,
+                        calibration=calibration)
+        engine.submit(Sequence("a", 100, 2000))
+        t = 0.0
+        for _ in range(600):
+            plan = engine.plan_step(t)
+            if plan is None:
+                break
+            duration = engine.step_duration(plan)
+            predicted = predicted_step_s(MODELS, Role.DECODE, plan.decode_tokens, plan.kv_tokens, plan.chunks)
+            assert duration == pytest.approx(predicted)
+            t += duration
+            engine.finish_step(plan, t, duration, None if measured_factor is None else duration * measured_factor)
+        return calibration.value
+
+    assert run(None) == pytest.approx(1.0, abs=0.01)
+    assert run(1.3) == pytest.approx(1.3, rel=0.02)
