@@ -30,3 +30,4 @@ MAX_MODEL_LEN = 32768  # tokens of context
 PREFILL_STEP_TOKENS = 2048  # max_num_batched_tokens on prefill nodes (chi_p)
 DECODE_STEP_TOKENS = 4096  # max_num_batched_tokens on decode nodes
 KV_CAPACITY_TOKENS = 1_300_000  # KV-cache tokens per emulated node
+KV_BLOCK_TOKENS = 16  # tokens per KV-cache block: vLLM's default --block-size, the prefix cache's unit
