@@ -31,6 +31,8 @@ class RequestRecord:
     first_token_step: int = -1  # decode-node step that produced it
     finished: float | None = None
     last_step: int = -1  # decode-node step that produced the last token
+    cached_tokens: int = 0  # prompt tokens the node that prefilled it had cached (prefix cache)
+    transfer_tokens: int = 0  # keep path: prompt tokens moved to the decode node (those it lacked)
 
     @property
     def ttft(self) -> float:
