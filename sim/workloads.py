@@ -450,22 +450,24 @@ class ConversationSpec:
     ends early at the turn whose prompt + answer would pass the context. Turn k+1 is sent
     ``think`` seconds (exponential, mean ``think_mean_s``) after turn k's last token.
 
-    Defaults: first messages carry the task (documents, code: median 1,500 tokens), follow-ups
-    are short (median 250), answers median 200, four turns on average and 10 s of think time
-    (assumptions, no trace published these for a chat service); three system prompts of 2,048,
-    1,024 and 512 tokens in three sessions of four.
+    Defaults: a first turn shaped like the paper's production mix (median prompt near 3.5K with
+    a system prompt, the bursty workload's geometric completions of mean 72), so the prefill
+    pool, not the decode nodes, saturates first, as in the paper; follow-ups are short (median
+    400), four turns on average and 10 s of think time (assumptions: no trace published these
+    for a chat service); three system prompts of 2,048, 1,024 and 512 tokens in three sessions
+    of four.
     """
 
     name: str
     turns: Geometric = Geometric(p=0.25)  # turns per session, mean 4 before the clip
     max_turns: int = 12
-    first_message: TokenDist = LogNormal(mu=math.log(1500), sigma=0.8, hi=16384.5)
-    next_message: TokenDist = LogNormal(mu=math.log(250), sigma=0.8, hi=8192.5)
-    answer: TokenDist = LogNormal(mu=math.log(200), sigma=0.7, hi=2048.5)
+    first_message: TokenDist = LogNormal(mu=math.log(3000), sigma=0.8, hi=16384.5)
+    next_message: TokenDist = LogNormal(mu=math.log(400), sigma=0.8, hi=8192.5)
+    answer: TokenDist = Geometric(p=1.0 / 72.0)
     think_mean_s: float = 10.0
     system_prompts: tuple[int, ...] = (2048, 1024, 512)  # shared system prompts' lengths
     system_share: float = 0.75  # sessions that start with one of them
-    default_rps: float = 2.0  # requests (turns) per second
+    default_rps: float = 8.0  # requests (turns) per second
     default_cv: float = 1.0  # CV of the sessions' inter-arrival times
     description: str = ""
 

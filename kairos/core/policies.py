@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,12 +37,26 @@ class Policy(Protocol):
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision: ...
 
 
+# Policies that read the nodes' prefix caches (``kairos``, ``oracle``, ``pd``) say so with a
+# ``prefix_aware`` attribute, and then take ``decide(..., cached=...)``: the prompt tokens each
+# node has cached, by node id. ``prefix=off`` makes them cache-blind, for comparison.
+
+
 def _keep(
-    models: LatencyModels, cfg: alg.DeciderConfig, prompt_tokens: int, view: ClusterView, now: float, reason: Reason
+    models: LatencyModels,
+    cfg: alg.DeciderConfig,
+    prompt_tokens: int,
+    view: ClusterView,
+    now: float,
+    reason: Reason,
+    cached: Mapping[str, int] | None = None,
 ) -> Decision:
-    prefill, ttft_pf = alg.best_prefill_node(models, view, now, cfg, prompt_tokens)
-    decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens)
-    return Decision(Route.KEEP, reason, decode.node_id, prefill.node_id, (), ttft_pf, None, prompt_tokens)
+    prefill, ttft_pf = alg.best_prefill_node(models, view, now, cfg, prompt_tokens, cached)
+    decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens, cached)
+    hit = alg.cached_prefix(cached, prefill.node_id, prompt_tokens)
+    return Decision(
+        Route.KEEP, reason, decode.node_id, prefill.node_id, (), ttft_pf, None, prompt_tokens, cached_tokens=hit
+    )
 
 
 def _fixed_chunk_schedule(
@@ -103,16 +118,25 @@ def _prefill_locally(
 
 @dataclass(frozen=True)
 class PDPolicy:
-    """Plain P/D disaggregation: never deflect."""
+    """Plain P/D disaggregation: never deflect. Prefix-aware (the default), it picks the prefill
+    node by Eq. 1 over each node's uncached tokens and the decode node by load and the blocks it
+    lacks, as the field's prefix-aware routers do."""
 
     models: LatencyModels
     config: alg.DeciderConfig
-    label: str = "pd"
     fresh_state: bool = False
+    prefix_aware: bool = True
 
-    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+    @property
+    def label(self) -> str:
+        return "pd" if self.prefix_aware else "pd(prefix=off)"
+
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None = None
+    ) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_POLICY)
+        hits = cached if self.prefix_aware else None
+        return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_POLICY, hits)
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,7 @@ class KairosPolicy:
     models: LatencyModels
     config: alg.DeciderConfig
     fresh_state: bool = False
+    prefix_aware: bool = True  # read the nodes' cached prefixes when the caller has them
 
     @property
     def label(self) -> str:
@@ -172,10 +197,14 @@ class KairosPolicy:
         error = f",error={self.config.model_error:g}" if self.config.model_error else ""
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
-        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload}{error})"
+        prefix = "" if self.prefix_aware else ",prefix=off"
+        return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{pending}{guard}{overload}{error}{prefix})"
 
-    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
-        return alg.decide(prompt_tokens, view, now, self.models, self.config)
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None = None
+    ) -> Decision:
+        hits = cached if self.prefix_aware else None
+        return alg.decide(prompt_tokens, view, now, self.models, self.config, hits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,11 +436,11 @@ class NoPrefillPoolPolicy:
 
 POLICY_NAMES = ("pd", "sq", "sl", "kairos", "oracle", "llmd", "dynamo", "aibrix")
 _PARAMS: dict[str, tuple[str, ...]] = {
-    "pd": (),
+    "pd": ("prefix",),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error"),
-    "oracle": ("alpha", "beta", "guard", "overload", "error"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "prefix"),
+    "oracle": ("alpha", "beta", "guard", "overload", "error", "prefix"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -461,8 +490,14 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         except ValueError:
             raise UnknownPolicyError(f"policy {name!r}: {key}={raw!r} is not a {cast.__name__}") from None
 
+    def on_off(key: str) -> bool:
+        raw = params.get(key, "on").lower()
+        if raw not in ("on", "off"):
+            raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be 'on' or 'off'")
+        return raw == "on"
+
     if name == "pd":
-        return PDPolicy(models, cfg)
+        return PDPolicy(models, cfg, prefix_aware=on_off("prefix"))
     if name in ("sq", "sl"):
         threshold = int(number("theta" if name == "sq" else "l", 4 if name == "sq" else 2048, int))
         chunk = int(number("chunk", 128, int))
@@ -519,7 +554,9 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         changes["max_pending_deflections"] = (
             None if params["pending"].lower() == "none" else int(number("pending", 1, int))
         )
-    return KairosPolicy(models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"))
+    return KairosPolicy(
+        models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"), prefix_aware=on_off("prefix")
+    )
 
 
 def split_policy_list(text: str) -> list[str]:

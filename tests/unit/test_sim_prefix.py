@@ -94,3 +94,15 @@ def test_num_requests_keeps_whole_session_prefixes() -> None:
     reqs = make_workload("multiturn", num_requests=50, seed=2)
     ids = {r.request_id for r in reqs}
     assert len(reqs) == 50 and all(r.after is None or r.after in ids for r in reqs)
+
+
+def test_prefix_aware_kairos_prefills_later_turns_where_they_live_within_tbt() -> None:
+    reqs = make_workload("multiturn", rps=12, duration_s=60, seed=3)
+    sim = simulate(reqs, "kairos")
+    s = sim.metrics.summary
+    assert s["tbt_violation_rate"] == 0.0 and s["requests"] == len(reqs)
+    deflected = [r for r in sim.metrics.records if r.route.value == "deflect" and r.spec.turn >= 2]
+    assert deflected and sum(r.cached_tokens > 0 for r in deflected) >= 0.9 * len(deflected)
+    assert all(r.cached_tokens <= r.spec.prompt_tokens - 1 for r in sim.metrics.records)
+    blind = simulate(reqs, "kairos:prefix=off").metrics.records
+    assert sum(r.route.value == "deflect" for r in blind) < len(deflected)
