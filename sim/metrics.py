@@ -121,6 +121,12 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
 
     predicted = np.array([np.nan if r.predicted_ttft_s is None else r.predicted_ttft_s for r in records])
     ok = ~np.isnan(predicted) & (ttft > 0)
+    later = np.array([r.spec.turn >= 2 for r in records], dtype=bool)
+    prompts = np.array([r.spec.prompt_tokens for r in records], dtype=np.int64)
+    cached = np.array([r.cached_tokens for r in records], dtype=np.int64)
+    # A decode node's share of a prompt it neither computed nor received: its own cache's hit.
+    decode_hit = np.where(deflected, cached, np.array([r.spec.prompt_tokens - r.transfer_tokens for r in records]))
+    kept_prompt = prompts[~deflected].sum()
     return {
         "requests": len(records),
         "deflections": int(deflected.sum()),
@@ -142,4 +148,8 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
         "output_tokens_per_s": out_tokens / span,
         "total_tokens_per_s": all_tokens / span,
         "ttft_prediction_mape": float(np.mean(np.abs(predicted[ok] - ttft[ok]) / ttft[ok])) if ok.any() else 0.0,
+        # Conversations and prefix caching (0 where the run has no later turns or no hashes)
+        "p95_ttft_turn2plus_s": pct(ttft[later], 95),
+        "prefix_hit_rate_prefill": float(cached[~deflected].sum() / kept_prompt) if kept_prompt else 0.0,
+        "prefix_hit_rate_decode": float(decode_hit.sum() / prompts.sum()) if records else 0.0,
     }

@@ -48,6 +48,10 @@ def test_a_cache_blind_policy_still_gains_from_the_nodes_caches() -> None:
     assert second.cached_tokens == 1000 // BS * BS
     assert second.transfer_tokens == 1400 - 68 * BS
     assert second.ttft_parts()[2] == pytest.approx(MODELS.kv_transfer_s(1400 - 68 * BS))
+    s = sim.metrics.summary
+    assert s["prefix_hit_rate_prefill"] == pytest.approx(992 / 2400)
+    assert s["prefix_hit_rate_decode"] == pytest.approx(68 * BS / 2400)
+    assert s["p95_ttft_turn2plus_s"] == pytest.approx(second.ttft)
 
 
 def test_requests_without_hashes_run_as_before() -> None:
