@@ -79,7 +79,7 @@ class Sequence:
     # Chained hashes of the full blocks of prompt + output (RequestSpec.block_hashes); () never hits.
     block_hashes: tuple[int, ...] = ()
     cached_hit: int = 0  # prompt tokens this engine had cached when the sequence arrived
-    cache_refs: list[int] = field(default_factory=list)  # cached blocks it references, prefix order
+    cache_refs: list[int] | tuple[()] = ()  # cached blocks it references, prefix order
 
     @property
     def prefill_remaining(self) -> int:
@@ -249,7 +249,9 @@ class Engine:
         """The sequence's prompt KV is complete here: its full blocks become cached."""
         if self.cache is not None and seq.block_hashes:
             full = seq.prompt_tokens // self.config.block_tokens
-            seq.cache_refs.extend(self.cache.insert(seq.block_hashes[len(seq.cache_refs) : full]))
+            added = self.cache.insert(seq.block_hashes[len(seq.cache_refs) : full])
+            if added:
+                seq.cache_refs = [*seq.cache_refs, *added]
 
     def _uncache_refs(self, seq: Sequence) -> None:
         """The sequence leaves: the full blocks its output completed are cached too (vLLM caches
@@ -259,11 +261,11 @@ class Engine:
             return
         bs = self.config.block_tokens
         done = (seq.prompt_tokens + seq.generated - 1) // bs
-        refs = seq.cache_refs
+        refs = list(seq.cache_refs)
         if done > seq.prompt_tokens // bs:
             refs.extend(self.cache.insert(seq.block_hashes[seq.prompt_tokens // bs : done]))
         self.cache.release(refs)
-        seq.cache_refs = []
+        seq.cache_refs = ()
 
     def _make_room(self) -> None:
         """Evict free cached blocks until what is held and promised fits the capacity."""
@@ -447,7 +449,8 @@ class Engine:
                             self._uncache_refs(seq)
                 else:
                     self.decoding.append(seq)
-        if plan.decode_tokens and self.cache is not None and self.cache.free_tokens:
+        cache = self.cache
+        if cache is not None and cache.free_queue and plan.decode_tokens:
             self._make_room()  # the decodes' new tokens may need a free cached block's room
         self.step_index += 1
         return StepOutcome(plan, duration, tuple(first), tuple(done), tuple(emitted))

@@ -53,7 +53,7 @@ class PrefixCache:
     """Cached blocks by hash: a reference count each, and the unreferenced ones in eviction
     order (least recently freed first)."""
 
-    __slots__ = ("_free", "_refs", "block_tokens", "shared_blocks")
+    __slots__ = ("_refs", "block_tokens", "free_queue", "shared_blocks")
 
     def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
         if block_tokens < 1:
@@ -62,7 +62,7 @@ class PrefixCache:
         self._refs: dict[int, int] = {}  # hash -> running requests that reference the block
         # Unreferenced blocks in eviction order; an OrderedDict pops its head in O(1), where a
         # dict's first key costs a scan past the slots its deletions left.
-        self._free: OrderedDict[int, None] = OrderedDict()
+        self.free_queue: OrderedDict[int, None] = OrderedDict()
         # References beyond each block's first: the KV tokens the running requests count twice
         # (each counts its whole context) that the node holds once.
         self.shared_blocks = 0
@@ -80,11 +80,11 @@ class PrefixCache:
     @property
     def free_tokens(self) -> int:
         """Tokens in cached blocks no request references: evictable, so free for allocation."""
-        return len(self._free) * self.block_tokens
+        return len(self.free_queue) * self.block_tokens
 
     def eviction_order(self) -> list[int]:
         """The unreferenced blocks, the next to be evicted first."""
-        return list(self._free)
+        return list(self.free_queue)
 
     def match(self, hashes: Sequence[int], max_blocks: int | None = None) -> int:
         """How many of ``hashes``' leading blocks are cached (at most ``max_blocks``)."""
@@ -98,7 +98,7 @@ class PrefixCache:
     # -- changes ------------------------------------------------------------------------------
     def acquire(self, hashes: Iterable[int]) -> None:
         """A request starts using these cached blocks (vLLM's ``touch``): out of the free queue."""
-        refs, free = self._refs, self._free
+        refs, free = self._refs, self.free_queue
         for h in hashes:
             r = refs[h]
             if r == 0:
@@ -121,7 +121,7 @@ class PrefixCache:
         """A request stops using its blocks, given in prefix order: each one nobody references
         any more joins the free queue's tail, the last block first (vLLM frees in reverse, so a
         prefix's tail is evicted before its head)."""
-        refs, free = self._refs, self._free
+        refs, free = self._refs, self.free_queue
         for h in reversed(hashes):
             r = refs[h] - 1
             refs[h] = r
@@ -134,7 +134,7 @@ class PrefixCache:
         """Evict up to ``blocks`` unreferenced blocks from the free queue's head; how many went.
         A prefix whose head is evicted stops matching there, so its tail is dead weight until
         its own turn at the head comes."""
-        free, refs = self._free, self._refs
+        free, refs = self.free_queue, self._refs
         n = min(blocks, len(free))
         for _ in range(n):
             h, _ = free.popitem(last=False)
@@ -143,4 +143,4 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every unreferenced block (vLLM's ``reset_prefix_cache``)."""
-        self.evict(len(self._free))
+        self.evict(len(self.free_queue))

@@ -580,7 +580,7 @@ def best_prefill_node(
     exec_s: dict[tuple[int, int], float] = {}  # Eq. 3 depends on the node only through its chunk size and hit
     best: tuple[float, str, PrefillNodeState] | None = None
     for n in fresh:
-        key = (n.chunk_tokens, cached_prefix(cached, n.node_id, prompt_tokens))
+        key = (n.chunk_tokens, cached_prefix(cached, n.node_id, prompt_tokens) if cached else 0)
         own = exec_s.get(key)
         if own is None:
             own = exec_s[key] = prefill_exec_s(models, prompt_tokens, n.chunk_tokens, key[1])
@@ -699,7 +699,7 @@ def _search_in_id_order(
     memo: _PlanMemo = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
         give_up = bound if best is None else min(bound, best[0])
-        hit = cached_prefix(cached, node.node_id, prompt_tokens)
+        hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
         plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up, hit)
         if plan == _TOO_SLOW:
             any_too_slow = True
@@ -728,7 +728,7 @@ def _search_bounded(
     order: list[tuple[float, str, int, DecodeNodeState]] = []
     limit, cutoff = bound, _cutoff(bound)
     for i, node in enumerate(eligible):
-        hit = cached_prefix(cached, node.node_id, prompt_tokens)
+        hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
         lb = 0.0 if hit else ttft_lower_bound_s(models, config, node, prompt_tokens)
         if lb > cutoff:
             beyond.append(node)
@@ -742,7 +742,7 @@ def _search_bounded(
         lb, node_id, i, node = heapq.heappop(order)
         if lb > cutoff:
             break  # every node left has a bound at least this high
-        hit = cached_prefix(cached, node.node_id, prompt_tokens)
+        hit = cached_prefix(cached, node_id, prompt_tokens) if cached else 0
         plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit, hit)
         if plan == _TOO_SLOW:
             any_too_slow = True
