@@ -7,7 +7,9 @@ shared prefixes), where prefix awareness must change nothing.
 
 Every node caches blocks (vLLM's default) under every policy; "cache-blind" is a decider that
 ignores the hits (``:prefix=off``), not nodes without a cache. The simulator reads each node's
-hit from its engine (the truth). Per rate it prints P95 TTFT overall and for turns >= 2, P95 TBT
+hit from its engine (the truth); a second multi-turn sweep runs prefix-aware Kairos and P/D on
+the dispatcher's index of the nodes' KV-cache events instead, delivered with each heartbeat
+(``--no-index`` skips it). Per rate it prints P95 TTFT overall and for turns >= 2, P95 TBT
 and the share of decode steps over tau, joint SLO attainment, deflections and the prefix hit
 rates (prefill nodes: cached share of the prompts they prefilled; decode nodes: the share of
 every prompt they neither computed nor received). Then the issue's targets: at the lowest rate
@@ -45,12 +47,23 @@ FIELDS = (
 )
 
 
-def sweep(workload: str, rates: tuple[float, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
+def sweep(
+    workload: str,
+    rates: tuple[float, ...],
+    args: argparse.Namespace,
+    policies: tuple[str, ...] = POLICIES,
+    index: bool = False,
+) -> list[dict[str, Any]]:
     settings = SimSettings(
-        workload=workload, policies=";".join(POLICIES), rps=rates, duration_s=args.duration, seed=args.seed,
+        workload=workload,
+        policies=";".join(policies),
+        rps=rates,
+        duration_s=args.duration,
+        seed=args.seed,
         jobs=args.jobs,
-    )  # fmt: skip
-    return run_sweep(settings)
+        prefix_index=index,
+    )
+    return run_sweep(settings)  # fmt: skip
 
 
 def table(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -100,6 +113,7 @@ def main() -> int:
     ap.add_argument("--rps", default=",".join(f"{r:g}" for r in RATES), help="multi-turn rates (turns/s)")
     ap.add_argument("--bursty-rps", default=",".join(f"{r:g}" for r in BURSTY_RATES))
     ap.add_argument("--jobs", type=int, default=0, help="parallel simulations (default: one per core)")
+    ap.add_argument("--no-index", action="store_true", help="skip the sweep on the KV-event index")
     ap.add_argument("--json", type=Path, default=RESULTS_DIR / "sim_prefix.json")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -109,6 +123,14 @@ def main() -> int:
     print_table("multiturn: prefix-aware and cache-blind Kairos and P/D (2P2D)", rows)
     goals = targets(rows)
     print("\ntargets:", goals)
+    events_rows: dict[str, dict[str, dict[str, float]]] = {}
+    events_goals: dict[str, Any] = {}
+    if not args.no_index:
+        events = sweep("multiturn", rates, args, ("kairos", "pd"), index=True)
+        events_rows = table(events)
+        print_table("multiturn, hits from the KV-event index (heartbeat-delivered)", events_rows)
+        events_goals = targets(events_rows)
+        print("\ntargets on the index:", events_goals)
     bursty_rates = tuple(float(r) for r in args.bursty_rps.split(","))
     bursty = sweep("bursty", bursty_rates, args)
     bursty_rows = table(bursty)
@@ -128,6 +150,8 @@ def main() -> int:
             "wall_s": time.perf_counter() - started,
             "multiturn": rows,
             "targets": goals,
+            "multiturn_event_index": events_rows,
+            "targets_event_index": events_goals,
             "bursty": bursty_rows,
             "bursty_prefix_aware_equals_cache_blind": same,
             "records": multiturn + bursty,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kairos.common import defaults
 from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.core.latency import LatencyModels, largest_chunk_within
+from kairos.core.prefix_index import KvEvent, KvEventBatch
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -219,10 +220,28 @@ class Engine:
     _unscheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
     _scheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
     cache: PrefixCache | None = field(init=False, default=None)
+    kv_seq: int | None = None  # the number of the last KV-event batch published (None: none yet)
+    _kv_events: list[KvEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.config.prefix_caching:
             self.cache = PrefixCache(self.config.block_tokens)
+
+    def record_kv_events(self) -> None:
+        """From now on, record the cache's changes for ``publish_kv_events`` (what vLLM
+        publishes with ``--kv-events-config``)."""
+        if self.cache is not None:
+            self.cache.events = self._kv_events
+
+    def publish_kv_events(self, now: float) -> KvEventBatch | None:
+        """The cache's changes since the last batch, numbered as vLLM numbers its batches (None:
+        nothing changed)."""
+        if not self._kv_events:
+            return None
+        self.kv_seq = 0 if self.kv_seq is None else self.kv_seq + 1
+        batch = KvEventBatch(self.kv_seq, now, tuple(self._kv_events))
+        self._kv_events.clear()
+        return batch
 
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_hit(self, block_hashes: tuple[int, ...], prompt_tokens: int) -> int:

@@ -49,6 +49,7 @@ class SimSettings:
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
     stale_after_s: float = defaults.STALE_AFTER_S
     jobs: int = 0  # parallel simulations; 0 = one per CPU core
+    prefix_index: bool = False  # prefix hits from the nodes' KV events, not the caches' truth
 
     def __post_init__(self) -> None:
         if self.trace is None and self.workload.lower() not in (*WORKLOAD_NAMES, *CONVERSATION_NAMES):
@@ -75,6 +76,7 @@ class SimSettings:
             heartbeat_s=self.heartbeat_s,
             error=self.error,
             seed=self.seed,
+            prefix_index=self.prefix_index,
         )
 
     def decider(self) -> DeciderConfig:

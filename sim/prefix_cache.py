@@ -13,6 +13,9 @@ Here a block is its hash alone: no block ids, no token ids. Callers give each re
 chain of block hashes (see :func:`chain_hashes`); the cache counts references and keeps the
 free queue. What a block costs in KV memory is the engine's to count (``sim/engine.py``): a
 referenced block sits in some running request's KV, a free one only in :attr:`free_tokens`.
+
+With an ``events`` list it records what vLLM publishes with ``--kv-events-config``: a
+``BlockStored`` for the blocks each ``insert`` cached, a ``BlockRemoved`` for each eviction.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from kairos.common import defaults
+from kairos.core.prefix_index import BlockRemoved, BlockStored, KvEvent
 
 BLOCK_TOKENS = defaults.KV_BLOCK_TOKENS
 # The parent hash of a chain's first block (vLLM seeds it from a random NONE_HASH per process;
@@ -53,9 +57,9 @@ class PrefixCache:
     """Cached blocks by hash: a reference count each, and the unreferenced ones in eviction
     order (least recently freed first)."""
 
-    __slots__ = ("_refs", "block_tokens", "free_queue", "shared_blocks")
+    __slots__ = ("_refs", "block_tokens", "events", "free_queue", "shared_blocks")
 
-    def __init__(self, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, block_tokens: int = BLOCK_TOKENS, events: list[KvEvent] | None = None) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block_tokens = block_tokens
@@ -66,6 +70,7 @@ class PrefixCache:
         # References beyond each block's first: the KV tokens the running requests count twice
         # (each counts its whole context) that the node holds once.
         self.shared_blocks = 0
+        self.events = events  # where the cache's changes are recorded, if anywhere
 
     # -- queries ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -115,6 +120,8 @@ class PrefixCache:
         added = [h for h in hashes if h not in refs]
         for h in added:
             refs[h] = 1
+        if added and self.events is not None:
+            self.events.append(BlockStored(tuple(added)))
         return added
 
     def release(self, hashes: Sequence[int]) -> None:
@@ -136,9 +143,11 @@ class PrefixCache:
         its own turn at the head comes."""
         free, refs = self.free_queue, self._refs
         n = min(blocks, len(free))
-        for _ in range(n):
-            h, _ = free.popitem(last=False)
+        gone = [free.popitem(last=False)[0] for _ in range(n)]
+        for h in gone:
             del refs[h]
+        if gone and self.events is not None:
+            self.events.append(BlockRemoved(tuple(gone)))
         return n
 
     def clear(self) -> None:

@@ -18,7 +18,9 @@ really arrived. One whose ``after`` is not in the run arrives at its ``arrival_s
 
 Prefix caching: every node's engine caches blocks (vLLM's default); a request's block hashes
 decide what it hits. A prefix-aware policy (``policy.prefix_aware``) is told each node's hit
-for the request, read from the engines themselves (the truth, not an index of their events).
+for the request: read from the engines themselves (the truth), or, with ``prefix_index``, from
+the dispatcher's index of the nodes' KV-cache events, which each node publishes with its
+heartbeat (so the index lags the caches by up to a heartbeat period, as the load state does).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.core.decision import Route
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
+from kairos.core.prefix_index import PrefixIndex
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
@@ -58,6 +61,7 @@ class ClusterConfig:
     heartbeat_s: float = HEARTBEAT_PERIOD_S  # Delta_h
     error: float = 0.0  # mean absolute relative error of the true step time vs the model
     seed: int = 0  # seeds the ground-truth error
+    prefix_index: bool = False  # prefix hits from the nodes' KV events (True) or the caches' truth
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -135,7 +139,11 @@ class Simulator:
             Engine(EngineConfig(f"d{i}", Role.DECODE, c.decode_step_tokens, c.kv_capacity_tokens), timer, models)
             for i in range(c.decode_nodes)
         ]
+        self.prefix_index = PrefixIndex(self.prefill[0].config.block_tokens) if c.prefix_index else None
         self.engines: dict[str, Engine] = {e.config.node_id: e for e in (*self.prefill, *self.decode)}
+        if self.prefix_index is not None:
+            for engine in self.engines.values():
+                engine.record_kv_events()
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
         self.tracker = ClusterTracker()
         self.metrics = SimMetrics(decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s)
@@ -202,10 +210,15 @@ class Simulator:
         self._arrived += 1
         view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
         if self._prefix_aware and spec.block_hashes:
-            hits = {
-                node_id: engine.prefix_hit(spec.block_hashes, spec.prompt_tokens)
-                for node_id, engine in self.engines.items()
-            }
+            if self.prefix_index is not None and not self.policy.fresh_state:
+                hits = self.prefix_index.cached_tokens(
+                    spec.block_hashes, spec.prompt_tokens, now, defaults.STALE_AFTER_S
+                )
+            else:
+                hits = {
+                    node_id: engine.prefix_hit(spec.block_hashes, spec.prompt_tokens)
+                    for node_id, engine in self.engines.items()
+                }
             decision = self.policy.decide(spec.prompt_tokens, view, now, cached=hits)  # type: ignore[call-arg]
         else:
             decision = self.policy.decide(spec.prompt_tokens, view, now)
@@ -344,7 +357,12 @@ class Simulator:
         self._push(upcoming, _HEARTBEAT, node_id)
 
     def _report(self, node_id: str, now: float) -> None:
-        snap = self.engines[node_id].snapshot()
+        engine = self.engines[node_id]
+        if self.prefix_index is not None:  # the KV events published since the last beat
+            batch = engine.publish_kv_events(now)
+            self.prefix_index.apply(node_id, () if batch is None else (batch,))
+            self.prefix_index.confirm(node_id, engine.kv_seq, now)
+        snap = engine.snapshot()
         if snap.role is Role.PREFILL:
             self.tracker.update_prefill(_prefill_state(snap, now))
         else:
