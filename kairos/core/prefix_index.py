@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 # Per node: 2M blocks is 32M tokens at 16 per block, over 20 A100 nodes' worth of KV here.
 DEFAULT_MAX_BLOCKS = 2_000_000
@@ -109,12 +110,8 @@ class NodePrefixIndex:
 
     def longest_prefix(self, block_hashes: Sequence[int], max_blocks: int) -> int:
         """How many of the chain's leading blocks the node holds (at most ``max_blocks``)."""
-        blocks = self._blocks
-        n = min(len(block_hashes), max_blocks)
-        for i in range(n):
-            if block_hashes[i] not in blocks:
-                return i
-        return n
+        # The walk runs in C: a 10K-token prompt is 640 lookups on every node, every decision.
+        return len(list(takewhile(self._blocks.__contains__, islice(block_hashes, max(0, max_blocks)))))
 
 
 class PrefixIndex:
