@@ -3,7 +3,7 @@ on the multi-turn conversation workload from low load to past P/D's knee, and on
 shared prefixes), where prefix awareness must change nothing.
 
     python bench/sim_prefix.py [--duration 600] [--seed 12] [--rps 4,8,...] [--bursty-rps 3,4,5,6]
-                               [--jobs N] [--json PATH]
+                               [--jobs N] [--json PATH] [--plots DIR]
 
 Every node caches blocks (vLLM's default) under every policy; "cache-blind" is a decider that
 ignores the hits (``:prefix=off``), not nodes without a cache. The simulator reads each node's
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import RESULTS_DIR, write_result
 from kairos.common import defaults
 from kairos.sim.experiment import SimSettings, run_sweep
+from kairos.sim.plots import write_plots
 
 RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0)
 BURSTY_RATES = (3.0, 4.0, 5.0, 6.0)
@@ -115,6 +116,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=0, help="parallel simulations (default: one per core)")
     ap.add_argument("--no-index", action="store_true", help="skip the sweep on the KV-event index")
     ap.add_argument("--json", type=Path, default=RESULTS_DIR / "sim_prefix.json")
+    ap.add_argument("--plots", type=Path, default=None, help="write the multi-turn sweep's figures here")
     args = ap.parse_args()
     started = time.perf_counter()
     rates = tuple(float(r) for r in args.rps.split(","))
@@ -123,6 +125,9 @@ def main() -> int:
     print_table("multiturn: prefix-aware and cache-blind Kairos and P/D (2P2D)", rows)
     goals = targets(rows)
     print("\ntargets:", goals)
+    if args.plots:
+        for path in write_plots(multiturn, args.plots):
+            print(f"wrote {path}")
     events_rows: dict[str, dict[str, dict[str, float]]] = {}
     events_goals: dict[str, Any] = {}
     if not args.no_index:
