@@ -13,6 +13,7 @@ from kairos.core.algorithm import DeciderConfig, decide, greedy_schedule, prefil
 from kairos.core.decision import Reason, Route
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
+from kairos.core.view import ClusterTracker
 from tests.builders import decode_node, make_models, prefill_node, view
 
 CACHED_PREFILL = make_models(prefill_x_cached=1e-8)
@@ -126,3 +127,17 @@ def test_prefix_off_policies_ignore_the_hits(name: str) -> None:
     assert blind.label.endswith("prefix=off)")
     assert blind.decide(12000, v, 0.0, cached=hits) == blind.decide(12000, v, 0.0)  # type: ignore[call-arg]
     assert aware.decide(12000, v, 0.0, cached=hits) != aware.decide(12000, v, 0.0)  # type: ignore[call-arg]
+
+
+def test_the_view_queues_only_the_uncached_work_of_a_dispatch() -> None:
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p0", chunk=2048))
+    tracker.update_decode(decode_node("d0", b=20, k=100_000))
+    tracker.update_decode(decode_node("d1", b=20, k=100_000))
+    v = tracker.view()
+    keep = decide(8000, v, 0.0, PROFILE, CFG, {"p0": 6000})
+    assert keep.route is Route.KEEP and keep.cached_tokens == 6000
+    tracker.record(keep, 0.01)
+    view = tracker.view()
+    assert view.prefill[0].queued_prefill_tokens == (2000,)  # what p0's queue will report
+    assert {n.node_id: n.incoming_keep_tokens for n in view.decode}[keep.decode_node] == 8000  # the KV to hold
