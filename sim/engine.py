@@ -289,8 +289,8 @@ class Engine:
     def _make_room(self) -> None:
         """Evict free cached blocks until what is held and promised fits the capacity."""
         cache = self.cache
-        if cache is None:
-            return
+        if cache is None or not cache.free_queue:
+            return  # nothing cached is free: nothing to evict
         over = cache.free_tokens - self.free_kv_tokens
         if over > 0:
             bs = self.config.block_tokens
