@@ -210,8 +210,9 @@ class KairosPolicy:
 # ---------------------------------------------------------------------------------------------
 # The field's deciders, as baselines. Each decides keep or prefill-on-the-decode-node with its
 # own rule on what Kairos's heartbeats show; where the original reads a signal Kairos does not
-# have, the docstring says what stands in for it. Kairos nodes have no prefix cache, so a
-# prompt's uncached ("effective") length is its whole length. A request they prefill on a
+# have, the docstring says what stands in for it. They do not read the nodes' prefix caches
+# here (only kairos, oracle and pd do), so a prompt's uncached ("effective") length is its
+# whole length, as on cache-cold traffic. A request they prefill on a
 # decode node runs as vLLM's chunked prefill would run it there: a fixed token budget per step
 # (the decode nodes' max_num_batched_tokens), decodes first, the prompt filling the rest, and
 # no TBT guard, since none of the three plans or bounds the steps it adds.
@@ -248,7 +249,7 @@ class LlmdPolicy:
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        uncached = prompt_tokens  # no prefix cache on Kairos nodes
+        uncached = prompt_tokens  # cache-blind here (see above)
         if self.threshold != 0 and uncached >= self.threshold:
             return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_LLMD_THRESHOLD)
         node = alg.pick_keep_decode_node(self.models, view, now, self.config, prompt_tokens)
@@ -286,7 +287,7 @@ class DynamoPolicy:
     unset (off) by default; its B200/H200 recipes set 0.5, which is the default here
     (``kv=off`` disables it).
 
-    Kairos mapping: effective ISL = the prompt's tokens and the ratio is 1 (no prefix cache),
+    Kairos mapping: effective ISL = the prompt's tokens and the ratio is 1 (hits not read here),
     so ``isl`` alone never bypasses here, exactly as in Dynamo on cache-cold traffic; the prefill
     worker = the prefill node with the lowest Eq. 1 TTFT, its active tokens = the prefill tokens
     its heartbeat queues (plus this dispatcher's dispatches since), max_num_batched_tokens = its
@@ -314,7 +315,7 @@ class DynamoPolicy:
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        effective = prompt_tokens  # no prefix cache on Kairos nodes
+        effective = prompt_tokens  # cache-blind here (see above)
         isl = (
             self.mode in ("isl", "either")
             and effective < self.isl_tokens
