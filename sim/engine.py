@@ -13,7 +13,14 @@ Scheduling follows vLLM v1 with chunked prefill:
   and at most one scheduled prefill advances per step, so deflected prefills on a node run one
   after another, which is what the dispatcher's TTFT prediction assumes;
 - KV capacity in tokens: a waiting request is admitted only when its whole prompt fits; decodes
-  that were admitted keep growing (no preemption is modelled).
+  that were admitted keep growing (no preemption is modelled);
+- prefix caching (vLLM's default), block by block (:mod:`kairos.sim.prefix_cache`): a request
+  that carries block hashes starts from its longest cached prefix and computes only the rest;
+  its full blocks stay cached after it finishes, count against the same KV capacity, and the
+  least recently freed are evicted when an admission, a transfer or a decode needs the room. A
+  request takes its hit (and pins those blocks) when it is queued, where vLLM takes it when it
+  schedules the request: the queue a heartbeat reports is then the uncached work, and a queued
+  request's prefix is never evicted under it. A request without hashes never hits.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from kairos.common import defaults
 from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, largest_chunk_within
+from kairos.sim.kv_event_index import KvEvent, KvEventBatch
+from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +46,15 @@ class EngineConfig:
     max_step_tokens: int = 2048  # token budget per step (vLLM's max_num_batched_tokens)
     kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV-cache size in tokens (A100 80 GB, DeepSeek-V2-Lite)
     max_running: int = 256  # most sequences resident at once (vLLM's max_num_seqs)
+    block_tokens: int = defaults.KV_BLOCK_TOKENS  # KV block size (vLLM's --block-size)
+    prefix_caching: bool = True  # vLLM's default; False: no request ever hits
 
     def __post_init__(self) -> None:
-        if self.max_step_tokens < 1 or self.kv_capacity_tokens < 1 or self.max_running < 1:
+        if self.max_step_tokens < 1 or self.kv_capacity_tokens < 1 or self.max_running < 1 or self.block_tokens < 1:
             raise ValueError(
                 f"engine {self.node_id}: max_step_tokens={self.max_step_tokens}, "
-                f"kv_capacity_tokens={self.kv_capacity_tokens}, max_running={self.max_running} must be >= 1"
+                f"kv_capacity_tokens={self.kv_capacity_tokens}, max_running={self.max_running}, "
+                f"block_tokens={self.block_tokens} must be >= 1"
             )
 
 
@@ -66,6 +78,10 @@ class Sequence:
     finished_at: float | None = None
     hold_kv: bool = False  # keep the KV after finishing, until ``release`` (a prefill hop's transfer)
     tag: object = None  # the driver's own handle (the simulator's request record, an HTTP stream)
+    # Chained hashes of the full blocks of prompt + output (RequestSpec.block_hashes); () never hits.
+    block_hashes: tuple[int, ...] = ()
+    cached_hit: int = 0  # prompt tokens this engine had cached when the sequence arrived
+    cache_refs: list[int] | tuple[()] = ()  # cached blocks it references, prefix order
 
     @property
     def prefill_remaining(self) -> int:
@@ -195,16 +211,95 @@ class Engine:
     kv_used: int = 0  # KV tokens held by resident sequences (computed + generated)
     kv_reserved: int = 0  # tokens promised to incoming KV transfers
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
+    kv_pinned: int = 0  # cached prompt tokens of sequences not yet resident (queued, or awaiting a transfer)
     step_index: int = 0
     unstarted_decodes: int = 0  # in ``decoding`` with no token yet (joined by transfer, no step since)
     # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
     # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
     _unscheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
     _scheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
+    cache: PrefixCache | None = field(init=False, default=None)
+    kv_seq: int | None = None  # the number of the last KV-event batch published (None: none yet)
+    _kv_events: list[KvEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.config.prefix_caching:
+            self.cache = PrefixCache(self.config.block_tokens)
+
+    def record_kv_events(self) -> None:
+        """From now on, record the cache's changes for ``publish_kv_events`` (what vLLM
+        publishes with ``--kv-events-config``)."""
+        if self.cache is not None:
+            self.cache.events = self._kv_events
+
+    def publish_kv_events(self, now: float) -> KvEventBatch | None:
+        """The cache's changes since the last batch, numbered as vLLM numbers its batches (None:
+        nothing changed)."""
+        if not self._kv_events:
+            return None
+        self.kv_seq = 0 if self.kv_seq is None else self.kv_seq + 1
+        batch = KvEventBatch(self.kv_seq, now, tuple(self._kv_events))
+        self._kv_events.clear()
+        return batch
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def prefix_hit(self, block_hashes: tuple[int, ...], prompt_tokens: int) -> int:
+        """Prompt tokens a request with these hashes would find cached here now."""
+        if self.cache is None or not block_hashes:
+            return 0
+        bs = self.config.block_tokens
+        return self.cache.match(block_hashes, hit_blocks_cap(prompt_tokens, bs)) * bs
+
+    def _pin(self, seq: Sequence) -> None:
+        """Take the sequence's cached prefix: it starts computed, its blocks referenced."""
+        cache = self.cache
+        if cache is None or not seq.block_hashes:
+            return
+        n = cache.match(seq.block_hashes, hit_blocks_cap(seq.prompt_tokens, self.config.block_tokens))
+        if n:
+            refs = list(seq.block_hashes[:n])
+            cache.acquire(refs)
+            seq.cache_refs = refs
+            seq.cached_hit = seq.computed = n * self.config.block_tokens
+            self.kv_pinned += seq.cached_hit
+
+    def _cache_prompt(self, seq: Sequence) -> None:
+        """The sequence's prompt KV is complete here: its full blocks become cached."""
+        if self.cache is not None and seq.block_hashes:
+            full = seq.prompt_tokens // self.config.block_tokens
+            added = self.cache.insert(seq.block_hashes[len(seq.cache_refs) : full])
+            if added:
+                seq.cache_refs = [*seq.cache_refs, *added]
+
+    def _uncache_refs(self, seq: Sequence) -> None:
+        """The sequence leaves: the full blocks its output completed are cached too (vLLM caches
+        blocks as decoding fills them; the last token's KV is never computed), then every block
+        it references is released to the free queue."""
+        if self.cache is None or not seq.block_hashes:
+            return
+        bs = self.config.block_tokens
+        done = (seq.prompt_tokens + seq.generated - 1) // bs
+        refs = list(seq.cache_refs)
+        if done > seq.prompt_tokens // bs:
+            refs.extend(self.cache.insert(seq.block_hashes[seq.prompt_tokens // bs : done]))
+        self.cache.release(refs)
+        seq.cache_refs = ()
+
+    def _make_room(self) -> None:
+        """Evict free cached blocks until what is held and promised fits the capacity."""
+        cache = self.cache
+        if cache is None or not cache.free_queue:
+            return  # nothing cached is free: nothing to evict
+        over = cache.free_tokens - self.free_kv_tokens
+        if over > 0:
+            bs = self.config.block_tokens
+            cache.evict(-(-over // bs))
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
+        if seq.block_hashes:
+            self._pin(seq)
         self.waiting.append(seq)
         (self._scheduled if seq.schedule else self._unscheduled).add(seq)
 
@@ -213,18 +308,46 @@ class Engine:
         if self.free_kv_tokens < tokens:
             return False
         self.kv_reserved += tokens
+        self._make_room()
         return True
+
+    def reserve_transfer(self, seq: Sequence) -> int | None:
+        """Reserve room for ``seq``'s prompt KV arriving by transfer, taking the prefix this node
+        already caches: the tokens to transfer (NixlConnector pulls only the blocks the decode
+        side's own cache lacks), or None when the node is too full now. Pass them as
+        ``reserved_tokens`` to ``accept_transferred``."""
+        if self.free_kv_tokens < seq.prompt_tokens:
+            return None
+        if seq.block_hashes:
+            self._pin(seq)
+        missing = seq.prompt_tokens - seq.computed
+        self.kv_reserved += missing
+        self._make_room()
+        return missing
 
     def accept_transferred(self, seq: Sequence, reserved_tokens: int) -> None:
         """A request whose prompt KV arrived by transfer: it decodes from the next step."""
         self.kv_reserved -= reserved_tokens
+        self.kv_pinned -= seq.cached_hit
         seq.computed = seq.prompt_tokens
         self.kv_used += seq.kv_tokens
+        if seq.block_hashes:
+            self._cache_prompt(seq)
         self.joining.append(seq)
 
     @property
     def free_kv_tokens(self) -> int:
-        return self.config.kv_capacity_tokens - self.kv_used - self.kv_reserved - self.kv_prefill_pending
+        """KV tokens neither held by a request nor promised to one (free cached blocks count as
+        free: they are evicted when the room is needed). Blocks several requests share count once."""
+        shared = self.cache.shared_blocks * self.config.block_tokens if self.cache is not None else 0
+        return (
+            self.config.kv_capacity_tokens
+            - self.kv_used
+            - self.kv_reserved
+            - self.kv_prefill_pending
+            - self.kv_pinned
+            + shared
+        )
 
     @property
     def has_work(self) -> bool:
@@ -238,7 +361,9 @@ class Engine:
                 break  # FIFO: later requests wait behind the head (vLLM's default)
             self.waiting.popleft()
             self.kv_used += head.computed
+            self.kv_pinned -= head.cached_hit
             self.kv_prefill_pending += head.prefill_remaining
+            self._make_room()
             self.prefilling.append(head)
             (self._scheduled if head.schedule else self._unscheduled).admitted.append(head)
             resident += 1
@@ -316,6 +441,8 @@ class Engine:
                 for seq in done:
                     seq.finished_at = now
                     self.kv_used -= seq.kv_tokens
+                    if seq.block_hashes:
+                        self._uncache_refs(seq)
                 self.decoding = [s for s in self.decoding if s.finished_at is None]
         # Prefill chunks: the step that completes a prompt also samples its first token.
         for chunk in plan.chunks:
@@ -329,6 +456,8 @@ class Engine:
             (self._scheduled if seq.schedule else self._unscheduled).advance(seq, chunk.tokens)
             if seq.prefill_remaining == 0:
                 self.prefilling.remove(seq)
+                if seq.block_hashes:
+                    self._cache_prompt(seq)
                 seq.generated = 1
                 seq.first_token_at = now
                 seq.first_decode_step = plan.index
@@ -341,8 +470,13 @@ class Engine:
                     done.append(seq)
                     if not seq.hold_kv:
                         self.kv_used -= seq.kv_tokens
+                        if seq.block_hashes:
+                            self._uncache_refs(seq)
                 else:
                     self.decoding.append(seq)
+        cache = self.cache
+        if cache is not None and cache.free_queue and plan.decode_tokens:
+            self._make_room()  # the decodes' new tokens may need a free cached block's room
         self.step_index += 1
         return StepOutcome(plan, duration, tuple(first), tuple(done), tuple(emitted))
 
@@ -350,6 +484,8 @@ class Engine:
         """Free a finished sequence's KV that the engine kept (a prefill node holds a prefilled
         request's KV until its transfer to the decode node completes)."""
         self.kv_used -= seq.kv_tokens
+        if seq.block_hashes:
+            self._uncache_refs(seq)
 
     # -- reporting -------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:

@@ -22,7 +22,7 @@ from kairos.core.policies import make_policy, split_policy_list
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.traces import load_trace, rescale_to_rate, truncate
-from kairos.sim.workloads import WORKLOAD_NAMES, make_workload
+from kairos.sim.workloads import CONVERSATION_NAMES, WORKLOAD_NAMES, make_workload
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,11 @@ class SimSettings:
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
     stale_after_s: float = defaults.STALE_AFTER_S
     jobs: int = 0  # parallel simulations; 0 = one per CPU core
+    prefix_index: bool = False  # prefix hits from the nodes' KV events, not the caches' truth
 
     def __post_init__(self) -> None:
-        if self.trace is None and self.workload.lower() not in WORKLOAD_NAMES:
-            raise ValueError(f"unknown workload {self.workload!r}; known: {list(WORKLOAD_NAMES)}")
+        if self.trace is None and self.workload.lower() not in (*WORKLOAD_NAMES, *CONVERSATION_NAMES):
+            raise ValueError(f"unknown workload {self.workload!r}; known: {[*WORKLOAD_NAMES, *CONVERSATION_NAMES]}")
         if not self.rps or any(r <= 0 for r in self.rps):
             raise ValueError(f"rps must be a non-empty list of positive rates, got {list(self.rps)}")
         if self.duration_s <= 0:
@@ -81,6 +82,7 @@ class SimSettings:
             error_form=self.error_form,
             error_bias_share=self.error_bias_share,
             calibration_quantile=self.calibration_quantile,
+            prefix_index=self.prefix_index,
         )
 
     def decider(self) -> DeciderConfig:

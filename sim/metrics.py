@@ -31,6 +31,8 @@ class RequestRecord:
     first_token_step: int = -1  # decode-node step that produced it
     finished: float | None = None
     last_step: int = -1  # decode-node step that produced the last token
+    cached_tokens: int = 0  # prompt tokens the node that prefilled it had cached (prefix cache)
+    transfer_tokens: int = 0  # keep path: prompt tokens moved to the decode node (those it lacked)
 
     @property
     def ttft(self) -> float:
@@ -127,6 +129,12 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
 
     predicted = np.array([np.nan if r.predicted_ttft_s is None else r.predicted_ttft_s for r in records])
     ok = ~np.isnan(predicted) & (ttft > 0)
+    later = np.array([r.spec.turn >= 2 for r in records], dtype=bool)
+    prompts = np.array([r.spec.prompt_tokens for r in records], dtype=np.int64)
+    cached = np.array([r.cached_tokens for r in records], dtype=np.int64)
+    # A decode node's share of a prompt it neither computed nor received: its own cache's hit.
+    decode_hit = np.where(deflected, cached, np.array([r.spec.prompt_tokens - r.transfer_tokens for r in records]))
+    kept_prompt = prompts[~deflected].sum()
     return {
         "requests": len(records),
         "deflections": int(deflected.sum()),
@@ -153,6 +161,10 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
         "ttft_prediction_mape_deflect": _mape(predicted, ttft, ok & deflected),
         # signed mean of (predicted - observed) / observed on the keep path: < 0 under-predicts
         "ttft_prediction_bias_keep": _mape(predicted, ttft, ok & ~deflected, signed=True),
+        # Conversations and prefix caching (0 where the run has no later turns or no hashes)
+        "p95_ttft_turn2plus_s": pct(ttft[later], 95),
+        "prefix_hit_rate_prefill": float(cached[~deflected].sum() / kept_prompt) if kept_prompt else 0.0,
+        "prefix_hit_rate_decode": float(decode_hit.sum() / prompts.sum()) if records else 0.0,
     }
 
 

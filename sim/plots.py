@@ -414,6 +414,24 @@ def write_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         ),
         _breakdown_figure(records, out_dir / "ttft_breakdown.png"),
     ]
+    if any((_num(r, "p95_ttft_turn2plus_s") or 0) > 0 for r in records):  # conversations: prefix caching
+        written.append(
+            _line_figure(
+                records,
+                [
+                    _Panel("P95 TTFT, turns >= 2", "P95 TTFT (s)", _key("p95_ttft_turn2plus_s"), slo_key="ttft_slo_s"),
+                    _Panel(
+                        "Prefix hits on decode nodes",
+                        "Prompt tokens a decode node had cached (%)",
+                        _key("prefix_hit_rate_decode", 100.0),
+                        percent=True,
+                    ),
+                ],
+                colors,
+                "Later turns and prefix hits vs request rate",
+                out_dir / "prefix_turns.png",
+            )
+        )
     if len(_rates(records)) == 1:
         written.append(_policy_bars_figure(records, colors, out_dir / "fig2_policies.png"))
     return [p for p in written if p is not None]

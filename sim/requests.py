@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +13,18 @@ class RequestSpec:
     arrival_s: float  # seconds since the start of the run, non-decreasing in a trace
     prompt_tokens: int  # >= 1
     output_tokens: int  # >= 1, the completion length including the first token
+    # What the engines' prefix caches key on, instead of token ids: the chained hashes
+    # (kairos.sim.prefix_cache.chain_hashes) of the full KV blocks of the prompt, then of the
+    # output where the workload knows what the output is (a conversation's answer, which its
+    # next turn resends). () never hits a cache.
+    block_hashes: tuple[int, ...] = field(default=(), repr=False)
+    session_id: str | None = None  # the conversation it belongs to, if any
+    turn: int = 0  # its turn in that conversation, from 1; 0 outside any conversation
+    # Closed-loop release: the request (the previous turn) that must finish before this one is
+    # sent, think_s later. A driver that releases requests only open-loop uses arrival_s, the
+    # workload's estimate of that instant.
+    after: str | None = None
+    think_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -21,3 +33,7 @@ class RequestSpec:
             raise ValueError(f"{self.request_id}: output_tokens must be >= 1, got {self.output_tokens}")
         if self.arrival_s < 0:
             raise ValueError(f"{self.request_id}: arrival_s must be >= 0, got {self.arrival_s}")
+        if self.turn < 0 or self.think_s < 0:
+            raise ValueError(f"{self.request_id}: turn={self.turn} and think_s={self.think_s} must be >= 0")
+        if self.after == self.request_id:
+            raise ValueError(f"{self.request_id}: a request cannot wait for itself")

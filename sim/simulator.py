@@ -9,11 +9,23 @@ Only a decision reads a heartbeat, and each node's next heartbeat replaces its l
 heartbeat followed by another of its node before the next arrival is never read: the loop
 steps over such runs of heartbeats (to the same times, by the same additions) and takes only
 the last one before each arrival: about two thirds of them on an hour of Bursty at 10 RPS
-on 2P2D, and all after the last arrival.
+on 2P2D, and all after the last arrival. (Not in a closed-loop run: there a turn's arrival is
+known only once the turn before it ends, so every heartbeat is taken.)
+
+Closed-loop release: a request with ``after`` (a conversation's next turn) arrives ``think_s``
+after that request's last token, not at its ``arrival_s``; its record carries the instant it
+really arrived. One whose ``after`` is not in the run arrives at its ``arrival_s``.
+
+Prefix caching: every node's engine caches blocks (vLLM's default); a request's block hashes
+decide what it hits. A prefix-aware policy (``policy.prefix_aware``) is told each node's hit
+for the request: read from the engines themselves (the truth), or, with ``prefix_index``, from
+the dispatcher's index of the nodes' KV-cache events, which each node publishes with its
+heartbeat (so the index lags the caches by up to a heartbeat period, as the load state does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -33,6 +45,7 @@ from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.kv_event_index import PrefixIndex
 from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
 from kairos.sim.requests import RequestSpec
 
@@ -56,6 +69,7 @@ class ClusterConfig:
     # The quantile of actual / predicted step time the decode nodes report (kairos.core.calibration);
     # the default is the guard's, a setting here only to measure the trade-off.
     calibration_quantile: float = defaults.CALIBRATION_QUANTILE
+    prefix_index: bool = False  # prefix hits from the nodes' KV events (True) or the caches' truth
 
     def __post_init__(self) -> None:
         if self.prefill_nodes < 1 or self.decode_nodes < 1:
@@ -189,7 +203,11 @@ class Simulator:
             )
             for n in decode_ids
         ]
+        self.prefix_index = PrefixIndex(self.prefill[0].config.block_tokens) if c.prefix_index else None
         self.engines: dict[str, Engine] = {e.config.node_id: e for e in (*self.prefill, *self.decode)}
+        if self.prefix_index is not None:
+            for engine in self.engines.values():
+                engine.record_kv_events()
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
         self.tracker = ClusterTracker()
         self.metrics = SimMetrics(decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s)
@@ -198,6 +216,15 @@ class Simulator:
         self._inflight: dict[str, StepPlan] = {}
         self._records: list[RequestRecord] = []
         self._arrived = 0  # arrivals handled so far: self.requests[self._arrived] is the next
+        ids = {r.request_id for r in self.requests}
+        # Closed-loop turns by the request whose end releases them.
+        self._waiting_for: dict[str, list[RequestSpec]] = {}
+        self._open_loop = [r for r in self.requests if r.after is None or r.after not in ids]
+        for r in self.requests:
+            if r.after is not None and r.after in ids:
+                self._waiting_for.setdefault(r.after, []).append(r)
+        self._closed_loop = bool(self._waiting_for)
+        self._prefix_aware = bool(getattr(policy, "prefix_aware", False))
 
     # -- event plumbing ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -205,7 +232,7 @@ class Simulator:
         heapq.heappush(self._events, (t, kind, self._seq, payload))
 
     def run(self, progress: Callable[[float], None] | None = None) -> SimMetrics:
-        for spec in self.requests:
+        for spec in self._open_loop:
             self._push(spec.arrival_s, _ARRIVAL, spec)
         n = len(self.engines)
         for i, node_id in enumerate(self.engines):
@@ -246,7 +273,19 @@ class Simulator:
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
         self._arrived += 1
         view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
-        decision = self.policy.decide(spec.prompt_tokens, view, now)
+        if self._prefix_aware and spec.block_hashes:
+            if self.prefix_index is not None and not self.policy.fresh_state:
+                hits = self.prefix_index.cached_tokens(
+                    spec.block_hashes, spec.prompt_tokens, now, defaults.STALE_AFTER_S
+                )
+            else:
+                hits = {
+                    node_id: engine.prefix_hit(spec.block_hashes, spec.prompt_tokens)
+                    for node_id, engine in self.engines.items()
+                }
+            decision = self.policy.decide(spec.prompt_tokens, view, now, cached=hits)  # type: ignore[call-arg]
+        else:
+            decision = self.policy.decide(spec.prompt_tokens, view, now)
         self.tracker.record(decision, now)
         rec = RequestRecord(
             spec=spec,
@@ -270,13 +309,17 @@ class Simulator:
                 schedule=decision.chunk_sizes,
                 step_budget_s=decision.step_budget_s,
                 tag=rec,
+                block_hashes=spec.block_hashes,
             )
         else:
             assert decision.prefill_node is not None
             engine = self.engines[decision.prefill_node]
-            seq = EngineSeq(spec.request_id, spec.prompt_tokens, 1, hold_kv=True, tag=rec)
+            seq = EngineSeq(
+                spec.request_id, spec.prompt_tokens, 1, hold_kv=True, tag=rec, block_hashes=spec.block_hashes
+            )
         rec.seq = seq
         engine.submit(seq)
+        rec.cached_tokens = seq.cached_hit
         self._kick(engine, now)
 
     # -- engines -----------------------------------------------------------------------------
@@ -317,6 +360,9 @@ class Simulator:
                 rec.finished = now
                 rec.last_step = plan.index
                 finished += 1
+                for turn in self._waiting_for.pop(rec.spec.request_id, ()):
+                    at = now + turn.think_s
+                    self._push(at, _ARRIVAL, dataclasses.replace(turn, arrival_s=at))
             if outcome.finished and self.links[node_id].queue:
                 self._start_transfer(node_id, now)  # KV freed: a waiting transfer may fit now
         self._kick(engine, now)
@@ -328,22 +374,28 @@ class Simulator:
         if link.busy or not link.queue:
             return
         rec = link.queue[0]
-        if not self.engines[decode_id].reserve_kv(rec.spec.prompt_tokens):
+        spec = rec.spec
+        seq = EngineSeq(
+            spec.request_id, spec.prompt_tokens, spec.output_tokens, tag=rec, block_hashes=spec.block_hashes
+        )
+        missing = self.engines[decode_id].reserve_transfer(seq)  # only the blocks the node lacks
+        if missing is None:
             return  # decode-side memory pressure: wait until a decode finishes
         link.queue.popleft()
         link.busy = True
         link.current_tokens = rec.spec.prompt_tokens
         rec.transfer_start = now
-        self._push(now + self.models.kv_transfer_s(rec.spec.prompt_tokens), _TRANSFER_END, rec)
+        rec.seq = seq
+        rec.transfer_tokens = missing
+        self._push(now + self.models.kv_transfer_s(missing), _TRANSFER_END, rec)
 
     def _on_transfer_end(self, now: float, rec: RequestRecord) -> None:
         rec.transfer_end = now
         assert rec.prefill_node is not None and rec.prefill_seq is not None
         self.engines[rec.prefill_node].release(rec.prefill_seq)
         decode = self.engines[rec.decode_node]
-        seq = EngineSeq(rec.spec.request_id, rec.spec.prompt_tokens, rec.spec.output_tokens, tag=rec)
-        rec.seq = seq
-        decode.accept_transferred(seq, reserved_tokens=rec.spec.prompt_tokens)
+        assert rec.seq is not None
+        decode.accept_transferred(rec.seq, reserved_tokens=rec.transfer_tokens)
         self.links[rec.decode_node].busy = False
         self.links[rec.decode_node].current_tokens = 0
         self._start_transfer(rec.decode_node, now)
@@ -355,6 +407,10 @@ class Simulator:
         period = self.cluster.heartbeat_s
         if self._arrived == len(self.requests):
             return  # no decision is left to read a heartbeat
+        if self._closed_loop:  # the next arrival may not be known yet
+            self._report(node_id, now)
+            self._push(now + period, _HEARTBEAT, node_id)
+            return
         # Heartbeats at equal times come before arrivals (_Ev), so one at the arrival's time is read.
         next_arrival = self.requests[self._arrived].arrival_s
         upcoming = now + period
@@ -367,7 +423,12 @@ class Simulator:
         self._push(upcoming, _HEARTBEAT, node_id)
 
     def _report(self, node_id: str, now: float) -> None:
-        snap = self.engines[node_id].snapshot()
+        engine = self.engines[node_id]
+        if self.prefix_index is not None:  # the KV events published since the last beat
+            batch = engine.publish_kv_events(now)
+            self.prefix_index.apply(node_id, () if batch is None else (batch,))
+            self.prefix_index.confirm(node_id, engine.kv_seq, now)
+        snap = engine.snapshot()
         if snap.role is Role.PREFILL:
             self.tracker.update_prefill(_prefill_state(snap, now))
         else:

@@ -3,11 +3,14 @@
 Formats:
 
 * ``jsonl`` (our own): one ``{"request_id", "arrival_s", "prompt_tokens", "output_tokens"}`` object per
-  line. Arrival times are kept as written, so ``read_jsonl(write_jsonl(x)) == x``.
+  line, and where set, a conversation's ``session_id``, ``turn``, ``after`` and ``think_s`` and the
+  prefix cache's ``block_hashes`` (see :class:`RequestSpec`). Arrival times are kept as written, so
+  ``read_jsonl(write_jsonl(x)) == x``.
 * ``azure``: the Azure LLM inference trace CSV (header ``TIMESTAMP,ContextTokens,GeneratedTokens``,
   extra columns ignored) with timestamps like ``2023-11-16 18:15:46.6805900``.
-* ``mooncake``: JSONL objects with ``timestamp`` (ms), ``input_length`` and ``output_length``; other
-  keys such as ``hash_ids`` are ignored.
+* ``mooncake``: JSONL objects with ``timestamp`` (ms), ``input_length``, ``output_length`` and
+  optionally ``hash_ids`` (one id per 512-token block of the input, equal ids for equal prefixes),
+  which become the engine's block hashes (:func:`mooncake_block_hashes`); other keys are ignored.
 
 External traces are rebased so the earliest request arrives at 0 s and get ids ``f"{fmt}-{i:06d}"``
 numbered in arrival order. In every format rows whose timestamps are out of order are *sorted*
@@ -19,6 +22,7 @@ raise :class:`TraceError` naming the file and line.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -28,12 +32,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from kairos.sim.prefix_cache import BLOCK_TOKENS, chain_hashes
 from kairos.sim.requests import RequestSpec
 
 __all__ = [
     "TRACE_FORMATS",
     "TraceError",
     "load_trace",
+    "mooncake_block_hashes",
     "read_azure_csv",
     "read_jsonl",
     "read_mooncake_jsonl",
@@ -50,6 +56,7 @@ _FORMAT_ALIASES = {"csv": "azure", "own": "jsonl"}
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _OWN_KEYS = ("request_id", "arrival_s", "prompt_tokens", "output_tokens")
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash_ids entry in Mooncake's traces
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 
 # Date, time, optional fraction of 1-9 digits, optional zone (naive stamps are taken as UTC).
@@ -83,12 +90,18 @@ def write_jsonl(path: PathLike, requests: Iterable[RequestSpec]) -> None:
     """Write one JSON object per request; floats use ``repr`` so they read back bit-identical."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            record = {
+            record: dict[str, Any] = {
                 "request_id": r.request_id,
                 "arrival_s": r.arrival_s,
                 "prompt_tokens": r.prompt_tokens,
                 "output_tokens": r.output_tokens,
             }
+            if r.session_id is not None:
+                record.update(session_id=r.session_id, turn=r.turn)
+            if r.after is not None:
+                record.update(after=r.after, think_s=r.think_s)
+            if r.block_hashes:
+                record["block_hashes"] = list(r.block_hashes)
             f.write(json.dumps(record, allow_nan=False) + "\n")
 
 
@@ -109,31 +122,73 @@ def read_jsonl(path: PathLike) -> list[RequestSpec]:
         arrival = float(_number(path, lineno, "arrival_s", obj["arrival_s"]))
         if arrival < 0:
             raise TraceError(path, lineno, f"arrival_s must be >= 0, got {arrival!r}")
-        spec = RequestSpec(
-            request_id=request_id,
-            arrival_s=arrival,
-            prompt_tokens=_token_count(path, lineno, "prompt_tokens", obj["prompt_tokens"]),
-            output_tokens=_token_count(path, lineno, "output_tokens", obj["output_tokens"]),
-        )
+        try:
+            spec = RequestSpec(
+                request_id=request_id,
+                arrival_s=arrival,
+                prompt_tokens=_token_count(path, lineno, "prompt_tokens", obj["prompt_tokens"]),
+                output_tokens=_token_count(path, lineno, "output_tokens", obj["output_tokens"]),
+                **_own_optional(path, lineno, obj),
+            )
+        except ValueError as exc:
+            if isinstance(exc, TraceError):
+                raise
+            raise TraceError(path, lineno, str(exc)) from None
         rows.append((arrival, spec))
     return [spec for _, spec in sorted(rows, key=lambda row: row[0])]
+
+
+def _own_optional(path: PathLike, lineno: int, obj: dict[str, Any]) -> dict[str, Any]:
+    """The optional keys of our own JSONL, checked."""
+    out: dict[str, Any] = {}
+    for key in ("session_id", "after"):
+        if key in obj:
+            if not isinstance(obj[key], str) or not obj[key]:
+                raise TraceError(path, lineno, f"{key} must be a non-empty string, got {obj[key]!r}")
+            out[key] = obj[key]
+    if "turn" in obj:
+        out["turn"] = _token_count(path, lineno, "turn", obj["turn"])
+    if "think_s" in obj:
+        out["think_s"] = float(_number(path, lineno, "think_s", obj["think_s"]))
+    if "block_hashes" in obj:
+        hashes = obj["block_hashes"]
+        if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
+            raise TraceError(path, lineno, "block_hashes must be a list of integers")
+        out["block_hashes"] = tuple(hashes)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
 # Mooncake JSONL
 
 
+def mooncake_block_hashes(
+    hash_ids: Sequence[int], input_tokens: int, block_tokens: int = BLOCK_TOKENS
+) -> tuple[int, ...]:
+    """The engine's block hashes for a Mooncake request: each 512-token block id stands for the
+    ``512 / block_tokens`` engine blocks it covers (sub-block j of id h keyed ``(h, j)``, chained),
+    as far as the input fills whole engine blocks. Equal id prefixes give equal hash prefixes."""
+    per = MOONCAKE_BLOCK_TOKENS // block_tokens
+    n = min(input_tokens // block_tokens, len(hash_ids) * per)
+    return chain_hashes((hash_ids[i // per], i % per) for i in range(n))
+
+
 def read_mooncake_jsonl(path: PathLike) -> list[RequestSpec]:
     """Read a Mooncake trace (``timestamp`` in ms); arrivals are rebased to the earliest request."""
-    rows: list[tuple[int | float, int, int]] = []
+    rows: list[tuple[int | float, int, int, tuple[int, ...]]] = []
     for lineno, obj in _json_objects(path):
         _require_keys(path, lineno, obj, _MOONCAKE_KEYS)
         timestamp_ms = _number(path, lineno, "timestamp", obj["timestamp"])
+        input_tokens = _token_count(path, lineno, "input_length", obj["input_length"])
+        ids = obj.get("hash_ids", [])
+        if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+            raise TraceError(path, lineno, f"hash_ids must be a list of integers, got {ids!r}")
         rows.append(
             (
                 timestamp_ms,
-                _token_count(path, lineno, "input_length", obj["input_length"]),
+                input_tokens,
                 _token_count(path, lineno, "output_length", obj["output_length"]),
+                mooncake_block_hashes(ids, input_tokens),
             )
         )
     return _rebased(rows, units_per_s=1000, prefix="mooncake")
@@ -250,7 +305,7 @@ def _token_count(path: PathLike, lineno: int, field: str, value: object) -> int:
     return value
 
 
-def _rebased(rows: list[tuple[Any, int, int]], *, units_per_s: int, prefix: str) -> list[RequestSpec]:
+def _rebased(rows: Sequence[tuple[Any, ...]], *, units_per_s: int, prefix: str) -> list[RequestSpec]:
     """Sort (stably) by raw timestamp, subtract the earliest, convert to seconds, number the ids.
 
     Differencing the raw integers first and dividing once gives the correctly rounded seconds.
@@ -262,11 +317,12 @@ def _rebased(rows: list[tuple[Any, int, int]], *, units_per_s: int, prefix: str)
     return [
         RequestSpec(
             request_id=f"{prefix}-{i:06d}",
-            arrival_s=(ts - start) / units_per_s,
-            prompt_tokens=prompt,
-            output_tokens=output,
+            arrival_s=(row[0] - start) / units_per_s,
+            prompt_tokens=row[1],
+            output_tokens=row[2],
+            block_hashes=row[3] if len(row) > 3 else (),
         )
-        for i, (ts, prompt, output) in enumerate(rows)
+        for i, row in enumerate(rows)
     ]
 
 
@@ -348,15 +404,7 @@ def rescale_to_rate(requests: Sequence[RequestSpec], target_rps: float) -> list[
         raise ValueError(f"rescale_to_rate needs arrivals spread over time, all {len(ordered)} are at {start}")
     factor = (len(ordered) - 1) / (target_rps * span)
     # Multiplying by a positive constant is monotone in floating point, so the order survives.
-    return [
-        RequestSpec(
-            request_id=r.request_id,
-            arrival_s=start + (r.arrival_s - start) * factor,
-            prompt_tokens=r.prompt_tokens,
-            output_tokens=r.output_tokens,
-        )
-        for r in ordered
-    ]
+    return [dataclasses.replace(r, arrival_s=start + (r.arrival_s - start) * factor) for r in ordered]
 
 
 def truncate(requests: Sequence[RequestSpec], duration_s: float) -> list[RequestSpec]:

@@ -8,6 +8,11 @@ Mixing in the name keeps two workloads run with the same seed and rate (e.g. HPL
 Keeping the streams apart means a run sized by ``duration_s`` is exactly a prefix-compatible twin of
 one sized by ``num_requests``, and changing the rate never reshuffles the token lengths.
 
+The conversation workload (``multiturn``, :class:`ConversationSpec`) is closed-loop: sessions
+arrive by the Gamma process, and each later turn is sent a think time after the previous turn's
+answer ends (``RequestSpec.after`` / ``think_s``). Its requests carry block hashes, so the
+engines' prefix caches see each turn resend the conversation so far.
+
 Arrivals are a Gamma renewal process with shape ``k = 1 / CV**2`` and scale ``1 / (rate * k)``, the
 convention of vLLM's benchmark ``--burstiness`` flag (burstiness = k): CV = 1 is Poisson, CV > 1 is
 burstier. The first request arrives at t = 0, so the realised rate is count / span up to a factor
@@ -25,6 +30,7 @@ from statistics import NormalDist
 import numpy as np
 
 from kairos.common import defaults
+from kairos.sim.prefix_cache import BLOCK_TOKENS, chain_hashes
 from kairos.sim.requests import RequestSpec
 
 __all__ = [
@@ -32,17 +38,21 @@ __all__ = [
     "AZURE_CONV_PROMPT",
     "COMPLETION_P25",
     "COMPLETION_P90",
+    "CONVERSATIONS",
+    "CONVERSATION_NAMES",
     "DEFAULT_MAX_CONTEXT",
     "PROMPT_P25",
     "PROMPT_P90",
     "WORKLOADS",
     "WORKLOAD_NAMES",
+    "ConversationSpec",
     "Geometric",
     "LogNormal",
     "Quantiles",
     "TokenDist",
     "WorkloadSpec",
     "gamma_arrivals",
+    "generate_conversations",
     "generate_workload",
     "make_workload",
 ]
@@ -405,9 +415,16 @@ def make_workload(
     ``duration_s`` (arrivals in [0, duration_s)) or ``num_requests``. Raises ``ValueError`` on an
     unknown name or an invalid parameter, naming the offending value.
     """
+    conversation = CONVERSATIONS.get(name.lower()) if isinstance(name, str) else None
+    if conversation is not None:
+        return generate_conversations(
+            conversation, rps=rps, duration_s=duration_s, num_requests=num_requests, seed=seed, cv=cv,
+            max_context=max_context,
+        )  # fmt: skip
     spec = WORKLOADS.get(name.lower()) if isinstance(name, str) else None
     if spec is None:
-        raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOAD_NAMES)}")
+        known = ", ".join((*WORKLOAD_NAMES, *CONVERSATION_NAMES))
+        raise ValueError(f"unknown workload {name!r}; known workloads: {known}")
     return generate_workload(
         spec,
         rps=rps,
@@ -417,3 +434,174 @@ def make_workload(
         cv=cv,
         max_context=max_context,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn conversations
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ConversationSpec:
+    """Chat sessions of several turns, each turn resending the whole conversation so far.
+
+    A session starts, with probability ``system_share``, with one of the shared system prompts
+    (each session picks one uniformly; equal prompts are equal tokens across sessions), then
+    turn 1's user message. Turn k's prompt is turn k-1's prompt + its answer + a new user
+    message; its answer follows. A session has ``turns`` turns (clipped to ``max_turns``) and
+    ends early at the turn whose prompt + answer would pass the context. Turn k+1 is sent
+    ``think`` seconds (exponential, mean ``think_mean_s``) after turn k's last token.
+
+    Defaults: a first turn shaped like the paper's production mix (median prompt near 3.5K with
+    a system prompt, the bursty workload's geometric completions of mean 72), so the prefill
+    pool, not the decode nodes, saturates first, as in the paper; follow-ups are short (median
+    400), four turns on average and 10 s of think time (assumptions: no trace published these
+    for a chat service); three system prompts of 2,048, 1,024 and 512 tokens in three sessions
+    of four.
+    """
+
+    name: str
+    turns: Geometric = Geometric(p=0.25)  # turns per session, mean 4 before the clip
+    max_turns: int = 12
+    first_message: TokenDist = LogNormal(mu=math.log(3000), sigma=0.8, hi=16384.5)
+    next_message: TokenDist = LogNormal(mu=math.log(400), sigma=0.8, hi=8192.5)
+    answer: TokenDist = Geometric(p=1.0 / 72.0)
+    think_mean_s: float = 10.0
+    system_prompts: tuple[int, ...] = (2048, 1024, 512)  # shared system prompts' lengths
+    system_share: float = 0.75  # sessions that start with one of them
+    default_rps: float = 8.0  # requests (turns) per second
+    default_cv: float = 1.0  # CV of the sessions' inter-arrival times
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or not (0.0 <= self.system_share <= 1.0) or self.think_mean_s < 0:
+            raise ValueError(
+                f"conversation {self.name}: max_turns={self.max_turns} must be >= 1, system_share="
+                f"{self.system_share} in [0, 1], think_mean_s={self.think_mean_s} >= 0"
+            )
+        if any(n < 1 for n in self.system_prompts):
+            raise ValueError(f"conversation {self.name}: system prompt lengths must be >= 1, got {self.system_prompts}")
+
+    @property
+    def mean_turns(self) -> float:
+        """E[min(turns, max_turns)] for the geometric turn count: sessions per second x this =
+        turns per second (before sessions cut short by the context)."""
+        q = 1.0 - self.turns.p
+        return (1.0 - q**self.max_turns) / self.turns.p
+
+
+# The time one turn takes, for the arrival estimate of the next (a driver that releases
+# requests open-loop uses it; the simulator waits for the real end): about a TTFT, then the
+# answer at a decode node's typical step.
+_EST_TTFT_S = 1.0
+_EST_TOKEN_S = 0.03
+
+CONVERSATIONS: dict[str, ConversationSpec] = {
+    "multiturn": ConversationSpec(
+        name="multiturn",
+        description=(
+            "multi-turn chat: Gamma session arrivals, 4 turns on average, each prompt the conversation so far "
+            "+ a new message, 10 s think time, shared system prompts in 3 sessions of 4"
+        ),
+    ),
+}
+CONVERSATION_NAMES: tuple[str, ...] = tuple(CONVERSATIONS)
+
+
+def generate_conversations(
+    spec: ConversationSpec,
+    *,
+    rps: float | None = None,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    seed: int = 0,
+    cv: float | None = None,
+    max_context: int = DEFAULT_MAX_CONTEXT,
+    block_tokens: int = BLOCK_TOKENS,
+) -> list[RequestSpec]:
+    """The requests of ``spec``'s sessions, sorted by (estimated) arrival.
+
+    ``rps`` is turns per second: sessions arrive at ``rps / spec.mean_turns``. ``duration_s``
+    bounds the sessions' arrivals (their later turns may come after it); ``num_requests`` keeps
+    the first sessions' turns up to that count. Every turn carries the chained hashes of the
+    session's full blocks up to the end of its answer: a system prompt's blocks are keyed by the
+    prompt, every later block by its session, so equal prefixes hash equal and nothing else does.
+    """
+    rate = spec.default_rps if rps is None else rps
+    arrival_cv = spec.default_cv if cv is None else cv
+    _check_positive("rps", rate)
+    _check_positive("cv", arrival_cv)
+    if (duration_s is None) == (num_requests is None):
+        raise ValueError(
+            f"pass exactly one of duration_s and num_requests, got duration_s={duration_s!r}, "
+            f"num_requests={num_requests!r}"
+        )
+    if num_requests is not None and (
+        isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
+    ):
+        raise ValueError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    session_rate = float(rate) / spec.mean_turns
+    rngs = np.random.default_rng([seed, zlib.crc32(spec.name.encode())]).spawn(6)
+    arrival_rng, turn_rng, first_rng, next_rng, answer_rng, misc_rng = rngs
+    if duration_s is not None:
+        _check_positive("duration_s", duration_s)
+        starts = gamma_arrivals(arrival_rng, session_rate, float(arrival_cv), duration_s=duration_s)
+    else:
+        assert num_requests is not None
+        starts = gamma_arrivals(arrival_rng, session_rate, float(arrival_cv), num_requests=num_requests)
+    n = starts.size
+    turns = np.minimum(spec.turns.sample(turn_rng, n), spec.max_turns)
+    total = int(turns.sum())
+    firsts = spec.first_message.sample(first_rng, n)
+    nexts = spec.next_message.sample(next_rng, total)
+    answers = spec.answer.sample(answer_rng, total)
+    thinks = misc_rng.exponential(spec.think_mean_s, total) if spec.think_mean_s > 0 else np.zeros(total)
+    has_system = misc_rng.random(n) < spec.system_share
+    system_pick = misc_rng.integers(len(spec.system_prompts), size=n) if spec.system_prompts else np.zeros(n, int)
+
+    out: list[RequestSpec] = []
+    offset = 0  # into the per-turn draws
+    for i in range(n):
+        k = int(turns[i])
+        sys_id = int(system_pick[i]) if has_system[i] and spec.system_prompts else -1
+        sys_len = spec.system_prompts[sys_id] if sys_id >= 0 else 0
+        session = f"{spec.name}-{i:05d}"
+        # Each turn's (prompt, answer, think before the next), cut where the context ends.
+        plan: list[tuple[int, int, float]] = []
+        prompt = sys_len + int(firsts[i])
+        for t in range(k):
+            answer = min(int(answers[offset + t]), max_context - 1)
+            if t > 0:
+                prompt = plan[-1][0] + plan[-1][1] + int(nexts[offset + t])
+            if prompt + answer > max_context:
+                if t > 0:
+                    break
+                prompt = max(1, max_context - answer)  # a first turn is clipped, not dropped
+            plan.append((prompt, answer, float(thinks[offset + t])))
+        offset += k
+        end = plan[-1][0] + plan[-1][1]
+        sys_blocks = sys_len // block_tokens
+        chain = chain_hashes((0, sys_id, b) if b < sys_blocks else (1, seed, i, b) for b in range(end // block_tokens))
+        at, previous = float(starts[i]), None
+        for t, (prompt, answer, think) in enumerate(plan):
+            rid = f"{session}-t{t + 1}"
+            out.append(
+                RequestSpec(
+                    request_id=rid,
+                    arrival_s=at,
+                    prompt_tokens=prompt,
+                    output_tokens=answer,
+                    block_hashes=chain[: (prompt + answer) // block_tokens],
+                    session_id=session,
+                    turn=t + 1,
+                    after=previous,
+                    think_s=plan[t - 1][2] if t > 0 else 0.0,
+                )
+            )
+            previous = rid
+            at += _EST_TTFT_S + _EST_TOKEN_S * answer + think
+        if num_requests is not None and len(out) >= num_requests:
+            del out[num_requests:]
+            break
+    out.sort(key=lambda r: r.arrival_s)
+    return out

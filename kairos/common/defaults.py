@@ -58,3 +58,4 @@ PREFIX_INDEX_CAPACITY_BLOCKS = 65_536
 # go, and the hole they leave resets that node's index (an under-count, never a wrong hit).
 KV_EVENTS_MAX_PENDING_BATCHES = 10_000
 KV_EVENTS_REPLAY_TIMEOUT_S = 1.0  # a replay unanswered this long counts as failed (reset)
+KV_BLOCK_TOKENS = 16  # tokens per KV-cache block: vLLM's default --block-size, the prefix cache's unit

@@ -11,7 +11,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -137,13 +137,14 @@ def prefill_queue_wait_s(models: LatencyModels, node: PrefillNodeState) -> float
     return outstanding / chi_p * models.prefill_step_s(chi_p, outstanding / 2)
 
 
-def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int) -> float:
+def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0) -> float:
     """Eq. 3: the sum of the request's own chunk steps, chunk i over i x chi_p cached tokens.
 
     The paper's sum runs i = 0..ceil(l/chi_p), one step too many; we sum the ceil(l/chi_p)
-    steps that exist and cost the last one with the tokens it actually carries.
+    steps that exist and cost the last one with the tokens it actually carries. With a prefix
+    of ``cached_tokens`` in the node's cache, the chunks cover the rest, each over that prefix too.
     """
-    total, cached = 0.0, 0
+    total, cached = 0.0, cached_tokens
     while cached < prompt_tokens:
         n = min(chunk_tokens, prompt_tokens - cached)
         total += models.prefill_step_s(n, cached)
@@ -151,9 +152,9 @@ def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int)
     return total
 
 
-def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens: int) -> float:
-    """Eq. 1: queue wait + prefill execution on one prefill node."""
-    return prefill_queue_wait_s(models, node) + prefill_exec_s(models, prompt_tokens, node.chunk_tokens)
+def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens: int, cached_tokens: int = 0) -> float:
+    """Eq. 1: queue wait + prefill execution on one prefill node (of the uncached tokens)."""
+    return prefill_queue_wait_s(models, node) + prefill_exec_s(models, prompt_tokens, node.chunk_tokens, cached_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,10 +279,12 @@ def greedy_schedule(
     step_budget_s: float,
     give_up_after_s: float = math.inf,
     start_s: float = 0.0,
+    cached_tokens: int = 0,
 ) -> tuple[list[Run], float] | str:
     """Eq. 5 and 6: at each step take the largest candidate chi whose step stays within
     ``step_budget_s``; a step of chi tokens carries chi - B prefill tokens (§3.2), and the KV
-    the request has built so far adds to the node's K.
+    the request has built so far adds to the node's K. With a prefix of ``cached_tokens`` in the
+    node's cache, the steps cover the rest, each over that prefix too.
 
     The final step carries only the tokens left, and is costed with them. Returns the schedule
     as runs of equal steps and the finishing time (``start_s`` + the step times), or
@@ -294,7 +297,16 @@ def greedy_schedule(
     """
     table = _step_table(models, decode_tokens, kv_tokens, candidates)
     return _greedy_steps(
-        table, decode_tokens, models.mixed_monotone, step_budget_s, give_up_after_s, prompt_tokens, 0, 0, start_s, []
+        table,
+        decode_tokens,
+        models.mixed_monotone,
+        step_budget_s,
+        give_up_after_s,
+        prompt_tokens - cached_tokens,
+        cached_tokens,
+        0,
+        start_s,
+        [],
     )
 
 
@@ -382,9 +394,11 @@ def plan_on_decode_node(
     node: DecodeNodeState,
     prompt_tokens: int,
     give_up_after_s: float,
+    cached_tokens: int = 0,
 ) -> _Plan | str:
     """Schedule the request on one decode node, behind any deflected prefills already there
-    (possible only when the pending-deflection limit is lifted)."""
+    (possible only when the pending-deflection limit is lifted), over the prompt's tokens the
+    node does not have cached."""
     b, k, t = node.decode_tokens, node.kv_tokens, 0.0
     cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
     for backlog in node.prefill_backlog_tokens:
@@ -393,7 +407,7 @@ def plan_on_decode_node(
             return done
         t = done[1]
         b, k = b + 1, k + backlog  # the backlog request decodes on the node from then on
-    done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t)
+    done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t, cached_tokens)
     if isinstance(done, str):
         return done
     return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget)
@@ -529,13 +543,18 @@ def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) ->
 
 
 def _plan_on_path(
-    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, give_up_after_s: float
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    give_up_after_s: float,
+    cached_tokens: int = 0,
 ) -> _Plan | str:
     """``plan_on_decode_node``, to the bit, on a monotone profile: for a node without a backlog
     the greedy's steps along the node's path are read from it, and the greedy runs on from where
-    the prompt's tail starts."""
-    if node.prefill_backlog_tokens:
-        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s)
+    the prompt's tail starts. (The path starts from nothing cached: a cached prefix plans directly.)"""
+    if node.prefill_backlog_tokens or cached_tokens:
+        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s, cached_tokens)
     facts = _facts(models, config, node)
     tail = _tail_start(facts, node, prompt_tokens)
     if tail is None:  # the greedy follows the whole path, then finds no safe candidate
@@ -623,30 +642,62 @@ def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
 
 
 def pick_keep_decode_node(
-    models: LatencyModels, view: ClusterView, now: float, config: DeciderConfig, prompt_tokens: int
+    models: LatencyModels,
+    view: ClusterView,
+    now: float,
+    config: DeciderConfig,
+    prompt_tokens: int,
+    cached: Mapping[str, int] | None = None,
 ) -> DecodeNodeState:
     """Least-loaded decode node for the P/D path: fresh nodes first, then nodes with room
-    for the prompt's KV; ties broken by node id so the choice is deterministic."""
+    for the prompt's KV; ties broken by node id so the choice is deterministic. With the
+    nodes' cached prefixes (``cached``, tokens by node id), the load is weighed with the
+    transfer of the blocks each node lacks: a node that holds the conversation takes its next
+    turn unless its decode steps are slower by more than the transfer it saves."""
     if not view.decode:
         raise NoHealthyNodeError("no decode node is registered")
     fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
     roomy = [n for n in fresh if n.free_kv_tokens >= prompt_tokens] or fresh
+    hits = [cached_prefix(cached, n.node_id, prompt_tokens) for n in roomy] if cached else ()
+    if any(hits):
+        return min(
+            zip(roomy, hits, strict=True),
+            key=lambda nh: (
+                _facts(models, config, nh[0]).load_s + models.kv_transfer_s(prompt_tokens - nh[1]),
+                nh[0].node_id,
+            ),
+        )[0]
     return min(roomy, key=lambda n: (_facts(models, config, n).load_s, n.node_id))  # load_s = decode_load_s
 
 
+def cached_prefix(cached: Mapping[str, int] | None, node_id: str, prompt_tokens: int) -> int:
+    """The prompt tokens ``node_id`` has cached (0 when unknown), at most all but the last one,
+    which a node always computes."""
+    if not cached:
+        return 0
+    return max(0, min(cached.get(node_id, 0), prompt_tokens - 1))
+
+
 def best_prefill_node(
-    models: LatencyModels, view: ClusterView, now: float, config: DeciderConfig, prompt_tokens: int
+    models: LatencyModels,
+    view: ClusterView,
+    now: float,
+    config: DeciderConfig,
+    prompt_tokens: int,
+    cached: Mapping[str, int] | None = None,
 ) -> tuple[PrefillNodeState, float]:
-    """The prefill node with the lowest Eq. 1 TTFT (fresh nodes first), and that TTFT."""
+    """The prefill node with the lowest Eq. 1 TTFT (fresh nodes first), and that TTFT; with the
+    nodes' cached prefixes (``cached``, tokens by node id) each node's Eq. 3 covers its uncached tokens."""
     if not view.prefill:
         raise NoHealthyNodeError("no prefill node is registered")
     fresh = [n for n in view.prefill if is_fresh(n.reported_at, now, config)] or list(view.prefill)
-    exec_s: dict[int, float] = {}  # Eq. 3 depends on the node only through its chunk size
+    exec_s: dict[tuple[int, int], float] = {}  # Eq. 3 depends on the node only through its chunk size and hit
     best: tuple[float, str, PrefillNodeState] | None = None
     for n in fresh:
-        own = exec_s.get(n.chunk_tokens)
+        key = (n.chunk_tokens, cached_prefix(cached, n.node_id, prompt_tokens) if cached else 0)
+        own = exec_s.get(key)
         if own is None:
-            own = exec_s[n.chunk_tokens] = prefill_exec_s(models, prompt_tokens, n.chunk_tokens)
+            own = exec_s[key] = prefill_exec_s(models, prompt_tokens, n.chunk_tokens, key[1])
         ttft = prefill_queue_wait_s(models, n) + own  # = prefill_ttft_s, to the bit
         if best is None or (ttft, n.node_id) < best[:2]:
             best = (ttft, n.node_id, n)
@@ -655,7 +706,12 @@ def best_prefill_node(
 
 
 def _scan_decode_nodes(
-    models: LatencyModels, view: ClusterView, now: float, config: DeciderConfig, prompt_tokens: int
+    models: LatencyModels,
+    view: ClusterView,
+    now: float,
+    config: DeciderConfig,
+    prompt_tokens: int,
+    cached: Mapping[str, int] | None = None,
 ) -> tuple[DecodeNodeState, list[DecodeNodeState], list[_NodeFacts], bool]:
     """One pass over the decode nodes for ``decide``: the keep path's node
     (``pick_keep_decode_node``), the deflection candidates in view order with their facts, and
@@ -693,8 +749,8 @@ def _scan_decode_nodes(
             if not guard or load <= f.overload_s:  # the node's own line (its step calibration)
                 eligible.append(n)
                 facts.append(f)
-    if keep is None or not any_fresh:  # no fresh node with room: the keep pick's fallbacks
-        keep = pick_keep_decode_node(models, view, now, config, prompt_tokens)
+    if keep is None or not any_fresh or cached:  # no fresh node with room, or cache hits to weigh
+        keep = pick_keep_decode_node(models, view, now, config, prompt_tokens, cached)
     return keep, eligible, facts, any_can_take
 
 
@@ -751,6 +807,7 @@ def _deflect(
     prompt_tokens: int,
     config: DeciderConfig,
     step_budget_s: float,
+    cached_tokens: int = 0,
 ) -> Decision:
     """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces
     (that node's: ``node_step_budget_s``)."""
@@ -766,6 +823,7 @@ def _deflect(
         step_budget_s=step_budget_s if config.node_step_guard else None,
         predicted_step_s=tuple(times),
         planned_decode_tokens=decode_tokens,
+        cached_tokens=cached_tokens,
     )
 
 
@@ -773,7 +831,7 @@ def _deflect(
 # the lowest node id on a tie (then the first in the view), and whether any node's schedule
 # was abandoned for running past the bound (rather than finding no TBT-safe chunk).
 _Best = tuple[float, str, _Plan]
-_PlanMemo = dict[tuple[int, int, tuple[int, ...], float], "_Plan | str"]
+_PlanMemo = dict[tuple[int, int, tuple[int, ...], float, int], "_Plan | str"]
 
 
 def _cutoff(limit_s: float) -> float:
@@ -784,25 +842,31 @@ def _cutoff(limit_s: float) -> float:
 
 def _memo_plan(
     memo: _PlanMemo,
-    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float], _Plan | str],
+    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float, int], _Plan | str],
     models: LatencyModels,
     config: DeciderConfig,
     node: DecodeNodeState,
     prompt_tokens: int,
     give_up: float,
+    cached_tokens: int = 0,
 ) -> _Plan | str:
-    """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state in a
-    search. Bounds only tighten during a search, and a schedule too slow for a looser bound is
-    too slow for a tighter one."""
-    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration)
+    """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state (and
+    cached prefix) in a search. Bounds only tighten during a search, and a schedule too slow for
+    a looser bound is too slow for a tighter one."""
+    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration, cached_tokens)
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up)
+        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up, cached_tokens)
     return plan
 
 
 def _search_in_id_order(
-    models: LatencyModels, config: DeciderConfig, eligible: list[DecodeNodeState], prompt_tokens: int, bound: float
+    models: LatencyModels,
+    config: DeciderConfig,
+    eligible: list[DecodeNodeState],
+    prompt_tokens: int,
+    bound: float,
+    cached: Mapping[str, int] | None = None,
 ) -> tuple[_Best | None, bool]:
     """Every node in id order, each schedule search abandoned once slower than both the bound
     and the best node so far (§4.4). The search for profiles ``_search_bounded`` cannot bound."""
@@ -811,7 +875,8 @@ def _search_in_id_order(
     memo: _PlanMemo = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
         give_up = bound if best is None else min(bound, best[0])
-        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up)
+        hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
+        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up, hit)
         if plan == _TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, _Plan) and (best is None or plan.ttft_s < best[0]):
@@ -826,6 +891,7 @@ def _search_bounded(
     prompt_tokens: int,
     bound: float,
     facts: list[_NodeFacts],
+    cached: Mapping[str, int] | None = None,
 ) -> tuple[_Best | None, bool]:
     """``_search_in_id_order``'s result, visiting only the nodes whose TTFT lower bound
     (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first.
@@ -833,13 +899,16 @@ def _search_bounded(
     The same winner: it is the least (TTFT, node id, place in the view) among the nodes whose
     schedule fits the bound, and a node is skipped only when its bound, hence its TTFT, is above
     the best so far (or the bound). The same reason when none fits: a node skipped for the bound
-    is searched after all if no node searched ran past it. ``facts``: each eligible node's."""
+    is searched after all if no node searched ran past it. ``facts``: each eligible node's. A
+    node with a cached prefix has no such bound (its schedule leaves the node's path): 0, so it
+    is always searched."""
     beyond: list[DecodeNodeState] = []  # cannot finish within the bound
     order: list[tuple[float, str, int, DecodeNodeState]] = []
     limit, cutoff = bound, _cutoff(bound)
     lower_bound = _lower_bound
     for i, node in enumerate(eligible):
-        lb = lower_bound(facts[i], node, prompt_tokens)
+        hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
+        lb = 0.0 if hit else lower_bound(facts[i], node, prompt_tokens)
         if lb > cutoff:
             beyond.append(node)
         else:
@@ -852,7 +921,8 @@ def _search_bounded(
         lb, node_id, i, node = heapq.heappop(order)
         if lb > cutoff:
             break  # every node left has a bound at least this high
-        plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit)
+        hit = cached_prefix(cached, node_id, prompt_tokens) if cached else 0
+        plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit, hit)
         if plan == _TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, _Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
@@ -861,7 +931,8 @@ def _search_bounded(
             cutoff = _cutoff(limit)
     if best is None:
         any_too_slow = any_too_slow or any(
-            _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, bound) == _TOO_SLOW for node in beyond
+            _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, bound) == _TOO_SLOW
+            for node in beyond  # no cached prefix there: those nodes had a bound
         )
         return None, any_too_slow
     return (best[0], best[1], best[3]), any_too_slow
@@ -881,13 +952,20 @@ def decide(
     now: float,
     models: LatencyModels,
     config: DeciderConfig,
+    cached: Mapping[str, int] | None = None,
 ) -> Decision:
     """Algorithm 1: keep on the best prefill node, or deflect to the decode node whose
     TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds against the keep path's
-    TTFT estimate (``keep_ttft_s``: Eq. 1 and the KV hand-off to the keep path's decode node)."""
+    TTFT estimate (``keep_ttft_s``: Eq. 1 and the KV hand-off to the keep path's decode node).
+
+    ``cached``: the prompt tokens each node (by id) has cached, when known. Then every path
+    prefills only the node's uncached tokens: Eq. 3 on prefill node p starts from its prefix
+    h_p, the schedule on decode node d covers l - h_d tokens each step over the h_d cached, and
+    the keep path's decode node weighs the transfer of the blocks it lacks. None (or no hit
+    anywhere) is the paper's decision, to the bit."""
     validate_prompt(prompt_tokens)
-    prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens)
-    keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens)
+    prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens, cached)
+    keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
     ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
@@ -901,6 +979,7 @@ def decide(
             predicted_ttft_decode_s=ttft_dec,
             prompt_tokens=prompt_tokens,
             predicted_prefill_end_s=prefill_s,
+            cached_tokens=cached_prefix(cached, prefill_node.node_id, prompt_tokens),
         )
 
     if not eligible:
@@ -911,9 +990,9 @@ def decide(
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
     if models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES:
-        best, any_too_slow = _search_bounded(models, config, eligible, prompt_tokens, bound, facts)
+        best, any_too_slow = _search_bounded(models, config, eligible, prompt_tokens, bound, facts, cached)
     else:
-        best, any_too_slow = _search_in_id_order(models, config, eligible, prompt_tokens, bound)
+        best, any_too_slow = _search_in_id_order(models, config, eligible, prompt_tokens, bound, cached)
 
     if best is None:
         if not any_too_slow:
@@ -937,4 +1016,5 @@ def decide(
         prompt_tokens,
         config,
         plan.step_budget_s,
+        cached_prefix(cached, node_id, prompt_tokens),
     )

@@ -69,21 +69,27 @@ class Decision:
     # On keep: Eq. 1 alone, when the prefill is predicted to end (the KV then leaves the prefill
     # node); None where it equals predicted_ttft_prefill_s or there is no keep estimate.
     predicted_prefill_end_s: float | None = None
+    # Prompt tokens the prefilling node (the decode node on deflect, the prefill node on keep)
+    # has cached, as the decision read them: a deflection's schedule covers the rest.
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.route is Route.DEFLECT and (not self.chunk_sizes or self.prefill_node is not None):
             raise ValueError("a deflect decision needs a schedule and no prefill node")
         if self.route is Route.KEEP and (self.chunk_sizes or self.prefill_node is None):
             raise ValueError("a keep decision needs a prefill node and no schedule")
-        if self.route is Route.DEFLECT and sum(self.chunk_sizes) != self.prompt_tokens:
-            raise ValueError(f"schedule covers {sum(self.chunk_sizes)} tokens, prompt has {self.prompt_tokens}")
+        if self.route is Route.DEFLECT and sum(self.chunk_sizes) != self.prompt_tokens - self.cached_tokens:
+            raise ValueError(
+                f"schedule covers {sum(self.chunk_sizes)} tokens, prompt has {self.prompt_tokens} "
+                f"of which {self.cached_tokens} cached"
+            )
         if self.predicted_step_s and len(self.predicted_step_s) != len(self.chunk_sizes):
             raise ValueError(f"{len(self.predicted_step_s)} step times for {len(self.chunk_sizes)} chunks")
 
     @property
     def schedule(self) -> tuple[ChunkStep, ...]:
         """The schedule step by step, with each step's size, cached tokens and predicted time."""
-        steps, cached = [], 0
+        steps, cached = [], self.cached_tokens
         times = self.predicted_step_s or (float("nan"),) * len(self.chunk_sizes)
         for p, t in zip(self.chunk_sizes, times, strict=True):
             steps.append(ChunkStep(self.planned_decode_tokens + p, p, cached, t))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,12 +37,24 @@ class Policy(Protocol):
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision: ...
 
 
+# Policies that read the nodes' prefix caches (``kairos``, ``oracle``, ``pd``) say so with a
+# ``prefix_aware`` attribute, and then take ``decide(..., cached=...)``: the prompt tokens each
+# node has cached, by node id. ``prefix=off`` makes them cache-blind, for comparison.
+
+
 def _keep(
-    models: LatencyModels, cfg: alg.DeciderConfig, prompt_tokens: int, view: ClusterView, now: float, reason: Reason
+    models: LatencyModels,
+    cfg: alg.DeciderConfig,
+    prompt_tokens: int,
+    view: ClusterView,
+    now: float,
+    reason: Reason,
+    cached: Mapping[str, int] | None = None,
 ) -> Decision:
-    prefill, prefill_s = alg.best_prefill_node(models, view, now, cfg, prompt_tokens)
-    decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens)
+    prefill, prefill_s = alg.best_prefill_node(models, view, now, cfg, prompt_tokens, cached)
+    decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens, cached)
     ttft_pf = alg.keep_ttft_s(models, cfg, prefill_s, decode, prompt_tokens)
+    hit = alg.cached_prefix(cached, prefill.node_id, prompt_tokens)
     return Decision(
         Route.KEEP,
         reason,
@@ -52,6 +65,7 @@ def _keep(
         None,
         prompt_tokens,
         predicted_prefill_end_s=prefill_s,
+        cached_tokens=hit,
     )
 
 
@@ -114,16 +128,25 @@ def _prefill_locally(
 
 @dataclass(frozen=True)
 class PDPolicy:
-    """Plain P/D disaggregation: never deflect."""
+    """Plain P/D disaggregation: never deflect. Prefix-aware (the default), it picks the prefill
+    node by Eq. 1 over each node's uncached tokens and the decode node by load and the blocks it
+    lacks, as the field's prefix-aware routers do."""
 
     models: LatencyModels
     config: alg.DeciderConfig
-    label: str = "pd"
     fresh_state: bool = False
+    prefix_aware: bool = True
 
-    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+    @property
+    def label(self) -> str:
+        return "pd" if self.prefix_aware else "pd(prefix=off)"
+
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None = None
+    ) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_POLICY)
+        hits = cached if self.prefix_aware else None
+        return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_POLICY, hits)
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,7 @@ class KairosPolicy:
     models: LatencyModels
     config: alg.DeciderConfig
     fresh_state: bool = False
+    prefix_aware: bool = True  # read the nodes' cached prefixes when the caller has them
 
     @property
     def label(self) -> str:
@@ -185,18 +209,23 @@ class KairosPolicy:
         keep = "" if self.config.keep_estimate == defaults.KEEP_ESTIMATE else f",keep={self.config.keep_estimate}"
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
-        knobs = f"{pending}{guard}{overload}{error}{calibrate}{keep}"
+        prefix = "" if self.prefix_aware else ",prefix=off"
+        knobs = f"{pending}{guard}{overload}{error}{calibrate}{keep}{prefix}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
-    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
-        return alg.decide(prompt_tokens, view, now, self.models, self.config)
+    def decide(
+        self, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None = None
+    ) -> Decision:
+        hits = cached if self.prefix_aware else None
+        return alg.decide(prompt_tokens, view, now, self.models, self.config, hits)
 
 
 # ---------------------------------------------------------------------------------------------
 # The field's deciders, as baselines. Each decides keep or prefill-on-the-decode-node with its
 # own rule on what Kairos's heartbeats show; where the original reads a signal Kairos does not
-# have, the docstring says what stands in for it. Kairos nodes have no prefix cache, so a
-# prompt's uncached ("effective") length is its whole length. A request they prefill on a
+# have, the docstring says what stands in for it. They do not read the nodes' prefix caches
+# here (only kairos, oracle and pd do), so a prompt's uncached ("effective") length is its
+# whole length, as on cache-cold traffic. A request they prefill on a
 # decode node runs as vLLM's chunked prefill would run it there: a fixed token budget per step
 # (the decode nodes' max_num_batched_tokens), decodes first, the prompt filling the rest, and
 # no TBT guard, since none of the three plans or bounds the steps it adds.
@@ -233,7 +262,7 @@ class LlmdPolicy:
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        uncached = prompt_tokens  # no prefix cache on Kairos nodes
+        uncached = prompt_tokens  # cache-blind here (see above)
         if self.threshold != 0 and uncached >= self.threshold:
             return _keep(self.models, self.config, prompt_tokens, view, now, Reason.KEEP_LLMD_THRESHOLD)
         node = alg.pick_keep_decode_node(self.models, view, now, self.config, prompt_tokens)
@@ -271,7 +300,7 @@ class DynamoPolicy:
     unset (off) by default; its B200/H200 recipes set 0.5, which is the default here
     (``kv=off`` disables it).
 
-    Kairos mapping: effective ISL = the prompt's tokens and the ratio is 1 (no prefix cache),
+    Kairos mapping: effective ISL = the prompt's tokens and the ratio is 1 (hits not read here),
     so ``isl`` alone never bypasses here, exactly as in Dynamo on cache-cold traffic; the prefill
     worker = the prefill node with the lowest Eq. 1 TTFT, its active tokens = the prefill tokens
     its heartbeat queues (plus this dispatcher's dispatches since), max_num_batched_tokens = its
@@ -299,7 +328,7 @@ class DynamoPolicy:
 
     def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
         alg.validate_prompt(prompt_tokens)
-        effective = prompt_tokens  # no prefix cache on Kairos nodes
+        effective = prompt_tokens  # cache-blind here (see above)
         isl = (
             self.mode in ("isl", "either")
             and effective < self.isl_tokens
@@ -421,11 +450,11 @@ class NoPrefillPoolPolicy:
 
 POLICY_NAMES = ("pd", "sq", "sl", "kairos", "oracle", "llmd", "dynamo", "aibrix")
 _PARAMS: dict[str, tuple[str, ...]] = {
-    "pd": (),
+    "pd": ("prefix",),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate", "keep"),
-    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate", "keep"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate", "keep", "prefix"),
+    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate", "keep", "prefix"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -475,8 +504,14 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         except ValueError:
             raise UnknownPolicyError(f"policy {name!r}: {key}={raw!r} is not a {cast.__name__}") from None
 
+    def on_off(key: str) -> bool:
+        raw = params.get(key, "on").lower()
+        if raw not in ("on", "off"):
+            raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be 'on' or 'off'")
+        return raw == "on"
+
     if name == "pd":
-        return PDPolicy(models, cfg)
+        return PDPolicy(models, cfg, prefix_aware=on_off("prefix"))
     if name in ("sq", "sl"):
         threshold = int(number("theta" if name == "sq" else "l", 4 if name == "sq" else 2048, int))
         chunk = int(number("chunk", 128, int))
@@ -536,7 +571,9 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         changes["max_pending_deflections"] = (
             None if params["pending"].lower() == "none" else int(number("pending", 1, int))
         )
-    return KairosPolicy(models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"))
+    return KairosPolicy(
+        models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"), prefix_aware=on_off("prefix")
+    )
 
 
 def split_policy_list(text: str) -> list[str]:

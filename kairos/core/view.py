@@ -97,11 +97,14 @@ class ClusterTracker:
         self._cached = None
 
     def record(self, decision: Decision, now: float) -> None:
-        """Account for a dispatch until a heartbeat shows it."""
+        """Account for a dispatch until a heartbeat shows it: the prefill work is the prompt's
+        tokens the prefilling node has not cached (what its queue will report), the KV that
+        joins a decode node on keep the whole prompt."""
         tokens = decision.prompt_tokens
+        work = tokens - decision.cached_tokens
         if decision.route is Route.KEEP:
             assert decision.prefill_node is not None  # a keep decision always names its prefill node
-            self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, tokens))
+            self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, work))
             # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
             # pull (pending_kv_pull_tokens), then the request itself.
             prefill_s = decision.predicted_prefill_end_s
@@ -114,7 +117,7 @@ class ClusterTracker:
             incoming.add(arrival, tokens)
             self._changed(decision.prefill_node, decision.decode_node)
         else:
-            self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, tokens))
+            self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, work))
             self._changed(decision.decode_node)
 
     def set_foreign(self, node_id: str, promises: list[tuple[float, int]]) -> None:

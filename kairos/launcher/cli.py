@@ -27,7 +27,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "defaults < --config YAML (section 'sim') < KAIROS_SIM_* environment < flags.",
     )
     p.add_argument("--config", type=Path, help="YAML file with a 'sim' section")
-    p.add_argument("--workload", help="bursty, lpld, lphd, hpld, hphd or azure_conv (default bursty)")
+    p.add_argument("--workload", help="bursty, lpld, lphd, hpld, hphd, azure_conv or multiturn (default bursty)")
     p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL; rescaled to each --rps")
     p.add_argument(
         "--policies",

@@ -175,3 +175,13 @@ def test_format_table_missing_value_shows_dash() -> None:
     del rec["p99_ttft_s"]
     row = format_table([rec]).splitlines()[2].split()
     assert row[4] == "-"
+
+
+def test_conversation_records_add_the_later_turns_figure(tmp_path: Path) -> None:
+    records = multi_rate_records()
+    for i, rec in enumerate(records):
+        rec.update(p95_ttft_turn2plus_s=0.3 + 0.1 * i, prefix_hit_rate_decode=0.7)
+    paths = write_plots(records, tmp_path)
+    assert {p.name for p in paths} == MULTI_RATE_FILES | {"prefix_turns.png"}
+    for p in paths:
+        assert_png(p)

@@ -188,7 +188,8 @@ UNKNOWN = [
         "fifo", ["unknown policy 'fifo'", "known policies", "'pd'", "'kairos'", "'oracle'"], id="unknown-name"
     ),
     pytest.param("", ["unknown policy ''"], id="empty-spec"),
-    pytest.param("pd:theta=1", ["bad parameter 'theta=1'", "accepted: none"], id="pd-takes-no-params"),
+    pytest.param("pd:theta=1", ["bad parameter 'theta=1'", "accepted: ['prefix']"], id="pd-takes-only-prefix"),
+    pytest.param("pd:prefix=maybe", ["prefix='maybe' must be 'on' or 'off'"], id="pd-prefix-on-or-off"),
     pytest.param("sq:l=100", ["bad parameter 'l=100'", "'theta'", "'chunk'"], id="sq-takes-theta-not-l"),
     pytest.param("sl:theta=1", ["bad parameter 'theta=1'", "'l'", "'chunk'"], id="sl-takes-l-not-theta"),
     pytest.param("kairos:gamma=2", ["'gamma=2'", "'alpha'", "'beta'", "'pending'"], id="kairos-unknown-param"),

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kairos.sim.prefix_cache import PrefixCache
 from kairos.sim.requests import RequestSpec
 from kairos.sim.traces import (
     TraceError,
     load_trace,
+    mooncake_block_hashes,
     read_azure_csv,
     read_jsonl,
     read_mooncake_jsonl,
@@ -43,8 +45,8 @@ MOONCAKE_JSONL = """\
 {"timestamp": 31535, "input_length": 12, "output_length": 1, "hash_ids": []}
 """
 MOONCAKE_EXPECTED = [
-    RequestSpec("mooncake-000000", 0.0, 6955, 52),
-    RequestSpec("mooncake-000001", 27.482, 6472, 26),
+    RequestSpec("mooncake-000000", 0.0, 6955, 52, mooncake_block_hashes([46, 47, 48], 6955)),
+    RequestSpec("mooncake-000001", 27.482, 6472, 26, mooncake_block_hashes([46, 49], 6472)),
     RequestSpec("mooncake-000002", 30.535, 12, 1),
 ]
 
@@ -63,6 +65,25 @@ def test_jsonl_round_trip_is_identity(tmp_path: Path) -> None:
     assert load_trace(path) == requests
     first = json.loads(path.read_text().splitlines()[0])
     assert list(first) == ["request_id", "arrival_s", "prompt_tokens", "output_tokens"]
+
+
+def test_jsonl_round_trip_keeps_conversations_and_hashes(tmp_path: Path) -> None:
+    requests = [
+        RequestSpec("s0-t1", 0.0, 40, 9, (1, -2), "s0", 1),
+        RequestSpec("s0-t2", 12.5, 70, 3, (1, -2, 3, 4), "s0", 2, after="s0-t1", think_s=10.25),
+    ]
+    path = tmp_path / "conv.jsonl"
+    write_jsonl(path, requests)
+    assert read_jsonl(path) == requests
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"request_id": "a", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1, "block_hashes": [1.5]}\n'
+    )
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1: block_hashes must be a list of integers"):
+        read_jsonl(bad)
+    bad.write_text('{"request_id": "a", "arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1, "after": "a"}\n')
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1: a: a request cannot wait for itself"):
+        read_jsonl(bad)
 
 
 def test_empty_jsonl_round_trip(tmp_path: Path) -> None:
@@ -111,6 +132,18 @@ def test_mooncake_loads_expected_requests(tmp_path: Path) -> None:
     assert read_mooncake_jsonl(path) == MOONCAKE_EXPECTED
     assert load_trace(path) == MOONCAKE_EXPECTED
     assert load_trace(path, fmt="mooncake") == MOONCAKE_EXPECTED
+
+
+def test_mooncake_hash_ids_become_engine_block_hashes() -> None:
+    first, second, third = MOONCAKE_EXPECTED
+    # Each 512-token id covers 32 engine blocks; the hashes run as far as the ids (or the input) go.
+    assert len(first.block_hashes) == 96 and len(second.block_hashes) == 64 and third.block_hashes == ()
+    # The two share id 46, hence exactly its 32 blocks: a cache holding the first hits 32 of the second.
+    cache = PrefixCache()
+    cache.insert(first.block_hashes)
+    assert cache.match(second.block_hashes) == 32
+    assert len(mooncake_block_hashes([1, 2], 520)) == 32  # 520 tokens fill 32 engine blocks, not 64
+    assert mooncake_block_hashes([1, 2], 1024)[:32] == mooncake_block_hashes([1, 3], 1024)[:32]
 
 
 def test_rescale_to_rate_hits_target_and_keeps_shape() -> None:
