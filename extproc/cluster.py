@@ -196,9 +196,13 @@ class RedisClusterView:
         """The current view (heartbeats + own dispatches); no I/O."""
         return self.tracker.view()
 
-    def record(self, decision: Decision, now: float) -> None:
-        """Account for a dispatch until a heartbeat shows it."""
-        self.tracker.record(decision, now)
+    def record(self, decision: Decision, now: float) -> object:
+        """Account for a dispatch until a heartbeat shows it; a handle to ``cancel`` it."""
+        return self.tracker.record(decision, now)
+
+    def cancel(self, handle: object) -> None:
+        """Take back a recorded deflection whose promise was refused."""
+        self.tracker.cancel(handle)
 
     def addresses(self) -> Mapping[str, NodeAddress]:
         """node_id -> (role, url, sidecar, model) of every node in the view (read-only, live)."""

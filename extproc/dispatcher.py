@@ -61,7 +61,9 @@ class ClusterSource(Protocol):
 
     def view(self) -> ClusterView: ...
 
-    def record(self, decision: Decision, now: float) -> None: ...
+    def record(self, decision: Decision, now: float) -> object: ...
+
+    def cancel(self, handle: object) -> None: ...
 
     def addresses(self) -> Mapping[str, NodeAddressLike]: ...
 
@@ -150,10 +152,6 @@ class Dispatcher:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kairos-tokenize")
         self._python_counts = tokenizer.counter_refusal is None  # see DispatchSettings.count_inline_bytes
         self._rr = itertools.count()
-        # Decode nodes this dispatcher is reserving right now: a request deciding while another
-        # one's reservation round trip is in flight must not pick the same node (it would lose
-        # the race to its own dispatcher and pay a second decision and round trip).
-        self._reserving: set[str] = set()
 
     @property
     def policy(self) -> Policy:
@@ -279,48 +277,34 @@ class Dispatcher:
             self._prefill_pool_gone = False
             log.warning("a prefill node is fresh again: routing normally")
         excluded: set[str] = set()  # nodes whose promise Redis could not take
-        reserved = False
         decision: Decision | None = None
         for _ in range(self.settings.reservation_attempts):
-            view = self._deflection_view(view, excluded)
-            if decision is not None and not view.decode:
-                break
+            if excluded:
+                view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id not in excluded))
+                if not view.decode:
+                    break
             decision = policies.policy.decide(prompt_tokens, view, self._clock())
             if decision.route is not Route.DEFLECT:
                 break
             node_id = decision.decode_node
-            self._reserving.add(node_id)
-            try:
-                reservation = await self.cluster.try_reserve(node_id, self.owner, prompt_tokens)
-            finally:
-                self._reserving.discard(node_id)
-            reserved = reservation.granted
-            if reserved:
-                break
+            # In the view before the promise's round trip: a request of this dispatcher deciding
+            # meanwhile schedules behind it (or, under a pending limit, leaves the node alone).
+            handle = self.cluster.record(decision, self._clock())
+            reservation = await self.cluster.try_reserve(node_id, self.owner, prompt_tokens)
+            if reservation.granted:
+                return decision
+            self.cluster.cancel(handle)
             self.metrics.reservation_conflicts.inc()
-            if reservation.foreign:
-                view = self.cluster.view()  # now with the other dispatchers' promises on the node
-            else:
+            if not reservation.foreign:
                 excluded.add(node_id)
+            view = self.cluster.view()  # with the other dispatchers' promises, if any came back
         assert decision is not None  # the loop runs at least once
-        if decision.route is Route.DEFLECT and not reserved:
+        if decision.route is Route.DEFLECT:
             # No deflection target took the promise: the P/D path, where any decode node
             # (promised ones included) can take the request after its prefill.
             decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
-
-    def _deflection_view(self, view: ClusterView, excluded: set[str]) -> ClusterView:
-        """``view`` without the decode nodes in ``excluded``, nor those whose promise another of
-        this dispatcher's requests is making right now (its deflection is not in the view yet,
-        and a decision that missed it could overcommit the node), unless none is left."""
-        skip = excluded | self._reserving
-        if not skip:
-            return view
-        free = tuple(n for n in view.decode if n.node_id not in skip)
-        if free or excluded:
-            return dataclasses.replace(view, decode=free)
-        return view
 
     def _prefill_pool_gone_from(self, view: ClusterView, policy: NoPrefillPoolPolicy) -> bool:
         """No fresh prefill node, and a fresh decode node to prefill instead. While Redis is

@@ -96,7 +96,7 @@ class ClusterTracker:
             self._overlaid_decode.pop(node_id, None)
         self._cached = None
 
-    def record(self, decision: Decision, now: float) -> None:
+    def record(self, decision: Decision, now: float) -> object:
         """Account for a dispatch until a heartbeat shows it: the prefill work is the prompt's
         tokens the prefilling node has not cached (what its queue will report), the KV that
         joins a decode node on keep the whole prompt."""
@@ -117,8 +117,21 @@ class ClusterTracker:
             incoming.add(arrival, tokens)
             self._changed(decision.prefill_node, decision.decode_node)
         else:
-            self._overlay.setdefault(decision.decode_node, []).append(_Dispatch(now, work))
+            dispatch = _Dispatch(now, work)
+            self._overlay.setdefault(decision.decode_node, []).append(dispatch)
             self._changed(decision.decode_node)
+            return decision.decode_node, dispatch
+        return None
+
+    def cancel(self, handle: object) -> None:
+        """Take back a deflection ``record`` returned ``handle`` for (its promise was refused)."""
+        if handle is None:
+            return
+        node_id, dispatch = handle  # type: ignore[misc]
+        pending = self._overlay.get(node_id)
+        if pending is not None:
+            self._overlay[node_id] = [d for d in pending if d is not dispatch]
+            self._changed(node_id)
 
     def set_foreign(self, node_id: str, promises: list[tuple[float, int]]) -> None:
         """Other dispatchers' deflections onto ``node_id`` that its heartbeat does not show yet,

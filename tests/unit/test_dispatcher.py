@@ -83,9 +83,14 @@ class FakeCluster:
     def view(self) -> ClusterView:
         return self.tracker.view()
 
-    def record(self, decision: Decision, now: float) -> None:
+    def record(self, decision: Decision, now: float) -> object:
         self.recorded.append((decision, now))
-        self.tracker.record(decision, now)
+        return (decision, now, self.tracker.record(decision, now))
+
+    def cancel(self, handle: object) -> None:
+        decision, now, tracked = handle  # type: ignore[misc]
+        self.recorded.remove((decision, now))
+        self.tracker.cancel(tracked)
 
     def addresses(self) -> Mapping[str, NodeAddress]:
         return self.nodes
@@ -1054,12 +1059,12 @@ async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(har
     assert isinstance(after, Rejected) and after.status == 500
 
 
-async def test_a_node_this_dispatcher_is_reserving_is_not_picked_by_a_concurrent_request(
+async def test_a_deflection_whose_promise_is_in_flight_is_in_the_view_of_concurrent_requests(
     harness: HarnessFactory,
 ) -> None:
-    """While one request's reservation of d0 is in flight, the next deflects to d1 instead of
-    losing d0's race to its own dispatcher; with every decode node being reserved, the next one
-    decides on the whole view (it may race, never fail)."""
+    """While one request's promise on d0 is in flight, the next request of the same dispatcher
+    sees that deflection on d0 (d0 is slower behind it: d1); the third sees both, and schedules
+    behind one of them. None is refused: a dispatcher's own promises never conflict."""
     base = make_cluster(prefill_queue=LOADED_QUEUE)
     cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
     h = harness(cluster, settings=DispatchSettings(dispatcher_id=OWNER))
@@ -1120,3 +1125,22 @@ async def test_custom_limits_apply(harness: HarnessFactory) -> None:
     assert isinstance(too_big, Rejected) and too_big.status == 413
     assert isinstance(too_long, Rejected) and too_long.status == 400
     assert "2048" in error_of(too_long)["message"]
+
+
+async def test_under_the_papers_limit_concurrent_requests_never_deflect_twice_onto_one_node(
+    harness: HarnessFactory, models: LatencyModels
+) -> None:
+    """kairos:pending=1: three requests decide while the first two promises are in flight; the
+    in-flight deflections are in the view, so no node takes two and the third keeps."""
+    base = make_cluster(prefill_queue=LOADED_QUEUE)
+    cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
+    h = harness(cluster, policy=make_policy("kairos:pending=1", models), settings=DispatchSettings(dispatcher_id=OWNER))
+    tasks = [asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))) for _ in range(3)]
+    while cluster.entered < 2:  # two promises in flight, the third request decided without one
+        await asyncio.sleep(0)
+    cluster.gate.set()
+    routed = [await asyncio.wait_for(t, 5) for t in tasks]
+    decisions = [r.decision for r in routed if isinstance(r, Routed) and r.decision is not None]
+    deflected = [d.decode_node for d in decisions if d.route is Route.DEFLECT]
+    assert sorted(deflected) == ["d0", "d1"]
+    assert [d.route for d in decisions].count(Route.KEEP) == 1
