@@ -20,6 +20,7 @@ from redis.exceptions import NoPermissionError
 import redis
 from kairos.common import contracts as c
 from kairos.common.redis_acl import ADMIN_USER, DISPATCHER_USER, node_user
+from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig
@@ -135,10 +136,15 @@ async def test_publishers_sidecar_and_dispatcher_over_rediss_with_their_own_user
         ClusterViewConfig(
             redis_url=server.setup.dispatcher_url,
             redis_timeout_s=2.0,
+            # Promises live 5 s, and every one is younger than d0's heartbeat age plus a 5 s grace:
+            # dispatcher0's promise is counted against dispatcher1's however the two calls fall
+            # between heartbeats on a starved host.
+            reservation_ttl_s=5.0,
             membership=MembershipConfig(
                 fallback_prefill=(f"p0={P0_URL}",), fallback_decode=(f"d0={D0_URL}+{D0_SIDECAR}",), admit_nodes="listed"
             ),
         ),
+        ClusterTracker(dispatch_grace_s=5.0),
         registry=metrics.registry,
         feedback=TtftFeedback(metrics, window=10),
     )
