@@ -52,7 +52,8 @@ class DispatcherMetrics:
         )
         self.reservation_conflicts = Counter(
             "kairos_dispatcher_reservation_conflicts_total",
-            "Deflections given up because another dispatcher reserved the decode node first",
+            "Deflection promises refused (other dispatchers promised the node more than the decision "
+            "counted, or Redis did not answer); each request is decided again",
             registry=r,
         )
 
