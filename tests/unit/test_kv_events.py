@@ -182,7 +182,8 @@ def test_malformed_message(frames: tuple[bytes, ...], message: str) -> None:
 def test_replay_framing() -> None:
     assert kv.encode_replay_request(5) == b"\x00" * 7 + b"\x05"
     assert kv.decode_replay_request(kv.encode_replay_request(2**40)) == 2**40
-    assert kv.encode_replay_reply(None) == (b"\xff" * 8, b"")  # vLLM's END_SEQ: -1, signed
+    assert kv.encode_replay_reply(None) == (b"", b"\xff" * 8, b"")  # vLLM's END_SEQ: -1, signed
+    assert kv.encode_replay_reply(7, BY_HAND) == (b"kv-events", b"\x00" * 7 + b"\x07", BY_HAND)  # topic first
     assert kv.decode_replay_reply(kv.encode_replay_reply(None)) is None
     assert kv.decode_replay_reply(kv.encode_replay_reply(7, BY_HAND)) == (7, BY_HAND)
     with pytest.raises(MalformedKvEvents, match="replay reply has 1 frames"):
