@@ -59,8 +59,8 @@ class VllmNodeSpec:
     # vLLM's default. A deflected prefill's chunk schedule then covers the tokens after the
     # node's prefix hit (KairosScheduler). False: every prompt is computed in full.
     prefix_caching: bool = True
-    # The node's KV cache events (ZMQ PUB) and their replay (ROUTER) ports, bound on ``host``;
-    # 0 = not published (the dispatchers then see no hits on this node). Only with prefix caching.
+    # The node's KV cache events (ZMQ PUB, on every interface) and their replay (ROUTER, on
+    # ``host``) ports; 0 = not published (the dispatchers then see no hits on this node).
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
     extra_args: tuple[str, ...] = ()

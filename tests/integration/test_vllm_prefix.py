@@ -241,38 +241,65 @@ def test_a_hit_other_than_the_planned_one_runs_the_schedule_from_the_real_hit(
 
 
 # -- keep: the decode node pulls only the blocks it lacks -----------------------------------------
+def keep(cluster: VllmCluster, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A keep (prefill on p0, KV pulled by d0) with the dispatcher's headers, through d0's sidecar."""
+    headers = {c.H_REQUEST_ID: f"keep-{uuid.uuid4().hex[:8]}", c.H_ROUTE: "keep", c.H_DECODE_NODE: "d0"}
+    headers[c.H_PREFILL_HOST] = cluster.node("p0").url
+    cluster.wait_for_heartbeats(timeout_s=30)  # p0 on the sidecar's live allowlist
+    status, resp_headers, out = post_json(sidecar_url(cluster), completion(prompt, max_tokens, **extra), headers, 120)
+    assert status == 200, out
+    assert resp_headers[c.H_ROUTE] == "keep"
+    return out
+
+
 def test_keep_request_pulls_only_the_blocks_the_decode_node_lacks(
     vllm_cluster: VllmCluster, events: EventWatch
 ) -> None:
-    """Turn 2 kept (prefilled on p0, decoded on d0) when d0 served turn 1: p0, which never saw
-    the conversation, computes the whole prompt; d0 takes its own cached prefix locally and pulls
-    the rest over NIXL (vLLM's prompt_tokens_by_source on d0: local_cache_hit is Kairos's
-    predicted hit for d0, external_kv_transfer the prompt less it)."""
+    """A conversation kept twice (prefilled on p0, decoded on d0). Turn 2: p0 computes only what
+    its cache lacks (turn 1's prompt it holds), d0 takes its own cached prefix (turn 1's prompt
+    and answer) locally and pulls only the rest over NIXL. vLLM's prompt_tokens_by_source on each
+    node agrees with the hits Kairos predicts for it, and NIXL's bytes on d0 shrink with the
+    blocks it no longer pulls."""
     cluster = vllm_cluster
-    history = turn_one(cluster, events, "d0", token_prompt(330, seed=1020), answer=60)
+    bs = events.block_size()
+    d_metrics, p_metrics = (f"http://{cluster.node(n).url}/metrics" for n in ("d0", "p0"))
+    sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+    def counters() -> dict[tuple[str, str], float]:
+        out = {(n, s): metric(url, SRC, source=s) for n, url in (("d0", d_metrics), ("p0", p_metrics)) for s in sources}
+        out[("d0", "bytes")] = metric(d_metrics, "vllm:nixl_bytes_transferred_sum")
+        return out
+
+    def pulled_bytes(before: dict[tuple[str, str], float]) -> float:
+        """NIXL's bytes into d0 since ``before``, once its stats (a step behind) have them."""
+        wait_until(
+            lambda: metric(d_metrics, "vllm:nixl_bytes_transferred_sum") > before[("d0", "bytes")], 30.0, "NIXL stats"
+        )
+        return metric(d_metrics, "vllm:nixl_bytes_transferred_sum") - before[("d0", "bytes")]
+
+    first = token_prompt(330, seed=1020)
+    before = counters()
+    history = first + returned_ids(keep(cluster, first, 60, return_token_ids=True, ignore_eos=True))
+    bytes_first = pulled_bytes(before)
+    wait_until(
+        lambda: events.hits([*history, 5])["d0"] >= held_by_node(len(history) - 1, bs), 30.0, "turn 1 cached on d0"
+    )
     prompt = history + token_prompt(260, seed=1021)
     predicted = events.hits(prompt)
-    assert predicted["d0"] == held_by_node(len(history) - 1, events.block_size()) > 0
-    assert predicted["p0"] == 0
-    d_metrics, p_metrics = (f"http://{cluster.node(n).url}/metrics" for n in ("d0", "p0"))
-    before = {
-        (n, s): metric(url, SRC, source=s)
-        for n, url in (("d0", d_metrics), ("p0", p_metrics))
-        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
-    }
-    keep = {c.H_REQUEST_ID: f"keep-{uuid.uuid4().hex[:8]}", c.H_ROUTE: "keep", c.H_DECODE_NODE: "d0"}
-    keep[c.H_PREFILL_HOST] = cluster.node("p0").url
-    cluster.wait_for_heartbeats(timeout_s=30)  # p0 on the sidecar's live allowlist
+    assert predicted["d0"] == held_by_node(len(history) - 1, bs) > held_by_node(len(first), bs)
+    assert predicted["p0"] == held_by_node(len(first), bs) > 0  # p0 computed turn 1's prompt only
+    before = counters()
 
-    status, headers, out = post_json(sidecar_url(cluster), completion(prompt, 6), keep, timeout=120)
+    keep(cluster, prompt, 6)
 
-    assert status == 200, out
-    assert headers[c.H_ROUTE] == "keep"
-
-    def delta(node: str, source: str) -> float:
-        return metric(d_metrics if node == "d0" else p_metrics, SRC, source=source) - before[(node, source)]
-
-    assert delta("p0", "local_compute") == len(prompt)  # p0 held nothing of it
-    assert delta("d0", "local_cache_hit") == predicted["d0"]  # d0's own prefix, not pulled
-    assert delta("d0", "external_kv_transfer") == len(prompt) - predicted["d0"]  # only the missing blocks
-    assert delta("d0", "local_compute") == 0
+    after = counters()
+    delta = {k: after[k] - before[k] for k in before}
+    assert delta[("p0", "local_cache_hit")] == predicted["p0"]
+    assert delta[("p0", "local_compute")] == len(prompt) - predicted["p0"]
+    assert delta[("d0", "local_cache_hit")] == predicted["d0"]  # d0's own prefix, not pulled
+    assert delta[("d0", "external_kv_transfer")] == len(prompt) - predicted["d0"]  # only the missing blocks
+    assert delta[("d0", "local_compute")] == 0
+    # NIXL moves whole blocks: turn 1 pulled all of its prompt's, turn 2 only those past d0's hit.
+    blocks_first = -(-len(first) // bs)
+    blocks_second = -(-len(prompt) // bs) - predicted["d0"] // bs
+    assert pulled_bytes(before) * blocks_first == bytes_first * blocks_second
