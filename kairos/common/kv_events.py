@@ -13,9 +13,9 @@ Replay (ZMQ ROUTER beside the PUB socket): a client sends the first sequence num
 8 bytes big-endian (the ROUTER sees ``[identity, b"", start]``, as from a REQ or a DEALER that
 sends an empty delimiter first); the publisher answers one ``[topic, seq, payload]`` message per
 batch still in its buffer (vLLM keeps the last ``buffer_steps``, 10,000 by default) with ``seq >=
-start``, then the end marker ``[b"", -1 as 8 signed bytes, b""]`` (as vLLM 0.32's
-``ZmqEventPublisher._service_replay`` writes them; a real node's replay is read in
-``tests/integration/test_vllm_prefix.py``). A replay that starts after ``start`` means the
+start``, then the end marker ``[b"", -1 as 8 signed bytes, b""]`` (vLLM 0.32's
+``_service_replay``; vLLM before it, and SGLang, send ``[seq, payload]`` and ``[-1, b""]``
+without the topic: the decoder reads both). A replay that starts after ``start`` means the
 batches between are gone.
 
 Payload (msgpack, as vLLM 0.32's msgspec structs encode it): the batch is an array ``[ts,
@@ -226,20 +226,22 @@ def decode_replay_request(frame: bytes) -> int:
     return decode_seq(frame)
 
 
-def encode_replay_reply(
-    seq: int | None, payload: bytes = b"", topic: str = KV_EVENTS_TOPIC
-) -> tuple[bytes, bytes, bytes]:
-    """One replayed batch ``[topic, seq, payload]``, or with ``seq`` None the end marker."""
+def encode_replay_reply(seq: int | None, payload: bytes = b"", topic: str = "") -> tuple[bytes, bytes, bytes]:
+    """One replayed batch ``[topic, seq, payload]`` as vLLM 0.32 sends it (after the client's
+    identity and the empty delimiter), or with ``seq`` None the end marker ``[b"", -1, b""]``."""
     if seq is None:
         return b"", REPLAY_END_FRAME, b""
     return topic.encode("utf-8"), encode_seq(seq), payload
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
-    """``(seq, payload)`` of a replayed batch, or None for the end marker."""
-    if len(frames) != 3:
-        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 3 (topic, seq, payload)")
-    seq, payload = bytes(frames[1]), bytes(frames[2])
+    """``(seq, payload)`` of a replayed batch, or None for the end marker: vLLM 0.32's
+    ``[topic, seq, payload]`` or the older ``[seq, payload]``."""
+    if len(frames) == 3:
+        frames = frames[1:]  # the topic: the request already chose the stream
+    if len(frames) != 2:
+        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 3 (topic, seq, payload) or 2")
+    seq, payload = bytes(frames[0]), bytes(frames[1])
     if seq == REPLAY_END_FRAME:
         return None
     return decode_seq(seq), payload
