@@ -4,13 +4,15 @@ and P/D each prefix-aware and cache-blind, from low load up.
 
     python bench/e2e_prefix.py [--rates 4,8,12,16] [--duration 120] [--time-scale 1] [--seed 12]
                                [--policies kairos,kairos:prefix=off,pd,pd:prefix=off]
-                               [--dispatchers 1] [--json PATH] [--plots DIR]
+                               [--trace FILE] [--dispatchers 1] [--json PATH] [--plots DIR]
 
 Each (policy, rate) point gets a fresh cluster, so every run starts with cold caches. ``kairos
 replay`` sends the sessions as conversations: each first turn at its arrival time, each later
 turn a think time after the previous answer, its prompt the previous prompt + the answer the node
 streamed + a new message, so the nodes see each turn resend the conversation so far and sessions
-share their system prompts byte for byte. Per point it prints P95 TTFT overall, of first turns and
+share their system prompts byte for byte. ``--trace FILE`` replays a trace instead, rescaled to
+each rate and cut at ``--duration`` (a Mooncake trace's ``hash_ids`` become shared token blocks; a
+JSONL trace with session ids replays as conversations). Per point it prints P95 TTFT overall, of first turns and
 of later turns, P95 TBT and the share of token gaps over tau, joint SLO attainment, deflections,
 and the prefix hit rates per route (``deflect``: the decode node's own cache; ``keep``: what the
 answering decode node reports) from the nodes' ``usage.prompt_tokens_details.cached_tokens``.
@@ -40,6 +42,8 @@ from kairos.core.policies import split_policy_list
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.plots import write_plots
+from kairos.sim.requests import RequestSpec
+from kairos.sim.traces import load_trace, rescale_to_rate, truncate
 from kairos.sim.workloads import make_workload
 
 WORKLOAD = "multiturn"
@@ -73,9 +77,15 @@ FIELDS = (
 )
 
 
+def traffic(rps: float, args: argparse.Namespace) -> list[RequestSpec]:
+    if args.trace is None:
+        return make_workload(WORKLOAD, rps=rps, duration_s=args.duration, seed=args.seed)
+    return truncate(rescale_to_rate(load_trace(args.trace), rps), args.duration)
+
+
 def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path, workroot: Path) -> dict[str, Any]:
-    """One fresh cluster under ``policy``, the workload at ``rps`` replayed through it."""
-    trace = make_workload(WORKLOAD, rps=rps, duration_s=args.duration, seed=args.seed)
+    """One fresh cluster under ``policy``, the traffic at ``rps`` replayed through it."""
+    trace = traffic(rps, args)
     workdir = workroot / f"{policy.replace(':', '_').replace('=', '-').replace(',', '_')}-{rps:g}"
     print(f"\n{policy} @ {rps:g} turns/s: {len(trace)} turns, fresh cluster", flush=True)
     cluster = start(policy, model_dir, args.time_scale, workdir, args.dispatchers)
@@ -98,7 +108,7 @@ def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path
     return {
         "policy": policy,
         "policy_spec": policy,
-        "workload": WORKLOAD,
+        "workload": args.trace.stem if args.trace else WORKLOAD,
         "rps": rps,
         "ttft_slo_s": TTFT_SLO_S,
         "tbt_slo_ms": TBT_SLO_MS,
@@ -116,7 +126,7 @@ def _cell(value: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
-    print(f"\n## {WORKLOAD} through the gateway (2P2D, emulated nodes; model time)")
+    print(f"\n## {records[0]['workload']} through the gateway (2P2D, emulated nodes; model time)")
     print(
         f"{'policy':<19}{'rps':>5}{'P95 TTFT':>10}{'turn 1':>8}{'turn>=2':>9}{'P95 TBT':>9}{'viol %':>8}"
         f"{'attain %':>9}{'defl':>6}{'hit %':>7}{'keep':>7}{'defl':>7}{'err':>5}"
@@ -163,6 +173,7 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=1.0, help="emulated nodes' speed-up over real time")
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--policies", default=POLICIES, help="policy specs as the dispatcher takes them")
+    ap.add_argument("--trace", type=Path, help="replay this trace (rescaled to each rate) instead of multiturn")
     ap.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
     ap.add_argument("--json", type=Path, default=RESULTS_DIR / "e2e_prefix.json")
     ap.add_argument("--plots", type=Path, help="write the figures here")
@@ -200,7 +211,8 @@ def main() -> int:
         "e2e_prefix",
         {
             "command": "python bench/e2e_prefix.py " + " ".join(sys.argv[1:]),
-            "workload": WORKLOAD,
+            "workload": records[0]["workload"],
+            "trace": str(args.trace) if args.trace else None,
             "seed": args.seed,
             "duration_s": args.duration,
             "time_scale": args.time_scale,

@@ -14,8 +14,9 @@ emulated node streams such words too). Under a byte-level BPE pre-tokenizer (GPT
 Qwen2's regex: the tiny model's and the usual served models') each such word is a pre-token of
 its own whatever precedes it, and BPE never merges across pre-tokens, so the ids of a text of
 words are the concatenation of the words' ids: n words are n tokens, and a text that starts with
-another starts with its ids. :meth:`Vocabulary.from_tokenizer` checks that on a sample and refuses
-a tokenizer that breaks it. Without a tokenizer, prompts are token ids from a fixed range.
+another starts with its ids. :meth:`Vocabulary.from_tokenizer` checks that on a sample and limits
+a tokenizer that breaks it to token-id prompts. Without a tokenizer, prompts are token ids from a
+fixed range.
 
 Conversations. Turn k's prompt is turn k-1's prompt text, then the answer the server streamed
 for it, then a new user message of words (:meth:`PromptBuilder.continuation`). The previous
@@ -57,13 +58,15 @@ _CHECK_WORDS = 48  # words in each
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """The tokens prompts are drawn from: ``ids[i]`` is the one token of ``words[i]`` (no words
-    without a tokenizer: token-id prompts only); ``head`` is what the tokenizer puts before a
-    text prompt (BOS), so a text of n words is ``len(head) + n`` tokens."""
+    """The tokens prompts are drawn from: ``ids[i]`` is the one token of ``words[i]``; ``head`` is
+    what the tokenizer puts before a text prompt (BOS), so a text of n words is ``len(head) + n``
+    tokens. Without words (no tokenizer, or one whose words do not join cleanly, said in
+    ``no_text``) prompts are token ids only, and conversations cannot be replayed."""
 
     ids: tuple[int, ...]
     head: tuple[int, ...]
     words: tuple[str, ...] = ()
+    no_text: str = "text prompts (conversations) need the served model's tokenizer: pass --model-dir"
 
     @property
     def has_text(self) -> bool:
@@ -76,8 +79,9 @@ class Vocabulary:
     @classmethod
     def from_tokenizer(cls, tok: PromptTokenizer) -> Vocabulary:
         """Every vocabulary entry that decodes to a space and ASCII letters and encodes back to
-        itself alone, lowest id first; refused (ConfigError) unless texts of them tokenize as the
-        concatenation of their ids after the tokenizer's head, with nothing after."""
+        itself alone, lowest id first. Text only if there are ``MIN_WORDS`` of them and texts of
+        them tokenize as the tokenizer's head and then their ids, nothing else; otherwise token ids
+        only (the words' ids, or the fallback range when there are too few)."""
         raw = tok.raw_tokenizer
         words: list[str] = []
         ids: list[int] = []
@@ -87,21 +91,20 @@ class Vocabulary:
             if word and raw.encode(text, add_special_tokens=False).ids == [token_id]:
                 words.append(text)
                 ids.append(token_id)
-        if len(words) < MIN_WORDS:
-            raise ConfigError(
-                f"the tokenizer holds {len(words)} one-token words (a space and letters); replayed prompts need "
-                f">= {MIN_WORDS}"
-            )
         head = tuple(tok.encode("", add_special_tokens=True))
+        if len(words) < MIN_WORDS:
+            reason = f"the tokenizer holds {len(words)} one-token words (a space and letters), text needs {MIN_WORDS}"
+            return cls(ids=FALLBACK_IDS, head=head, no_text=reason)
         rng = random.Random(0)
         for _ in range(_CHECK_SAMPLES):
             picks = [rng.randrange(len(words)) for _ in range(_CHECK_WORDS)]
             text = "".join(words[i] for i in picks)
             if tok.completion_prompt_ids(text) != [*head, *(ids[i] for i in picks)]:
-                raise ConfigError(
-                    "this tokenizer merges or splits words across their joins (not a byte-level BPE one?): "
-                    f"{text[:60]!r}... does not encode as its words' ids; replay with token-id prompts (no --model-dir)"
+                reason = (
+                    "the tokenizer merges or splits words across their joins (not a byte-level BPE one?): "
+                    f"{text[:60]!r}... does not encode as its words' ids, so text prompts would not be exact"
                 )
+                return cls(ids=tuple(ids), head=head, no_text=reason)
         return cls(ids=tuple(ids), head=head, words=tuple(words))
 
 
@@ -176,7 +179,7 @@ class PromptBuilder:
 
     def _need_text(self) -> None:
         if not self.vocab.has_text:
-            raise ConfigError("text prompts (conversations) need the served model's tokenizer: pass --model-dir")
+            raise ConfigError(self.vocab.no_text)
 
     @staticmethod
     def body(model: str, prompt: str | list[int], max_tokens: int) -> bytes:

@@ -185,23 +185,29 @@ def test_without_a_tokenizer_prompts_are_ids_and_conversations_are_refused() -> 
         plain.prompt_ids("text")
 
 
-def test_a_tokenizer_that_merges_words_is_refused(tok: PromptTokenizer) -> None:
+def test_a_tokenizer_that_merges_words_gives_id_prompts_only(tok: PromptTokenizer) -> None:
     class Merging(PromptTokenizer):
         def completion_prompt_ids(self, prompt: str | Sequence[int], limit: int | None = None) -> list[int]:
             ids = super().completion_prompt_ids(prompt, limit)
             return [*ids[:-2], ids[-1]]
 
+    vocab = Vocabulary.from_tokenizer(Merging(tok.raw_tokenizer))
+    assert not vocab.has_text and vocab.head == (tok.bos_token_id,) and len(vocab.ids) >= 1000
+    builder = PromptBuilder(vocab)
+    assert len(builder.ids(RequestSpec("r", 0.0, 40, 2))) == 40
     with pytest.raises(ConfigError, match="merges or splits"):
-        Vocabulary.from_tokenizer(Merging(tok.raw_tokenizer))
+        builder.text(RequestSpec("r", 0.0, 40, 2))
 
 
-def test_a_tokenizer_without_one_token_words_is_refused() -> None:
+def test_a_tokenizer_without_one_token_words_gives_id_prompts_only() -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     raw = Tokenizer(models.WordLevel({"<unk>": 0, "the": 1, "cat": 2}, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    vocab = Vocabulary.from_tokenizer(PromptTokenizer(raw))
+    assert not vocab.has_text and vocab.ids == FALLBACK_IDS and vocab.head == ()
     with pytest.raises(ConfigError, match="one-token words"):
-        Vocabulary.from_tokenizer(PromptTokenizer(raw))
+        PromptBuilder(vocab).message("r", 3)
 
 
 # ---------------------------------------------------------------------------------------------
