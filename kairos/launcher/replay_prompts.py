@@ -20,10 +20,11 @@ fixed range.
 
 Conversations. Turn k's prompt is turn k-1's prompt text, then the answer the server streamed
 for it, then a new user message of words (:meth:`PromptBuilder.continuation`). The previous
-prompt ends in a word, so the token prefix survives the join whenever the answer starts with a
-space, a digit or punctuation, as the emulated node's and real models' answers do; an answer
-starting with a letter would merge with that word (the replay records how many tokens each turn
-kept, ``RequestResult.prefix_tokens``). Turn k is released ``think_s`` after turn k-1's answer
+prompt ends in a word, so the token prefix survives the join whenever the answer starts with
+anything but a letter (a space, a newline, a digit, punctuation), as the emulated node's always
+do; an answer starting with letters can merge with that word (a real model's mid-word
+continuation, a dummy-weight model's noise), and the replay records how many tokens each turn
+kept (``RequestResult.prefix_tokens``). Turn k is released ``think_s`` after turn k-1's answer
 ended when the trace names it with ``after`` (closed loop, as the simulator runs it); a trace with
 only session and turn ids releases it at its own arrival time, and never before the answer it
 quotes (:func:`turn_chains`, :meth:`Turn.release`).
@@ -50,7 +51,7 @@ from kairos.sim.requests import RequestSpec
 # vocabulary of >= 200 ids.
 FALLBACK_HEAD = (1,)
 FALLBACK_IDS = tuple(range(100, 200))
-# Fewer one-token words than this cannot tell prompts apart (16 draws per block from it).
+# A tokenizer with fewer one-token words than this is not the byte-level BPE the text relies on.
 MIN_WORDS = 64
 _CHECK_SAMPLES = 32  # random texts the vocabulary check encodes
 _CHECK_WORDS = 48  # words in each
