@@ -14,8 +14,8 @@ share their system prompts byte for byte. ``--trace FILE`` replays a trace inste
 each rate and cut at ``--duration`` (a Mooncake trace's ``hash_ids`` become shared token blocks; a
 JSONL trace with session ids replays as conversations). Per point it prints P95 TTFT overall, of first turns and
 of later turns, P95 TBT and the share of token gaps over tau, joint SLO attainment, deflections,
-and the prefix hit rates per route (``deflect``: the decode node's own cache; ``keep``: what the
-answering decode node reports) from the nodes' ``usage.prompt_tokens_details.cached_tokens``.
+and the prefix hit rates per route (``deflect``: the decode node's own cache; ``keep``: the
+prefill node's) from the nodes' ``usage.prompt_tokens_details.cached_tokens``.
 Then the issue's comparison at the lowest rate where prefix-aware P/D's P95 TTFT passes the SLO:
 Kairos's turn >= 2 P95 TTFT over P/D's, and Kairos's attainment against P/D's at every rate.
 ``--plots DIR`` draws the simulator's figures for these records (:mod:`kairos.sim.plots`: P95

@@ -476,9 +476,10 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
     and are left out of the latency percentiles.
 
     The route says which node's cache a prefix hit is: on ``deflect`` the decode node prefilled
-    the prompt, so its ``prefix_hit_rate`` is that decode node's own; on ``keep`` the figure is
-    what the answering decode node reports (vLLM counts the KV it pulled from the prefill node as
-    cached there; the prefill node's hit is not in the response)."""
+    the prompt, so its ``prefix_hit_rate`` is that decode node's own; on ``keep`` the answering
+    decode node reports the prefill node's hit, which the prefill hop passes on in its
+    ``kv_transfer_params`` (vLLM >= 0.31 and the emulated node; an older vLLM counts the KV it
+    pulled as cached, near 100%)."""
     overall = _group(results, config)
     routes = sorted(
         {r.route for r in results} | set(ROUTES), key=lambda x: (ROUTES.index(x) if x in ROUTES else len(ROUTES), x)
