@@ -2,16 +2,29 @@
 
 Every request is sent at its own arrival time (asyncio, one aiohttp session, no connection limit,
 bodies built before the clock starts), so a slow server never delays later arrivals: the
-offered load is the trace's. Each request is a streaming ``/v1/completions`` call whose prompt is
-a list of token ids of exactly the trace's prompt length (vLLM, the emulated nodes and the
-dispatcher all take a token-id prompt as given, so the counts are exact and cost nothing to
-build) and whose ``max_tokens`` is the trace's output length. Per request the replay records the
-gateway's decision headers (``x-kairos-route``, ``x-kairos-decode-node``, ``x-kairos-reason``),
-TTFT (send to first content token), every inter-token gap (TBT), the status and the usage.
-The report gives the Kairos figures (P50/P95/P99 TTFT and TBT, SLO attainment per route) and, per
-route, the figures of ``vllm bench serve`` and inference-perf with their own definitions
-(TTFT, TPOT, ITL, E2EL, NTPOT, ``--goodput``; see :mod:`kairos.launcher.serving_metrics`);
-``--plots DIR`` draws them (:mod:`kairos.launcher.replay_plots`).
+offered load is the trace's. Each request is a streaming ``/v1/completions`` call whose
+``max_tokens`` is the trace's output length and whose prompt has exactly the trace's prompt
+length: token ids (vLLM, the emulated nodes and the dispatcher take a token-id prompt as given,
+so the counts are exact and cost nothing to build), or text for a conversation. Its token blocks
+repeat exactly as the workload's block hashes say, and a request without them shares no block
+with another (:mod:`kairos.launcher.replay_prompts`).
+
+Conversations (the ``multiturn`` workload, a JSONL trace with session and turn ids) are replayed
+as conversations: each session's first turn at its arrival time, each later turn once the
+previous answer has ended (plus the think time when the trace names the turn it waits for), its
+prompt the previous prompt's text + the answer the server returned + a new message, so a prefix
+cache sees each turn resend the conversation. Conversations need the model's tokenizer
+(``--model-dir``): the answer comes back as text.
+
+Per request the replay records the gateway's decision headers (``x-kairos-route``,
+``x-kairos-decode-node``, ``x-kairos-reason``), TTFT (send to first content token), every
+inter-token gap (TBT), the status, the usage and, where the server reports it,
+``usage.prompt_tokens_details.cached_tokens``. The report gives the Kairos figures (P50/P95/P99
+TTFT and TBT, SLO attainment per route, P95 TTFT of first and later turns, prefix hit rates per
+route) and, per route, the figures of ``vllm bench serve`` and inference-perf with their own
+definitions (TTFT, TPOT, ITL, E2EL, NTPOT, ``--goodput``; see
+:mod:`kairos.launcher.serving_metrics`); ``--plots DIR`` draws them
+(:mod:`kairos.launcher.replay_plots`).
 
 Time scale: emulated nodes started with ``--time-scale S`` run S times faster than real time.
 Replay with the same ``--time-scale S``: arrivals are compressed by S (the trace's model time
@@ -44,17 +57,12 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
+from kairos.launcher.replay_prompts import PromptBuilder, Turn, chain_deadline, shared_prefix, turn_chains
 from kairos.launcher.serving_metrics import Goodput, duration_s, field_metrics, format_field_metrics
+from kairos.sim.prefix_cache import BLOCK_TOKENS
 from kairos.sim.requests import RequestSpec
 
 ROUTES = ("keep", "deflect")
-# Without a tokenizer: BOS (id 1 in Llama-style vocabularies) and then ids 100..199, valid in any
-# vocabulary of >= 200 ids. With --model-dir the pattern comes from the tokenizer itself.
-_FALLBACK_BOS = 1
-_FALLBACK_PATTERN = tuple(range(100, 200))
-_PATTERN_TEXT = (
-    "the quick brown fox jumps over a lazy dog while seven bright stars watch quietly over the sleeping town "
-)
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class ReplayConfig:
 
     url: str = "http://127.0.0.1:8000"  # the gateway
     model: str = "kairos-tiny-llama"
-    model_dir: str = ""  # tokenizer dir for the prompt's token ids ("" = a fixed id pattern)
+    model_dir: str = ""  # the served model's tokenizer dir (prompt tokens; "" = fixed ids, no conversations)
     workload: str = "bursty"  # synthetic workload, ignored when ``trace`` is set
     trace: str | None = None  # trace file (own JSONL, Azure CSV, Mooncake JSONL)
     rps: float | None = None  # workload rate, or the rate a trace is rescaled to (None = as is)
@@ -101,8 +109,8 @@ class RequestResult:
     """What one replayed request saw; times are model seconds (wall x time_scale)."""
 
     request_id: str
-    arrival_s: float  # trace arrival (model time)
-    prompt_tokens: int  # the trace's
+    arrival_s: float  # when it was sent for (model time): the trace's arrival, or a later turn's release
+    prompt_tokens: int  # the prompt's tokens as sent (the trace's; a later turn's, counted)
     output_tokens: int  # the trace's
     status: int = 0  # HTTP status, 0 = no response
     route: str = ""  # x-kairos-route ("" when absent)
@@ -115,6 +123,13 @@ class RequestResult:
     tokens: int = 0  # content chunks received
     usage: dict[str, Any] | None = None
     error: str = ""
+    session_id: str | None = None  # its conversation, if any
+    turn: int = 0  # its turn there, from 1 (0 outside any)
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where reported
+    # A later turn: how many leading tokens of the previous turn's prompt its own prompt kept
+    # (all of them unless the answer merged into the previous prompt's last word).
+    prefix_tokens: int | None = None
+    previous_prompt_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -159,44 +174,6 @@ def requests_for(config: ReplayConfig) -> list[RequestSpec]:
     return reqs[: config.num_requests] if config.num_requests else reqs
 
 
-class PromptBuilder:
-    """Token-id prompts of an exact length: BOS, then a fixed id pattern repeated."""
-
-    def __init__(self, model_dir: str = "") -> None:
-        if model_dir:
-            from kairos.api.tokenizer import PromptTokenizer
-
-            tok = PromptTokenizer.from_dir(Path(model_dir))
-            pattern = tok.encode(_PATTERN_TEXT * 4, add_special_tokens=False)
-            if not pattern:
-                raise ConfigError(f"the tokenizer in {model_dir} encodes the pattern text to nothing")
-            self.bos: int | None = tok.bos_token_id
-            self.pattern: tuple[int, ...] = tuple(pattern)
-        else:
-            self.bos = _FALLBACK_BOS
-            self.pattern = _FALLBACK_PATTERN
-        head = [] if self.bos is None else [self.bos]
-        self._head = head
-
-    def ids(self, tokens: int) -> list[int]:
-        body = tokens - len(self._head)
-        if body <= 0:
-            return self._head[:tokens] if tokens > 0 else []
-        reps = -(-body // len(self.pattern))
-        return self._head + list(self.pattern * reps)[:body]
-
-    def body(self, spec: RequestSpec, model: str) -> bytes:
-        payload = {
-            "model": model,
-            "prompt": self.ids(spec.prompt_tokens),
-            "max_tokens": spec.output_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        return json.dumps(payload, separators=(",", ":")).encode()
-
-
 # ---------------------------------------------------------------------------------------------
 # The replay
 # ---------------------------------------------------------------------------------------------
@@ -232,18 +209,32 @@ class _Progress:
         self.stream.flush()
 
 
+def _result(spec: RequestSpec) -> RequestResult:
+    return RequestResult(
+        spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens, session_id=spec.session_id,
+        turn=spec.turn,
+    )  # fmt: skip
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
-    spec: RequestSpec,
+    res: RequestResult,
     body: bytes,
     scale: float,
     scheduled: float,
     timeout_s: float,
     progress: _Progress,
+    answer: list[str] | None = None,
 ) -> RequestResult:
+    """Send one request and fill ``res`` in; the streamed text goes to ``answer`` when given."""
     loop = asyncio.get_running_loop()
-    res = RequestResult(spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens)
     sent = loop.time()
     res.send_lag_ms = max(0.0, sent - scheduled) * scale * 1e3
     progress.sent += 1
@@ -252,7 +243,7 @@ async def _one(
         async with session.post(
             url,
             data=body,
-            headers={"Content-Type": "application/json", c.H_REQUEST_ID: spec.request_id},
+            headers={"Content-Type": "application/json", c.H_REQUEST_ID: res.request_id},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             res.status = resp.status
@@ -276,8 +267,8 @@ async def _one(
                 if "error" in event:
                     res.error = f"stream error: {json.dumps(event['error'])[:300]}"
                     break
-                choices = event.get("choices") or []
-                if any(ch.get("text") or ch.get("delta", {}).get("content") for ch in choices):
+                texts = [ch.get("text") or ch.get("delta", {}).get("content") for ch in event.get("choices") or []]
+                if any(texts):
                     now = loop.time()
                     if last is None:
                         res.ttft_s = (now - sent) * scale
@@ -285,8 +276,11 @@ async def _one(
                         res.tbt_ms.append((now - last) * scale * 1e3)
                     last = now
                     res.tokens += 1
+                    if answer is not None:
+                        answer.extend(t for t in texts if t)
                 if event.get("usage"):
                     res.usage = event["usage"]
+                    res.cached_tokens = _cached_tokens(event["usage"])
             res.e2e_s = (loop.time() - sent) * scale
             if res.usage is None and not res.error:
                 res.error = "the stream ended without a usage chunk"
@@ -306,33 +300,89 @@ async def replay_async(
     config: ReplayConfig,
     stream: TextIO | None = sys.stderr,
 ) -> list[RequestResult]:
-    """Send ``requests`` open loop through ``config.url``; one result per request, in trace order."""
+    """Send ``requests`` through ``config.url``: every chain of turns (a request outside any
+    conversation is one) from its head's arrival time, open loop; one result per request, in
+    arrival order."""
     reqs = sorted(requests, key=lambda r: r.arrival_s)
     if not reqs:
         return []
-    builder = PromptBuilder(config.model_dir)
-    bodies = [builder.body(r, config.model) for r in reqs]  # built before the clock starts
+    builder = PromptBuilder.from_model_dir(config.model_dir)
+    chains = turn_chains(reqs)
+    conversation = [len(chain) > 1 or chain[0].spec.session_id is not None for chain in chains]
+    # Built before the clock starts: every head's prompt (text where a conversation continues it).
+    heads: list[tuple[str | list[int], bytes]] = []
+    for chain, is_conversation in zip(chains, conversation, strict=True):
+        spec = chain[0].spec
+        prompt: str | list[int] = builder.text(spec) if is_conversation else builder.ids(spec)
+        heads.append((prompt, PromptBuilder.body(config.model, prompt, spec.output_tokens)))
     url = config.url.rstrip("/") + "/v1/completions"
     scale = config.time_scale
     first = reqs[0].arrival_s
-    last_wall = (reqs[-1].arrival_s - first) / scale
-    deadline = config.deadline_s or last_wall + config.request_timeout_s + 5.0
     progress = _Progress(len(reqs), stream)
     loop = asyncio.get_running_loop()
-    tasks: list[asyncio.Task[RequestResult]] = []
+    results: dict[str, RequestResult] = {}
+    tasks: list[asyncio.Task[None]] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         t0 = loop.time() + 0.05
 
-        async def schedule() -> None:
-            for spec, body in zip(reqs, bodies, strict=True):
-                at = t0 + (spec.arrival_s - first) / scale
+        def wall(spec: RequestSpec) -> float:
+            return t0 + (spec.arrival_s - first) / scale
+
+        # Default: until every chain could have ended with each turn taking the request timeout.
+        ends = (
+            chain_deadline(chain, wall(chain[0].spec), [wall(t.spec) for t in chain], scale, config.request_timeout_s)
+            for chain in chains
+        )
+        deadline = config.deadline_s or max(ends) - t0 + 5.0
+
+        async def run_chain(chain: list[Turn], prompt: str | list[int], body: bytes, at: float) -> None:
+            """Send the chain's turns one after the other; a turn whose predecessor failed is not
+            sent (it would quote an answer that never came)."""
+            answer: list[str] = []
+            res = await _one(
+                session, url, _result(chain[0].spec), body, scale, at, config.request_timeout_s, progress,
+                answer if len(chain) > 1 else None,
+            )  # fmt: skip
+            results[res.request_id] = res
+            ids = builder.ids(chain[0].spec) if len(chain) > 1 else []  # the head text's ids, by construction
+            for k, turn in enumerate(chain[1:], start=1):
+                if not res.ok:
+                    for later in chain[k:]:
+                        skipped = _result(later.spec)
+                        skipped.error = f"not sent: the turn before it ({res.request_id}) failed"
+                        results[skipped.request_id] = skipped
+                        progress.done += 1
+                        progress.errors += 1
+                    return
+                at = turn.release(loop.time(), wall(turn.spec), scale)
+                # Built while the user thinks: the previous prompt, the answer, a new message.
+                assert isinstance(prompt, str)
+                prompt = builder.continuation(prompt, "".join(answer), turn)
+                new_ids = builder.prompt_ids(prompt)
+                nxt = _result(turn.spec)
+                nxt.arrival_s = first + (at - t0) * scale
+                nxt.prompt_tokens = len(new_ids)
+                nxt.previous_prompt_tokens = len(ids)
+                nxt.prefix_tokens = shared_prefix(ids, new_ids)
+                body = PromptBuilder.body(config.model, prompt, turn.spec.output_tokens)
+                ids, answer = new_ids, []
                 delay = at - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(
-                    asyncio.create_task(_one(session, url, spec, body, scale, at, config.request_timeout_s, progress))
-                )
+                res = await _one(
+                    session, url, nxt, body, scale, at, config.request_timeout_s, progress,
+                    answer if k + 1 < len(chain) else None,
+                )  # fmt: skip
+                results[res.request_id] = res
+
+        async def schedule() -> None:
+            for chain, (prompt, body) in zip(chains, heads, strict=True):
+                at = wall(chain[0].spec)
+                delay = at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(run_chain(chain, prompt, body, at)))
 
         async def ticker() -> None:
             while True:
@@ -352,16 +402,17 @@ async def replay_async(
                 t.cancel()
             await asyncio.gather(tick, *tasks, return_exceptions=True)
             progress.show(loop.time() - t0, final=True)
-    results: list[RequestResult] = []
-    for i, spec in enumerate(reqs):
-        task = tasks[i] if i < len(tasks) else None
-        if task is not None and not task.cancelled() and task.exception() is None:
-            results.append(task.result())
-        else:
-            res = RequestResult(spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens)
+    for t in tasks:
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            raise exc  # a bug, not a server's failure (those are results)
+    out: list[RequestResult] = []
+    for spec in reqs:
+        res = results.get(spec.request_id)
+        if res is None:
+            res = _result(spec)
             res.error = f"not finished within the {deadline:g} s (wall) deadline"
-            results.append(res)
-    return results
+        out.append(res)
+    return out
 
 
 def replay(
@@ -388,10 +439,18 @@ def _meets_slo(r: RequestResult, ttft_slo_s: float, tbt_slo_ms: float) -> bool:
     return bad <= 0.05 * len(r.tbt_ms)
 
 
+def _p95(values: Sequence[float]) -> float | None:
+    return float(np.percentile(values, 95)) if values else None
+
+
 def _group(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.tbt_ms]
+    # The prefix hit rate: cached prompt tokens over the prompt tokens of the requests whose
+    # server reported them (None when none did).
+    reported = [r for r in ok if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in reported)
     return {
         "requests": len(results),
         "ok": len(ok),
@@ -403,12 +462,24 @@ def _group(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, 
             if results
             else None
         ),
+        # Conversations: first turns apart from later ones, which resend the conversation so far
+        # (None where there are none).
+        "p95_ttft_turn1_s": _p95([r.ttft_s for r in ok if r.turn == 1 and r.ttft_s is not None]),
+        "p95_ttft_turn2plus_s": _p95([r.ttft_s for r in ok if r.turn >= 2 and r.ttft_s is not None]),
+        "cached_tokens_reported": len(reported),
+        "prefix_hit_rate": sum(r.cached_tokens or 0 for r in reported) / prompt if prompt else None,
     }
 
 
 def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, Any]:
     """Overall and per-route figures (model time). Failed requests count against SLO attainment
-    and are left out of the latency percentiles."""
+    and are left out of the latency percentiles.
+
+    The route says which node's cache a prefix hit is: on ``deflect`` the decode node prefilled
+    the prompt, so its ``prefix_hit_rate`` is that decode node's own; on ``keep`` the answering
+    decode node reports the prefill node's hit, which the prefill hop passes on in its
+    ``kv_transfer_params`` (vLLM >= 0.31 and the emulated node; an older vLLM counts the KV it
+    pulled as cached, near 100%)."""
     overall = _group(results, config)
     routes = sorted(
         {r.route for r in results} | set(ROUTES), key=lambda x: (ROUTES.index(x) if x in ROUTES else len(ROUTES), x)
@@ -426,6 +497,10 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
     span = max(end - start, 1e-9)
     lags = [r.send_lag_ms for r in results]
     gaps = [g for r in ok for g in r.tbt_ms]
+    # Later turns whose prompt kept the previous prompt's every full block as its token prefix.
+    later = [r for r in results if r.prefix_tokens is not None and r.previous_prompt_tokens is not None]
+    full_blocks = [(r.previous_prompt_tokens or 0) // BLOCK_TOKENS * BLOCK_TOKENS for r in later]
+    broken = sum((r.prefix_tokens or 0) < blocks for r, blocks in zip(later, full_blocks, strict=True))
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -441,6 +516,9 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
         "time_scale": config.time_scale,
         "span_s": span,
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / span,
+        "total_tokens_per_s": sum(r.output_tokens + r.prompt_tokens for r in ok) / span,
+        "later_turns_sent": len(later),
+        "later_turns_prefix_broken": broken,
         "max_send_lag_ms": max(lags, default=0.0),
         "error_kinds": errors,
         "per_route": per_route,
@@ -470,6 +548,22 @@ def format_summary(summary: dict[str, Any]) -> str:
         + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms; "
         f"max send lag {summary['max_send_lag_ms']:.1f} ms"
     )
+    turns = summary["p95_ttft_turn1_s"] is not None or summary["p95_ttft_turn2plus_s"] is not None
+    if turns or summary["cached_tokens_reported"]:
+        head = f"{'':10}{'T1 P95':>10}{'T2+ P95':>9}{'hit %':>7}{'of n':>6}"
+        lines.append(head + "   (TTFT s of turn 1 and turns >= 2; prefix hits where the server reports them)")
+        for name, g in rows:
+            hit = g["prefix_hit_rate"]
+            lines.append(
+                f"{name:10}{_fmt(g['p95_ttft_turn1_s']):>10}{_fmt(g['p95_ttft_turn2plus_s']):>9}"
+                f"{('-' if hit is None else f'{100 * hit:.1f}'):>7}{g['cached_tokens_reported']:>6}"
+            )
+    if summary["later_turns_sent"]:
+        kept = summary["later_turns_sent"] - summary["later_turns_prefix_broken"]
+        lines.append(
+            f"later turns sent {summary['later_turns_sent']}: {kept} kept the previous prompt's full blocks as their "
+            "token prefix"
+        )
     lines.append(format_field_metrics(summary["field"]))
     return "\n".join(lines)
 
@@ -505,9 +599,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, help="YAML file with a 'replay' section")
     p.add_argument("--url", help="gateway base URL (default http://127.0.0.1:8000)")
     p.add_argument("--model", help="model name sent in each request")
-    p.add_argument("--model-dir", help="the served model's tokenizer dir (builds the token-id prompts)")
-    p.add_argument("--workload", help="bursty, lpld, lphd, hpld, hphd or azure_conv (default bursty)")
-    p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL")
+    p.add_argument(
+        "--model-dir", help="the served model's tokenizer dir (builds the prompts; conversations need it)"
+    )
+    p.add_argument(
+        "--workload",
+        help="bursty, lpld, lphd, hpld, hphd, azure_conv or multiturn (conversations; default bursty)",
+    )
+    p.add_argument(
+        "--trace",
+        help="trace file: own JSONL (session and turn ids replay as conversations), Azure CSV or Mooncake JSONL",
+    )
     p.add_argument("--rps", type=float, help="workload rate, or the rate a trace is rescaled to")
     p.add_argument("--duration", dest="duration_s", type=float, help="model seconds of arrivals (workload: 60)")
     p.add_argument("--num-requests", type=int, help="size by count (workload) or keep the first N (trace)")

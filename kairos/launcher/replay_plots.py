@@ -4,7 +4,9 @@
 - ``latency_over_time.png``: each request's TTFT at its arrival time, deflections marked apart
   from keeps, failures on the axis;
 - ``node_load.png``: requests in flight on each decode node over time (from send to the end of
-  the response), the load the dispatcher spread.
+  the response), the load the dispatcher spread;
+- ``ttft_turns_cdf.png`` (conversations only): the TTFT distribution of first turns and of later
+  turns, which resend the conversation so far, per route.
 
 matplotlib is imported lazily with the Agg backend, as in :mod:`kairos.sim.plots`.
 """
@@ -100,6 +102,24 @@ def write_replay_plots(records: Sequence[dict[str, Any]], out_dir: Path, ttft_sl
     if done:
         ax.legend(loc="upper left")
     paths.append(_save(fig, out_dir / "node_load.png"))
+
+    if any(r.get("turn", 0) >= 2 for r in ok):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, first, style in (("turn 1", True, "-"), ("turns >= 2", False, "--")):
+            for route in routes:
+                values = np.sort([r["ttft_s"] for r in ok if r["route"] == route and (r.get("turn", 0) <= 1) == first])
+                if values.size:
+                    fraction = np.arange(1, values.size + 1) / values.size
+                    ax.step(
+                        values, fraction, where="post", linestyle=style, color=_route_style(route)["color"],
+                        label=f"{label}, {route or 'none'} (n={values.size})",
+                    )  # fmt: skip
+        ax.axvline(ttft_slo_s, color="#555555", linestyle=":", linewidth=1.0, label=f"SLO {ttft_slo_s:g} s")
+        ax.set(xlabel="TTFT (s, model time)", ylabel="fraction of requests", title="TTFT CDF: first and later turns")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        paths.append(_save(fig, out_dir / "ttft_turns_cdf.png"))
     return paths
 
 

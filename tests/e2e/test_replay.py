@@ -1,9 +1,11 @@
 """`kairos replay` against a real local cluster: a short bursty trace with small prompts, sent open
-loop through Envoy; every request must come back with the trace's exact token counts."""
+loop through Envoy; every request must come back with the trace's exact token counts. Then short
+conversations, each turn sent after the previous answer with that answer in its prompt."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ from kairos.launcher.cli import main as kairos_main
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.sim.requests import RequestSpec
 from kairos.sim.traces import write_jsonl
-from kairos.sim.workloads import make_workload
+from kairos.sim.workloads import ConversationSpec, Geometric, LogNormal, generate_conversations, make_workload
 from tests.e2e.conftest import start_cluster
 
 TIME_SCALE = 2.0
@@ -133,3 +135,67 @@ def test_replay_reports_unreachable_gateway_as_errors_within_the_deadline() -> N
     assert len(results) == 3 and all(not r.ok and r.error for r in results)
     summary = summarize(results, config)
     assert summary["errors"] == 3 and summary["ok"] == 0 and summary["slo_attainment"] == 0.0
+
+
+# Short conversations: a shared system prompt in most sessions, small messages and answers, a
+# second of think time on average (model time), up to four turns each.
+CONVERSATIONS = ConversationSpec(
+    name="e2e",
+    turns=Geometric(p=0.35),
+    max_turns=4,
+    first_message=LogNormal(mu=math.log(200), sigma=0.5, hi=1500.5),
+    next_message=LogNormal(mu=math.log(40), sigma=0.5, hi=300.5),
+    answer=Geometric(p=1 / 12),
+    think_mean_s=1.0,
+    system_prompts=(256, 96),
+    system_share=0.75,
+)
+
+
+def test_replay_sends_conversations_turn_after_turn(tmp_path: Path, model_dir: Path) -> None:
+    """A JSONL trace of short conversations: every turn is sent, each later turn only after the
+    previous answer plus its think time, its prompt the previous prompt + that answer + a new
+    message (as long as the workload says, every previous token kept as its prefix), and the
+    report splits first and later turns."""
+    trace = generate_conversations(CONVERSATIONS, rps=3.0, num_requests=14, seed=3)
+    later = [r for r in trace if r.turn >= 2]
+    assert len(later) >= 4 and max(r.turn for r in trace) >= 3  # the seed gives real conversations
+    trace_path = tmp_path / "conversations.jsonl"
+    write_jsonl(trace_path, trace)
+    out = tmp_path / "replay.json"
+    cluster = start_cluster(tmp_path / "cluster", model_dir, time_scale=TIME_SCALE)
+    try:
+        rc = kairos_main(
+            [
+                "replay", "--url", cluster.gateway_url, "--model-dir", str(model_dir), "--trace", str(trace_path),
+                "--time-scale", str(TIME_SCALE), "--request-timeout", "60", "--deadline", "240",
+                "--plots", str(tmp_path / "plots"), "--json", str(out), "--quiet",
+            ]
+        )  # fmt: skip
+    finally:
+        cluster.stop()
+    doc = json.loads(out.read_text())
+    summary, records = doc["summary"], {r["request_id"]: r for r in doc["requests"]}
+    assert rc == 0, summary["error_kinds"]
+    assert set(records) == {r.request_id for r in trace} and summary["errors"] == 0
+
+    for spec in trace:
+        rec = records[spec.request_id]
+        assert rec["ok"] and rec["turn"] == spec.turn and rec["session_id"] == spec.session_id, rec
+        # The emulated node answers exactly output_tokens one-token words, so every prompt is as
+        # long as the workload planned: previous prompt + answer + the new message.
+        assert rec["prompt_tokens"] == rec["usage"]["prompt_tokens"] == spec.prompt_tokens, rec
+        if spec.turn == 1:
+            assert rec["prefix_tokens"] is None
+            continue
+        prev_spec = next(r for r in trace if r.request_id == spec.after)
+        prev = records[spec.after or ""]
+        assert rec["previous_prompt_tokens"] == prev["prompt_tokens"] == rec["prefix_tokens"], rec
+        assert spec.prompt_tokens > prev_spec.prompt_tokens + prev_spec.output_tokens
+        # Released think_s (model) after the previous answer ended, never before.
+        prev_end = prev["arrival_s"] + prev["send_lag_ms"] / 1e3 + prev["e2e_s"]
+        assert rec["arrival_s"] >= prev_end + spec.think_s - 1e-6, (rec, prev)
+
+    assert summary["later_turns_sent"] == len(later) and summary["later_turns_prefix_broken"] == 0
+    assert summary["p95_ttft_turn1_s"] > 0 and summary["p95_ttft_turn2plus_s"] > 0
+    assert (tmp_path / "plots" / "ttft_turns_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
