@@ -50,6 +50,25 @@ class DispatcherMetrics:
             ["code"],
             registry=r,
         )
+        # What the nodes' KV events predicted (kairos.extproc.kv_events), per route and the role of
+        # the node holding the prefix: keep's prefill node (tokens it skips), keep's decode node
+        # (tokens whose KV it need not pull), deflect's decode node (tokens it skips).
+        self.prefix_hit_tokens = Counter(
+            "kairos_dispatcher_prefix_hit_tokens",
+            "Prompt tokens predicted cached on the chosen nodes, by route and node role (requests "
+            "decided with a prefix lookup; divide by kairos_dispatcher_prefix_lookup_prompt_tokens_total)",
+            ["route", "role"],
+            registry=r,
+        )
+        self.prefix_lookup_prompt_tokens = Counter(
+            "kairos_dispatcher_prefix_lookup_prompt_tokens",
+            "Prompt tokens of the requests decided with a prefix lookup, by route",
+            ["route"],
+            registry=r,
+        )
+        for route, role in (("keep", Role.PREFILL), ("keep", Role.DECODE), ("deflect", Role.DECODE)):
+            self.prefix_hit_tokens.labels(route=route, role=role)
+            self.prefix_lookup_prompt_tokens.labels(route=route)
         self.reservation_conflicts = Counter(
             "kairos_dispatcher_reservation_conflicts_total",
             "Deflection promises refused (other dispatchers promised the node more than the decision "
@@ -109,6 +128,17 @@ class DispatcherMetrics:
         )
         if predicted is not None:
             self.predicted_ttft.labels(route=decision.route.value).observe(predicted)
+
+
+    def observe_prefix_hits(self, decision: Decision, decode_hit: int) -> None:
+        """A decision made with the nodes' prefix hits; ``decode_hit``: its decode node's."""
+        route = decision.route.value
+        self.prefix_lookup_prompt_tokens.labels(route=route).inc(decision.prompt_tokens)
+        if decision.route.value == "keep":
+            self.prefix_hit_tokens.labels(route=route, role=Role.PREFILL).inc(decision.cached_tokens)
+            self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decode_hit)
+        else:
+            self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decision.cached_tokens)
 
 
 _REJECTED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()

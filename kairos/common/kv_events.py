@@ -33,11 +33,17 @@ maps both to the int, the key every index uses (see :mod:`kairos.common.block_ha
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
+
+from kairos.common.contracts import KV_EVENTS_ENDPOINT_PATTERN
+from kairos.common.errors import ConfigError
 
 KV_EVENTS_TOPIC = "kv-events"  # the topic Kairos configures its nodes with
 SEQ_BYTES = 8  # a sequence number's frame: unsigned, big-endian
@@ -249,3 +255,95 @@ class KvEventEndpoints:
     pub: str  # e.g. tcp://10.0.0.5:5557: vLLM's --kv-events-config endpoint, its host filled in
     replay: str | None = None  # its replay_endpoint; None: gaps reset instead of replaying
     topic: str = KV_EVENTS_TOPIC
+
+
+# -- vLLM's --kv-events-config: what a node is started with, and what it advertises ------------
+VLLM_DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's KVEventsConfig defaults
+VLLM_DEFAULT_TOPIC = ""
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """The fields of vLLM's ``--kv-events-config`` JSON that say where its events go (vLLM's
+    ``KVEventsConfig``; its buffer and queue sizes are vLLM's own business and left out)."""
+
+    endpoint: str = VLLM_DEFAULT_ENDPOINT  # the PUB socket
+    replay_endpoint: str | None = None  # the replay ROUTER; None: no replay
+    topic: str = VLLM_DEFAULT_TOPIC
+
+    @classmethod
+    def from_json(cls, text: str) -> KvEventsConfig | None:
+        """The config from the flag's JSON; None when it publishes no events over ZMQ
+        (``enable_kv_cache_events`` false, or another ``publisher``). Raises ConfigError."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-events-config is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--kv-events-config must be a JSON object, got {type(data).__name__}")
+        enabled = data.get("enable_kv_cache_events", False)
+        # vLLM picks "zmq" when events are on and no publisher is named.
+        publisher = data.get("publisher") or ("zmq" if enabled else "null")
+        if enabled is not True or publisher != "zmq":
+            return None
+        endpoint, topic = data.get("endpoint", VLLM_DEFAULT_ENDPOINT), data.get("topic", VLLM_DEFAULT_TOPIC)
+        config = cls(endpoint, data.get("replay_endpoint"), topic)
+        if not isinstance(config.endpoint, str) or not isinstance(config.topic, str):
+            raise ConfigError(f"--kv-events-config: endpoint and topic must be strings, got {data!r}")
+        if config.replay_endpoint is not None and not isinstance(config.replay_endpoint, str):
+            raise ConfigError(f"--kv-events-config: replay_endpoint must be a string, got {config.replay_endpoint!r}")
+        return config
+
+    def to_json(self) -> str:
+        """The flag's value, for a node Kairos starts."""
+        data: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint}
+        if self.replay_endpoint is not None:
+            data["replay_endpoint"] = self.replay_endpoint
+        data["topic"] = self.topic
+        return json.dumps(data, separators=(",", ":"))
+
+    def advertised(self, host: str) -> KvEventEndpoints:
+        """Where a subscriber connects: each socket's wildcard host replaced by ``host`` (the
+        node's address others reach it at). vLLM binds its PUB socket only for a wildcard
+        (``*``, ``::``) or ipc:// endpoint and otherwise connects out to it, which no
+        subscriber could follow, so that is a ConfigError; the replay socket is always bound."""
+        if not _binds(self.endpoint):
+            raise ConfigError(
+                f"KV events endpoint {self.endpoint!r}: vLLM connects its publisher to a concrete host; "
+                "give a bind address such as tcp://*:5557 (the node's host is advertised in its place)"
+            )
+        replay = None if self.replay_endpoint is None else _connectable(self.replay_endpoint, host)
+        return KvEventEndpoints(_connectable(self.endpoint, host), replay, self.topic)
+
+
+_ADVERTISABLE = re.compile(KV_EVENTS_ENDPOINT_PATTERN)
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule for its PUB socket: bind for a wildcard or a local transport, else connect."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _connectable(endpoint: str, host: str) -> str:
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"KV events endpoint {endpoint!r}: expected tcp://host:port or ipc://path")
+    bound, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"KV events endpoint {endpoint!r}: expected tcp://host:port")
+    if bound in _WILDCARD_HOSTS:
+        if not host:
+            raise ConfigError(f"KV events endpoint {endpoint!r} binds every interface: a host to advertise is needed")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address
+        endpoint = f"tcp://{host}:{port}"
+    if not _ADVERTISABLE.match(endpoint):  # what the heartbeat contract takes
+        raise ConfigError(f"KV events endpoint {endpoint!r} is not one a subscriber can connect to")
+    return endpoint
+
+
+def host_of(hostport: str) -> str:
+    """The host of a ``host:port`` address (brackets of an IPv6 one removed)."""
+    return urlsplit(f"//{hostport}").hostname or ""
