@@ -60,7 +60,7 @@ from kairos.common.contracts import (
     parse_heartbeat,
 )
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import VLLM_DEFAULT_TOPIC, KvEventEndpoints
+from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 
@@ -179,7 +179,7 @@ def advertised_kv_events(hb: Heartbeat) -> KvEventEndpoints | None:
     """Where ``hb``'s node publishes its KV cache events (None: it advertises none)."""
     if hb.kv_events_endpoint is None:
         return None
-    topic = VLLM_DEFAULT_TOPIC if hb.kv_events_topic is None else hb.kv_events_topic
+    topic = KvEventsConfig().topic if hb.kv_events_topic is None else hb.kv_events_topic  # vLLM's default
     return KvEventEndpoints(hb.kv_events_endpoint, hb.kv_events_replay_endpoint, topic)
 
 

@@ -59,7 +59,7 @@ from kairos.common.contracts import (
     parse_engine_state,
 )
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, host_of
+from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised_endpoints, host_of
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,13 @@ class PublisherConfig:
 
     def kv_event_endpoints(self) -> KvEventEndpoints | None:
         """Where the node's KV events are subscribed to, as its beats advertise it (None: no events)."""
-        config = KvEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
-        return None if config is None else config.advertised(self.kv_events_host or host_of(self.url))
+        if not self.kv_events_config:
+            return None
+        try:
+            config = KvEventsConfig.from_json(self.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return advertised_endpoints(config, self.kv_events_host or host_of(self.url))
 
     @property
     def key(self) -> str:

@@ -33,7 +33,6 @@ maps both to the int, the key every index uses (see :mod:`kairos.common.block_ha
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,67 +256,72 @@ class KvEventEndpoints:
     topic: str = KV_EVENTS_TOPIC
 
 
-# -- vLLM's --kv-events-config: what a node is started with, and what it advertises ------------
-VLLM_DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's KVEventsConfig defaults
-VLLM_DEFAULT_TOPIC = ""
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+# -- how a node is told to publish ----------------------------------------------------------------
+_PUBLISHERS = ("null", "zmq")
 
 
-@dataclass(frozen=True, slots=True)
-class KvEventsConfig:
-    """The fields of vLLM's ``--kv-events-config`` JSON that say where its events go (vLLM's
-    ``KVEventsConfig``; its buffer and queue sizes are vLLM's own business and left out)."""
+class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM 0.32's ``--kv-events-config`` (``vllm/config/kv_events.py``): the same fields, the
+    same defaults, from the same JSON. ``publisher`` defaults to "zmq" when events are enabled,
+    "null" otherwise, as vLLM's ``__post_init__`` sets it."""
 
-    endpoint: str = VLLM_DEFAULT_ENDPOINT  # the PUB socket
-    replay_endpoint: str | None = None  # the replay ROUTER; None: no replay
-    topic: str = VLLM_DEFAULT_TOPIC
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"  # a "*" (or "::", ipc://, inproc://) binds; any other address connects
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in _PUBLISHERS:
+            raise ValueError(f"publisher must be one of {list(_PUBLISHERS)}, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a node with this configuration publishes on ZMQ (vLLM's EventPublisherFactory)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
 
     @classmethod
-    def from_json(cls, text: str) -> KvEventsConfig | None:
-        """The config from the flag's JSON; None when it publishes no events over ZMQ
-        (``enable_kv_cache_events`` false, or another ``publisher``). Raises ConfigError."""
+    def from_json(cls, text: str | bytes) -> KvEventsConfig:
+        """Parse the flag's JSON; a field vLLM does not have, or a value of the wrong type, is a
+        ValueError naming it (vLLM refuses both at start-up)."""
         try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"--kv-events-config is not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--kv-events-config must be a JSON object, got {type(data).__name__}")
-        enabled = data.get("enable_kv_cache_events", False)
-        # vLLM picks "zmq" when events are on and no publisher is named.
-        publisher = data.get("publisher") or ("zmq" if enabled else "null")
-        if enabled is not True or publisher != "zmq":
-            return None
-        endpoint, topic = data.get("endpoint", VLLM_DEFAULT_ENDPOINT), data.get("topic", VLLM_DEFAULT_TOPIC)
-        config = cls(endpoint, data.get("replay_endpoint"), topic)
-        if not isinstance(config.endpoint, str) or not isinstance(config.topic, str):
-            raise ConfigError(f"--kv-events-config: endpoint and topic must be strings, got {data!r}")
-        if config.replay_endpoint is not None and not isinstance(config.replay_endpoint, str):
-            raise ConfigError(f"--kv-events-config: replay_endpoint must be a string, got {config.replay_endpoint!r}")
-        return config
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as e:  # ValidationError included
+            raise ValueError(f"--kv-events-config: {e}") from None
 
     def to_json(self) -> str:
-        """The flag's value, for a node Kairos starts."""
-        data: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint}
-        if self.replay_endpoint is not None:
-            data["replay_endpoint"] = self.replay_endpoint
-        data["topic"] = self.topic
-        return json.dumps(data, separators=(",", ":"))
-
-    def advertised(self, host: str) -> KvEventEndpoints:
-        """Where a subscriber connects: each socket's wildcard host replaced by ``host`` (the
-        node's address others reach it at). vLLM binds its PUB socket only for a wildcard
-        (``*``, ``::``) or ipc:// endpoint and otherwise connects out to it, which no
-        subscriber could follow, so that is a ConfigError; the replay socket is always bound."""
-        if not _binds(self.endpoint):
-            raise ConfigError(
-                f"KV events endpoint {self.endpoint!r}: vLLM connects its publisher to a concrete host; "
-                "give a bind address such as tcp://*:5557 (the node's host is advertised in its place)"
-            )
-        replay = None if self.replay_endpoint is None else _connectable(self.replay_endpoint, host)
-        return KvEventEndpoints(_connectable(self.endpoint, host), replay, self.topic)
+        """The flag's JSON, every field written out."""
+        return msgspec.json.encode(self).decode()
 
 
+# -- where a node's events are subscribed to, as its heartbeat advertises it ---------------------
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 _ADVERTISABLE = re.compile(KV_EVENTS_ENDPOINT_PATTERN)
+
+
+def advertised_endpoints(config: KvEventsConfig, host: str) -> KvEventEndpoints | None:
+    """Where a subscriber connects to a node started with ``config`` (None: it publishes no
+    events): each socket's wildcard host replaced by ``host``, the node's address others reach
+    it at. vLLM binds its PUB socket only for a wildcard (``*``, ``::``) or ipc:// endpoint and
+    otherwise connects out to it, which no subscriber could follow: a ConfigError; the replay
+    socket is always bound."""
+    if not config.publishes:
+        return None
+    if not _binds(config.endpoint):
+        raise ConfigError(
+            f"KV events endpoint {config.endpoint!r}: vLLM connects its publisher to a concrete host; "
+            "give a bind address such as tcp://*:5557 (the node's host is advertised in its place)"
+        )
+    replay = None if config.replay_endpoint is None else _connectable(config.replay_endpoint, host)
+    return KvEventEndpoints(_connectable(config.endpoint, host), replay, config.topic)
 
 
 def _binds(endpoint: str) -> bool:
