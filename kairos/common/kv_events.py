@@ -11,10 +11,12 @@ configured topic in UTF-8, ``seq`` the batch's sequence number as 8 bytes big-en
 
 Replay (ZMQ ROUTER beside the PUB socket): a client sends the first sequence number it wants as
 8 bytes big-endian (the ROUTER sees ``[identity, b"", start]``, as from a REQ or a DEALER that
-sends an empty delimiter first); the publisher answers one ``[seq, payload]`` message per batch
-still in its buffer (vLLM keeps the last ``buffer_steps``, 10,000 by default) with ``seq >=
-start``, then the end marker ``[-1 as 8 signed bytes, b""]``. A replay that starts after
-``start`` means the batches between are gone.
+sends an empty delimiter first); the publisher answers one ``[topic, seq, payload]`` message per
+batch still in its buffer (vLLM keeps the last ``buffer_steps``, 10,000 by default) with ``seq >=
+start``, then the end marker ``[b"", -1 as 8 signed bytes, b""]`` (vLLM 0.32's
+``_service_replay``; vLLM before it, and SGLang, send ``[seq, payload]`` and ``[-1, b""]``
+without the topic: the decoder reads both). A replay that starts after ``start`` means the
+batches between are gone.
 
 Payload (msgpack, as vLLM 0.32's msgspec structs encode it): the batch is an array ``[ts,
 events, data_parallel_rank]``; each event is a map tagged by its ``"type"`` key:
@@ -40,6 +42,7 @@ from typing import Any
 import msgspec
 
 KV_EVENTS_TOPIC = "kv-events"  # the topic Kairos configures its nodes with
+MEDIUM_GPU = "GPU"  # the medium vLLM's GPU block pool writes on its events (offload tiers write others)
 SEQ_BYTES = 8  # a sequence number's frame: unsigned, big-endian
 REPLAY_END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 REPLAY_END_FRAME = REPLAY_END_SEQ.to_bytes(SEQ_BYTES, "big", signed=True)
@@ -224,17 +227,21 @@ def decode_replay_request(frame: bytes) -> int:
     return decode_seq(frame)
 
 
-def encode_replay_reply(seq: int | None, payload: bytes = b"") -> tuple[bytes, bytes]:
-    """One replayed batch ``[seq, payload]``, or with ``seq`` None the end marker."""
+def encode_replay_reply(seq: int | None, payload: bytes = b"", topic: str = "") -> tuple[bytes, bytes, bytes]:
+    """One replayed batch ``[topic, seq, payload]`` as vLLM 0.32 sends it (after the client's
+    identity and the empty delimiter), or with ``seq`` None the end marker ``[b"", -1, b""]``."""
     if seq is None:
-        return REPLAY_END_FRAME, b""
-    return encode_seq(seq), payload
+        return b"", REPLAY_END_FRAME, b""
+    return topic.encode("utf-8"), encode_seq(seq), payload
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
-    """``(seq, payload)`` of a replayed batch, or None for the end marker."""
+    """``(seq, payload)`` of a replayed batch, or None for the end marker: vLLM 0.32's
+    ``[topic, seq, payload]`` or the older ``[seq, payload]``."""
+    if len(frames) == 3:
+        frames = frames[1:]  # the topic: the request already chose the stream
     if len(frames) != 2:
-        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 2 (seq, payload)")
+        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 3 (topic, seq, payload) or 2")
     seq, payload = bytes(frames[0]), bytes(frames[1])
     if seq == REPLAY_END_FRAME:
         return None
@@ -249,3 +256,49 @@ class KvEventEndpoints:
     pub: str  # e.g. tcp://10.0.0.5:5557: vLLM's --kv-events-config endpoint, its host filled in
     replay: str | None = None  # its replay_endpoint; None: gaps reset instead of replaying
     topic: str = KV_EVENTS_TOPIC
+
+
+# -- how a node is told to publish ----------------------------------------------------------------
+_PUBLISHERS = ("null", "zmq")
+
+
+class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM 0.32's ``--kv-events-config`` (``vllm/config/kv_events.py``): the same fields, the
+    same defaults, from the same JSON. ``publisher`` defaults to "zmq" when events are enabled,
+    "null" otherwise, as vLLM's ``__post_init__`` sets it."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"  # a "*" (or "::", ipc://, inproc://) binds; any other address connects
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in _PUBLISHERS:
+            raise ValueError(f"publisher must be one of {list(_PUBLISHERS)}, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a node with this configuration publishes on ZMQ (vLLM's EventPublisherFactory)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KvEventsConfig:
+        """Parse the flag's JSON; a field vLLM does not have, or a value of the wrong type, is a
+        ValueError naming it (vLLM refuses both at start-up)."""
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as e:  # ValidationError included
+            raise ValueError(f"--kv-events-config: {e}") from None
+
+    def to_json(self) -> str:
+        """The flag's JSON, every field written out."""
+        return msgspec.json.encode(self).decode()
