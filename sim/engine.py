@@ -340,6 +340,16 @@ class Engine:
         self._make_room()
         return missing
 
+    def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
+        """Undo ``reserve_transfer``: the transfer will not happen (the pull failed)."""
+        self.kv_reserved -= reserved_tokens
+        if seq.cache_refs:
+            self.kv_pinned -= seq.cached_hit
+            assert self.cache is not None
+            self.cache.release(seq.cache_refs)
+            seq.cache_refs = ()
+        seq.cached_hit = seq.computed = 0
+
     def accept_transferred(self, seq: Sequence, reserved_tokens: int) -> None:
         """A request whose prompt KV arrived by transfer: it decodes from the next step."""
         self.kv_reserved -= reserved_tokens
