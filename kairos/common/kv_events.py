@@ -11,10 +11,12 @@ configured topic in UTF-8, ``seq`` the batch's sequence number as 8 bytes big-en
 
 Replay (ZMQ ROUTER beside the PUB socket): a client sends the first sequence number it wants as
 8 bytes big-endian (the ROUTER sees ``[identity, b"", start]``, as from a REQ or a DEALER that
-sends an empty delimiter first); the publisher answers one ``[seq, payload]`` message per batch
-still in its buffer (vLLM keeps the last ``buffer_steps``, 10,000 by default) with ``seq >=
-start``, then the end marker ``[-1 as 8 signed bytes, b""]``. A replay that starts after
-``start`` means the batches between are gone.
+sends an empty delimiter first); the publisher answers one ``[topic, seq, payload]`` message per
+batch still in its buffer (vLLM keeps the last ``buffer_steps``, 10,000 by default) with ``seq >=
+start``, then the end marker ``[b"", -1 as 8 signed bytes, b""]`` (vLLM 0.32's
+``_service_replay``; vLLM before it, and SGLang, send ``[seq, payload]`` and ``[-1, b""]``
+without the topic: the decoder reads both). A replay that starts after ``start`` means the
+batches between are gone.
 
 Payload (msgpack, as vLLM 0.32's msgspec structs encode it): the batch is an array ``[ts,
 events, data_parallel_rank]``; each event is a map tagged by its ``"type"`` key:
@@ -45,6 +47,7 @@ from kairos.common.contracts import KV_EVENTS_ENDPOINT_PATTERN
 from kairos.common.errors import ConfigError
 
 KV_EVENTS_TOPIC = "kv-events"  # the topic Kairos configures its nodes with
+MEDIUM_GPU = "GPU"  # the medium vLLM's GPU block pool writes on its events (offload tiers write others)
 SEQ_BYTES = 8  # a sequence number's frame: unsigned, big-endian
 REPLAY_END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 REPLAY_END_FRAME = REPLAY_END_SEQ.to_bytes(SEQ_BYTES, "big", signed=True)
@@ -229,17 +232,21 @@ def decode_replay_request(frame: bytes) -> int:
     return decode_seq(frame)
 
 
-def encode_replay_reply(seq: int | None, payload: bytes = b"") -> tuple[bytes, bytes]:
-    """One replayed batch ``[seq, payload]``, or with ``seq`` None the end marker."""
+def encode_replay_reply(seq: int | None, payload: bytes = b"", topic: str = "") -> tuple[bytes, bytes, bytes]:
+    """One replayed batch ``[topic, seq, payload]`` as vLLM 0.32 sends it (after the client's
+    identity and the empty delimiter), or with ``seq`` None the end marker ``[b"", -1, b""]``."""
     if seq is None:
-        return REPLAY_END_FRAME, b""
-    return encode_seq(seq), payload
+        return b"", REPLAY_END_FRAME, b""
+    return topic.encode("utf-8"), encode_seq(seq), payload
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
-    """``(seq, payload)`` of a replayed batch, or None for the end marker."""
+    """``(seq, payload)`` of a replayed batch, or None for the end marker: vLLM 0.32's
+    ``[topic, seq, payload]`` or the older ``[seq, payload]``."""
+    if len(frames) == 3:
+        frames = frames[1:]  # the topic: the request already chose the stream
     if len(frames) != 2:
-        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 2 (seq, payload)")
+        raise MalformedKvEvents(f"replay reply has {len(frames)} frames, not 3 (topic, seq, payload) or 2")
     seq, payload = bytes(frames[0]), bytes(frames[1])
     if seq == REPLAY_END_FRAME:
         return None

@@ -182,8 +182,13 @@ def test_malformed_message(frames: tuple[bytes, ...], message: str) -> None:
 def test_replay_framing() -> None:
     assert kv.encode_replay_request(5) == b"\x00" * 7 + b"\x05"
     assert kv.decode_replay_request(kv.encode_replay_request(2**40)) == 2**40
-    assert kv.encode_replay_reply(None) == (b"\xff" * 8, b"")  # vLLM's END_SEQ: -1, signed
+    # vLLM 0.32's _service_replay: [topic, seq, payload], then [b"", END_SEQ (-1, signed), b""]
+    assert kv.encode_replay_reply(None) == (b"", b"\xff" * 8, b"")
+    assert kv.encode_replay_reply(7, BY_HAND, "kv") == (b"kv", b"\x00" * 7 + b"\x07", BY_HAND)
     assert kv.decode_replay_reply(kv.encode_replay_reply(None)) is None
-    assert kv.decode_replay_reply(kv.encode_replay_reply(7, BY_HAND)) == (7, BY_HAND)
+    assert kv.decode_replay_reply(kv.encode_replay_reply(7, BY_HAND, "kv")) == (7, BY_HAND)
+    # vLLM before 0.32 (and SGLang): no topic frame
+    assert kv.decode_replay_reply((b"\x00" * 7 + b"\x07", BY_HAND)) == (7, BY_HAND)
+    assert kv.decode_replay_reply((b"\xff" * 8, b"")) is None
     with pytest.raises(MalformedKvEvents, match="replay reply has 1 frames"):
         kv.decode_replay_reply((b"\x00" * 8,))
