@@ -322,7 +322,7 @@ def advertised_endpoints(config: KvEventsConfig, host: str) -> KvEventEndpoints 
     socket is always bound."""
     if not config.publishes:
         return None
-    if not _binds(config.endpoint):
+    if not publisher_binds(config.endpoint):
         raise ConfigError(
             f"KV events endpoint {config.endpoint!r}: vLLM connects its publisher to a concrete host; "
             "give a bind address such as tcp://*:5557 (the node's host is advertised in its place)"
@@ -331,7 +331,7 @@ def advertised_endpoints(config: KvEventsConfig, host: str) -> KvEventEndpoints 
     return KvEventEndpoints(_connectable(config.endpoint, host), replay, config.topic)
 
 
-def _binds(endpoint: str) -> bool:
+def publisher_binds(endpoint: str) -> bool:
     """vLLM's rule for its PUB socket: bind for a wildcard or a local transport, else connect."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 

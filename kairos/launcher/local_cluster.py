@@ -75,7 +75,7 @@ class LocalClusterConfig:
     log_level: str = "INFO"  # every process's: dispatchers, engines, sidecars, publishers
     # Every node publishes its KV cache events (vLLM's --kv-events-config, on two free ports)
     # and its heartbeat advertises them, so the dispatchers see each node's prefix cache.
-    kv_events: bool = False
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         level = self.log_level.upper()

@@ -1,8 +1,9 @@
 """Prefix caches through the whole gateway: real Envoy, Redis, the dispatcher, sidecars, heartbeat
 publishers and emulated nodes, with d1's heartbeat advertising a test publisher that speaks
-vLLM's KV event wire format (tests/kv_publisher.py) and plays d1's prefix cache: a prompt whose
-blocks it stores is deflected to d1 over its uncached tokens; once the publisher is gone, or
-restarted (sequence numbers from 0, its cache empty), the same prompt reads no hit and keeps.
+vLLM's KV event wire format (tests/kv_publisher.py) and plays d1's prefix cache (the other nodes
+publish their own, emulated, caches): a prompt whose blocks it stores is deflected to d1 over its
+uncached tokens; once the publisher restarted (sequence numbers from 0, its cache empty) or is
+gone, a prompt it held reads no hit and keeps.
 
 A 6,000-token prompt keeps on the idle cluster (tests/e2e/test_gateway.py says why).
 """
@@ -105,18 +106,22 @@ def test_a_prompt_cached_on_d1_deflects_there_until_its_publisher_is_gone_or_res
         metrics.decode()
     )
 
-    # The node's engine restarts on the same ports: its cache is empty, its sequence starts over.
+    # The node's engine restarts on the same ports: its cache starts empty, its sequence over.
+    # It caches another prompt; the first one (computed only on d1, whose real cache this test's
+    # publisher stands for) is cached on no node the dispatcher indexes any more.
     pub.close()
     restarted = VllmEventPublisher(*(f"tcp://127.0.0.1:{port}" for port in pub.ports))
     publishers.append(restarted)
-    other = tokenizer.completion_prompt_ids(text_of(tokenizer, 300))
-    store_until_indexed(cluster, restarted, other, lambda blocks: 0 < blocks <= len(other) // BLOCK_SIZE)
+    second = f"another {text_of(tokenizer, 5990)}"
+    second_ids = tokenizer.completion_prompt_ids(second)
+    store_until_indexed(cluster, restarted, second_ids, lambda blocks: blocks == len(second_ids) // BLOCK_SIZE)
     headers, _ = complete(cluster, prompt)
     assert headers[c.H_ROUTE] == "keep" and c.H_CACHED_TOKENS not in headers
 
-    # Gone for good (the engine dead, its heartbeat still beating): its hits are zero.
+    # Gone for good (the engine dead, its heartbeat still beating): its hits are zero, and the
+    # second prompt, never sent, is cached nowhere else.
     restarted.close()
     wait_until(lambda: (s := kv_state(cluster, "d1")) and not s["connected"] and s["cached_blocks"] == 0,
                what="d1's connection lost and its index cleared")
-    headers, _ = complete(cluster, prompt)
+    headers, _ = complete(cluster, second)
     assert headers[c.H_ROUTE] == "keep" and c.H_CACHED_TOKENS not in headers
