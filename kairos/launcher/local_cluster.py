@@ -314,28 +314,31 @@ class LocalCluster:
         return self.group.start(
             ManagedProcess(
                 f"{node.node_id}-heartbeat",
-                self._py(
-                    "kairos.nodeagent.heartbeat",
-                    "--node-id",
-                    node.node_id,
-                    "--role",
-                    node.role,
-                    "--url",
-                    node.url,
-                    "--sidecar",
-                    node.sidecar_url,
-                    "--state-url",
-                    self.state_url(node),
-                    "--period-ms",
-                    str(self.config.heartbeat_ms),
-                    *self._kv_events_args(node),
-                    "--log-level",
-                    self.config.log_level,
-                ),
+                self.publisher_argv(node),
                 self._log(f"{node.node_id}-heartbeat"),
                 env=self.agent_env(node),
             ),
             timeout_s,
+        )
+
+    def publisher_argv(self, node: NodeProcs) -> list[str]:
+        return self._py(
+            "kairos.nodeagent.heartbeat",
+            "--node-id",
+            node.node_id,
+            "--role",
+            node.role,
+            "--url",
+            node.url,
+            "--sidecar",
+            node.sidecar_url,
+            "--state-url",
+            self.state_url(node),
+            "--period-ms",
+            str(self.config.heartbeat_ms),
+            *self._kv_events_args(node),
+            "--log-level",
+            self.config.log_level,
         )
 
     @staticmethod
