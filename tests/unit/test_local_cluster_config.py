@@ -74,7 +74,8 @@ def test_an_engine_publishes_kv_events_where_its_publisher_says(tmp_path: Path) 
     config = KvEventsConfig.from_json(engine)
     assert config.publishes and (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
     publisher = PublisherConfig("d0", "decode", node.url, node.sidecar_url, kv_events_config=engine)
-    assert publisher.kv_event_endpoints() == KvEventEndpoints("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", KV_EVENTS_TOPIC)
+    advertised = KvEventEndpoints("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", KV_EVENTS_TOPIC)
+    assert publisher.kv_event_endpoints() == advertised
 
 
 def test_a_node_without_kv_events_neither_publishes_nor_advertises(tmp_path: Path) -> None:
