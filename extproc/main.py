@@ -38,7 +38,7 @@ from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, pr
 from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
 from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import MembershipConfig
-from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics, PrefixIndexCollector
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
 from kairos.extproc.server import start_grpc_server
 
@@ -179,6 +179,8 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         kv_events=kv_events,
     )
     metrics.registry.register(ClusterCollector(cluster))
+    if kv_events is not None:
+        metrics.registry.register(PrefixIndexCollector(kv_events))
     dispatcher = Dispatcher(
         tokenizer=tokenizer,
         policy=policies.policy,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kairos.common.contracts import Role
 from kairos.core.decision import Decision
@@ -249,3 +249,46 @@ class ClusterLike(Protocol):
     def view(self) -> ClusterView: ...
 
     def now(self) -> float: ...
+
+
+class KvEventsReport(Protocol):
+    """What :class:`PrefixIndexCollector` reads (``kairos.extproc.kv_events.KvEventConsumer``)."""
+
+    @property
+    def subscribers(self) -> Mapping[str, object]: ...
+
+    def report(self, node_id: str) -> Mapping[str, Any] | None: ...
+
+
+class PrefixIndexCollector:
+    """Exports each subscribed node's KV event stream at scrape time: whether its hits count
+    (connected, in step and fresh; else they read zero), its blocks indexed, and its resets."""
+
+    def __init__(self, consumer: KvEventsReport) -> None:
+        self.consumer = consumer
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily(
+            "kairos_dispatcher_kv_events_up",
+            "1 while a node's KV event index counts in decisions (its stream connected, in step and fresh); "
+            "0: its prefix hits read zero",
+            labels=["node"],
+        )
+        blocks = GaugeMetricFamily(
+            "kairos_dispatcher_prefix_index_blocks", "Prefix-cache blocks indexed per node", labels=["node"]
+        )
+        resets = CounterMetricFamily(
+            "kairos_dispatcher_kv_events_resets",
+            "Times a node's index was cleared: AllBlocksCleared, a restart, a lost connection, a hole no replay filled",
+            labels=["node"],
+        )
+        for node_id in list(self.consumer.subscribers):
+            report = self.consumer.report(node_id)
+            if report is None:
+                continue
+            up.add_metric([node_id], 1.0 if report["fresh"] else 0.0)  # fresh: in step, and connected or recent
+            blocks.add_metric([node_id], float(report["cached_blocks"]))
+            resets.add_metric([node_id], float(report["resets"]))
+        yield up
+        yield blocks
+        yield resets

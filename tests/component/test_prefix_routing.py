@@ -31,7 +31,7 @@ from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Routed
 from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import MembershipConfig
-from kairos.extproc.metrics import DispatcherMetrics
+from kairos.extproc.metrics import DispatcherMetrics, PrefixIndexCollector
 from kairos.launcher.local_cluster import kv_events_config
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
@@ -120,6 +120,7 @@ async def gateway(redis: RedisServer, tokenizer: PromptTokenizer) -> AsyncIterat
         redis_url=redis.url, poll_s=0.02, redis_timeout_s=2.0, membership=MembershipConfig(stale_after_s=1.0)
     )
     registry = CollectorRegistry()
+    registry.register(PrefixIndexCollector(consumer))
     view = RedisClusterView(config, clock=clock, registry=registry, kv_events=consumer)
     models = load_profile()
     metrics = DispatcherMetrics(registry)
@@ -177,6 +178,10 @@ async def test_a_prompt_cached_on_d1_is_deflected_there_and_a_restart_takes_the_
     assert sum(int(x) for x in headers[c.H_CHUNK_SCHEDULE].split(",")) == len(PROMPT) - CACHED
     (d1,) = [n for n in gw.view.nodes_report()["nodes"] if n["id"] == "d1"]
     assert d1["kv_events"]["cached_blocks"] == CACHED // 16 and d1["kv_events"]["fresh"]
+    sample = gw.metrics.registry.get_sample_value
+    assert sample("kairos_dispatcher_kv_events_up", {"node": "d1"}) == 1.0
+    assert sample("kairos_dispatcher_prefix_index_blocks", {"node": "d1"}) == CACHED // 16
+    assert sample("kairos_dispatcher_prefix_hit_tokens_total", {"route": "deflect", "role": "decode"}) == CACHED
 
     # The engine restarts on the same ports: a new process, sequence numbers from 0, its cache
     # empty. Whether the subscriber sees the connection drop or only the sequence start over,
@@ -187,6 +192,7 @@ async def test_a_prompt_cached_on_d1_is_deflected_there_and_a_restart_takes_the_
     await stored(restarted, OTHER, lambda: gw.consumer.hits(OTHER).get("d1", 0) == 784)
     assert gw.d1_hit() == 0
     assert (await gw.route())[c.H_ROUTE] == "keep"
+    assert gw.metrics.registry.get_sample_value("kairos_dispatcher_kv_events_resets_total", {"node": "d1"}) >= 1
 
 
 async def test_a_disconnected_node_reads_zero_hits(gateway: Gateway, kv: list[VllmEventPublisher]) -> None:
