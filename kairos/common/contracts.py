@@ -207,16 +207,9 @@ class HeartbeatField:
     KV_EVENTS_ENDPOINT = "kv_events_endpoint"  # the PUB socket
     KV_EVENTS_REPLAY_ENDPOINT = "kv_events_replay_endpoint"  # the replay ROUTER (absent: none)
     KV_EVENTS_TOPIC = "kv_events_topic"  # absent: "" (vLLM's default, every topic)
-    OPTIONAL = (
-        RUNNING_REQUESTS,
-        WAITING_REQUESTS,
-        KV_USAGE,
-        STEP_CALIBRATION,
-        PENDING_KV_PULL_TOKENS,
-        KV_EVENTS_ENDPOINT,
-        KV_EVENTS_REPLAY_ENDPOINT,
-        KV_EVENTS_TOPIC,
-    )
+    # From the publisher's config, not the engine's state.
+    KV_EVENTS = (KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS, *KV_EVENTS)
 
     ALL = (
         NODE_ID,
