@@ -16,6 +16,7 @@ from typing import Any
 
 from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KvEventEndpoints
 from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.vllm_node import VllmNodeSpec
@@ -32,6 +33,7 @@ class VllmBackend:
     load_format: str = "dummy"  # the tiny test model has no weights
     kv_cache_bytes: int = 256 * 2**20
     record_steps: bool = True  # the step recorder, served at the state port's /kairos/steps
+    prefix_caching: bool = True  # vLLM's default; on, each node publishes its KV cache events
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -68,6 +70,10 @@ class VllmCluster(LocalCluster):
                "labels": {"job": "kairos-node-state", "node": node.node_id, "role": str(node.role)}}
               for node in self.nodes),
         ]
+
+    def kv_event_endpoints(self, node: NodeProcs) -> KvEventEndpoints | None:
+        """Where the node's vLLM publishes its KV cache events (None: prefix caching off)."""
+        return self.specs[node.node_id].kv_event_endpoints()
 
     def steps_url(self, node_id: str) -> str:
         return f"http://{LOOPBACK}:{self.state_ports[node_id]}{STEPS_PATH}"
@@ -112,6 +118,9 @@ class VllmCluster(LocalCluster):
             step_log=str(self.workdir / "steps" / f"{node.node_id}.jsonl") if backend.record_steps else "",
             record_steps=backend.record_steps,
             workdir=workdir,
+            prefix_caching=backend.prefix_caching,
+            kv_events_port=free_port() if backend.prefix_caching else 0,
+            kv_events_replay_port=free_port() if backend.prefix_caching else 0,
         )
         self.specs[node.node_id] = spec
         return ManagedProcess(

@@ -8,6 +8,11 @@ node recipe cannot drift apart. A node is vLLM's OpenAI server with:
 - NixlConnector for the prefill-to-decode KV hand-off (``kv_both`` on every node, as vLLM's
   P/D examples do; the sidecar's two hops decide who sends and who pulls), with a failed pull
   recomputed on the decode node rather than failed (``KV_TRANSFER_CONFIG``);
+- prefix caching on (vLLM's default; ``prefix_caching=False`` turns it off), with the node's KV
+  cache events published over ZMQ (``--kv-events-config``: a PUB socket and a replay socket, the
+  wire format :mod:`kairos.common.kv_events` reads) so the dispatchers know which prefixes it
+  holds, and ``--enable-prompt-tokens-details`` so each response's
+  ``usage.prompt_tokens_details.cached_tokens`` says what the node found cached;
 - on CPU (``device="cpu"``): an explicit KV-cache size, no thread pinning, one OpenMP thread,
   and NIXL over TCP with a CPU KV buffer.
 
@@ -21,11 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kairos.common.contracts import Role
+from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints
 
 SCHEDULER_CLS = "kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler"
 # A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
 # node compute the prompt itself: the request is served late instead of failed with a 500.
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +56,20 @@ class VllmNodeSpec:
     record_steps: bool = False
     workdir: Path | None = None  # vLLM's temp, IPC and cache files go here (CPU tests)
     host: str = "127.0.0.1"  # 0.0.0.0 (or the node's address) when other machines call it
+    # vLLM's default. A deflected prefill's chunk schedule then covers the tokens after the
+    # node's prefix hit (KairosScheduler). False: every prompt is computed in full.
+    prefix_caching: bool = True
+    # The node's KV cache events (ZMQ PUB, on every interface) and their replay (ROUTER, on
+    # ``host``) ports; 0 = not published (the dispatchers then see no hits on this node).
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kv_events_replay_port and not self.kv_events_port:
+            raise ConfigError(f"{self.node_id}: a KV events replay port needs kv_events_port")
+        if self.kv_events_port and not self.prefix_caching:
+            raise ConfigError(f"{self.node_id}: KV events need prefix caching (vLLM publishes none without it)")
 
     def argv(self) -> list[str]:
         args = [
@@ -73,10 +94,12 @@ class VllmNodeSpec:
             SCHEDULER_CLS,
             "--kv-transfer-config",
             json.dumps(self.kv_transfer_config()),
-            # A deflected prefill's chunks are counted from its first uncached token; prefix hits
-            # would make the step log differ from the schedule the dispatcher sent.
-            "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
         ]
+        if not self.prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        elif self.kv_events_port:
+            args += ["--kv-events-config", json.dumps(self.kv_events_config())]
         if self.device == "cpu":
             args += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         return [*args, *self.extra_args]
@@ -86,6 +109,34 @@ class VllmNodeSpec:
         if self.device == "cpu":
             config["kv_buffer_device"] = "cpu"
         return config
+
+    def kv_events_config(self) -> dict[str, object]:
+        """vLLM's ``--kv-events-config``. vLLM binds its PUB socket only to a wildcard endpoint
+        (one naming a host, it connects to), so it listens on every interface; the replay socket
+        binds on the node's listen address. The events carry prompt token ids: firewall both
+        ports to the dispatchers."""
+        bind = "*" if self.host in _WILDCARD_HOSTS else self.host
+        config: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": _tcp("*", self.kv_events_port),
+            "topic": KV_EVENTS_TOPIC,
+        }
+        if self.kv_events_replay_port:
+            config["replay_endpoint"] = _tcp(bind, self.kv_events_replay_port)
+        return config
+
+    def kv_event_endpoints(self, address: str | None = None) -> KvEventEndpoints | None:
+        """Where a dispatcher subscribes to this node's KV events (None: it publishes none).
+        ``address`` is the node's IP as the dispatchers reach it; by default the one it listens
+        on, which must then not be a wildcard."""
+        if not self.kv_events_port or not self.prefix_caching:
+            return None
+        address = address or self.host
+        if address in _WILDCARD_HOSTS:
+            raise ConfigError(f"{self.node_id} listens on {self.host}: say the address dispatchers reach it at")
+        replay = _tcp(address, self.kv_events_replay_port) if self.kv_events_replay_port else None
+        return KvEventEndpoints(_tcp(address, self.kv_events_port), replay, KV_EVENTS_TOPIC)
 
     def env(self) -> dict[str, str]:
         env = {
@@ -112,3 +163,7 @@ class VllmNodeSpec:
                 "VLLM_CACHE_ROOT": str(self.workdir / "cache"),
             }
         return env
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

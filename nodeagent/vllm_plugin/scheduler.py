@@ -13,6 +13,17 @@ Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosS
    scheduled prefill advances per step, and a waiting one is skipped (not blocking the queue)
    while another is in progress: the dispatcher's decode-path TTFT assumes they run one after
    another. Requests without a schedule, and all decode work, are scheduled as vLLM does.
+
+   With prefix caching (vLLM's default) the schedule covers the request's uncached tokens: its
+   first size is the first step vLLM computes, from ``num_computed_tokens`` after the prefix
+   hit (vLLM's hit is whole blocks and never the prompt's last token). The dispatcher plans the
+   sizes to sum to the prompt less the hit it predicts from the node's KV events; the node
+   takes whatever hit vLLM finds when it admits the request. A larger hit (blocks cached since
+   the prediction) leaves fewer tokens: the schedule ends early, its last chunk holding what is
+   left. A smaller hit (blocks evicted since) leaves more: the last size repeats. No chunk is
+   ever larger than its planned size, and with a step budget each is held to the budget for
+   the context it really runs over (a larger hit makes every chunk's attention costlier, which
+   the guard prices; a smaller one only cheaper). The engine model runs the same rule.
 2. **State reporter.** After each step (at most every ``state_refresh_s`` while busy, and at
    once when the request counts change) the engine state is snapshotted for the heartbeat
    publisher, served on loopback (:mod:`.state_server`).
@@ -107,6 +118,7 @@ class KairosScheduler(Scheduler):
         )
         self._last_state_at = 0.0
         self._last_counts: tuple[int, int] = (-1, -1)
+        self._waiting_hits: dict[str, int] = {}  # request id -> its prefix hit, while it waits
         self._publish_state(force=True)
         log.info(
             "kairos scheduler: state %s, step recorder %s, step-budget profile %s",
@@ -201,8 +213,16 @@ class KairosScheduler(Scheduler):
             return True
         if self._step_owner is not None or self._scheduled_in_progress:
             return False  # skipped this step: the queue behind it moves on
-        # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue.
-        return self._within_budget(plan, 1, request.num_computed_tokens) > 0
+        # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue;
+        # the first chunk runs over the prefix hit vLLM is about to find, so it is costed there.
+        return self._within_budget(plan, 1, self._computed_on_admission(request)) > 0
+
+    def _computed_on_admission(self, request: Request) -> int:
+        """The prompt tokens a waiting request starts from: its prefix hit, if vLLM has not looked
+        it up yet (the same lookup as vLLM's admission, which has no side effects until then)."""
+        if request.num_computed_tokens > 0 or _kv_arrives_by_transfer(request):
+            return request.num_computed_tokens
+        return self.kv_cache_manager.get_computed_blocks(request)[1]
 
     def _within_budget(self, plan: ChunkPlan, tokens: int, cached: int) -> int:
         if plan.step_budget_s is None or self._guard is None or self._step_decodes == 0:
@@ -296,10 +316,16 @@ class KairosScheduler(Scheduler):
                 decodes += 1
             else:
                 prefills.append(self._pending(r))
+        hits: dict[str, int] = {}
         for queue in (self.kv_holding_waiting, self.waiting):
             for r in queue:
                 if not _kv_arrives_by_transfer(r):
-                    prefills.append(self._pending(r))
+                    # Its uncached work, as the dispatcher plans it: the hit looked up once,
+                    # when the snapshot first sees it waiting (vLLM takes the hit on admission).
+                    hit = self._waiting_hits.get(r.request_id)
+                    hits[r.request_id] = hit if hit is not None else self._computed_on_admission(r)
+                    prefills.append(self._pending(r, hits[r.request_id]))
+        self._waiting_hits = hits
         return build_state(
             decode_tokens=decodes,
             kv_tokens=kv,
@@ -313,8 +339,9 @@ class KairosScheduler(Scheduler):
             step_calibration=None if self._calibration is None else self._calibration.value,
         )
 
-    def _pending(self, r: Request) -> PendingPrefill:
-        return PendingPrefill(r.num_prompt_tokens - r.num_computed_tokens, r.request_id in self._plans)
+    def _pending(self, r: Request, computed: int | None = None) -> PendingPrefill:
+        done = r.num_computed_tokens if computed is None else computed
+        return PendingPrefill(r.num_prompt_tokens - done, r.request_id in self._plans)
 
 
 def _stamp(path: Path | None) -> tuple[int, int, int] | None:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from kairos.common.config import load_config
+from kairos.common.kv_events import KV_EVENTS_TOPIC
 from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import default_vllm_python
@@ -208,6 +209,7 @@ def spec_for(node: str, service: dict[str, Any], dispatcher_profile: str) -> Vll
     """The spec ``kairos up --backend vllm`` would build for this node on a GPU, with the compose values."""
     f, env = engine_flags(service), engine_env(service)
     local = LocalClusterConfig()
+    events = json.loads(str(f["--kv-events-config"]))
     host: dict[str, Any] = {"host": str(f["--host"])} if SPEC_HAS_HOST else {}
     return VllmNodeSpec(
         **host,
@@ -225,7 +227,13 @@ def spec_for(node: str, service: dict[str, Any], dispatcher_profile: str) -> Vll
         load_format="auto",
         profile=dispatcher_profile if role(node) == "decode" else "",
         extra_args=("--trust-remote-code",),  # DeepSeek-V2-Lite's repository ships its own code
+        kv_events_port=endpoint_port(events["endpoint"]),
+        kv_events_replay_port=endpoint_port(events["replay_endpoint"]),
     )
+
+
+def endpoint_port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
 
 
 def seconds(duration: str) -> float:
@@ -326,7 +334,10 @@ def test_engine_runs_the_kairos_scheduler_with_nixl_and_its_step_size(
     local = LocalClusterConfig()
     assert f["--scheduler-cls"] == SCHEDULER_CLS
     assert json.loads(str(f["--kv-transfer-config"])) == KV_TRANSFER_CONFIG  # what kairos up starts
-    assert f["--no-enable-prefix-caching"] is True and "--enable-prefix-caching" not in f
+    # Prefix caching on (vLLM's default), its events published for the dispatchers.
+    assert "--no-enable-prefix-caching" not in f and f["--enable-prompt-tokens-details"] is True
+    events = json.loads(str(f["--kv-events-config"]))
+    assert (events["enable_kv_cache_events"], events["publisher"], events["topic"]) == (True, "zmq", KV_EVENTS_TOPIC)
     step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
     assert int(str(f["--max-num-batched-tokens"])) == step
     assert int(str(f["--max-model-len"])) == local.max_model_len == DispatcherConfig(model_dir="x").max_model_len
@@ -383,6 +394,8 @@ def test_every_engine_port_is_its_own_on_the_shared_loopback(
         assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env
         ports += [int(str(engine_flags(merged[node])["--port"])), int(str(env["KAIROS_VLLM_STATE_PORT"]))]
         ports.append(int(str(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])))
+        events = json.loads(str(engine_flags(merged[node])["--kv-events-config"]))
+        ports += [endpoint_port(events["endpoint"]), endpoint_port(events["replay_endpoint"])]
     for name in (*DISPATCHERS, "d0-sidecar", "d1-sidecar"):
         f = kairos_flags(merged[name])
         ports += [int(f["--port"]), *([int(f["--metrics-port"])] if "--metrics-port" in f else [])]
@@ -656,6 +669,9 @@ for node, argv in json.load(sys.stdin).items():
         "max_num_batched_tokens": args.max_num_batched_tokens, "scheduler_cls": args.scheduler_cls,
         "kv_connector": kv.kv_connector, "kv_role": kv.kv_role, "kv_load_failure_policy": kv.kv_load_failure_policy,
         "enable_prefix_caching": args.enable_prefix_caching, "trust_remote_code": args.trust_remote_code,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "kv_events": [args.kv_events_config.enable_kv_cache_events, args.kv_events_config.publisher,
+                      args.kv_events_config.endpoint, args.kv_events_config.replay_endpoint],
     }
 print("KAIROS-RESULT " + json.dumps(out))
 """
@@ -693,6 +709,13 @@ def test_vllms_own_parser_reads_every_engine_command(merged: dict[str, dict[str,
             "kv_connector": "NixlConnector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": None,  # vLLM's default: on
             "trust_remote_code": True,
+            "enable_prompt_tokens_details": True,
+            "kv_events": [
+                True,
+                "zmq",
+                f"tcp://*:{5700 + ENGINES.index(node)}",
+                f"tcp://127.0.0.1:{5710 + ENGINES.index(node)}",
+            ],
         }, node

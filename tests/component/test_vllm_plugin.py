@@ -23,6 +23,7 @@ from kairos.common.contracts import (
     parse_steps_page,
 )
 from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints
 from kairos.core.latency import largest_chunk_within, load_profile
 from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
@@ -145,8 +146,13 @@ def test_state_server_exports_the_step_budget_overruns() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
             assert resp.headers["Content-Type"].startswith("text/plain")
             text = resp.read().decode()
-        return float(next(line.split()[1] for line in text.splitlines()
-                          if line.startswith(f"{STEP_BUDGET_OVERRUNS_METRIC}_total ")))
+        return float(
+            next(
+                line.split()[1]
+                for line in text.splitlines()
+                if line.startswith(f"{STEP_BUDGET_OVERRUNS_METRIC}_total ")
+            )
+        )
 
     try:
         assert overruns() == 0  # exported from the start
@@ -198,9 +204,55 @@ def test_vllm_node_command_line_on_cpu(tmp_path: Path) -> None:
         "kv_buffer_device": "cpu",
     }
     assert "--kv-cache-memory-bytes" in argv and "--enforce-eager" in argv
+    # Prefix caching is vLLM's default, left on; without KV event ports the node publishes none.
+    assert "--no-enable-prefix-caching" not in argv and "--kv-events-config" not in argv
+    assert "--enable-prompt-tokens-details" in argv and spec.kv_event_endpoints() is None
     env = spec.env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["UCX_TLS"] == "tcp,self,sm"
     assert (env["KAIROS_VLLM_STATE_PORT"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("8201", "8301")
     assert env["KAIROS_VLLM_RECORD_STEPS"] == "1"
     gpu = dataclasses.replace(spec, device="gpu")
     assert "--kv-cache-memory-bytes" not in gpu.argv() and "UCX_TLS" not in gpu.env()
+
+
+def test_vllm_node_publishes_its_kv_events_where_it_says(tmp_path: Path) -> None:
+    spec = VllmNodeSpec(
+        node_id="d0",
+        role="decode",
+        python="/venv/bin/python",
+        model_dir=tmp_path / "model",
+        served_model_name="tiny",
+        port=8101,
+        state_port=8201,
+        nixl_port=8301,
+        kv_events_port=8401,
+        kv_events_replay_port=8402,
+    )
+    argv = spec.argv()
+    # vLLM binds its PUB socket only to a wildcard endpoint (to tcp://HOST:PORT it connects).
+    assert json.loads(argv[argv.index("--kv-events-config") + 1]) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:8401",
+        "replay_endpoint": "tcp://127.0.0.1:8402",
+        "topic": KV_EVENTS_TOPIC,
+    }
+    assert spec.kv_event_endpoints() == KvEventEndpoints(
+        "tcp://127.0.0.1:8401", "tcp://127.0.0.1:8402", KV_EVENTS_TOPIC
+    )
+    everywhere = dataclasses.replace(spec, host="0.0.0.0")
+    assert json.loads(everywhere.argv()[everywhere.argv().index("--kv-events-config") + 1])["replay_endpoint"] == (
+        "tcp://*:8402"
+    )
+    with pytest.raises(ConfigError, match="the address dispatchers reach it at"):
+        everywhere.kv_event_endpoints()
+    assert everywhere.kv_event_endpoints("10.0.0.5") == KvEventEndpoints(
+        "tcp://10.0.0.5:8401", "tcp://10.0.0.5:8402", KV_EVENTS_TOPIC
+    )
+    off = dataclasses.replace(spec, kv_events_port=0, kv_events_replay_port=0, prefix_caching=False)
+    assert "--no-enable-prefix-caching" in off.argv() and "--kv-events-config" not in off.argv()
+    assert off.kv_event_endpoints() is None
+    with pytest.raises(ConfigError, match="KV events need prefix caching"):
+        dataclasses.replace(spec, prefix_caching=False)
+    with pytest.raises(ConfigError, match="replay port needs"):
+        dataclasses.replace(spec, kv_events_port=0)

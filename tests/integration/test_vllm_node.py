@@ -157,9 +157,13 @@ def test_malformed_schedule_is_a_400_from_vllm(vllm_cluster: VllmCluster, xargs:
 
 def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: VllmCluster) -> None:
     """With decodes running, a chunk whose step the node's profile predicts over the budget is cut
-    to the largest that fits, for the batch the node has at that step (the step log shows it)."""
+    to the largest that fits, for the batch the node has at that step (the step log shows it).
+    The prompt's first blocks are in d0's prefix cache: the chunks cover the rest, each costed
+    over the context it really runs on, the hit included."""
     cluster = vllm_cluster
     models = load_profile(cluster.config.profile)  # what the decode node enforces with
+    prompt = token_prompt(800, seed=4)
+    direct(cluster, "d0", completion(prompt[:400], 1))  # d0 caches its full blocks
     # Long decodes: the three must overlap for long enough that a state read sees them together.
     # On a starved CPU host the engine's state server answers only now and then while it steps
     # (400 tokens each once finished before any read caught all three running).
@@ -175,14 +179,17 @@ def test_step_budget_shrinks_chunks_to_the_nodes_own_prediction(vllm_cluster: Vl
     # A budget that fits a ~100-token chunk beside 3 decodes, while the schedule asks for 400.
     budget_s = models.mixed_step_s(3 + 100, 0, 3, 3 * 300)
     headers = deflect_headers(cluster, [400], budget_ms=budget_s * 1e3)
-    status, _, out = post_json(sidecar_url(cluster), completion(token_prompt(800, seed=4), 4), headers, timeout=120)
+    status, _, out = post_json(sidecar_url(cluster), completion(prompt, 4), headers, timeout=120)
     for t in background:
         t.join(timeout=600)
 
     assert status == 200, out
+    hit = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < hit <= 400
     steps = get_json(f"{cluster.steps_url('d0')}?since=0")["steps"]
     mine = [(s, ch) for s in steps for ch in s["chunks"] if headers[c.H_REQUEST_ID] in ch["request_id"]]
-    assert sum(ch["tokens"] for _, ch in mine) == 800
+    assert mine[0][1]["cached"] == hit
+    assert sum(ch["tokens"] for _, ch in mine) == 800 - hit
     shrunk = [ch["tokens"] for s, ch in mine if s["decode_tokens"] > 0 and ch["tokens"] < 400]
     assert shrunk, f"no chunk was held to the budget: {[(s['decode_tokens'], ch['tokens']) for s, ch in mine]}"
     for s, ch in mine:
