@@ -399,10 +399,10 @@ class EmulatedNode:
             seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
             stream = await self._pull_kv(seq, plan.kv_params or {}, rid)
             self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
-            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on
-            # (its own would be the whole prompt: the transfer counts as cached).
+            own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
+            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
             remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
-            cached = remote if _is_int(remote) else parsed.prompt_tokens
+            cached = remote if _is_int(remote) else own
         else:
             seq = EngineSeq(
                 rid,
@@ -415,7 +415,7 @@ class EmulatedNode:
                 token_ids=ids,
             )
             stream = rt.submit(seq)
-            cached = seq.cached_hit
+            own = cached = seq.cached_hit
             self.metrics.add_prompt(parsed.prompt_tokens - cached, cached)
 
         out = _Output(parsed, rid, self.config.model, int(time.time()), self.words)
@@ -423,7 +423,7 @@ class EmulatedNode:
             out.cached_tokens = cached
             # vLLM's created_cache_tokens: the prompt's full blocks this request wrote to the cache.
             written = parsed.prompt_tokens // self.config.block_size * self.config.block_size
-            out.created_cache_tokens = max(0, written - cached) if self.config.prefix_caching else 0
+            out.created_cache_tokens = max(0, written - own) if self.config.prefix_caching else 0
         try:
             if parsed.stream:
                 return await self._stream(request, out, stream, arrival)
