@@ -285,6 +285,9 @@ class EmulatedNode:
             default_max_tokens=min(16, config.max_model_len - 1),
         )
         self.words = one_token_words(tokenizer)
+        # The output's token ids, as the cache hashes them: vLLM caches a request's output blocks
+        # too, so a conversation's next turn (prompt + this answer + ...) hits past this prompt.
+        self.word_ids = _single_token_ids(tokenizer, self.words)
         self.engine_id = f"{config.node_id}-{uuid.uuid4().hex[:12]}"  # vLLM's per-engine id, new per start
         self.metrics = _Metrics.create(config.model)
         self.created = int(time.time())
@@ -390,16 +393,16 @@ class EmulatedNode:
             parsed.max_tokens,
         )
 
-        ids = parsed.prompt_token_ids or ()
+        ids = self._token_ids(parsed)
         hashes = await self._block_hashes(ids)
         if plan.mode == "remote_prefill":
             seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
             stream = await self._pull_kv(seq, plan.kv_params or {}, rid)
             self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
-            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on
-            # (its own would be the whole prompt: the transfer counts as cached).
+            own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
+            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
             remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
-            cached = remote if _is_int(remote) else parsed.prompt_tokens
+            cached = remote if _is_int(remote) else own
         else:
             seq = EngineSeq(
                 rid,
@@ -412,7 +415,7 @@ class EmulatedNode:
                 token_ids=ids,
             )
             stream = rt.submit(seq)
-            cached = seq.cached_hit
+            own = cached = seq.cached_hit
             self.metrics.add_prompt(parsed.prompt_tokens - cached, cached)
 
         out = _Output(parsed, rid, self.config.model, int(time.time()), self.words)
@@ -420,7 +423,7 @@ class EmulatedNode:
             out.cached_tokens = cached
             # vLLM's created_cache_tokens: the prompt's full blocks this request wrote to the cache.
             written = parsed.prompt_tokens // self.config.block_size * self.config.block_size
-            out.created_cache_tokens = max(0, written - cached) if self.config.prefix_caching else 0
+            out.created_cache_tokens = max(0, written - own) if self.config.prefix_caching else 0
         try:
             if parsed.stream:
                 return await self._stream(request, out, stream, arrival)
@@ -442,9 +445,20 @@ class EmulatedNode:
             self._pool, functools.partial(parse_request, path, body, self.tokenizer, self.limits, token_ids=ids)
         )
 
+    def _token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
+        """The request's prompt and output token ids (() with prefix caching off): the output is
+        the words the node streams, so their ids are known before they are generated."""
+        prompt = parsed.prompt_token_ids
+        if not prompt:
+            return ()
+        if self.word_ids is None:
+            return prompt
+        n = len(self.word_ids)
+        return [*prompt, *(self.word_ids[i % n] for i in range(parsed.max_tokens))]
+
     async def _block_hashes(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        """The prompt's full blocks as vLLM keys them (() with prefix caching off): a long
-        prompt's sha256 chain is hashed in a thread, as its tokens were counted."""
+        """The request's full blocks as vLLM keys them (() with prefix caching off): a long
+        request's sha256 chain is hashed in a thread, as its prompt was counted."""
         if not self.config.prefix_caching or len(token_ids) < self.config.block_size:
             return ()
         if len(token_ids) <= TOKENIZE_INLINE_BYTES // 4:  # about as many tokens as such a body holds
@@ -959,6 +973,14 @@ def one_token_words(tokenizer: PromptTokenizer) -> tuple[str, ...]:
             if len(words) == _WORD_COUNT:
                 break
     return tuple(words) or _WORDS
+
+
+def _single_token_ids(tokenizer: PromptTokenizer, words: Sequence[str]) -> tuple[int, ...] | None:
+    """Each word's one token id, or None when some word is not one token (the fallback words):
+    then only the prompt's blocks are cached."""
+    raw = tokenizer.raw_tokenizer
+    encoded = [raw.encode(w, add_special_tokens=False).ids for w in words]
+    return tuple(e[0] for e in encoded) if all(len(e) == 1 for e in encoded) else None
 
 
 def _dumps(obj: Any) -> str:

@@ -81,8 +81,8 @@ class Sequence:
     tag: object = None  # the driver's own handle (the simulator's request record, an HTTP stream)
     # Chained hashes of the full blocks of prompt + output (RequestSpec.block_hashes); () never hits.
     block_hashes: tuple[int, ...] = ()
-    # The prompt's token ids, when the driver has them (the emulated node): its KV events carry
-    # each stored block's tokens, as vLLM's do. The simulator's requests have none.
+    # The token ids of prompt + output, when the driver has them (the emulated node): its KV
+    # events carry each stored block's tokens, as vLLM's do. The simulator's requests have none.
     token_ids: SequenceOf[int] = ()
     cached_hit: int = 0  # prompt tokens this engine had cached when the sequence arrived
     cache_refs: list[int] | tuple[()] = ()  # cached blocks it references, prefix order

@@ -61,7 +61,7 @@ class KvEventPublisher:
         self._topic = config.topic.encode("utf-8")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.asyncio.Context()
-        self._pub: zmq.asyncio.Socket | None = None
+        self._pub: zmq.Socket | None = None  # a plain socket: a send never waits, so none is awaited
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.pub_endpoint: str | None = None  # as bound (or connected to)
@@ -71,7 +71,7 @@ class KvEventPublisher:
 
     def start(self) -> None:
         cfg = self.config
-        pub = self._pub = self._ctx.socket(zmq.PUB)
+        pub = self._pub = zmq.Socket(self._ctx, zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.set_hwm(cfg.hwm)
         if _binds(cfg.endpoint):

@@ -118,6 +118,19 @@ async def test_a_repeated_prompt_reports_its_cached_full_blocks(model_dir: Path,
         ]
 
 
+async def test_the_next_turn_hits_the_previous_answers_blocks(model_dir: Path, http: aiohttp.ClientSession) -> None:
+    async with running(model_dir, "d0", Role.DECODE, enable_prompt_tokens_details=True) as node:
+        turn1 = prompt(90, seed=8)
+        answer = (await complete(http, node, turn1, max_tokens=40))["choices"][0]["text"]
+        status, tokenized = await post(http, f"{node.url}/tokenize", {"prompt": answer, "add_special_tokens": False})
+        assert status == 200 and tokenized["count"] == 40  # one token per streamed word
+        turn2 = turn1 + tokenized["tokens"] + prompt(30, seed=9)
+        # vLLM caches the output's full blocks too: 90 + 40 tokens computed (the last one's KV
+        # never) fill 8 blocks, 3 more than the prompt alone.
+        reply = await complete(http, node, turn2)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BS
+
+
 async def _stream(http: aiohttp.ClientSession, node: Node, ids: list[int]) -> tuple[int, bytes]:
     body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
     async with http.post(f"{node.url}/v1/completions", json=body) as resp:
