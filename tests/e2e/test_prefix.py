@@ -90,7 +90,7 @@ def test_a_prompt_cached_on_d1_deflects_there_until_its_publisher_is_gone_or_res
     pub = VllmEventPublisher()
     publishers.append(pub)
     advertise(cluster, "d1", pub)
-    store_until_indexed(cluster, pub, ids, lambda blocks: blocks == cached // BLOCK_SIZE)
+    store_until_indexed(cluster, pub, ids, lambda blocks: blocks == len(ids) // BLOCK_SIZE)  # every full block
     wait_for_fresh_polls(cluster)  # d1 back in every dispatcher's view since its publisher restarted
 
     headers, body = complete(cluster, prompt)
