@@ -106,6 +106,17 @@ def scrape_histogram(metrics_url: str, name: str) -> dict[str, float]:
     return out
 
 
+def scrape_counters(metrics_url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Every sample of the metrics ``names``, keyed by its series (``name{labels}``)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        series: float(value)
+        for series, _, value in (line.rpartition(" ") for line in text.splitlines())
+        if series.split("{", 1)[0] in names
+    }
+
+
 def scrape_decisions(metrics_url: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         text = resp.read().decode()

@@ -2,10 +2,15 @@
 hops each add on the P/D and deflect paths, beside vLLM's Rust router, over the same emulated
 nodes, in one run.
 
-Two emulated 1P1D clusters from ``LocalCluster`` (nodes at ``time_scale`` 1000, so their
-compute is about zero): one whose dispatcher keeps every request on the P/D path (``--policy
-pd``), one whose dispatcher deflects every request (``sl`` with a length limit above any prompt
-here). Beside them: a minimal Envoy (listener -> router -> the decode node), the Kairos Envoy
+Three emulated 1P1D clusters from ``LocalCluster`` (nodes at ``time_scale`` 1000, so their
+compute is about zero; prefix caching on and their KV events published, as vLLM's defaults and
+the cluster's): one whose dispatcher keeps every request on the P/D path prefix-aware (``--policy
+pd``: each prompt parsed to its token ids, hashed into vLLM's blocks and looked up in the nodes'
+indexes), one the same but cache-blind (``pd:prefix=off``: the prompt only counted), and one
+whose dispatcher deflects every request (``sl`` with a length limit above any prompt here, a
+cache-blind policy). Each path sends one body again and again, so after the first request the
+prefill and decode nodes hold the whole prompt and each lookup walks (and hashes) every block of
+it: the prefix path's worst case. Beside them: a minimal Envoy (listener -> router -> the decode node), the Kairos Envoy
 config in front of the no-op ext_proc server (``bench/noop_extproc.py``: the real gRPC service
 with nothing to decide) routing to the decode node, and vLLM's Rust router in its P/D mode
 (``vllm-router --vllm-pd-disaggregation``; ``--router``, else ``.venv-router/bin/vllm-router``,
@@ -28,7 +33,8 @@ dependency). Paths, each a sequential keep-alive client sending non-streaming co
 - ``noop_gateway_pd``: the Kairos Envoy config + the no-op ext_proc setting the P/D routing
   headers, in front of that sidecar: the whole P/D path but the dispatcher's own work;
 - ``router_pd``: vLLM's Rust router, P/D mode, same prefill and decode nodes;
-- ``kairos_pd`` / ``kairos_deflect``: Envoy + dispatcher + sidecar, the whole gateway.
+- ``kairos_pd`` / ``kairos_deflect``: Envoy + dispatcher + sidecar, the whole gateway;
+- ``kairos_pd_count``: the same as ``kairos_pd`` with the cache-blind dispatcher (count only).
 
 Added time over ``direct`` is what each router costs, node-side P/D costs in. The breakdown of
 Kairos's added time, by differences of p50 (and of p99) between paths of the same run:
@@ -36,7 +42,9 @@ Kairos's added time, by differences of p50 (and of p99) between paths of the sam
     envoy                   envoy - direct
     ext_proc round trips    envoy_noop_extproc - envoy
     gateway on longer path  (noop_gateway_pd - sidecar_pd) - (envoy_noop_extproc - direct)
-    parse, count, decide    kairos_pd - noop_gateway_pd
+    parse, ids, lookup,     kairos_pd - noop_gateway_pd
+      decide
+    of which ids + lookup   kairos_pd - kairos_pd_count  (the prefix path over the count-only one)
     sidecar hops            sidecar_pd - client_pd   (deflect: sidecar_deflect - direct_deflect)
     nodes' own route cost   client_pd - direct       (deflect: direct_deflect - direct)
 
@@ -75,7 +83,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import histogram_summary, percentiles_us, scrape_histogram, wait_until, write_result  # noqa: E402
+from bench._common import (  # noqa: E402
+    histogram_summary,
+    percentiles_us,
+    scrape_counters,
+    scrape_histogram,
+    wait_until,
+    write_result,
+)
 from bench.loadgen import HttpConnection, build_request, post_once  # noqa: E402
 from kairos.api.openai_request import RequestLimits, parse_request  # noqa: E402
 from kairos.api.tokenizer import PromptTokenizer  # noqa: E402
@@ -107,11 +122,15 @@ PATHS = (
     "noop_gateway_pd",
     "router_pd",
     "kairos_pd",
+    "kairos_pd_count",
     "kairos_deflect",
 )
 # Peer comparison: Kairos's added p50 and p99 on each of its paths <= the router's (P/D mode).
 PEER = "router_pd"
-KAIROS_PATHS = ("kairos_pd", "kairos_deflect")
+KAIROS_PATHS = ("kairos_pd", "kairos_pd_count", "kairos_deflect")
+PD_COUNT_ONLY = "pd:prefix=off"
+PREFIX_LOOKUP_METRIC = "kairos_dispatcher_prefix_lookup_prompt_tokens_total"
+PREFIX_HIT_METRIC = "kairos_dispatcher_prefix_hit_tokens_total"
 
 MINIMAL_ENVOY = """\
 admin:
@@ -229,9 +248,8 @@ def tokenize_reference(tokenizer: PromptTokenizer, bodies: dict[str, bytes]) -> 
             "json_loads": _timed(lambda b=body: json.loads(b), reps),
             "count_tokens_warm_cache": _timed(lambda p=prompt: tokenizer.count_tokens(p), reps),
             "count_tokens_cold_cache": _timed(lambda p=prompt: fresh[0].count_tokens(p), reps // 4 or 1, new_counter),
-            # What a prefix-cache-aware dispatcher pays instead of the parse + count (not on the
-            # request path yet): the parse to token ids, and their block hashes (the index walk
-            # after them: bench/prefix_lookup.py).
+            # What the prefix-aware dispatcher pays instead of the parse + count: the parse to
+            # token ids, and their block hashes (the index walk after them: bench/prefix_lookup.py).
             "parse_to_token_ids": _timed(
                 lambda b=body: parse_request("/v1/completions", b, tokenizer, limits, token_ids=True), reps
             ),
@@ -346,6 +364,7 @@ async def open_paths(
         "noop_gateway_pd": lambda: plain_path("noop_gateway_pd", targets["noop_gateway_pd"], body),
         "router_pd": lambda: plain_path("router_pd", targets["router_pd"], body),
         "kairos_pd": lambda: plain_path("kairos_pd", targets["kairos_pd"], body, want_route="keep"),
+        "kairos_pd_count": lambda: plain_path("kairos_pd_count", targets["kairos_pd_count"], body, want_route="keep"),
         "kairos_deflect": lambda: plain_path("kairos_deflect", targets["kairos_deflect"], body, want_route="deflect"),
     }
     return [await makers[name]() for name in PATHS if name != PEER or PEER in targets]
@@ -512,7 +531,8 @@ def breakdown(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[st
             # The same Envoy + no-op in front of the sidecar's two hops, over that floor: what the
             # longer path behind the gateway costs it on this machine's shared cores.
             "gateway_on_longer_path": minus(d("noop_gateway_pd", "sidecar_pd"), noop_floor),
-            "parse_count_decide": d("kairos_pd", "noop_gateway_pd"),
+            "parse_ids_lookup_decide": d("kairos_pd", "noop_gateway_pd"),
+            "token_ids_and_lookup": d("kairos_pd", "kairos_pd_count"),
             "sidecar_hops": d("sidecar_pd", "client_pd"),
             "nodes_route_cost": d("client_pd", "direct"),
             "total_added": d("kairos_pd", "direct"),
@@ -547,13 +567,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         workdir = Path(tmp)
         pd = clusters.enter_context(LocalCluster(cluster_config("pd"), workdir / "pd"))
+        pd_count = clusters.enter_context(LocalCluster(cluster_config(PD_COUNT_ONLY), workdir / "pd-count"))
         name, value = RESERVATION_TTL_ENV
         os.environ[name] = value  # read by the deflect cluster's dispatcher when it starts
         try:
             deflect = clusters.enter_context(LocalCluster(cluster_config(DEFLECT_EVERYTHING), workdir / "deflect"))
         finally:
             del os.environ[name]
-        for cluster in (pd, deflect):
+        for cluster in (pd, pd_count, deflect):
             cluster.wait_for_heartbeats()
         assert pd.model_dir is not None
         tokenize = tokenize_reference(PromptTokenizer.from_dir(pd.model_dir), bodies)
@@ -565,6 +586,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "direct_deflect": hostport(deflect.node("d0").url),
             "sidecar_deflect": hostport(deflect.node("d0").sidecar_url),
             "kairos_pd": hostport(pd.gateway_url),
+            "kairos_pd_count": hostport(pd_count.gateway_url),
             "kairos_deflect": hostport(deflect.gateway_url),
             **start_extras(extras, workdir, prefill_url, decode_url, pd.node("d0").sidecar_url, router_bin),
         }
@@ -572,6 +594,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if name in targets:
                 wait_until(serves(targets[name], bodies["2KB"]), 60, f"{name} to serve a completion")
         metrics_url = f"http://{HOST}:{pd.dispatcher_metrics_ports[0]}/metrics"
+        count_metrics_url = f"http://{HOST}:{pd_count.dispatcher_metrics_ports[0]}/metrics"
         load_before = os.getloadavg()
         latency: dict[str, Any] = {}
         for label, body in bodies.items():
@@ -582,8 +605,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n = args.requests if label == "2KB" else max(50, args.requests // 2)
             started = time.monotonic()
             before = scrape_histogram(metrics_url, DECISION_METRIC)
+            count_before = scrape_histogram(count_metrics_url, DECISION_METRIC)
+            lookups_before = scrape_counters(metrics_url, (PREFIX_LOOKUP_METRIC, PREFIX_HIT_METRIC))
             samples, off_route = asyncio.run(run_size(targets, body, schedule, prefill_url, n, block=25))
             hist = histogram_summary(before, scrape_histogram(metrics_url, DECISION_METRIC))
+            count_hist = histogram_summary(count_before, scrape_histogram(count_metrics_url, DECISION_METRIC))
+            lookups = {
+                k: v - lookups_before.get(k, 0.0)
+                for k, v in scrape_counters(metrics_url, (PREFIX_LOOKUP_METRIC, PREFIX_HIT_METRIC)).items()
+            }
             stats = {p: {**latency_stats(s), "off_route": off_route[p]} for p, s in samples.items()}
             added = {
                 p: {k: s[k] - stats["direct"][k] for k in ("p50_ms", "p99_ms", "mean_ms")}
@@ -599,6 +629,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "added_over_direct": added,
                 "breakdown": breakdown(stats),
                 "kairos_pd_dispatcher_decision_seconds": hist,
+                "kairos_pd_count_dispatcher_decision_seconds": count_hist,
+                # Proof the prefix path ran: prompt tokens looked up and predicted hits, by series.
+                "kairos_pd_prefix_lookups": lookups,
                 "parse_count_in_process": {k: tokenize[label][k] for k in ("p50_ms", "p99_ms", "mean_ms")},
                 "parse_count_stages_in_process": {
                     name: {k: stage[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
@@ -642,9 +675,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "parse_count_in_process: the dispatcher's parse + exact token count of each body timed alone in this "
             "process, for reference; kairos_pd_dispatcher_decision_seconds: the P/D dispatcher's own histogram "
             "(request body to routing answer) over the measured requests, percentiles interpolated in buckets.",
-            "parse_count_stages_in_process parse_to_token_ids and hash_blocks_16: what a prefix-cache lookup adds "
-            "(the prompt's token ids instead of its count, then vLLM's block hashes); the dispatcher does not "
-            "compute them yet, so the paths' figures do not include them.",
+            "kairos_pd runs the prefix path (token ids, vLLM's block hashes, the index walk; one body repeated, "
+            "so every block hits and is hashed: its worst case), kairos_pd_count the count-only path; "
+            "kairos_pd_prefix_lookups shows the lookups ran. parse_count_stages_in_process parse_to_token_ids "
+            "and hash_blocks_16 time the prefix path's first two parts in process.",
+            "Every cluster's nodes cache prefixes and publish their KV events; only kairos_pd's dispatcher reads "
+            "them (the deflect cluster's sl policy is cache-blind).",
         ],
     }
 
@@ -661,15 +697,17 @@ def print_latency(label: str, row: dict[str, Any]) -> None:
         print(f"  breakdown {route} (p50 / p99 ms):")
         for part, v in parts.items():
             print(f"    {part:<22} {v['p50_ms']:+7.2f} / {v['p99_ms']:+7.2f}")
-    h = row["kairos_pd_dispatcher_decision_seconds"]
-    if h.get("count"):
-        print(f"  dispatcher decision histogram (kairos_pd): n={h['count']} mean {h['mean_ms']:.3f} ms")
+    for path in ("kairos_pd", "kairos_pd_count"):
+        h = row[f"{path}_dispatcher_decision_seconds"]
+        if h.get("count"):
+            print(f"  dispatcher decision histogram ({path}): n={h['count']} mean {h['mean_ms']:.3f} ms")
+    print(f"  kairos_pd prefix lookups: {row['kairos_pd_prefix_lookups']}")
     tok = row["parse_count_in_process"]
     print(f"  parse + count in process: p50 {tok['p50_ms']:.3f} ms, p99 {tok['p99_ms']:.3f} ms")
     stages = row["parse_count_stages_in_process"]
     ids, hashes = stages["parse_to_token_ids"], stages["hash_blocks_16"]
     print(
-        f"  a prefix lookup instead (not on the path yet): parse to token ids p50 {ids['p50_ms']:.3f} ms, "
+        f"  the prefix path's parts: parse to token ids p50 {ids['p50_ms']:.3f} ms, "
         f"p99 {ids['p99_ms']:.3f}; block hashes p50 {hashes['p50_ms']:.3f} ms, p99 {hashes['p99_ms']:.3f}"
     )
 

@@ -1,5 +1,7 @@
 """A decision with the prefix lookup included (issue 12): the KV-event index's longest cached
-prefix on every node for a prompt's block hashes, then Algorithm 1 with those hits, p50/p99,
+prefix on every node for a prompt's block keys (``kairos.core.prefix_index``, the gateway's
+index; hashing the prompt's token ids is ``bench/prefix_lookup.py``'s), then Algorithm 1 with
+those hits, p50/p99,
 side by side with today's decision without them; 2 prefill and 2 decode nodes, 10K-token prompt.
 
     python bench/prefix_decision_latency.py [--calls 3000] [--json PATH]
@@ -23,22 +25,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import percentiles_us, write_result
 from bench.decision_latency import cluster
 from kairos.common import defaults
+from kairos.common.kv_events import MEDIUM_GPU, BlockStored
 from kairos.core.algorithm import DeciderConfig, decide
 from kairos.core.latency import load_profile
+from kairos.core.prefix_index import PrefixIndex
 from kairos.core.state import ClusterView
-from kairos.sim.kv_event_index import BlockStored, KvEventBatch, PrefixIndex
-from kairos.sim.prefix_cache import chain_hashes
+from kairos.sim.prefix_cache import chain_hashes, hit_blocks_cap
 
 PROMPT = 10240
 BS = defaults.KV_BLOCK_TOKENS
 
 
+def stored(hashes: tuple[int, ...]) -> BlockStored:
+    return BlockStored(hashes, None, (), BS, None, MEDIUM_GPU, None)
+
+
 def build_index(prompt_hashes: tuple[int, ...]) -> PrefixIndex:
-    index = PrefixIndex(BS)
+    index = PrefixIndex(capacity_blocks=100_000)
     cached = {"p0": 6000, "p1": 0, "d0": 0, "d1": 9000}
     for n, (node, tokens) in enumerate(cached.items()):
         others = chain_hashes((n, 7, b) for b in range(20_000))
-        index.apply(node, [KvEventBatch(0, 0.0, (BlockStored(others), BlockStored(prompt_hashes[: tokens // BS])))])
+        index.add_node(node, 0.0)
+        index.apply(node, (stored(others), stored(prompt_hashes[: tokens // BS])), 0.0)
     return index
 
 
@@ -61,7 +69,7 @@ def main() -> int:
         return decide(PROMPT, v, 0.05, models, config)
 
     def with_lookup(v: ClusterView) -> object:
-        hits = index.cached_tokens(prompt_hashes, PROMPT, 0.05, config.stale_after_s)
+        hits = index.longest_prefix_tokens({BS: prompt_hashes[: hit_blocks_cap(PROMPT, BS)]}, 0.05)
         return decide(PROMPT, v, 0.05, models, config, hits)
 
     rows = {}

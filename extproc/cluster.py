@@ -14,7 +14,10 @@ deflection costs one round trip, for :meth:`RedisClusterView.try_reserve`
 (:mod:`kairos.extproc.reservations`); while the view is degraded no reservation is granted.
 
 With a :class:`~kairos.extproc.feedback.TtftFeedback`, each good poll also reads the sidecars'
-new TTFT feedback (:class:`~kairos.extproc.feedback.FeedbackReader`).
+new TTFT feedback (:class:`~kairos.extproc.feedback.FeedbackReader`). With a
+:class:`~kairos.extproc.kv_events.KvEventConsumer`, the view keeps it subscribed to exactly the
+nodes whose heartbeats advertise KV event sockets (``Membership.kv_event_endpoints``), after
+every poll that changed them.
 
 Every Redis failure counts in
 ``kairos_dispatcher_redis_errors_total{operation="poll"|"reserve"|"feedback"}``.
@@ -48,6 +51,7 @@ from kairos.core.decision import Decision
 from kairos.core.state import ClusterView
 from kairos.core.view import ClusterTracker
 from kairos.extproc.feedback import FeedbackReader, TtftFeedback
+from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
@@ -143,8 +147,11 @@ class RedisClusterView:
         *,
         registry: CollectorRegistry = REGISTRY,
         feedback: TtftFeedback | None = None,
+        kv_events: KvEventConsumer | None = None,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events  # its clock must be ``clock``: hits are judged fresh on it
+        self._kv_events_version = -1  # the membership's kv_events_version last applied
         self.membership = Membership(config.membership, tracker if tracker is not None else ClusterTracker())
         self._clock = clock
         self._errors = redis_error_counter(registry)
@@ -221,7 +228,13 @@ class RedisClusterView:
     def nodes_report(self) -> dict[str, Any]:
         """What this dispatcher routes on (``GET /nodes``): every node with its role, heartbeat
         age and staleness, and whether the view is degraded or from the static lists."""
-        return self.membership.report(self.now())
+        report = self.membership.report(self.now())
+        if self.kv_events is not None:
+            for node in report["nodes"]:
+                events = self.kv_events.report(node["id"])
+                if events is not None:
+                    node["kv_events"] = events
+        return report
 
     async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation:
         """Promise a deflection of ``tokens`` onto ``node_id`` (``kairos.extproc.reservations``).
@@ -347,6 +360,7 @@ class RedisClusterView:
             self._errors.labels(operation="poll").inc()
             self._scan_due = True
             self._log(self.membership.poll_failed(self.now()), exc)
+            await self._subscribe()
             return
         self._scan_due = False
         now = self.now()
@@ -356,9 +370,18 @@ class RedisClusterView:
         self._keys = [k for k, v in zip(keys, values, strict=True) if v is not None]
         beats = [(k[len(_KEY_PREFIX) :], v) for k, v in zip(keys, values, strict=True)]
         self._log(self.membership.poll_succeeded(beats, now))
+        await self._subscribe()
         self._poll_metrics.seconds.observe(time.perf_counter() - started)
         if self._feedback is not None:
             await self._feedback.read(client)
+
+    async def _subscribe(self) -> None:
+        """Subscribe to the KV events of exactly the nodes that advertise them now."""
+        version = self.membership.kv_events_version
+        if self.kv_events is None or version == self._kv_events_version:
+            return
+        self._kv_events_version = version
+        await self.kv_events.set_nodes(dict(self.membership.kv_event_endpoints()))
 
     def _log(self, events: list[Event], exc: BaseException | None = None) -> None:
         for event in events:

@@ -4,6 +4,13 @@
 tokens, runs the routing policy on the live cluster view, reserves a decode node for a
 deflection, and returns a :class:`Routed` (upstream + header mutations) or a :class:`Rejected`
 (an HTTP error to answer directly). The gRPC server in :mod:`kairos.extproc.server` only translates.
+
+Prefix caches: with a :class:`PrefixSource` (the nodes' KV events, :mod:`kairos.extproc.kv_events`)
+that indexes at least one node, and a prefix-aware policy (``kairos``, ``pd``; not with
+``prefix=off``), the prompt is parsed to its token ids instead of only counted, and each node's
+cached prefix of it (0 for a node without events, or whose index is stale or out of step) goes
+to the decision: each path prefills only the node's uncached tokens. Otherwise the count-only
+path runs, as before.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kairos.common.errors import (
     UnsupportedContentEncodingError,
 )
 from kairos.common.http_errors import error_json, error_status
+from kairos.core.algorithm import cached_prefix
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
 from kairos.core.state import ClusterView
@@ -68,6 +76,19 @@ class ClusterSource(Protocol):
     def addresses(self) -> Mapping[str, NodeAddressLike]: ...
 
     async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation: ...
+
+
+class PrefixSource(Protocol):
+    """The nodes' prefix caches as the dispatcher reads them (``KvEventConsumer``), on the
+    cluster view's clock."""
+
+    def indexing(self) -> bool:
+        """Some node's prefix cache is indexed (a prompt's token ids are worth computing)."""
+        ...
+
+    def hits(self, token_ids: list[int]) -> Mapping[str, int]:
+        """Per indexed node, the prompt's leading tokens it has cached (0 when stale)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +160,10 @@ class Dispatcher:
         metrics: DispatcherMetrics,
         settings: DispatchSettings = DispatchSettings(),
         no_prefill_policy: NoPrefillPoolPolicy | None = None,
+        prefixes: PrefixSource | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.prefixes = prefixes
         # Read once per decision: assigning a new Policies swaps the models for the next one.
         self.policies = Policies(policy, keep_policy, no_prefill_policy)
         self._prefill_pool_gone = False
@@ -186,8 +209,14 @@ class Dispatcher:
     async def _route_inference(
         self, path: str, headers: Mapping[str, str], body: bytes, spoofed: tuple[str, ...], started: float
     ) -> Routed:
-        request = await self._parse(path, body)
-        decision = await self._decide(request.prompt_tokens)
+        policies = self.policies
+        lookup = self.prefixes if prefix_aware(policies.policy) and self.prefixes is not None else None
+        if lookup is not None and not lookup.indexing():
+            lookup = None  # no node publishes events: the count-only path
+        request = await self._parse(path, body, token_ids=lookup is not None)
+        found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
+        hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
+        decision = await self._decide(request.prompt_tokens, policies, hits)
         addresses = self.cluster.addresses()
         request_id = headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
         set_headers: list[tuple[str, str]] = [
@@ -197,6 +226,8 @@ class Dispatcher:
             (c.H_DECODE_NODE, decision.decode_node),
             (c.H_PROMPT_TOKENS, str(request.prompt_tokens)),
         ]
+        if decision.cached_tokens:
+            set_headers.append((c.H_CACHED_TOKENS, str(decision.cached_tokens)))
         if decision.predicted_ttft_prefill_s is not None:
             set_headers.append((c.H_PRED_TTFT_PREFILL_MS, f"{decision.predicted_ttft_prefill_s * 1e3:.1f}"))
         if decision.predicted_ttft_decode_s is not None:
@@ -213,12 +244,16 @@ class Dispatcher:
         overwritten = {name for name, _ in set_headers}
         elapsed = time.perf_counter() - started
         self.metrics.observe_decision(decision, elapsed)
+        if found is not None:
+            decode_hit = cached_prefix(found, decision.decode_node, decision.prompt_tokens)
+            self.metrics.observe_prefix_hits(decision, decode_hit)
         log.debug(
-            "request %s: %s (%s) prompt=%d decode=%s prefill=%s chunks=%s ttft_pf=%s ttft_dec=%s in %.2f ms",
+            "request %s: %s (%s) prompt=%d cached=%d decode=%s prefill=%s chunks=%s ttft_pf=%s ttft_dec=%s in %.2f ms",
             request_id,
             decision.route.value,
             decision.reason.value,
             request.prompt_tokens,
+            decision.cached_tokens,
             decision.decode_node,
             decision.prefill_node or "-",
             c.encode_chunk_schedule(decision.chunk_sizes) or "-",
@@ -233,9 +268,11 @@ class Dispatcher:
             decision=decision,
         )
 
-    async def _parse(self, path: str, body: bytes) -> ParsedRequest:
+    async def _parse(self, path: str, body: bytes, token_ids: bool = False) -> ParsedRequest:
         limits = self.settings.limits
-        parse = functools.partial(parse_request, path, body, self.tokenizer, limits, stop_over_context=True)
+        parse = functools.partial(
+            parse_request, path, body, self.tokenizer, limits, stop_over_context=True, token_ids=token_ids
+        )
         if self._parse_inline(body):
             return parse()
         # Tokenizing a long prompt takes milliseconds: keep the event loop serving others.
@@ -262,14 +299,16 @@ class Dispatcher:
             and b"\\u" not in body
         )
 
-    async def _decide(self, prompt_tokens: int) -> Decision:
+    async def _decide(
+        self, prompt_tokens: int, policies: Policies, cached: Mapping[str, int] | None = None
+    ) -> Decision:
         """Run the policy; a deflection must have its promise taken on its decode node
         (``kairos.extproc.reservations``), so that no dispatcher replica plans a node's step
         budget without the others' deflections there. Refused because the others promised more
         than the view counted, the policy runs again on the view with them; refused because
-        Redis did not answer, the node is taken out. The policies are read once: a profile
-        reload while a promise is in flight takes effect at the next request."""
-        policies = self.policies
+        Redis did not answer, the node is taken out. The policies are read once, by the caller:
+        a profile reload while a promise is in flight takes effect at the next request.
+        ``cached``: each node's cached prefix of the prompt, for the prefix-aware policies."""
         full_view = view = self.cluster.view()
         if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
             return self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
@@ -283,14 +322,16 @@ class Dispatcher:
                 view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id not in excluded))
                 if not view.decode:
                     break
-            decision = policies.policy.decide(prompt_tokens, view, self._clock())
+            decision = _run(policies.policy, prompt_tokens, view, self._clock(), cached)
             if decision.route is not Route.DEFLECT:
                 break
             node_id = decision.decode_node
             # In the view before the promise's round trip: a request of this dispatcher deciding
             # meanwhile schedules behind it (or, under a pending limit, leaves the node alone).
             handle = self.cluster.record(decision, self._clock())
-            reservation = await self.cluster.try_reserve(node_id, self.owner, prompt_tokens)
+            # The tokens the node will prefill: its cached prefix is not work (the view's overlay
+            # counts the same).
+            reservation = await self.cluster.try_reserve(node_id, self.owner, sum(decision.chunk_sizes))
             if reservation.granted:
                 return decision
             self.cluster.cancel(handle)
@@ -302,7 +343,7 @@ class Dispatcher:
         if decision.route is Route.DEFLECT:
             # No deflection target took the promise: the P/D path, where any decode node
             # (promised ones included) can take the request after its prefill.
-            decision = policies.keep_policy.decide(prompt_tokens, full_view, self._clock())
+            decision = _run(policies.keep_policy, prompt_tokens, full_view, self._clock(), cached)
         self.cluster.record(decision, self._clock())
         return decision
 
@@ -362,6 +403,19 @@ def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
         raise UnsupportedContentEncodingError(
             f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed"
         )
+
+
+def prefix_aware(policy: Policy) -> bool:
+    """The policy reads the nodes' cached prefixes (``kairos``, ``pd``, unless ``prefix=off``)."""
+    return bool(getattr(policy, "prefix_aware", False))
+
+
+def _run(
+    policy: Policy, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None
+) -> Decision:
+    if cached is not None and prefix_aware(policy):
+        return policy.decide(prompt_tokens, view, now, cached=cached)  # type: ignore[call-arg]
+    return policy.decide(prompt_tokens, view, now)
 
 
 def _ms(seconds: float | None) -> str:

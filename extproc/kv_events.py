@@ -206,9 +206,11 @@ class KvEventConsumer:
         for node_id in list(self.subscribers):
             if nodes.get(node_id) != self.subscribers[node_id].endpoints:
                 await self._drop(node_id)
+                log.info("kv events of %s: unsubscribed, its index dropped", node_id)
         for node_id, endpoints in nodes.items():
             if node_id in self.subscribers:
                 continue
+            log.info("kv events of %s: subscribing at %s (replay %s)", node_id, endpoints.pub, endpoints.replay)
             self.index.add_node(node_id, self.clock())
             sub = NodeEventSubscriber(
                 self.ctx, EventStreamSync(self.index, node_id), endpoints, self.clock, self.replay_timeout_s
@@ -220,6 +222,28 @@ class KvEventConsumer:
         await cancel_and_wait(self._tasks.pop(node_id))
         del self.subscribers[node_id]
         self.index.remove_node(node_id)
+
+    def indexing(self) -> bool:
+        """Some node's blocks are indexed (its first stored event set its block size)."""
+        return bool(self.index.block_sizes())
+
+    def report(self, node_id: str) -> dict[str, object] | None:
+        """The node's subscription and index for ``/nodes`` (None: not subscribed)."""
+        sub = self.subscribers.get(node_id)
+        if sub is None:
+            return None
+        stats = self.index.stats(node_id)
+        return {
+            "endpoint": sub.endpoints.pub,
+            "connected": sub.connected,
+            "fresh": self.index.fresh(node_id, self.clock()),
+            "synced": stats.synced,
+            "cached_blocks": stats.cached_blocks,
+            "block_size": stats.block_size,
+            "resets": stats.resets,
+            "gaps": sub.sync.gaps,
+            "malformed": sub.malformed,
+        }
 
     def hits(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Per node, the prompt's leading tokens in its prefix cache (0 where stale)."""

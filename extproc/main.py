@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,14 @@ from kairos.common.runtime import stop_on_signals
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from kairos.core.policies import NoPrefillPoolPolicy, make_policy, validate_gateway_policy
+from kairos.core.prefix_index import PrefixIndex
 from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, prefix_aware
 from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
+from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import MembershipConfig
-from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics, PrefixIndexCollector
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
 from kairos.extproc.server import start_grpc_server
 
@@ -89,6 +92,11 @@ class DispatcherConfig:
     # "listed": only the nodes of those lists join, with the role and addresses listed; heartbeats
     # of others are ignored and counted (kairos_dispatcher_heartbeats_rejected_total).
     admit_nodes: str = _MEMBERSHIP.admit_nodes
+    # The nodes' prefix caches, from the KV events their heartbeats advertise (subscribed only
+    # under a prefix-aware policy): the blocks indexed per node (oldest dropped past it), and how
+    # long a replay may take before the node's index resets instead.
+    prefix_index_capacity_blocks: int = defaults.PREFIX_INDEX_CAPACITY_BLOCKS
+    kv_events_replay_timeout_s: float = defaults.KV_EVENTS_REPLAY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -100,6 +108,10 @@ class DispatcherConfig:
             raise ConfigError(f"ttft_feedback_window must be >= 0 (0 = off), got {self.ttft_feedback_window}")
         if not self.dispatch_grace_s >= 0:
             raise ConfigError(f"dispatch_grace_s must be >= 0, got {self.dispatch_grace_s}")
+        if self.prefix_index_capacity_blocks < 1:
+            raise ConfigError(f"prefix_index_capacity_blocks must be >= 1, got {self.prefix_index_capacity_blocks}")
+        if not self.kv_events_replay_timeout_s > 0:
+            raise ConfigError(f"kv_events_replay_timeout_s must be > 0, got {self.kv_events_replay_timeout_s}")
         self.cluster_view()  # its own cross-field checks, at start-up
 
     def cluster_view(self) -> ClusterViewConfig:
@@ -147,14 +159,28 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
     tokenizer = PromptTokenizer.from_dir(Path(config.model_dir))
     metrics = DispatcherMetrics()
     metrics.set_profile(profile.models.name, profile.digest, profile.source)
+    policies = config.policies(profile.models)
+    clock = time.monotonic  # the view's and the prefix index's: a hit is judged fresh on the view's time
+    kv_events = (
+        KvEventConsumer(
+            PrefixIndex(config.prefix_index_capacity_blocks, config.stale_after_s),
+            clock,
+            config.kv_events_replay_timeout_s,
+        )
+        if prefix_aware(policies.policy)
+        else None
+    )
     cluster = RedisClusterView(
         config.cluster_view(),
         tracker=ClusterTracker(dispatch_grace_s=config.dispatch_grace_s),
+        clock=clock,
         registry=metrics.registry,
         feedback=TtftFeedback(metrics, config.ttft_feedback_window) if config.ttft_feedback_window else None,
+        kv_events=kv_events,
     )
     metrics.registry.register(ClusterCollector(cluster))
-    policies = config.policies(profile.models)
+    if kv_events is not None:
+        metrics.registry.register(PrefixIndexCollector(kv_events))
     dispatcher = Dispatcher(
         tokenizer=tokenizer,
         policy=policies.policy,
@@ -166,6 +192,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
             limits=RequestLimits(max_body_bytes=config.max_body_bytes, max_model_len=config.max_model_len),
             dispatcher_id=config.dispatcher_id,
         ),
+        prefixes=kv_events,
     )
 
     def use(loaded: LoadedProfile) -> None:
@@ -184,7 +211,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         await watcher.start()
     hup = _on_sighup(watcher, profile)
     log.info(
-        "dispatcher %s listening on %s:%d (policy %s, profile %s from %s, redis %s)",
+        "dispatcher %s listening on %s:%d (policy %s, profile %s from %s, redis %s; prefix caches %s)",
         dispatcher.owner,
         config.host,
         port,
@@ -192,6 +219,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         profile.label,
         profile.source,
         redact_url(config.redis_url),
+        "from the nodes' KV events" if kv_events is not None else "not read (the policy is cache-blind)",
     )
     print(f"listening on {config.host}:{port}", flush=True)
     try:
@@ -209,6 +237,8 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         if runner is not None:
             await runner.cleanup()
         await cluster.stop()
+        if kv_events is not None:
+            await kv_events.close()
         dispatcher.close()
 
 

@@ -29,6 +29,10 @@ The rules (design principle 6):
   is counted once by :class:`RejectReason` (``kairos_dispatcher_heartbeats_rejected_total`` and
   ``/nodes``), so a forged key held still counts once, a forger racing the real publisher once
   per forgery.
+* A node whose heartbeat advertises its **KV event sockets** (vLLM's ``--kv-events-config``)
+  is in :meth:`Membership.kv_event_endpoints` while it is in the view, at the sockets its last
+  valid beat advertised: the dispatcher subscribes to exactly those (a node that leaves, or
+  advertises other sockets, is unsubscribed and its prefix index dropped or started over).
 * Redis **unreachable** after it had answered: ``degraded``; the last view stays as it is and
   ages (so it turns stale: keep routing only). Redis unreachable **since start**: the view is the
   config's **static node lists**, refreshed at every failed poll, with zero load and, on decode
@@ -56,6 +60,7 @@ from kairos.common.contracts import (
     parse_heartbeat,
 )
 from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 
@@ -168,6 +173,14 @@ def check_heartbeat(
         if want and got != want:
             return Rejection(RejectReason.ADDRESS_MISMATCH, f"reports {name} {got!r}, listed as {want!r}")
     return None
+
+
+def advertised_kv_events(hb: Heartbeat) -> KvEventEndpoints | None:
+    """Where ``hb``'s node publishes its KV cache events (None: it advertises none)."""
+    if hb.kv_events_endpoint is None:
+        return None
+    topic = KvEventsConfig().topic if hb.kv_events_topic is None else hb.kv_events_topic  # vLLM's default
+    return KvEventEndpoints(hb.kv_events_endpoint, hb.kv_events_replay_endpoint, topic)
 
 
 class NodeAddress(NamedTuple):
@@ -294,6 +307,8 @@ class Membership:
     _outage_since: float | None = None
     _outage_failures: int = 0
     _listed: dict[str, StaticNode] = field(default_factory=dict)
+    _kv_events: dict[str, KvEventEndpoints] = field(default_factory=dict)
+    kv_events_version: int = 0  # +1 whenever kv_event_endpoints() changes
 
     def __post_init__(self) -> None:
         self._listed = {n.node_id: n for n in self.config.static_nodes()}
@@ -302,6 +317,20 @@ class Membership:
     def addresses(self) -> Mapping[str, NodeAddress]:
         """node_id -> address of every node in the view (read-only, live)."""
         return MappingProxyType(self._addresses)
+
+    def kv_event_endpoints(self) -> Mapping[str, KvEventEndpoints]:
+        """node_id -> its KV event sockets, for every node in the view that advertises them
+        (read-only, live; :attr:`kv_events_version` says when it changed)."""
+        return MappingProxyType(self._kv_events)
+
+    def _set_kv_events(self, node_id: str, endpoints: KvEventEndpoints | None) -> None:
+        if self._kv_events.get(node_id) == endpoints:
+            return
+        if endpoints is None:
+            del self._kv_events[node_id]
+        else:
+            self._kv_events[node_id] = endpoints
+        self.kv_events_version += 1
 
     def recovering(self, now: float) -> bool:
         """Within the recovery grace: nodes missing from Redis are not removed yet."""
@@ -419,6 +448,7 @@ class Membership:
             events.append(NodeJoined(hb))
         self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True, beat=hb, raw=raw)
         self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
+        self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
                 PrefillNodeState(hb.node_id, hb.queued_prefill_tokens, chunk_tokens=hb.max_step_tokens, reported_at=now)
@@ -484,6 +514,7 @@ class Membership:
     def _remove(self, node_id: str, reason: str) -> NodeLeft:
         node = self._nodes.pop(node_id)
         self._addresses.pop(node_id, None)
+        self._set_kv_events(node_id, None)
         self.tracker.remove(node_id)
         return NodeLeft(node_id, node.role, reason)
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kairos.common.contracts import Role
 from kairos.core.decision import Decision
@@ -50,6 +50,25 @@ class DispatcherMetrics:
             ["code"],
             registry=r,
         )
+        # What the nodes' KV events predicted (kairos.extproc.kv_events), per route and the role of
+        # the node holding the prefix: keep's prefill node (tokens it skips), keep's decode node
+        # (tokens whose KV it need not pull), deflect's decode node (tokens it skips).
+        self.prefix_hit_tokens = Counter(
+            "kairos_dispatcher_prefix_hit_tokens",
+            "Prompt tokens predicted cached on the chosen nodes, by route and node role (requests "
+            "decided with a prefix lookup; divide by kairos_dispatcher_prefix_lookup_prompt_tokens_total)",
+            ["route", "role"],
+            registry=r,
+        )
+        self.prefix_lookup_prompt_tokens = Counter(
+            "kairos_dispatcher_prefix_lookup_prompt_tokens",
+            "Prompt tokens of the requests decided with a prefix lookup, by route",
+            ["route"],
+            registry=r,
+        )
+        for route, role in (("keep", Role.PREFILL), ("keep", Role.DECODE), ("deflect", Role.DECODE)):
+            self.prefix_hit_tokens.labels(route=route, role=role)
+            self.prefix_lookup_prompt_tokens.labels(route=route)
         self.reservation_conflicts = Counter(
             "kairos_dispatcher_reservation_conflicts_total",
             "Deflection promises refused (other dispatchers promised the node more than the decision "
@@ -109,6 +128,17 @@ class DispatcherMetrics:
         )
         if predicted is not None:
             self.predicted_ttft.labels(route=decision.route.value).observe(predicted)
+
+
+    def observe_prefix_hits(self, decision: Decision, decode_hit: int) -> None:
+        """A decision made with the nodes' prefix hits; ``decode_hit``: its decode node's."""
+        route = decision.route.value
+        self.prefix_lookup_prompt_tokens.labels(route=route).inc(decision.prompt_tokens)
+        if decision.route.value == "keep":
+            self.prefix_hit_tokens.labels(route=route, role=Role.PREFILL).inc(decision.cached_tokens)
+            self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decode_hit)
+        else:
+            self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decision.cached_tokens)
 
 
 _REJECTED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
@@ -219,3 +249,46 @@ class ClusterLike(Protocol):
     def view(self) -> ClusterView: ...
 
     def now(self) -> float: ...
+
+
+class KvEventsReport(Protocol):
+    """What :class:`PrefixIndexCollector` reads (``kairos.extproc.kv_events.KvEventConsumer``)."""
+
+    @property
+    def subscribers(self) -> Mapping[str, object]: ...
+
+    def report(self, node_id: str) -> Mapping[str, Any] | None: ...
+
+
+class PrefixIndexCollector:
+    """Exports each subscribed node's KV event stream at scrape time: whether its hits count
+    (connected, in step and fresh; else they read zero), its blocks indexed, and its resets."""
+
+    def __init__(self, consumer: KvEventsReport) -> None:
+        self.consumer = consumer
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily(
+            "kairos_dispatcher_kv_events_up",
+            "1 while a node's KV event index counts in decisions (its stream connected, in step and fresh); "
+            "0: its prefix hits read zero",
+            labels=["node"],
+        )
+        blocks = GaugeMetricFamily(
+            "kairos_dispatcher_prefix_index_blocks", "Prefix-cache blocks indexed per node", labels=["node"]
+        )
+        resets = CounterMetricFamily(
+            "kairos_dispatcher_kv_events_resets",
+            "Times a node's index was cleared: AllBlocksCleared, a restart, a lost connection, a hole no replay filled",
+            labels=["node"],
+        )
+        for node_id in list(self.consumer.subscribers):
+            report = self.consumer.report(node_id)
+            if report is None:
+                continue
+            up.add_metric([node_id], 1.0 if report["fresh"] else 0.0)  # fresh: in step, and connected or recent
+            blocks.add_metric([node_id], float(report["cached_blocks"]))
+            resets.add_metric([node_id], float(report["resets"]))
+        yield up
+        yield blocks
+        yield resets

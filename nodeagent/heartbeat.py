@@ -59,6 +59,7 @@ from kairos.common.contracts import (
     parse_engine_state,
 )
 from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised_endpoints, host_of
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,13 @@ class PublisherConfig:
     # this long its last beat is kept alive unchanged, so the node stays in the view, stale (keep
     # routing only, no deflection), instead of expiring while it serves. 0 = a timeout is down.
     busy_hold_s: float = 60.0
+    # The node's vLLM --kv-events-config JSON, verbatim (the same string the engine is started
+    # with): its beats advertise where the engine publishes its KV cache events, so that the
+    # dispatchers index the node's prefix cache. "" (or events off in it): nothing advertised.
+    kv_events_config: str = ""
+    # The host advertised for a wildcard bind (tcp://*:5557): the address dispatchers reach the
+    # node's event sockets at; "" = the host of ``url``.
+    kv_events_host: str = ""
 
     def __post_init__(self) -> None:
         if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
@@ -195,6 +203,17 @@ class PublisherConfig:
                 f"state_timeout_s={self.state_timeout_s} and redis_timeout_s={self.redis_timeout_s} must be > 0"
             )
         state_endpoint(self.state_url or self.url)  # raises ConfigError when malformed
+        self.kv_event_endpoints()  # likewise
+
+    def kv_event_endpoints(self) -> KvEventEndpoints | None:
+        """Where the node's KV events are subscribed to, as its beats advertise it (None: no events)."""
+        if not self.kv_events_config:
+            return None
+        try:
+            config = KvEventsConfig.from_json(self.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return advertised_endpoints(config, self.kv_events_host or host_of(self.url))
 
     @property
     def key(self) -> str:
@@ -209,8 +228,15 @@ class PublisherConfig:
         return state_endpoint(self.state_url or self.url)
 
 
-def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_at: float) -> Heartbeat:
-    """The node's heartbeat for this beat (encode it with :func:`encode_heartbeat`)."""
+def build_heartbeat(
+    config: PublisherConfig,
+    state: EngineState,
+    seq: int,
+    sent_at: float,
+    kv_events: KvEventEndpoints | None = None,
+) -> Heartbeat:
+    """The node's heartbeat for this beat (encode it with :func:`encode_heartbeat`);
+    ``kv_events``: ``config.kv_event_endpoints()``, read once by the caller."""
     return Heartbeat(
         node_id=config.node_id,
         role=Role(config.role),
@@ -230,6 +256,9 @@ def build_heartbeat(config: PublisherConfig, state: EngineState, seq: int, sent_
         kv_usage=state.kv_usage,
         step_calibration=state.step_calibration,
         pending_kv_pull_tokens=state.pending_kv_pull_tokens,
+        kv_events_endpoint=None if kv_events is None else kv_events.pub,
+        kv_events_replay_endpoint=None if kv_events is None else kv_events.replay,
+        kv_events_topic=None if kv_events is None else kv_events.topic,
     )
 
 
@@ -250,6 +279,7 @@ class HeartbeatPublisher:
         self.config = config
         self.source = source
         self.sidecar = sidecar  # checked after each state read; None = not checked
+        self.kv_events = config.kv_event_endpoints()
         self.seq = 0  # seq of the last beat sent to Redis (+1 per beat, never reused)
         self.published = 0  # beats Redis acknowledged
         self._stop = asyncio.Event()
@@ -287,6 +317,14 @@ class HeartbeatPublisher:
             cfg.ttl_s * 1000,
             cfg.state_endpoint,
         )
+        if self.kv_events is not None:
+            log.info(
+                "node %s advertises its KV events at %s (replay %s, topic %r)",
+                cfg.node_id,
+                self.kv_events.pub,
+                self.kv_events.replay or "none",
+                self.kv_events.topic,
+            )
         start = loop.time()
         slot = 0
         try:
@@ -333,7 +371,7 @@ class HeartbeatPublisher:
         if self.sidecar is not None and not await self._sidecar_up(self.sidecar):
             return False
         self.seq += 1
-        payload = encode_heartbeat(build_heartbeat(cfg, state, self.seq, time.time()))
+        payload = encode_heartbeat(build_heartbeat(cfg, state, self.seq, time.time(), self.kv_events))
         try:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.set(cfg.key, payload, px=cfg.ttl_ms)
@@ -441,6 +479,13 @@ def _parser() -> argparse.ArgumentParser:
     ttl.add_argument("--ttl-s", dest="ttl_s", type=float, help=f"key expiry (default {HEARTBEAT_TTL_S})")
     ttl.add_argument("--ttl-ms", dest="ttl_ms", type=float, help="key expiry in milliseconds")
     p.add_argument("--state-timeout-s", dest="state_timeout_s", type=float, help="state read timeout (default 0.25)")
+    p.add_argument(
+        "--kv-events-config",
+        dest="kv_events_config",
+        help="the node's vLLM --kv-events-config JSON, verbatim: its beats advertise the event sockets "
+        "(a wildcard bind such as tcp://*:5557 as --kv-events-host, or the host of --url)",
+    )
+    p.add_argument("--kv-events-host", dest="kv_events_host", help="host advertised for a wildcard KV events bind")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -477,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "period_s",
             "ttl_s",
             "state_timeout_s",
+            "kv_events_config",
+            "kv_events_host",
         )
     }
     if args.period_ms is not None:

@@ -7,11 +7,18 @@ nothing else. What the node does:
   tokenizer (exactly vLLM's ``usage.prompt_tokens``), the engine model runs it in wall time
   (:mod:`kairos.sim.realtime`) and exactly ``max_tokens`` dummy tokens come back (vLLM with
   ``ignore_eos``), as JSON or as vLLM's SSE chunks, each token written when its step ends.
+- Prefix caching, on by default as in vLLM (``--no-enable-prefix-caching`` turns it off): the
+  prompt's token ids are hashed per ``--block-size`` block exactly as vLLM hashes them
+  (:mod:`kairos.common.block_hash`), the request starts from its longest cached prefix (the
+  engine model's block cache), and ``--enable-prompt-tokens-details`` reports
+  ``usage.prompt_tokens_details.cached_tokens`` as vLLM does. ``--kv-events-config`` publishes the
+  cache's changes as vLLM does, on ZMQ with a replay socket (:mod:`kairos.sim.kv_event_publisher`).
 - The P/D two-hop protocol of vLLM's NixlConnector (``toy_proxy_server.py``): a prefill node
   asked for ``kv_transfer_params.do_remote_decode`` prefills, holds the KV and answers with
   ``kv_transfer_params`` saying where it is; a decode node given ``do_remote_prefill`` reserves KV
   room, pulls from the prefill node (``POST /kairos/kv/pull``), waits the modelled transfer time
-  and decodes.
+  and decodes. As vLLM's NixlConnector, the decode node first takes the prompt's prefix from its
+  own cache and pulls only the blocks it lacks.
 - Deflected prefills: ``vllm_xargs.kairos_chunk_schedule`` (and ``kairos_step_budget_ms``) make
   the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does; a
   malformed one is refused by the plugin's own parser with vLLM's very answer (status, body).
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -54,22 +62,24 @@ from kairos.api.openai_request import (
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
+from kairos.common.block_hash import block_keys
 from kairos.common.config import load_config
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
+from kairos.common.kv_events import KvEventsConfig
 from kairos.common.runtime import stop_on_signals
 from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 from kairos.sim.engine import Engine, EngineConfig, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
+from kairos.sim.kv_event_publisher import KvEventPublisher
 from kairos.sim.realtime import EngineStoppedError, RealtimeEngine, TokenEvent, TokenStream
 
 log = logging.getLogger("kairos.sim.emulated_vllm")
 
 NODE_KEY = web.AppKey("node", "EmulatedNode")  # the application's EmulatedNode (tests reach into it)
 KV_PULL_PATH = "/kairos/kv/pull"
-KV_BLOCK_TOKENS = 16  # vLLM's default block size: remote_block_ids has one id per 16 prompt tokens
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -78,6 +88,8 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contr
 # vLLM streams one detokenized token per step; these are the fallback for a tokenizer with none.
 _WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna", " aliqua", " enim")
 _WORD_COUNT = len(_WORDS)
+# vllm:prompt_tokens_by_source's sources (vLLM's PromptTokenStats.ALL_SOURCES).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py).
 # fmt: off
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -112,6 +124,10 @@ class EmulatedNodeConfig:
     kv_hold_timeout_s: float = 480.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     step_log_size: int = 10_000  # engine steps kept for /kairos/steps
+    prefix_caching: bool = True  # vLLM's --enable-prefix-caching (its default) / --no-enable-prefix-caching
+    block_size: int = defaults.KV_BLOCK_TOKENS  # vLLM's --block-size: tokens per KV block (and per hash)
+    enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details.cached_tokens
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (KvEventsConfig)
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -134,6 +150,7 @@ class EmulatedNodeConfig:
             "max_running",
             "max_body_bytes",
             "step_log_size",
+            "block_size",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -145,6 +162,18 @@ class EmulatedNodeConfig:
             raise ConfigError(
                 f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= max_model_len={self.max_model_len}"
             )
+        _ = self.kv_events  # refuse a malformed --kv-events-config at start-up, as vLLM does
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """The parsed ``kv_events_config``; None when the node publishes no events."""
+        if self.kv_events_config is None:
+            return None
+        try:
+            parsed = KvEventsConfig.from_json(self.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return parsed if parsed.publishes else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,17 +247,19 @@ class _Metrics:
             ),
         )
         m.labels = {"model_name": model, "engine": "0"}
-        # Both sources exist from the start, so a scrape shows zeros rather than nothing.
-        for source in ("local_compute", "external_kv_transfer"):
+        # Every source exists from the start, so a scrape shows zeros rather than nothing.
+        for source in PROMPT_SOURCES:
             m.prompt_by_source.labels(**m.labels, source=source)
         m.request_success.labels(**m.labels, finished_reason="length")
         for metric in (m.running, m.waiting, m.kv_usage, m.ttft, m.itl, m.prompt_tokens, m.generation_tokens):
             metric.labels(**m.labels)
         return m
 
-    def add_prompt(self, tokens: int, source: str) -> None:
-        self.prompt_tokens.labels(**self.labels).inc(tokens)
-        self.prompt_by_source.labels(**self.labels, source=source).inc(tokens)
+    def add_prompt(self, computed: int, local_cache_hit: int = 0, external_kv_transfer: int = 0) -> None:
+        """One prompt's tokens by where their KV came from (vLLM's PromptTokenStats)."""
+        self.prompt_tokens.labels(**self.labels).inc(computed + local_cache_hit + external_kv_transfer)
+        for source, tokens in zip(PROMPT_SOURCES, (computed, local_cache_hit, external_kv_transfer), strict=True):
+            self.prompt_by_source.labels(**self.labels, source=source).inc(tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +285,9 @@ class EmulatedNode:
             default_max_tokens=min(16, config.max_model_len - 1),
         )
         self.words = one_token_words(tokenizer)
+        # The output's token ids, as the cache hashes them: vLLM caches a request's output blocks
+        # too, so a conversation's next turn (prompt + this answer + ...) hits past this prompt.
+        self.word_ids = _single_token_ids(tokenizer, self.words)
         self.engine_id = f"{config.node_id}-{uuid.uuid4().hex[:12]}"  # vLLM's per-engine id, new per start
         self.metrics = _Metrics.create(config.model)
         self.created = int(time.time())
@@ -269,12 +303,22 @@ class EmulatedNode:
         # One inbound KV link per decode node, FIFO, as the simulator models it: concurrent pulls
         # queue on the link instead of overlapping.
         self._link = asyncio.Lock()
+        events = config.kv_events
+        self.kv_events = KvEventPublisher(events, config.host) if events is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
         engine = Engine(
-            EngineConfig(cfg.node_id, cfg.role, cfg.max_step_tokens, cfg.kv_capacity_tokens, cfg.max_running),
+            EngineConfig(
+                cfg.node_id,
+                cfg.role,
+                cfg.max_step_tokens,
+                cfg.kv_capacity_tokens,
+                cfg.max_running,
+                block_tokens=cfg.block_size,
+                prefix_caching=cfg.prefix_caching,
+            ),
             model_step_time(self.models),
             guard=self.models,
             track_tokens=True,
@@ -284,7 +328,10 @@ class EmulatedNode:
             if cfg.role is Role.DECODE
             else None,
         )
-        self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size)
+        if self.kv_events is not None:
+            self.kv_events.start()
+        publish = self.kv_events.publish if self.kv_events is not None else None
+        self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size, kv_events=publish)
         self.rt.start()
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
         log.info(
@@ -306,6 +353,8 @@ class EmulatedNode:
         self._held.clear()
         if self.rt is not None:
             await self.rt.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.http is not None:
             await self.http.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -344,10 +393,16 @@ class EmulatedNode:
             parsed.max_tokens,
         )
 
+        ids = self._token_ids(parsed)
+        hashes = await self._block_hashes(ids)
         if plan.mode == "remote_prefill":
-            seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens)
+            seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
             stream = await self._pull_kv(seq, plan.kv_params or {}, rid)
-            self.metrics.add_prompt(parsed.prompt_tokens, "external_kv_transfer")
+            self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
+            own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
+            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
+            remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
+            cached = remote if _is_int(remote) else own
         else:
             seq = EngineSeq(
                 rid,
@@ -356,11 +411,19 @@ class EmulatedNode:
                 schedule=plan.schedule,
                 step_budget_s=plan.step_budget_s,
                 hold_kv=plan.mode == "remote_decode",
+                block_hashes=hashes,
+                token_ids=ids,
             )
             stream = rt.submit(seq)
-            self.metrics.add_prompt(parsed.prompt_tokens, "local_compute")
+            own = cached = seq.cached_hit
+            self.metrics.add_prompt(parsed.prompt_tokens - cached, cached)
 
         out = _Output(parsed, rid, self.config.model, int(time.time()), self.words)
+        if self.config.enable_prompt_tokens_details:
+            out.cached_tokens = cached
+            # vLLM's created_cache_tokens: the prompt's full blocks this request wrote to the cache.
+            written = parsed.prompt_tokens // self.config.block_size * self.config.block_size
+            out.created_cache_tokens = max(0, written - own) if self.config.prefix_caching else 0
         try:
             if parsed.stream:
                 return await self._stream(request, out, stream, arrival)
@@ -373,11 +436,35 @@ class EmulatedNode:
         return web.json_response(out.response(kv_params), headers={c.H_REQUEST_ID: rid}, dumps=_dumps)
 
     async def _parse(self, path: str, body: bytes) -> ParsedRequest:
+        ids = self.config.prefix_caching  # the prefix cache hashes the prompt's token ids
         if len(body) <= TOKENIZE_INLINE_BYTES:
-            return parse_request(path, body, self.tokenizer, self.limits)
+            return parse_request(path, body, self.tokenizer, self.limits, token_ids=ids)
         # Tokenizing a long prompt takes milliseconds: never stall the engine's step loop for it.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, parse_request, path, body, self.tokenizer, self.limits)
+        return await loop.run_in_executor(
+            self._pool, functools.partial(parse_request, path, body, self.tokenizer, self.limits, token_ids=ids)
+        )
+
+    def _token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
+        """The request's prompt and output token ids (() with prefix caching off): the output is
+        the words the node streams, so their ids are known before they are generated."""
+        prompt = parsed.prompt_token_ids
+        if not prompt:
+            return ()
+        if self.word_ids is None:
+            return prompt
+        n = len(self.word_ids)
+        return [*prompt, *(self.word_ids[i % n] for i in range(parsed.max_tokens))]
+
+    async def _block_hashes(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The request's full blocks as vLLM keys them (() with prefix caching off): a long
+        request's sha256 chain is hashed in a thread, as its prompt was counted."""
+        if not self.config.prefix_caching or len(token_ids) < self.config.block_size:
+            return ()
+        if len(token_ids) <= TOKENIZE_INLINE_BYTES // 4:  # about as many tokens as such a body holds
+            return tuple(block_keys(token_ids, self.config.block_size))
+        loop = asyncio.get_running_loop()
+        return tuple(await loop.run_in_executor(self._pool, block_keys, token_ids, self.config.block_size))
 
     def _plan(self, parsed: ParsedRequest) -> _Plan:
         """Which of the four ways the request runs here; every malformed extension is a 400
@@ -477,7 +564,7 @@ class EmulatedNode:
     # -- P/D: prefill side -------------------------------------------------------------------
     def _hold(self, seq: EngineSeq, request: web.Request) -> dict[str, Any]:
         """Keep a finished prefill hop's KV for the decode node and say where it is."""
-        n_blocks = max(1, -(-seq.prompt_tokens // KV_BLOCK_TOKENS))
+        n_blocks = max(1, -(-seq.prompt_tokens // self.config.block_size))
         block_ids = [next(self._block_ids) for _ in range(n_blocks)]
         held = _HeldKV(seq, block_ids)
         held.expiry = asyncio.get_running_loop().call_later(
@@ -498,6 +585,8 @@ class EmulatedNode:
             "remote_request_id": seq.request_id,
             "tp_size": 1,
             "kairos_prompt_tokens": seq.prompt_tokens,
+            # vLLM 0.32: the prefill side's hit, for the decode side's usage (prompt_tokens_details)
+            "remote_prefill_cached_tokens": seq.cached_hit,
         }
 
     def _expire(self, key: int) -> None:
@@ -537,18 +626,29 @@ class EmulatedNode:
             )
             log.info("node %s: KV pull for request %s refused: %s", self.config.node_id, rid or "-", reason)
             raise NotFoundError(f"node {self.config.node_id}: unknown KV transfer: {reason}")
+        tokens = held.seq.prompt_tokens
+        read = data.get("read_tokens", tokens)  # the decode side reads only the blocks it lacks
+        if not _is_int(read) or not 0 <= read <= tokens:
+            raise RequestError(f"read_tokens must be an integer in 0..{tokens}", "read_tokens")
         del self._held[block_ids[0]]
         if held.expiry is not None:
             held.expiry.cancel()
-        tokens = held.seq.prompt_tokens
         # The prefill node keeps the KV until the transfer has been read, as in the simulator.
-        asyncio.get_running_loop().call_later(rt.wall_delay(self.models.kv_transfer_s(tokens)), rt.release, held.seq)
-        log.debug("node %s: KV of request %s (%d tokens) pulled", self.config.node_id, held.seq.request_id, tokens)
+        asyncio.get_running_loop().call_later(rt.wall_delay(self.models.kv_transfer_s(read)), rt.release, held.seq)
+        log.debug(
+            "node %s: KV of request %s (%d of %d tokens) pulled",
+            self.config.node_id,
+            held.seq.request_id,
+            read,
+            tokens,
+        )
         return web.json_response({"prompt_tokens": tokens, "request_id": held.seq.request_id})
 
     # -- P/D: decode side --------------------------------------------------------------------
     async def _pull_kv(self, seq: EngineSeq, params: dict[str, Any], rid: str) -> TokenStream:
-        """Reserve room, claim the KV from the prefill node, wait the transfer, join the batch."""
+        """Reserve room, claim the KV from the prefill node, wait the transfer, join the batch.
+        The prompt's prefix this node caches is taken from its cache (vLLM's NixlConnector asks
+        the connector only for the tokens past the local hit): only the rest crosses the link."""
         rt = self.engine
         tokens = seq.prompt_tokens
         host = params["remote_host"]
@@ -557,7 +657,7 @@ class EmulatedNode:
         self._pulls.append(tokens)
         try:
             try:
-                await asyncio.wait_for(rt.reserve_kv(tokens), wait_s)
+                missing = await asyncio.wait_for(rt.reserve_transfer(seq), wait_s)
             except TimeoutError:
                 raise NoHealthyNodeError(
                     f"node {self.config.node_id}: no KV room for {tokens} tokens within "
@@ -566,23 +666,25 @@ class EmulatedNode:
             self._transferring += 1
             try:
                 async with self._link:
-                    await self._claim(prefill, params, tokens, rid)
-                    await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(tokens)))
+                    await self._claim(prefill, params, tokens, missing, rid)
+                    await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(missing)))
             except BaseException:
-                rt.unreserve_kv(tokens)
+                rt.unreserve_transfer(seq, missing)
                 raise
             finally:
                 self._transferring -= 1
         finally:
             self._pulls.remove(tokens)  # one of equal values: the list is only read as a multiset and order
-        return rt.accept_transferred(seq, tokens)
+        return rt.accept_transferred(seq, missing)
 
-    async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, rid: str) -> None:
+    async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, read: int, rid: str) -> None:
+        """Claim the held KV of ``tokens`` prompt tokens, of which this node reads the last ``read``."""
         assert self.http is not None
         payload = {
             "remote_engine_id": params["remote_engine_id"],
             "remote_block_ids": params["remote_block_ids"],
             "request_id": params.get("remote_request_id"),
+            "read_tokens": read,
         }
         url = f"http://{prefill}{KV_PULL_PATH}"
         try:
@@ -755,6 +857,8 @@ class _Output:
     words: tuple[str, ...]  # the text of output token i is words[(i - 1) % len(words)]
     tokens: int = 0  # output tokens produced so far
     last_at: float | None = None  # model time of the latest token
+    cached_tokens: int | None = None  # set with --enable-prompt-tokens-details: the request's hit
+    created_cache_tokens: int = 0  # the prompt tokens it wrote to the cache (chat reports them)
 
     @property
     def chat(self) -> bool:
@@ -767,14 +871,27 @@ class _Output:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, streamed: bool = False) -> dict[str, Any]:
         p = self.parsed.prompt_tokens
         return {
             "prompt_tokens": p,
             "total_tokens": p + self.tokens,
             "completion_tokens": self.tokens,
-            "prompt_tokens_details": None,
+            "prompt_tokens_details": self._details(streamed),
         }
+
+    def _details(self, streamed: bool) -> dict[str, Any] | None:
+        """vLLM 0.32's ``PromptTokenUsageInfo`` as its handlers fill and dump it: chat sets the
+        cached and the created tokens, completions only the cached ones; a response is dumped
+        whole, a stream's chunk with its unset fields left out."""
+        if self.cached_tokens is None:
+            return None
+        if self.chat:
+            return {"cached_tokens": self.cached_tokens, "created_cache_tokens": self.created_cache_tokens,
+                    "multimodal_tokens": None}  # fmt: skip
+        if streamed:
+            return {"cached_tokens": self.cached_tokens}
+        return {"cached_tokens": self.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
     def word(self, index: int) -> str:
         return self.words[(index - 1) % len(self.words)]
@@ -838,7 +955,7 @@ class _Output:
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage()}
+        return {**self._head(obj), "choices": [], "usage": self.usage(streamed=True)}
 
 
 def one_token_words(tokenizer: PromptTokenizer) -> tuple[str, ...]:
@@ -856,6 +973,14 @@ def one_token_words(tokenizer: PromptTokenizer) -> tuple[str, ...]:
             if len(words) == _WORD_COUNT:
                 break
     return tuple(words) or _WORDS
+
+
+def _single_token_ids(tokenizer: PromptTokenizer, words: Sequence[str]) -> tuple[int, ...] | None:
+    """Each word's one token id, or None when some word is not one token (the fallback words):
+    then only the prompt's blocks are cached."""
+    raw = tokenizer.raw_tokenizer
+    encoded = [raw.encode(w, add_special_tokens=False).ids for w in words]
+    return tuple(e[0] for e in encoded) if all(len(e) == 1 for e in encoded) else None
 
 
 def _dumps(obj: Any) -> str:
@@ -1078,6 +1203,22 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", dest="time_scale", type=float, help="10 = ten times faster than real time")
     p.add_argument("--kv-hold-timeout-s", dest="kv_hold_timeout_s", type=float, help="wall seconds (vLLM: 480)")
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    p.add_argument(
+        "--enable-prefix-caching",
+        dest="prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's prefix caching (default on; --no-enable-prefix-caching turns it off)",
+    )
+    p.add_argument("--block-size", dest="block_size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        dest="enable_prompt_tokens_details",
+        action="store_true",
+        default=None,
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    p.add_argument("--kv-events-config", dest="kv_events_config", help="vLLM's KVEventsConfig as JSON")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 

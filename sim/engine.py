@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from kairos.common import defaults
 from kairos.common.contracts import EngineStep, Role, StepChunk
+from kairos.common.kv_events import KvEvent, KvEventBatch
 from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, largest_chunk_within
-from kairos.sim.kv_event_index import KvEvent, KvEventBatch
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -80,6 +81,9 @@ class Sequence:
     tag: object = None  # the driver's own handle (the simulator's request record, an HTTP stream)
     # Chained hashes of the full blocks of prompt + output (RequestSpec.block_hashes); () never hits.
     block_hashes: tuple[int, ...] = ()
+    # The token ids of prompt + output, when the driver has them (the emulated node): its KV
+    # events carry each stored block's tokens, as vLLM's do. The simulator's requests have none.
+    token_ids: SequenceOf[int] = ()
     cached_hit: int = 0  # prompt tokens this engine had cached when the sequence arrived
     cache_refs: list[int] | tuple[()] = ()  # cached blocks it references, prefix order
 
@@ -232,15 +236,16 @@ class Engine:
         if self.cache is not None:
             self.cache.events = self._kv_events
 
-    def publish_kv_events(self, now: float) -> KvEventBatch | None:
-        """The cache's changes since the last batch, numbered as vLLM numbers its batches (None:
-        nothing changed)."""
+    def publish_kv_events(self, now: float) -> tuple[int, KvEventBatch] | None:
+        """The cache's changes since the last batch, as vLLM's scheduler hands them to its
+        publisher, with the number the publisher gives the batch (0, 1, ... for the engine's
+        life); None: nothing changed. ``now``: the batch's timestamp."""
         if not self._kv_events:
             return None
         self.kv_seq = 0 if self.kv_seq is None else self.kv_seq + 1
-        batch = KvEventBatch(self.kv_seq, now, tuple(self._kv_events))
+        batch = KvEventBatch(now, tuple(self._kv_events))
         self._kv_events.clear()
-        return batch
+        return self.kv_seq, batch
 
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_hit(self, block_hashes: tuple[int, ...], prompt_tokens: int) -> int:
@@ -263,11 +268,21 @@ class Engine:
             seq.cached_hit = seq.computed = n * self.config.block_tokens
             self.kv_pinned += seq.cached_hit
 
+    def _cache_blocks(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache the sequence's full blocks ``start:end`` (vLLM's ``cache_full_blocks``); the
+        ones newly cached."""
+        assert self.cache is not None
+        hashes = seq.block_hashes[start:end]
+        if not hashes:
+            return []
+        bs = self.config.block_tokens
+        tokens = seq.token_ids[start * bs : end * bs] if len(seq.token_ids) >= end * bs else ()
+        return self.cache.insert(hashes, seq.block_hashes[start - 1] if start else None, tokens)
+
     def _cache_prompt(self, seq: Sequence) -> None:
         """The sequence's prompt KV is complete here: its full blocks become cached."""
         if self.cache is not None and seq.block_hashes:
-            full = seq.prompt_tokens // self.config.block_tokens
-            added = self.cache.insert(seq.block_hashes[len(seq.cache_refs) : full])
+            added = self._cache_blocks(seq, len(seq.cache_refs), seq.prompt_tokens // self.config.block_tokens)
             if added:
                 seq.cache_refs = [*seq.cache_refs, *added]
 
@@ -281,7 +296,7 @@ class Engine:
         done = (seq.prompt_tokens + seq.generated - 1) // bs
         refs = list(seq.cache_refs)
         if done > seq.prompt_tokens // bs:
-            refs.extend(self.cache.insert(seq.block_hashes[seq.prompt_tokens // bs : done]))
+            refs.extend(self._cache_blocks(seq, seq.prompt_tokens // bs, done))
         self.cache.release(refs)
         seq.cache_refs = ()
 
@@ -324,6 +339,16 @@ class Engine:
         self.kv_reserved += missing
         self._make_room()
         return missing
+
+    def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
+        """Undo ``reserve_transfer``: the transfer will not happen (the pull failed)."""
+        self.kv_reserved -= reserved_tokens
+        if seq.cache_refs:
+            self.kv_pinned -= seq.cached_hit
+            assert self.cache is not None
+            self.cache.release(seq.cache_refs)
+            seq.cache_refs = ()
+        seq.cached_hit = seq.computed = 0
 
     def accept_transferred(self, seq: Sequence, reserved_tokens: int) -> None:
         """A request whose prompt KV arrived by transfer: it decodes from the next step."""

@@ -14,8 +14,11 @@ chain of block hashes (see :func:`chain_hashes`); the cache counts references an
 free queue. What a block costs in KV memory is the engine's to count (``sim/engine.py``): a
 referenced block sits in some running request's KV, a free one only in :attr:`free_tokens`.
 
-With an ``events`` list it records what vLLM publishes with ``--kv-events-config``: a
-``BlockStored`` for the blocks each ``insert`` cached, a ``BlockRemoved`` for each eviction.
+With an ``events`` list it records what vLLM's block pool queues for ``--kv-events-config``,
+as :mod:`kairos.common.kv_events` types: a ``BlockStored`` for each ``insert`` (the whole range
+the request completed, as ``cache_full_blocks`` reports it, with the parent block's hash and, when
+the caller has them, the blocks' token ids), a ``BlockRemoved`` per evicted block, and an
+``AllBlocksCleared`` for a reset.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from kairos.common import defaults
-from kairos.sim.kv_event_index import BlockRemoved, BlockStored, KvEvent
+from kairos.common.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 BLOCK_TOKENS = defaults.KV_BLOCK_TOKENS
 # The parent hash of a chain's first block (vLLM seeds it from a random NONE_HASH per process;
@@ -112,16 +115,20 @@ class PrefixCache:
                 self.shared_blocks += 1
             refs[h] = r + 1
 
-    def insert(self, hashes: Iterable[int]) -> list[int]:
-        """A request computed these full blocks: cache the ones not cached yet, referenced by it,
-        and return them. A block computed again while an equal one was cached stays the
-        request's own (vLLM keeps the first copy and does not cache the duplicate)."""
+    def insert(self, hashes: Sequence[int], parent: int | None = None, token_ids: Sequence[int] = ()) -> list[int]:
+        """A request computed these full blocks (``parent``: the hash of the block before the
+        first, None at a prompt's start; ``token_ids``: their tokens, if known): cache the ones
+        not cached yet, referenced by it, and return them. A block computed again while an equal
+        one was cached stays the request's own (vLLM keeps the first copy and does not cache the
+        duplicate); its event still lists it, as vLLM's does."""
         refs = self._refs
         added = [h for h in hashes if h not in refs]
         for h in added:
             refs[h] = 1
-        if added and self.events is not None:
-            self.events.append(BlockStored(tuple(added)))
+        if hashes and self.events is not None:
+            self.events.append(
+                BlockStored(tuple(hashes), parent, tuple(token_ids), self.block_tokens, None, MEDIUM_GPU, None, None, 0)
+            )
         return added
 
     def release(self, hashes: Sequence[int]) -> None:
@@ -147,9 +154,16 @@ class PrefixCache:
         for h in gone:
             del refs[h]
         if gone and self.events is not None:
-            self.events.append(BlockRemoved(tuple(gone)))
+            self.events.extend(BlockRemoved((h,), MEDIUM_GPU, 0) for h in gone)  # vLLM: one event per block
         return n
 
-    def clear(self) -> None:
-        """Drop every unreferenced block (vLLM's ``reset_prefix_cache``)."""
-        self.evict(len(self.free_queue))
+    def clear(self) -> bool:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``): only when no request
+        references one, else nothing changes and False is returned, as vLLM refuses."""
+        if len(self.free_queue) != len(self._refs):
+            return False
+        self._refs.clear()
+        self.free_queue.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kairos.common.aio import cancel_and_wait
 from kairos.common.contracts import StepField, encode_step_record, overran_step_budget
+from kairos.common.kv_events import KvEventBatch
 from kairos.sim.engine import Engine, Sequence, StepOutcome, StepPlan
 
 log = logging.getLogger(__name__)
@@ -73,10 +76,23 @@ class TokenStream:
         return item
 
 
-class RealtimeEngine:
-    """Runs one :class:`Engine` in wall time. Create and use it inside a running event loop."""
+KvEventSink = Callable[[int, KvEventBatch], None]  # (sequence number, batch): a node's event publisher
 
-    def __init__(self, engine: Engine, time_scale: float = 1.0, step_log_size: int = DEFAULT_STEP_LOG) -> None:
+
+class RealtimeEngine:
+    """Runs one :class:`Engine` in wall time. Create and use it inside a running event loop.
+
+    With ``kv_events``, the engine's prefix-cache changes are handed to it as vLLM's scheduler
+    hands them to its publisher: one numbered batch per step that changed the cache (and one for
+    a change between steps: a transfer's arrival, a released hold), stamped with unix time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        time_scale: float = 1.0,
+        step_log_size: int = DEFAULT_STEP_LOG,
+        kv_events: KvEventSink | None = None,
+    ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         if not engine.track_tokens:
@@ -88,7 +104,12 @@ class RealtimeEngine:
         self._t0 = self._loop.time()
         self._wake = asyncio.Event()
         self._streams: dict[Sequence, TokenStream] = {}
-        self._kv_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()  # FIFO, like the simulator's link
+        # Transfers waiting for KV room, FIFO like the simulator's link: each one's reservation
+        # attempt (the tokens it reserved, or None while the node is too full) and its waiter.
+        self._kv_waiters: deque[tuple[Callable[[], int | None], asyncio.Future[int]]] = deque()
+        self._kv_events = kv_events
+        if kv_events is not None:
+            engine.record_kv_events()
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self.resyncs = 0  # times the loop fell over MAX_LAG_S behind and dropped the lost time
@@ -136,15 +157,38 @@ class RealtimeEngine:
         self._check()
         if tokens > self.engine.config.kv_capacity_tokens:
             raise ValueError(f"{tokens} tokens exceed the KV capacity of {self.engine.config.kv_capacity_tokens}")
-        if not self._kv_waiters and self.engine.reserve_kv(tokens):
-            return
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._kv_waiters.append((tokens, fut))
+        engine = self.engine
+
+        def attempt() -> int | None:
+            return tokens if engine.reserve_kv(tokens) else None
+
+        await self._reserve(attempt, lambda _: self.unreserve_kv(tokens))
+
+    async def reserve_transfer(self, seq: Sequence) -> int:
+        """Reserve KV room for ``seq``'s prompt arriving by transfer, taking the prefix this node
+        already caches (``Engine.reserve_transfer``), waiting (FIFO) while the node is too full:
+        the tokens to transfer. Undo with ``unreserve_transfer``, or pass them to ``accept_transferred``."""
+        self._check()
+        if seq.prompt_tokens > self.engine.config.kv_capacity_tokens:
+            raise ValueError(
+                f"{seq.prompt_tokens} tokens exceed the KV capacity of {self.engine.config.kv_capacity_tokens}"
+            )
+        engine = self.engine
+        return await self._reserve(lambda: engine.reserve_transfer(seq), lambda n: self.unreserve_transfer(seq, n))
+
+    async def _reserve(self, attempt: Callable[[], int | None], undo: Callable[[int], None]) -> int:
+        if not self._kv_waiters:
+            reserved = attempt()
+            if reserved is not None:
+                self._publish_kv_events()  # the room may have evicted cached blocks
+                return reserved
+        fut: asyncio.Future[int] = self._loop.create_future()
+        self._kv_waiters.append((attempt, fut))
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.unreserve_kv(tokens)  # granted just as the waiter went away
+                undo(fut.result())  # granted just as the waiter went away
             else:
                 self._kv_waiters = deque(w for w in self._kv_waiters if w[1] is not fut)
                 self._pump_kv()  # a smaller request behind it may fit now
@@ -157,11 +201,18 @@ class RealtimeEngine:
         self._pump_kv()
         self._wake.set()
 
+    def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
+        """Give back a ``reserve_transfer`` whose transfer will not happen (the pull failed)."""
+        self.engine.unreserve_transfer(seq, reserved_tokens)
+        self._pump_kv()
+        self._wake.set()
+
     def accept_transferred(self, seq: Sequence, reserved_tokens: int) -> TokenStream:
         """A sequence whose prompt KV arrived: it decodes from the next step."""
         self._check()
         stream = self._streams[seq] = TokenStream(seq)
         self.engine.accept_transferred(seq, reserved_tokens)
+        self._publish_kv_events()
         self._wake.set()
         return stream
 
@@ -251,15 +302,24 @@ class RealtimeEngine:
                 del self._streams[seq]
 
     def _pump_kv(self) -> None:
+        """Grant the waiting transfers that fit now, in order; publish what the cache did."""
         while self._kv_waiters:
-            tokens, fut = self._kv_waiters[0]
+            attempt, fut = self._kv_waiters[0]
             if fut.done():
                 self._kv_waiters.popleft()
                 continue
-            if not self.engine.reserve_kv(tokens):
-                return
+            reserved = attempt()
+            if reserved is None:
+                break
             self._kv_waiters.popleft()
-            fut.set_result(None)
+            fut.set_result(reserved)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events is not None:
+            published = self.engine.publish_kv_events(time.time())  # vLLM stamps a batch with unix time
+            if published is not None:
+                self._kv_events(*published)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():

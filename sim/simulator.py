@@ -19,8 +19,10 @@ really arrived. One whose ``after`` is not in the run arrives at its ``arrival_s
 Prefix caching: every node's engine caches blocks (vLLM's default); a request's block hashes
 decide what it hits. A prefix-aware policy (``policy.prefix_aware``) is told each node's hit
 for the request: read from the engines themselves (the truth), or, with ``prefix_index``, from
-the dispatcher's index of the nodes' KV-cache events, which each node publishes with its
-heartbeat (so the index lags the caches by up to a heartbeat period, as the load state does).
+the gateway's own index of the nodes' KV-cache events (:class:`~kairos.core.prefix_index.PrefixIndex`
+fed through :class:`~kairos.core.kv_event_sync.EventStreamSync`, as the dispatcher's subscriber
+feeds it), which each node publishes with its heartbeat (so the index lags the caches by up to a
+heartbeat period, as the load state does).
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, Role
 from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.decision import Route
+from kairos.core.kv_event_sync import EventStreamSync
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
+from kairos.core.prefix_index import PrefixIndex
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
-from kairos.sim.kv_event_index import PrefixIndex
 from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
+from kairos.sim.prefix_cache import hit_blocks_cap
 from kairos.sim.requests import RequestSpec
 
 
@@ -203,11 +207,17 @@ class Simulator:
             )
             for n in decode_ids
         ]
-        self.prefix_index = PrefixIndex(self.prefill[0].config.block_tokens) if c.prefix_index else None
         self.engines: dict[str, Engine] = {e.config.node_id: e for e in (*self.prefill, *self.decode)}
-        if self.prefix_index is not None:
-            for engine in self.engines.values():
+        self.prefix_index: PrefixIndex | None = None
+        self._kv_streams: dict[str, EventStreamSync] = {}
+        if c.prefix_index:
+            # Room for every block a node can hold: the index never drops one the node still has.
+            block_tokens = self.prefill[0].config.block_tokens
+            self.prefix_index = PrefixIndex(c.kv_capacity_tokens // block_tokens + 1, defaults.STALE_AFTER_S)
+            for node_id, engine in self.engines.items():
                 engine.record_kv_events()
+                self.prefix_index.add_node(node_id, 0.0)
+                self._kv_streams[node_id] = EventStreamSync(self.prefix_index, node_id)
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
         self.tracker = ClusterTracker()
         self.metrics = SimMetrics(decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s)
@@ -275,9 +285,7 @@ class Simulator:
         view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
         if self._prefix_aware and spec.block_hashes:
             if self.prefix_index is not None and not self.policy.fresh_state:
-                hits = self.prefix_index.cached_tokens(
-                    spec.block_hashes, spec.prompt_tokens, now, defaults.STALE_AFTER_S
-                )
+                hits = self._indexed_hits(spec, now)
             else:
                 hits = {
                     node_id: engine.prefix_hit(spec.block_hashes, spec.prompt_tokens)
@@ -321,6 +329,15 @@ class Simulator:
         engine.submit(seq)
         rec.cached_tokens = seq.cached_hit
         self._kick(engine, now)
+
+    def _indexed_hits(self, spec: RequestSpec, now: float) -> dict[str, int]:
+        """The nodes that hold a cached prefix of the request, by the event index: tokens in
+        full blocks, never the prompt's last token (vLLM computes it)."""
+        assert self.prefix_index is not None
+        block_tokens = self.prefill[0].config.block_tokens
+        keys = spec.block_hashes[: hit_blocks_cap(spec.prompt_tokens, block_tokens)]
+        hits = self.prefix_index.longest_prefix_tokens({block_tokens: keys}, now)
+        return {node_id: tokens for node_id, tokens in hits.items() if tokens}
 
     # -- engines -----------------------------------------------------------------------------
     def _kick(self, engine: Engine, now: float) -> None:
@@ -425,9 +442,11 @@ class Simulator:
     def _report(self, node_id: str, now: float) -> None:
         engine = self.engines[node_id]
         if self.prefix_index is not None:  # the KV events published since the last beat
-            batch = engine.publish_kv_events(now)
-            self.prefix_index.apply(node_id, () if batch is None else (batch,))
-            self.prefix_index.confirm(node_id, engine.kv_seq, now)
+            published = engine.publish_kv_events(now)
+            if published is not None:
+                replay = self._kv_streams[node_id].on_live(*published, now)
+                assert replay is None, "a node's batches reach the simulated dispatcher in order"
+            self.prefix_index.touch(node_id, now)  # the heartbeat: nothing else was published
         snap = engine.snapshot()
         if snap.role is Role.PREFILL:
             self.tracker.update_prefill(_prefill_state(snap, now))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -95,6 +96,10 @@ H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"  # deflect: beta x tau the node enf
 H_PRED_TTFT_PREFILL_MS = "x-kairos-predicted-ttft-prefill-ms"
 H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"  # absent when not computed
 H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token count
+# The prompt tokens the dispatcher predicted cached on the node that prefills the request (the
+# decode node on deflect, the prefill node on keep), from the nodes' KV events; absent when none.
+# Informational: a deflection's schedule covers the rest, so it sums to prompt - cached.
+H_CACHED_TOKENS = "x-kairos-cached-tokens"
 
 # The sidecar echoes these on the response, so a client or an operator can see which path a
 # request took (curl -i shows them).
@@ -104,6 +109,7 @@ ECHOED_RESPONSE_HEADERS = (
     H_DECODE_NODE,
     H_CHUNK_SCHEDULE,
     H_PROMPT_TOKENS,
+    H_CACHED_TOKENS,
     H_PRED_TTFT_PREFILL_MS,
     H_PRED_TTFT_DECODE_MS,
 )
@@ -160,6 +166,10 @@ HEARTBEAT_TTL_S = 0.5  # key expiry: five missed beats and the node is gone
 # its latency model. A value outside it is malformed; a heartbeat without it reads as 1.0.
 STEP_CALIBRATION_MIN = 0.25
 STEP_CALIBRATION_MAX = 4.0
+# A node's advertised KV event sockets (kairos.common.kv_events): ZMQ endpoints a dispatcher
+# connects to, so a concrete host (never vLLM's bind wildcard "*"), or an ipc:// path.
+KV_EVENTS_ENDPOINT_PATTERN = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}|ipc://[^\s]+)\Z"
+_KV_EVENTS_ENDPOINT = re.compile(KV_EVENTS_ENDPOINT_PATTERN)
 
 
 class HeartbeatField:
@@ -191,7 +201,15 @@ class HeartbeatField:
     # finish pulling (queued on or running over its inbound link), FIFO; the keep path's TTFT
     # estimate queues a new transfer behind them. Absent: none reported.
     PENDING_KV_PULL_TOKENS = "pending_kv_pull_tokens"
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS)
+    # Optional: where the node publishes vLLM's KV cache events (--kv-events-config), as ZMQ
+    # endpoints a dispatcher connects to (KV_EVENTS_ENDPOINT_PATTERN), and their topic. Absent:
+    # no events, the dispatcher reads the node's prefix hits as zero.
+    KV_EVENTS_ENDPOINT = "kv_events_endpoint"  # the PUB socket
+    KV_EVENTS_REPLAY_ENDPOINT = "kv_events_replay_endpoint"  # the replay ROUTER (absent: none)
+    KV_EVENTS_TOPIC = "kv_events_topic"  # absent: "" (vLLM's default, every topic)
+    # From the publisher's config, not the engine's state.
+    KV_EVENTS = (KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC)
+    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS, *KV_EVENTS)
 
     ALL = (
         NODE_ID,
@@ -251,6 +269,9 @@ class Heartbeat:
     kv_usage: float | None = None
     step_calibration: float | None = None  # None: not reported (the dispatcher reads 1.0)
     pending_kv_pull_tokens: tuple[int, ...] | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str | None = None
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -277,6 +298,9 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.KV_USAGE: hb.kv_usage,
         f.STEP_CALIBRATION: hb.step_calibration,
         f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
+        f.KV_EVENTS_ENDPOINT: hb.kv_events_endpoint,
+        f.KV_EVENTS_REPLAY_ENDPOINT: hb.kv_events_replay_endpoint,
+        f.KV_EVENTS_TOPIC: hb.kv_events_topic,
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
@@ -311,6 +335,14 @@ def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
     if not ok or (kind is int and not isinstance(value, int)):
         raise MalformedHeartbeat(f"{name} must be {'an int' if kind is int else 'a number'} >= 0, got {value!r}")
     return kind(value)
+
+
+def _hb_endpoint(data: Mapping[str, Any], name: str) -> str | None:
+    value = data.get(name)
+    if value is not None and not (isinstance(value, str) and _KV_EVENTS_ENDPOINT.match(value)):
+        raise MalformedHeartbeat(f"{name} must be a ZMQ endpoint to connect to (tcp://host:port or ipc://path), "
+                                 f"got {value!r}")
+    return value
 
 
 def _step_calibration(value: Any, error: type[Exception]) -> float | None:
@@ -353,6 +385,8 @@ def _heartbeat_wire() -> type[msgspec.Struct]:
         "sent_at": float,
         "role": Role,
         "step_calibration": Annotated[float, msgspec.Meta(ge=STEP_CALIBRATION_MIN, le=STEP_CALIBRATION_MAX)],
+        "kv_events_endpoint": Annotated[str, msgspec.Meta(pattern=KV_EVENTS_ENDPOINT_PATTERN)],
+        "kv_events_replay_endpoint": Annotated[str, msgspec.Meta(pattern=KV_EVENTS_ENDPOINT_PATTERN)],
     }
     plain = {int: count, float: Annotated[float, msgspec.Meta(ge=0)], str: str, tuple[int, ...]: tuple[count, ...]}
     hints = get_type_hints(Heartbeat)
@@ -428,6 +462,9 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
         pending_kv_pull_tokens=(
             _hb_ints(data, f.PENDING_KV_PULL_TOKENS) if data.get(f.PENDING_KV_PULL_TOKENS) is not None else None
         ),
+        kv_events_endpoint=_hb_endpoint(data, f.KV_EVENTS_ENDPOINT),
+        kv_events_replay_endpoint=_hb_endpoint(data, f.KV_EVENTS_REPLAY_ENDPOINT),
+        kv_events_topic=_hb_str(data, f.KV_EVENTS_TOPIC) if data.get(f.KV_EVENTS_TOPIC) is not None else None,
     )
 
 

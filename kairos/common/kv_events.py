@@ -35,13 +35,19 @@ maps both to the int, the key every index uses (see :mod:`kairos.common.block_ha
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
+from kairos.common.contracts import KV_EVENTS_ENDPOINT_PATTERN
+from kairos.common.errors import ConfigError
+
 KV_EVENTS_TOPIC = "kv-events"  # the topic Kairos configures its nodes with
+MEDIUM_GPU = "GPU"  # the medium vLLM's GPU block pool writes on its events (offload tiers write others)
 SEQ_BYTES = 8  # a sequence number's frame: unsigned, big-endian
 REPLAY_END_SEQ = -1  # the replay's end marker, as 8 signed big-endian bytes
 REPLAY_END_FRAME = REPLAY_END_SEQ.to_bytes(SEQ_BYTES, "big", signed=True)
@@ -255,3 +261,100 @@ class KvEventEndpoints:
     pub: str  # e.g. tcp://10.0.0.5:5557: vLLM's --kv-events-config endpoint, its host filled in
     replay: str | None = None  # its replay_endpoint; None: gaps reset instead of replaying
     topic: str = KV_EVENTS_TOPIC
+
+
+# -- how a node is told to publish ----------------------------------------------------------------
+_PUBLISHERS = ("null", "zmq")
+
+
+class KvEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM 0.32's ``--kv-events-config`` (``vllm/config/kv_events.py``): the same fields, the
+    same defaults, from the same JSON. ``publisher`` defaults to "zmq" when events are enabled,
+    "null" otherwise, as vLLM's ``__post_init__`` sets it."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"  # a "*" (or "::", ipc://, inproc://) binds; any other address connects
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in _PUBLISHERS:
+            raise ValueError(f"publisher must be one of {list(_PUBLISHERS)}, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a node with this configuration publishes on ZMQ (vLLM's EventPublisherFactory)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KvEventsConfig:
+        """Parse the flag's JSON; a field vLLM does not have, or a value of the wrong type, is a
+        ValueError naming it (vLLM refuses both at start-up)."""
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as e:  # ValidationError included
+            raise ValueError(f"--kv-events-config: {e}") from None
+
+    def to_json(self) -> str:
+        """The flag's JSON, every field written out."""
+        return msgspec.json.encode(self).decode()
+
+
+# -- where a node's events are subscribed to, as its heartbeat advertises it ---------------------
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+_ADVERTISABLE = re.compile(KV_EVENTS_ENDPOINT_PATTERN)
+
+
+def advertised_endpoints(config: KvEventsConfig, host: str) -> KvEventEndpoints | None:
+    """Where a subscriber connects to a node started with ``config`` (None: it publishes no
+    events): each socket's wildcard host replaced by ``host``, the node's address others reach
+    it at. vLLM binds its PUB socket only for a wildcard (``*``, ``::``) or ipc:// endpoint and
+    otherwise connects out to it, which no subscriber could follow: a ConfigError; the replay
+    socket is always bound."""
+    if not config.publishes:
+        return None
+    if not publisher_binds(config.endpoint):
+        raise ConfigError(
+            f"KV events endpoint {config.endpoint!r}: vLLM connects its publisher to a concrete host; "
+            "give a bind address such as tcp://*:5557 (the node's host is advertised in its place)"
+        )
+    replay = None if config.replay_endpoint is None else _connectable(config.replay_endpoint, host)
+    return KvEventEndpoints(_connectable(config.endpoint, host), replay, config.topic)
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule for its PUB socket: bind for a wildcard or a local transport, else connect."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _connectable(endpoint: str, host: str) -> str:
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"KV events endpoint {endpoint!r}: expected tcp://host:port or ipc://path")
+    bound, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"KV events endpoint {endpoint!r}: expected tcp://host:port")
+    if bound in _WILDCARD_HOSTS:
+        if not host:
+            raise ConfigError(f"KV events endpoint {endpoint!r} binds every interface: a host to advertise is needed")
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address
+        endpoint = f"tcp://{host}:{port}"
+    if not _ADVERTISABLE.match(endpoint):  # what the heartbeat contract takes
+        raise ConfigError(f"KV events endpoint {endpoint!r} is not one a subscriber can connect to")
+    return endpoint
+
+
+def host_of(hostport: str) -> str:
+    """The host of a ``host:port`` address (brackets of an IPv6 one removed)."""
+    return urlsplit(f"//{hostport}").hostname or ""

@@ -161,13 +161,20 @@ def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens:
 # The keep path's TTFT: Eq. 1 and what the paper leaves out
 # ---------------------------------------------------------------------------------------------
 def keep_handoff_s(
-    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, prefill_s: float
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    prefill_s: float,
+    cached_tokens: int = 0,
 ) -> float:
     """From the prefill's end (``prefill_s`` from now, Eq. 1) to the first token on decode node
     ``node``: W_link + T_xfer + W_adm + T_join.
 
-    - T_xfer: the prompt's KV over the node's inbound link, the profile's transfer model
-      (latency + tokens x bytes per token / bandwidth: the simulator's and the emulated node's).
+    - T_xfer: the prompt's KV the node lacks over its inbound link, the profile's transfer model
+      (latency + tokens x bytes per token / bandwidth: the simulator's and the emulated node's):
+      the ``cached_tokens`` of the prompt's prefix it holds are not pulled (vLLM's NixlConnector
+      takes the decode side's local hit from its own cache and reads only the rest).
     - W_link: the link is FIFO, one transfer at a time. Ahead of this one: the pulls the node
       reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take); the link
       clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
@@ -196,7 +203,7 @@ def keep_handoff_s(
     ahead_n = len(pulls) + node.incoming_keeps
     ahead_tokens = pull_tokens + node.incoming_keep_tokens
     link_wait = max(0.0, len(pulls) * t.latency_s + pull_tokens * per_token - prefill_s)
-    transfer = t.latency_s + prompt_tokens * per_token
+    transfer = t.latency_s + (prompt_tokens - cached_tokens) * per_token
     b = node.decode_tokens + len(backlog) + ahead_n
     k = node.kv_tokens + backlog_tokens + ahead_tokens
     t0 = models.decode_step_s(b, k)
@@ -209,13 +216,19 @@ def keep_handoff_s(
 
 
 def keep_ttft_s(
-    models: LatencyModels, config: DeciderConfig, prefill_s: float, node: DecodeNodeState, prompt_tokens: int
+    models: LatencyModels,
+    config: DeciderConfig,
+    prefill_s: float,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
 ) -> float:
     """The keep path's TTFT through a prefill node whose Eq. 1 is ``prefill_s`` and decode node
-    ``node``: Eq. 1 + ``keep_handoff_s`` (``keep_estimate="full"``), or Eq. 1 alone ("eq1")."""
+    ``node``, which caches ``cached_tokens`` of the prompt: Eq. 1 + ``keep_handoff_s``
+    (``keep_estimate="full"``), or Eq. 1 alone ("eq1")."""
     if config.keep_estimate == "eq1":
         return prefill_s
-    return prefill_s + keep_handoff_s(models, config, node, prompt_tokens, prefill_s)
+    return prefill_s + keep_handoff_s(models, config, node, prompt_tokens, prefill_s, cached_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,7 +979,8 @@ def decide(
     validate_prompt(prompt_tokens)
     prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens, cached)
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
-    ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens)
+    keep_hit = cached_prefix(cached, keep_decode.node_id, prompt_tokens)
+    ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens, keep_hit)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
         return Decision(

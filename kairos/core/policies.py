@@ -53,7 +53,9 @@ def _keep(
 ) -> Decision:
     prefill, prefill_s = alg.best_prefill_node(models, view, now, cfg, prompt_tokens, cached)
     decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens, cached)
-    ttft_pf = alg.keep_ttft_s(models, cfg, prefill_s, decode, prompt_tokens)
+    ttft_pf = alg.keep_ttft_s(
+        models, cfg, prefill_s, decode, prompt_tokens, alg.cached_prefix(cached, decode.node_id, prompt_tokens)
+    )
     hit = alg.cached_prefix(cached, prefill.node_id, prompt_tokens)
     return Decision(
         Route.KEEP,

@@ -24,7 +24,7 @@ groups, offload tiers, or another block size (vLLM's partial blocks) are counted
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +79,10 @@ class PrefixIndex:
         self._by_slot: dict[int, str] = {}
         self._holders: dict[int, int] = {}  # block key -> mask of the slots holding it
         self._free_slots: list[int] = []
+        # Nodes per block size, kept as nodes set and reset theirs: the request path asks for the
+        # sizes twice a request, which must not cost a pass over 1,000 nodes.
+        self._sizes: Counter[int] = Counter()
+        self._size_set: frozenset[int] = frozenset()
 
     # -- membership ------------------------------------------------------------------------------
     def add_node(self, node_id: str, now: float) -> None:
@@ -93,6 +97,7 @@ class PrefixIndex:
         node = self._nodes.pop(node_id, None)
         if node is None:
             return
+        self._set_block_size(node, None)
         self._drop_all(node)
         del self._by_slot[node.slot]
         self._free_slots.append(node.slot)
@@ -136,7 +141,7 @@ class PrefixIndex:
         """Forget the node's blocks (a reset); its next stored event sets its block size again."""
         node = self._nodes[node_id]
         self._drop_all(node)
-        node.block_size = None
+        self._set_block_size(node, None)
         node.resets += 1
 
     def apply(self, node_id: str, events: Iterable[KvEvent], now: float) -> None:
@@ -159,7 +164,7 @@ class PrefixIndex:
             node.ignored_events += 1
             return
         if node.block_size is None:
-            node.block_size = event.block_size
+            self._set_block_size(node, event.block_size)
         elif event.block_size != node.block_size:
             node.ignored_events += 1
             return
@@ -176,6 +181,18 @@ class PrefixIndex:
             key, _ = blocks.popitem(last=False)
             self._unhold(key, bit)
             node.evicted_blocks += 1
+
+    def _set_block_size(self, node: _Node, size: int | None) -> None:
+        if node.block_size == size:
+            return
+        if node.block_size is not None:
+            self._sizes[node.block_size] -= 1
+            if not self._sizes[node.block_size]:
+                del self._sizes[node.block_size]
+        if size is not None:
+            self._sizes[size] += 1
+        node.block_size = size
+        self._size_set = frozenset(self._sizes)
 
     def _remove(self, node: _Node, hashes: Iterable[int | bytes]) -> None:
         bit = 1 << node.slot
@@ -200,7 +217,7 @@ class PrefixIndex:
     # -- lookup ----------------------------------------------------------------------------------
     def block_sizes(self) -> frozenset[int]:
         """The block sizes the nodes hash at: the prompt's keys are needed at each of these."""
-        return frozenset(n.block_size for n in self._nodes.values() if n.block_size is not None)
+        return self._size_set
 
     def fresh(self, node_id: str, now: float) -> bool:
         node = self._nodes[node_id]

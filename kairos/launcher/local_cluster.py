@@ -25,6 +25,7 @@ from typing import Any
 from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
 from kairos.core.policies import validate_gateway_policy
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import (
@@ -72,6 +73,9 @@ class LocalClusterConfig:
     redis_tls: bool = False  # TLS only (rediss://), with a CA made for this cluster
     gateway_host: str = LOOPBACK
     log_level: str = "INFO"  # every process's: dispatchers, engines, sidecars, publishers
+    # Every node publishes its KV cache events (vLLM's --kv-events-config, on two free ports)
+    # and its heartbeat advertises them, so the dispatchers see each node's prefix cache.
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         level = self.log_level.upper()
@@ -90,6 +94,18 @@ class LocalClusterConfig:
             raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
 
 
+def kv_events_config(pub_port: int, replay_port: int) -> KvEventsConfig:
+    """A node's --kv-events-config: vLLM's ZMQ publisher bound on every interface at these ports
+    (vLLM binds only a wildcard endpoint; its heartbeat advertises the node's host instead)."""
+    return KvEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{pub_port}",
+        replay_endpoint=f"tcp://*:{replay_port}",
+        topic=KV_EVENTS_TOPIC,
+    )
+
+
 @dataclass
 class NodeProcs:
     node_id: str
@@ -97,6 +113,8 @@ class NodeProcs:
     vllm_port: int
     sidecar_port: int | None
     host: str = LOOPBACK  # where the node's vLLM and sidecar listen (another machine for --nodes)
+    # Its engine's --kv-events-config, the same to its heartbeat publisher (None: no events).
+    kv_events: KvEventsConfig | None = None
     engine: ManagedProcess | None = None
     publisher: ManagedProcess | None = None
     sidecar: ManagedProcess | None = None
@@ -175,7 +193,11 @@ class LocalCluster:
     def plan_nodes(self) -> list[NodeProcs]:
         cfg = self.config
         nodes = [NodeProcs(f"p{i}", Role.PREFILL, free_port(), None) for i in range(cfg.prefill_nodes)]
-        return nodes + [NodeProcs(f"d{i}", Role.DECODE, free_port(), free_port()) for i in range(cfg.decode_nodes)]
+        nodes += [NodeProcs(f"d{i}", Role.DECODE, free_port(), free_port()) for i in range(cfg.decode_nodes)]
+        if cfg.kv_events:
+            for node in nodes:
+                node.kv_events = kv_events_config(free_port(), free_port())
+        return nodes
 
     def _build_model(self) -> Path:
         from kairos.launcher.tinymodel import build_tiny_model
@@ -253,6 +275,7 @@ class LocalCluster:
                 str(step_tokens),
                 "--kv-capacity-tokens",
                 str(cfg.kv_capacity_tokens),
+                *self._kv_events_args(node),
                 "--log-level",
                 cfg.log_level,
             ),
@@ -291,28 +314,38 @@ class LocalCluster:
         return self.group.start(
             ManagedProcess(
                 f"{node.node_id}-heartbeat",
-                self._py(
-                    "kairos.nodeagent.heartbeat",
-                    "--node-id",
-                    node.node_id,
-                    "--role",
-                    node.role,
-                    "--url",
-                    node.url,
-                    "--sidecar",
-                    node.sidecar_url,
-                    "--state-url",
-                    self.state_url(node),
-                    "--period-ms",
-                    str(self.config.heartbeat_ms),
-                    "--log-level",
-                    self.config.log_level,
-                ),
+                self.publisher_argv(node),
                 self._log(f"{node.node_id}-heartbeat"),
                 env=self.agent_env(node),
             ),
             timeout_s,
         )
+
+    def publisher_argv(self, node: NodeProcs) -> list[str]:
+        return self._py(
+            "kairos.nodeagent.heartbeat",
+            "--node-id",
+            node.node_id,
+            "--role",
+            node.role,
+            "--url",
+            node.url,
+            "--sidecar",
+            node.sidecar_url,
+            "--state-url",
+            self.state_url(node),
+            "--period-ms",
+            str(self.config.heartbeat_ms),
+            *self._kv_events_args(node),
+            "--log-level",
+            self.config.log_level,
+        )
+
+    @staticmethod
+    def _kv_events_args(node: NodeProcs) -> list[str]:
+        """The engine's flag and its publisher's, the same JSON: the publisher advertises the
+        sockets the engine binds, at the node's host."""
+        return [] if node.kv_events is None else ["--kv-events-config", node.kv_events.to_json()]
 
     def agent_env(self, node: NodeProcs) -> dict[str, str]:
         """The environment of a node's publisher and sidecar: the Redis URL of the node's own

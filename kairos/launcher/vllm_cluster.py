@@ -8,6 +8,7 @@ vLLM takes tens of seconds to start, so every engine is launched before the firs
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 
 from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import KvEventEndpoints
+from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig
 from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.vllm_node import VllmNodeSpec
@@ -123,6 +124,10 @@ class VllmCluster(LocalCluster):
             kv_events_replay_port=free_port() if backend.prefix_caching else 0,
         )
         self.specs[node.node_id] = spec
+        # What the node's heartbeat publisher advertises (LocalCluster.start_agents): exactly the
+        # engine's own --kv-events-config, not the ports LocalCluster planned for an emulated node.
+        publishes = spec.kv_event_endpoints() is not None
+        node.kv_events = KvEventsConfig.from_json(json.dumps(spec.kv_events_config())) if publishes else None
         return ManagedProcess(
             f"{node.node_id}-vllm",
             spec.argv(),

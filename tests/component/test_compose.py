@@ -21,6 +21,7 @@ from kairos.common import contracts as c
 from kairos.common.contracts import REDIS_NODE_KEY
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig, advertised_endpoints
 from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
@@ -289,6 +290,30 @@ def test_heartbeats_point_at_their_engine_and_sidecar(services: dict[str, dict[s
         probe = " ".join(svc["healthcheck"]["test"])
         assert f"EXISTS {REDIS_NODE_KEY.format(node_id=node)}\\r" in probe
         assert "AUTH %s" in probe and PASSWORD.fullmatch(svc["environment"]["KAIROS_REDIS_PASSWORD"])
+
+
+def test_each_node_publishes_its_kv_events_where_its_heartbeat_says_and_the_dispatchers_can_read(
+    services: dict[str, dict[str, Any]], compose: dict[str, Any]
+) -> None:
+    """The engine's --kv-events-config is its heartbeat's, verbatim; its sockets are unix sockets
+    of its own in the shared volume (never on a network interface: the events carry prompt token
+    ids), which every dispatcher mounts at the same path."""
+    assert LocalClusterConfig().kv_events
+    assert "kv-events" in compose["volumes"]
+    folders = set()
+    for node in ENGINES:
+        raw = flags(services[node])["--kv-events-config"]
+        assert flags(services[HEARTBEATS[node]])["--kv-events-config"] == raw
+        config = KvEventsConfig.from_json(raw)
+        advertised = advertised_endpoints(config, LOOPBACK)
+        assert advertised is not None and advertised.topic == KV_EVENTS_TOPIC
+        for endpoint in (advertised.pub, advertised.replay):
+            assert endpoint is not None and endpoint.startswith("ipc://") and f"/{node}." in endpoint
+            folders.add(endpoint.removeprefix("ipc://").rsplit("/", 1)[0])
+        (folder,) = folders
+        assert f"kv-events:{folder}" in services[node]["volumes"]
+    for name in DISPATCHERS:
+        assert f"kv-events:{folder}" in services[name]["volumes"]
 
 
 def test_dispatcher_fallbacks_name_the_nodes_as_envoy_and_the_sidecars_see_them(

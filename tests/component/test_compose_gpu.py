@@ -412,11 +412,12 @@ def test_heartbeat_reads_its_engines_state_server(
     f = kairos_flags(merged[HEARTBEATS[node]])
     assert f["--state-url"] == f"127.0.0.1:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
     assert f["--url"] == f"127.0.0.1:{engine_flags(engine)['--port']}"
+    # It advertises the KV event sockets of the engine's own flag, verbatim.
+    assert json.loads(f["--kv-events-config"]) == json.loads(str(engine_flags(engine)["--kv-events-config"]))
     # Everything else is the base file's command.
     base_flags = kairos_flags(base[HEARTBEATS[node]])
-    assert {k: v for k, v in f.items() if k != "--state-url"} == {
-        k: v for k, v in base_flags.items() if k != "--state-url"
-    }
+    own = ("--state-url", "--kv-events-config")
+    assert {k: v for k, v in f.items() if k not in own} == {k: v for k, v in base_flags.items() if k not in own}
     assert merged[HEARTBEATS[node]]["command"][0] == "heartbeat"
 
 

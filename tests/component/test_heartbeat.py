@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField, parse_heartbeat
+from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField, encode_heartbeat, parse_heartbeat
 from kairos.common.errors import ConfigError
 from kairos.nodeagent.heartbeat import (
     EngineState,
@@ -146,6 +146,50 @@ async def test_beat_sets_the_key_with_every_field_and_an_expiry_and_publishes_it
     finally:
         await finish(task)
         await pubsub.aclose()
+
+
+KV_EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+    '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "advertised"),
+    [
+        pytest.param({}, None, id="no config"),
+        pytest.param({"kv_events_config": '{"enable_kv_cache_events": false}'}, None, id="events off"),
+        pytest.param(
+            {"kv_events_config": KV_EVENTS},
+            ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv-events"),
+            id="wildcard binds advertised at the url's host",
+        ),
+        pytest.param(
+            {"kv_events_config": KV_EVENTS, "kv_events_host": "10.1.2.3"},
+            ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "kv-events"),
+            id="at the host given",
+        ),
+        pytest.param(
+            {"kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "ipc:///run/ev"}'},
+            ("ipc:///run/ev", None, ""),
+            id="ipc as it is, vLLM's default topic, no replay",
+        ),
+        pytest.param(
+            {"kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "tcp://[::]:5557"}', "url": "[::1]:81"},
+            ("tcp://[::1]:5557", None, ""),
+            id="IPv6",
+        ),
+    ],
+)
+def test_the_beat_advertises_the_nodes_kv_event_sockets(
+    changes: dict[str, Any], advertised: tuple[str, str | None, str] | None
+) -> None:
+    cfg = config("redis://127.0.0.1:6379/0", **changes)
+    endpoints = cfg.kv_event_endpoints()
+    hb = parse_heartbeat(encode_heartbeat(build_heartbeat(cfg, STATE, 1, 0.0, endpoints)), "d0")
+    got = (hb.kv_events_endpoint, hb.kv_events_replay_endpoint, hb.kv_events_topic)
+    assert got == (advertised or (None, None, None))
+    assert HeartbeatPublisher(cfg, FakeSource()).kv_events == endpoints
 
 
 async def test_a_failing_engine_stops_the_beats_so_the_key_expires_and_they_resume_when_it_recovers(
@@ -330,6 +374,17 @@ async def test_a_hung_engine_counts_as_down(redis: RedisServer, client: aioredis
         pytest.param({"ttl_s": 0.02}, "ttl_s=0.02 must be > period_s=0.02", id="ttl not above period"),
         pytest.param({"state_timeout_s": 0.0}, "state_timeout_s=0.0", id="zero state timeout"),
         pytest.param({"state_url": "ftp://x:1"}, "state url: expected", id="bad state url"),
+        pytest.param({"kv_events_config": "{"}, "--kv-events-config", id="kv events config not JSON"),
+        pytest.param(
+            {"kv_events_config": '{"enable_kv_cache_events": true, "endpoint": "tcp://10.0.0.1:5557"}'},
+            "vLLM connects its publisher to a concrete host",
+            id="kv events endpoint vLLM would connect out to",
+        ),
+        pytest.param(
+            {"kv_events_config": '{"enable_kv_cache_events": true}', "kv_events_host": "a host"},
+            "not one a subscriber can connect to",
+            id="kv events host not advertisable",
+        ),
     ],
 )
 def test_invalid_publisher_configs_are_rejected(changes: dict[str, Any], message: str) -> None:

@@ -25,7 +25,10 @@ from kairos.common.contracts import (
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints
 from kairos.core.latency import largest_chunk_within, load_profile
+from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster
 from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
+from kairos.nodeagent.heartbeat import PublisherConfig
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
@@ -256,3 +259,26 @@ def test_vllm_node_publishes_its_kv_events_where_it_says(tmp_path: Path) -> None
         dataclasses.replace(spec, prefix_caching=False)
     with pytest.raises(ConfigError, match="replay port needs"):
         dataclasses.replace(spec, kv_events_port=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_vllm_clusters_heartbeat_advertises_the_sockets_its_engine_binds(
+    tmp_path: Path, prefix_caching: bool
+) -> None:
+    """VllmCluster gives each node's publisher the engine's own --kv-events-config (not the ports
+    LocalCluster plans for an emulated node), so the dispatchers subscribe where vLLM publishes."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    backend = VllmBackend(str(python), prefix_caching=prefix_caching)
+    cluster = VllmCluster(LocalClusterConfig(), tmp_path, backend=backend)
+    cluster.model_dir = tmp_path / "model"
+    node = cluster.plan_nodes()[-1]
+    cluster.engine_process(node)
+    beat = cluster.publisher_argv(node)
+    if not prefix_caching:
+        assert node.kv_events is None and "--kv-events-config" not in beat
+        return
+    config = beat[beat.index("--kv-events-config") + 1]
+    publisher = PublisherConfig(node.node_id, node.role, node.url, node.sidecar_url, kv_events_config=config)
+    assert publisher.kv_event_endpoints() == cluster.kv_event_endpoints(node) is not None

@@ -3,6 +3,7 @@ dispatcher, sidecars, publishers and emulated vLLM nodes, each its own process).
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -35,15 +36,21 @@ def tokenizer(model_dir: Path) -> PromptTokenizer:
     return PromptTokenizer.from_dir(model_dir)
 
 
+_PROMPTS = itertools.count()
+
+
 def text_of(tokenizer: PromptTokenizer, tokens: int) -> str:
-    """A prompt of about ``tokens`` tokens (BOS included; tests take exact counts from the tokenizer)."""
-    words: list[str] = []
+    """A prompt of about ``tokens`` tokens (BOS included; tests take exact counts from the tokenizer).
+    Each call's prompt opens with a word of its own: the nodes cache prefixes (as vLLM does), so two
+    prompts sharing their first block would find each other's KV cached, and a test would see its
+    request routed and computed as the one before it left the cluster."""
+    words: list[str] = [f"s{next(_PROMPTS)}"]
     i = 0
     while tokenizer.count_completion_prompt(" ".join(words)) < tokens:
         step = max(1, (tokens - tokenizer.count_completion_prompt(" ".join(words))) // 2)
         words.extend(WORDS[(i + j) % len(WORDS)] for j in range(step))
         i += step
-    while tokenizer.count_completion_prompt(" ".join(words)) > tokens:
+    while len(words) > 1 and tokenizer.count_completion_prompt(" ".join(words)) > tokens:
         words.pop()
     text = " ".join(words)
     assert tokens - 10 <= tokenizer.count_completion_prompt(text) <= tokens

@@ -228,15 +228,16 @@ def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
         engine.kill()
     # Stale, or gone once their keys expire: either way the dispatcher has no prefill node to use.
     wait_until(lambda: {"p0", "p1"} <= set(cluster.nodes_unseen()))
-    prompt = text_of(tokenizer, 3000)
-    tokens = tokenizer.count_completion_prompt(prompt)
-    ids = [f"noprefill-{i}-{uuid.uuid4().hex[:8]}" for i in range(6)]
-    seen = {rid: complete(cluster, prompt, max_tokens=4, request_id=rid)[1] for rid in ids}
+    # A prompt of its own each: the nodes cache prefixes, and a prompt sent again would be found
+    # cached on the node that computed it before.
+    prompts = {f"noprefill-{i}-{uuid.uuid4().hex[:8]}": text_of(tokenizer, 3000) for i in range(6)}
+    seen = {rid: complete(cluster, prompt, max_tokens=4, request_id=rid)[1] for rid, prompt in prompts.items()}
     assert {(h["x-kairos-route"], h["x-kairos-reason"]) for h in seen.values()} == {
         ("deflect", "deflect_no_prefill_node")
     }
     for rid, h in seen.items():  # the decode node it went to computed the whole prompt itself
         assert h["x-kairos-decode-node"] in ("d0", "d1"), h
+        tokens = tokenizer.count_completion_prompt(prompts[rid])
         assert sum(steps_of(cluster, h["x-kairos-decode-node"], rid)) == tokens, (rid, h)
 
 

@@ -82,10 +82,10 @@ def has_data(prometheus: str, query: str) -> bool:
 def send_traffic(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
     """What every panel needs to show something: keeps and deflections with the sidecars' TTFT
     feedback, one request the dispatcher rejects, and one hop a sidecar refuses."""
-    # On an idle cluster 400 tokens deflect, 6000 keep (tests/e2e/test_gateway.py).
-    deflected, kept = text_of(tokenizer, 400), text_of(tokenizer, 6000)
+    # On an idle cluster 400 tokens deflect, 6000 keep (tests/e2e/test_gateway.py); a prompt of
+    # its own each time (a repeated one would be found cached on a decode node, and deflect).
     routes = []
-    for prompt in (deflected, kept) * 3:
+    for prompt in (text_of(tokenizer, tokens) for _ in range(3) for tokens in (400, 6000)):
         status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
                                           {"model": MODEL, "prompt": prompt, "max_tokens": 4})
         assert status == 200, body

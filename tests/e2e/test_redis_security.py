@@ -123,8 +123,10 @@ def test_a_heartbeat_under_a_key_content_mismatch_is_ignored_and_counted(
     try:
         wait_until(lambda: all(rejected(cluster, r) > before[r] for r in before),
                    what="the dispatcher counting both kinds of forged heartbeat")
-        prompt = text_of(tokenizer, 6000)  # kept: its prefill runs on p0 or p1, never at a forged address
         for _ in range(5):
+            # Kept (a prompt of its own each: a repeated one would be found cached on a decode
+            # node): its prefill runs on p0 or p1, never at a forged address.
+            prompt = text_of(tokenizer, 6000)
             status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
                                               {"model": MODEL, "prompt": prompt, "max_tokens": 2})
             assert status == 200, body

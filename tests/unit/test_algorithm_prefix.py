@@ -78,6 +78,25 @@ def test_the_keep_path_goes_where_the_conversation_lives() -> None:
     assert alg.pick_keep_decode_node(PROFILE, v, 0.0, CFG, 9000, {"d1": 8000}).node_id == "d1"
 
 
+def test_the_keep_transfer_counts_only_the_blocks_the_decode_node_lacks() -> None:
+    node = decode_node("d1", b=200, k=900_000)  # too busy to take a deflection
+    t = PROFILE.transfer
+    whole = alg.keep_handoff_s(PROFILE, CFG, node, 9000, 0.5)
+    lacking = alg.keep_handoff_s(PROFILE, CFG, node, 9000, 0.5, cached_tokens=8000)
+    assert whole - lacking == pytest.approx(8000 * t.bytes_per_token / t.bandwidth_bytes_per_s)
+    assert alg.keep_ttft_s(PROFILE, CFG, 0.5, node, 9000, 8000) == pytest.approx(0.5 + lacking)
+    # Algorithm 1's keep estimate is the chosen decode node's: with its hit, the transfer shrinks.
+    v = view((prefill_node("p0", chunk=2048),), (decode_node("d0", b=200, k=900_000), node))
+    d = decide(9000, v, 0.0, PROFILE, CFG, {"d1": 8000})
+    assert d.route is Route.KEEP and d.decode_node == "d1"
+    prefill_s = d.predicted_prefill_end_s
+    assert prefill_s is not None
+    handoff = alg.keep_handoff_s(PROFILE, CFG, node, 9000, prefill_s, 8000)
+    assert d.predicted_ttft_prefill_s == pytest.approx(prefill_s + handoff)
+    keep = make_policy("pd", PROFILE).decide(9000, v, 0.0, cached={"d1": 8000})  # type: ignore[call-arg]
+    assert keep.decode_node == "d1" and keep.predicted_ttft_prefill_s == pytest.approx(d.predicted_ttft_prefill_s)
+
+
 def test_a_later_turn_deflects_to_the_decode_node_that_holds_it() -> None:
     # The prefill pool has a queue; a 12K-token prompt would need its whole prefill on a decode
     # node (over alpha x the prefill path), but d1 has 11K of it cached.

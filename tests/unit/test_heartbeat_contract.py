@@ -53,6 +53,9 @@ def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -
             "kv_usage": 0.25,
             "step_calibration": 1.25,
             "pending_kv_pull_tokens": (3000, 120),
+            "kv_events_endpoint": "tcp://10.0.0.1:5557",
+            "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
+            "kv_events_topic": "kv-events",
         }
     )
     raw = encode_heartbeat(full)
@@ -94,6 +97,11 @@ def _raw(**changes: Any) -> str:
         (_raw(step_calibration=4.5), "step_calibration must be a number in [0.25, 4.0]"),
         (_raw(step_calibration="1.2"), "step_calibration must be a number in [0.25, 4.0]"),
         (_raw(step_calibration=True), "step_calibration must be a number in [0.25, 4.0]"),
+        # vLLM's bind address is not one to connect to: the publisher advertises its host instead
+        (_raw(kv_events_endpoint="tcp://*:5557"), "kv_events_endpoint must be a ZMQ endpoint to connect to"),
+        (_raw(kv_events_replay_endpoint="tcp://h:5558\n"), "kv_events_replay_endpoint must be a ZMQ endpoint"),
+        (_raw(kv_events_endpoint=5557), "kv_events_endpoint must be a ZMQ endpoint"),
+        (_raw(kv_events_topic=1), "kv_events_topic must be a string"),
     ],
 )
 def test_parse_heartbeat_rejects_contract_violations(raw: str, message: str) -> None:

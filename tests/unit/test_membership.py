@@ -448,3 +448,68 @@ def test_the_view_carries_each_decode_nodes_step_calibration_and_an_old_heartbea
     m.poll_succeeded([("d0", beat("d0", step_calibration=1.25)), ("d1", beat("d1"))], 5.0)
     by_id = {n.node_id: n for n in m.tracker.view().decode}
     assert (by_id["d0"].step_calibration, by_id["d1"].step_calibration) == (1.25, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV event subscriptions: the nodes whose beats advertise sockets, and when that changes
+# ---------------------------------------------------------------------------------------------
+D0_EVENTS = {"kv_events_endpoint": "tcp://10.0.0.1:5557", "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
+             "kv_events_topic": "kv-events"}
+D0_MOVED = {**D0_EVENTS, "kv_events_endpoint": "tcp://10.0.0.1:6557"}
+P0_EVENTS = {"kv_events_endpoint": "ipc:///run/p0-events"}  # no replay socket, vLLM's default topic
+
+
+@dataclass(frozen=True)
+class SubscriptionPoll:
+    t: float
+    redis: Mapping[str, str | None] | None  # as Poll.redis
+    subscribed: Mapping[str, tuple[str, str | None, str]]  # node -> (pub, replay, topic)
+    changed: bool  # kv_events_version moved
+
+
+SUBSCRIPTION_SCRIPT = (
+    SubscriptionPoll(0.0, {"p0": beat("p0", 1, **P0_EVENTS), "d0": beat("d0", 1, **D0_EVENTS), "d1": beat("d1", 1)},
+                     {"p0": ("ipc:///run/p0-events", None, ""),
+                      "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    # new beats advertising the same sockets, and d1 still none: nothing to do
+    SubscriptionPoll(0.1, {"p0": beat("p0", 2, **P0_EVENTS), "d0": beat("d0", 2, **D0_EVENTS), "d1": beat("d1", 2)},
+                     {"p0": ("ipc:///run/p0-events", None, ""),
+                      "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),
+    # d0 restarted its engine on another port; d1 starts publishing
+    SubscriptionPoll(0.2, {"p0": beat("p0", 3, **P0_EVENTS), "d0": beat("d0", 3, **D0_MOVED),
+                           "d1": beat("d1", 3, **D0_EVENTS)},
+                     {"p0": ("ipc:///run/p0-events", None, ""),
+                      "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
+                      "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    # a malformed value keeps d0's last good state, sockets included
+    SubscriptionPoll(0.3, {"p0": beat("p0", 4, **P0_EVENTS), "d0": "{", "d1": beat("d1", 4, **D0_EVENTS)},
+                     {"p0": ("ipc:///run/p0-events", None, ""),
+                      "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
+                      "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),
+    # d0's key expired: it leaves the view and its subscription; p0 stops advertising
+    SubscriptionPoll(0.4, {"p0": beat("p0", 5), "d1": beat("d1", 5, **D0_EVENTS)},
+                     {"d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    # Redis lost: the last view stays, and so do its subscriptions (their own connections say
+    # whether the nodes are alive)
+    SubscriptionPoll(0.5, DOWN, {"d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),
+)
+
+
+def test_kv_event_subscriptions_follow_the_view() -> None:
+    m = Membership()
+    version = m.kv_events_version
+    for poll in SUBSCRIPTION_SCRIPT:
+        if poll.redis is DOWN:
+            m.poll_failed(poll.t)
+        else:
+            m.poll_succeeded(poll.redis.items(), poll.t)
+        got = {n: (e.pub, e.replay, e.topic) for n, e in m.kv_event_endpoints().items()}
+        assert got == poll.subscribed, poll.t
+        assert (m.kv_events_version != version) == poll.changed, poll.t
+        version = m.kv_events_version
+
+
+def test_static_fallback_nodes_advertise_no_kv_events() -> None:
+    m = Membership(MembershipConfig(fallback_prefill=("p0=10.0.0.1:8001",), fallback_decode=("d0=10.0.0.2:8201",)))
+    m.poll_failed(0.0)
+    assert m.static_fallback and dict(m.kv_event_endpoints()) == {}

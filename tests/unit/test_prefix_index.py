@@ -114,6 +114,23 @@ def test_nodes_at_several_block_sizes() -> None:
     assert ix.longest_prefix_tokens({BS: KEYS}, 0.5) == {"a": 12, "b": 0}  # b's size not given
 
 
+def test_the_block_sizes_follow_each_nodes_first_store_its_resets_and_its_removal() -> None:
+    """Kept as nodes change, not gathered per request: an index with no size set is the
+    dispatcher's count-only path (no token ids), so a reset or a removal must take a size away."""
+    ix = index("a", "b")
+    assert ix.block_sizes() == frozenset()
+    ix.apply("a", [stored(KEYS[:1])], 0.1)
+    ix.apply("b", [stored(block_keys(PROMPT, 8)[:1], block_size=8)], 0.1)
+    assert ix.block_sizes() == {4, 8}
+    ix.apply("b", [AllBlocksCleared()], 0.2)
+    assert ix.block_sizes() == {4}
+    ix.apply("b", [stored(KEYS[:2])], 0.3)  # after a reset a node may come back at another size
+    ix.remove_node("a")
+    assert ix.block_sizes() == {4}
+    ix.clear("b")
+    assert ix.block_sizes() == frozenset()
+
+
 def test_remove_node_frees_its_slot_and_blocks() -> None:
     ix = index("a", "b")
     ix.apply("a", [stored(KEYS)], 0.1)
