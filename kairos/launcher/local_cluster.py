@@ -276,6 +276,8 @@ class LocalCluster:
                 "--kv-capacity-tokens",
                 str(cfg.kv_capacity_tokens),
                 *self._kv_events_args(node),
+                # As every real node Kairos launches: usage says what the node found cached.
+                "--enable-prompt-tokens-details",
                 "--log-level",
                 cfg.log_level,
             ),

@@ -197,5 +197,9 @@ def test_replay_sends_conversations_turn_after_turn(tmp_path: Path, model_dir: P
         assert rec["arrival_s"] >= prev_end + spec.think_s - 1e-6, (rec, prev)
 
     assert summary["later_turns_sent"] == len(later) and summary["later_turns_prefix_broken"] == 0
+    # The nodes cache prefixes and say so (--enable-prompt-tokens-details, as LocalCluster starts
+    # them): every answer reports its hit, and a conversation's later turns find some of theirs.
+    assert summary["cached_tokens_reported"] == len(trace), summary
+    assert any(records[r.request_id]["cached_tokens"] for r in later), [records[r.request_id] for r in later]
     assert summary["p95_ttft_turn1_s"] > 0 and summary["p95_ttft_turn2plus_s"] > 0
     assert (tmp_path / "plots" / "ttft_turns_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
