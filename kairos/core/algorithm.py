@@ -762,6 +762,7 @@ def _scan_decode_nodes(
 
     A candidate can take the deflection (``can_take_deflection``) and is not overloaded: the
     schedule search plans on the heartbeat's B alone, so it can still find a chunk for a node
+    that the decodes on their way to it (backlog, incoming keeps) will push over the overload
     line; P/D would leave that node to its decodes (never worse than P/D). At 1,000 nodes this
     pass is a third of a decision: it reads each node's facts once."""
     if not view.decode:
