@@ -49,6 +49,11 @@ class DeciderConfig:
     # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
     # paper's Algorithm 1) only to measure what the rule changes.
     decode_overload_guard: bool = True
+    # With the overload guard, while the keep path meets the TTFT SLO: deflect to no node whose
+    # decode-only step with the request joined (decode_load_after_s) is over this share of the
+    # overload line (decode pressure: its decodes are the cluster's bottleneck, and the chunks
+    # would take their time to save a TTFT that meets its SLO anyway). None: no such rule.
+    decode_pressure_share: float | None = defaults.DECODE_PRESSURE_SHARE
     # The step model's mean absolute relative error against the node's real step times (a
     # profile's held-out MAPE). Schedules planned to the budget's edge with an erring model
     # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
@@ -84,6 +89,9 @@ class DeciderConfig:
             raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
         if self.max_pending_deflections is not None and self.max_pending_deflections < 1:
             raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")
+        share = self.decode_pressure_share
+        if share is not None and not (0.0 < share <= 1.0):
+            raise ConfigError(f"decode_pressure_share must be in (0, 1] or None, got {share}")
         if not (0.0 <= self.model_error < 1.0):
             raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
         if self.keep_estimate not in KEEP_ESTIMATES:
@@ -654,6 +662,41 @@ def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
     )
 
 
+def decode_load_after_s(models: LatencyModels, node: DecodeNodeState, prompt_tokens: int) -> float:
+    """``decode_load_s`` with the request joined: the decode-only step the node runs once the
+    request decodes there, on either path (the decode pressure rule's measure)."""
+    backlog = node.prefill_backlog_tokens
+    return models.decode_step_s(
+        node.decode_tokens + len(backlog) + node.incoming_keeps + 1,
+        node.kv_tokens + sum(backlog) + node.incoming_keep_tokens + prompt_tokens,
+    )
+
+
+def relieve_decode_pressure(
+    models: LatencyModels,
+    config: DeciderConfig,
+    eligible: list[DecodeNodeState],
+    facts: list[_NodeFacts],
+    prompt_tokens: int,
+    ttft_pf: float,
+) -> tuple[list[DecodeNodeState], list[_NodeFacts]]:
+    """The deflection candidates (and their facts) left by the decode pressure rule: while the
+    keep path's TTFT ``ttft_pf`` meets the SLO, none whose decode-only step with the request
+    joined is over ``decode_pressure_share`` of its overload line. The request decodes on some
+    decode node either way; its chunks would lengthen the steps of a node whose own decodes
+    already near tau, to save part of a TTFT that needs no saving. When the keep path misses the
+    SLO, the deflection can still rescue the request, and every candidate stays."""
+    share = config.decode_pressure_share
+    if share is None or not config.decode_overload_guard or ttft_pf > config.ttft_slo_s:
+        return eligible, facts
+    kept = [
+        (n, f)
+        for n, f in zip(eligible, facts, strict=True)
+        if decode_load_after_s(models, n, prompt_tokens) <= share * f.overload_s
+    ]
+    return [n for n, _ in kept], [f for _, f in kept]
+
+
 def pick_keep_decode_node(
     models: LatencyModels,
     view: ClusterView,
@@ -981,6 +1024,7 @@ def decide(
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
     keep_hit = cached_prefix(cached, keep_decode.node_id, prompt_tokens)
     ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens, keep_hit)
+    eligible, facts = relieve_decode_pressure(models, config, eligible, facts, prompt_tokens, ttft_pf)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
         return Decision(

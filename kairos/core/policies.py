@@ -211,8 +211,10 @@ class KairosPolicy:
         keep = "" if self.config.keep_estimate == defaults.KEEP_ESTIMATE else f",keep={self.config.keep_estimate}"
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
+        share = self.config.decode_pressure_share
+        pressure = "" if share == defaults.DECODE_PRESSURE_SHARE else f",pressure={share or 'off'}"
         prefix = "" if self.prefix_aware else ",prefix=off"
-        knobs = f"{pending}{guard}{overload}{error}{calibrate}{keep}{prefix}"
+        knobs = f"{pending}{guard}{overload}{pressure}{error}{calibrate}{keep}{prefix}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
@@ -455,8 +457,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": ("prefix",),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "error", "calibrate", "keep", "prefix"),
-    "oracle": ("alpha", "beta", "guard", "overload", "error", "calibrate", "keep", "prefix"),
+    "kairos": ("alpha", "beta", "pending", "guard", "overload", "pressure", "error", "calibrate", "keep", "prefix"),
+    "oracle": ("alpha", "beta", "guard", "overload", "pressure", "error", "calibrate", "keep", "prefix"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -567,6 +569,12 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
                 f"policy {name!r}: keep={params['keep']!r} must be one of {list(alg.KEEP_ESTIMATES)}"
             )
         changes["keep_estimate"] = params["keep"].lower()
+    if "pressure" in params:
+        raw = params["pressure"].lower()
+        share = None if raw == "off" else number("pressure", 0.0)
+        if share is not None and not (0.0 < share <= 1.0):  # "not" so that NaN fails too
+            raise UnknownPolicyError(f"policy {name!r}: pressure={params['pressure']!r} must be in (0, 1] or 'off'")
+        changes["decode_pressure_share"] = share
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

@@ -411,8 +411,17 @@ OVERLOAD_CASES = [
         _keep(5000, (_incoming(decode_node("d1", b=20), 50),), Reason.KEEP_DECODE_OVERLOADED, "d1", 0.660),
         id="B20 + 50 incoming keeps: T0 0.110 > tau 0.105, keeps",
     ),
+    # (with the decode pressure rule off: with the request joined, 0.105 is over its line)
     pytest.param(
-        _deflect(5000, (_incoming(decode_node("d1", b=20), 44),), "d1", 0.660, 0.280, (400, 400, 200)),
+        _deflect(
+            5000,
+            (_incoming(decode_node("d1", b=20), 44),),
+            "d1",
+            0.660,
+            0.280,
+            (400, 400, 200),
+            decode_pressure_share=None,
+        ),
         id="B20 + 44 incoming keeps: T0 0.104 <= tau, deflects",
     ),
     pytest.param(
@@ -431,6 +440,35 @@ OVERLOAD_CASES = [
     pytest.param(
         _keep(10000, (decode_node("d1", b=68),), Reason.KEEP_DECODE_OVERLOADED, "d1", 1.210, beta=1.2),
         id="beta 1.2: B68 T0 0.108 > tau (< 1.2 tau), keeps",
+    ),
+]
+# Decode pressure: while the keep path meets the TTFT SLO (4 s), no deflection to a node whose
+# decode-only step with the request joined, 0.040 + 0.001 (B + incoming + 1), is over
+# decode_pressure_share (0.85) x tau = 0.08925. The request decodes on a decode node either way;
+# what the rule refuses is its chunks on a node that P/D's own decodes already bring near tau.
+PRESSURE_CASES = [
+    pytest.param(
+        _keep(5000, (_incoming(decode_node("d1", b=20), 30),), Reason.KEEP_DECODE_OVERLOADED, "d1", 0.660),
+        id="pressure: B20 + 30 incoming, with the request T0 0.091 > 0.85 tau, keeps",
+    ),
+    pytest.param(
+        _deflect(5000, (_incoming(decode_node("d1", b=20), 28),), "d1", 0.660, 0.280, (400, 400, 200)),
+        id="pressure: B20 + 28 incoming, with the request T0 0.089 <= 0.85 tau, deflects",
+    ),
+    pytest.param(
+        _deflect(
+            5000, (_incoming(decode_node("d1", b=10), 40), decode_node("d2", b=20)), "d2", 0.660, 0.280, (400, 400, 200)
+        ),
+        id="pressure: B10 + 40 incoming (0.250 on its heartbeat) refused, the B20 node (0.280) takes it",
+    ),
+    pytest.param(
+        _keep(5000, (_incoming(decode_node("d1", b=20), 36),), Reason.KEEP_DECODE_OVERLOADED, "d1", 0.660, beta=1.2),
+        id="pressure: the line is 0.85 min(tau, beta tau), beta 1.2 does not raise it: B20 + 36, keeps",
+    ),
+    # Q=40000: Eq. 1 = 40 x 0.110 + 0.110 = 4.51 > the 4 s SLO: the deflection rescues the request
+    pytest.param(
+        _deflect(40000, (_incoming(decode_node("d1", b=20), 30),), "d1", 4.510, 0.280, (400, 400, 200)),
+        id="pressure: B20 + 30 incoming, but the keep path (4.51 s) misses the TTFT SLO: deflects",
     ),
 ]
 DECIDE_CASES = [
@@ -495,10 +533,11 @@ DECIDE_CASES = [
     ),
     # B64: T0 0.104 is within tau, but the smallest candidate's 56 prefill tokens make 0.1096
     pytest.param(
-        _keep(5000, (decode_node("d3", b=64),), Reason.KEEP_NO_SAFE_SCHEDULE, "d3", 0.660),
+        _keep(5000, (decode_node("d3", b=64),), Reason.KEEP_NO_SAFE_SCHEDULE, "d3", 0.660, decode_pressure_share=None),
         id="only B64 (T0 0.104, no chunk fits): no safe schedule, keeps",
     ),
     *OVERLOAD_CASES,
+    *PRESSURE_CASES,
     pytest.param(
         _keep(
             5000,
@@ -711,6 +750,29 @@ def test_overload_guard_off_deflects(case: DecideCase) -> None:
     cfg = dataclasses.replace(CFG, **case.config, decode_overload_guard=False)  # type: ignore[arg-type]
     d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
     assert (d.route, d.reason) == (Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN)
+
+
+@pytest.mark.parametrize("case", [*OVERLOAD_CASES, *PRESSURE_CASES])
+def test_overload_guard_off_deflects_under_pressure_too(case: DecideCase) -> None:
+    """The decode pressure rule is part of the overload guard: off with it."""
+    cfg = dataclasses.replace(CFG, **case.config, decode_overload_guard=False)  # type: ignore[arg-type]
+    d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
+    assert d.route is Route.DEFLECT
+
+
+@pytest.mark.parametrize("case", [c for c in PRESSURE_CASES if c.values[0].route is Route.KEEP])
+def test_pressure_off_deflects(case: DecideCase) -> None:
+    """Without the pressure rule (decode_pressure_share None) the overload line alone lets every
+    case the rule refuses deflect: what the rule changes."""
+    cfg = dataclasses.replace(CFG, **{**case.config, "decode_pressure_share": None})  # type: ignore[arg-type]
+    d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
+    assert (d.route, d.reason) == (Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.01, math.nan])
+def test_decode_pressure_share_out_of_range_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="decode_pressure_share"):
+        DeciderConfig(decode_pressure_share=share)
 
 
 @pytest.mark.parametrize(("beta", "line"), [(0.9, 0.0945), (1.0, 0.105), (1.2, 0.105), (2.0, 0.105)])

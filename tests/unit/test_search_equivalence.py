@@ -86,8 +86,14 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     if not eligible:
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
     if config.decode_overload_guard:
+        line = {n.node_id: config.decode_overload_s / n.step_calibration for n in eligible}
+        share = config.decode_pressure_share
+        pressure = share is not None and ttft_pf <= config.ttft_slo_s  # the keep path meets the SLO
         eligible = [
-            n for n in eligible if alg.decode_load_s(models, n) <= config.decode_overload_s / n.step_calibration
+            n
+            for n in eligible
+            if alg.decode_load_s(models, n) <= line[n.node_id]
+            and not (pressure and alg.decode_load_after_s(models, n, prompt) > share * line[n.node_id])
         ]
         if not eligible:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
