@@ -488,8 +488,10 @@ def start_extras(
         group.start(
             ManagedProcess(
                 "vllm-router",
+                # Its Prometheus exporter on a free port too: the default (29000) may be another run's.
                 [router_bin, "--host", HOST, "--port", str(port), "--vllm-pd-disaggregation",
-                 "--prefill", f"http://{prefill_url}", "--decode", f"http://{decode_url}", "--log-level", "warning"],
+                 "--prefill", f"http://{prefill_url}", "--decode", f"http://{decode_url}", "--log-level", "warning",
+                 "--prometheus-port", str(free_port())],
                 workdir / "router.log",
                 ready=tcp_ready(HOST, port),
             ),

@@ -62,6 +62,7 @@ from kairos.common.errors import (
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
 from kairos.common.runtime import run, stop_on_signals
+from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +370,7 @@ class _State:
     allowlist: Callable[[], Collection[str]] | None
     metrics: SidecarMetrics
     session: aiohttp.ClientSession | None = None
+    hop1_client: Http1Client | None = None  # hop 1's own lean client (one JSON reply per request)
     logged_unrouted: bool = False
     feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
 
@@ -428,7 +430,9 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
         # auto_decompress=False: bodies are relayed byte for byte, Content-Encoding included.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
+        state.hop1_client = Http1Client(config.hop1_connect_timeout_s)
         yield
+        await state.hop1_client.close()
         await state.session.close()
 
     app.cleanup_ctx.append(client_session)
@@ -738,41 +742,36 @@ async def _hop1(
 ) -> dict[str, Any] | web.Response:
     """Prefill on ``prefill_host``: its ``kv_transfer_params``, or the response to relay (4xx)."""
     cfg = state.config
-    url = f"http://{prefill_host}{api_path}"
+    assert state.hop1_client is not None, "the client is created on app startup"
     hop_headers = CIMultiDict(headers)
     hop_headers[hdrs.CONTENT_TYPE] = "application/json"
     hop_headers[hdrs.ACCEPT_ENCODING] = "identity"  # we parse this reply
     started = time.perf_counter()
-    # The deadline bounds the whole hop (a prefill that accepts and then hangs included);
-    # sock_connect fails fast on an unreachable host.
+    # The deadline bounds the whole hop (a prefill that accepts and then hangs included); the
+    # client's connect timeout fails fast on an unreachable host.
     deadline = asyncio.timeout(cfg.hop1_timeout_s)
     try:
-        async with (
-            deadline,
-            state.http.post(
-                url,
-                data=_dumps(_hop1_body(body)),
-                headers=hop_headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.hop1_connect_timeout_s),
-            ) as resp,
-        ):
-            raw = await resp.read()
-            status, content_type = resp.status, resp.headers.get(hdrs.CONTENT_TYPE, "application/json")
+        async with deadline:
+            reply = await state.hop1_client.request(
+                "POST", prefill_host, api_path, _dumps(_hop1_body(body)), hop_headers.items()
+            )
     except TimeoutError:
         _count(state, "1", "timeout")
         elapsed = time.perf_counter() - started
-        # aiohttp's connect timeout is a TimeoutError too: say which bound ran out.
+        # The connect timeout is a TimeoutError too: say which bound ran out.
         what = "gave no answer" if deadline.expired() else "could not be connected to"
         log.warning("request %s: prefill node %s %s in %.2fs", rid, prefill_host, what, elapsed)
         raise UpstreamTimeoutError(f"prefill node {prefill_host} {what} within {elapsed:.1f}s") from None
-    except aiohttp.ClientConnectorError as exc:
+    except ConnectFailed as exc:
         _count(state, "1", "connect")
         log.warning("request %s: cannot connect to prefill node %s: %s", rid, prefill_host, exc.os_error)
         raise UpstreamError(f"cannot connect to prefill node {prefill_host}: {exc.os_error}") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except (Http1Error, OSError) as exc:
         _count(state, "1", "connection")
         log.warning("request %s: prefill node %s: connection failed: %r", rid, prefill_host, exc)
         raise UpstreamError(f"prefill node {prefill_host}: connection failed ({type(exc).__name__})") from None
+    raw, status = reply.body, reply.status
+    content_type = reply.headers.get("content-type", "application/json")
     elapsed = time.perf_counter() - started
     if 400 <= status < 500:
         # The prefill vLLM validated the client's own request (prompt too long, bad parameter):
