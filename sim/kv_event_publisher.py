@@ -27,14 +27,16 @@ import zmq
 import zmq.asyncio
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.kv_events import KvEventBatch, KvEventsConfig, encode_batch, encode_replay_reply, encode_seq
+from kairos.common.kv_events import (
+    KvEventBatch,
+    KvEventsConfig,
+    encode_batch,
+    encode_replay_reply,
+    encode_seq,
+    publisher_binds,
+)
 
 log = logging.getLogger("kairos.sim.kv_event_publisher")
-
-
-def _binds(endpoint: str) -> bool:
-    """vLLM's ``_is_bind_endpoint``: wildcards and local transports bind, the rest connect."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def _bind(sock: zmq.Socket, endpoint: str, host: str) -> str:
@@ -74,7 +76,7 @@ class KvEventPublisher:
         pub = self._pub = zmq.Socket(self._ctx, zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.set_hwm(cfg.hwm)
-        if _binds(cfg.endpoint):
+        if publisher_binds(cfg.endpoint):
             self.pub_endpoint = _bind(pub, cfg.endpoint, self.host)
         else:
             pub.connect(cfg.endpoint)

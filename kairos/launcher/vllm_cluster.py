@@ -8,7 +8,6 @@ vLLM takes tens of seconds to start, so every engine is launched before the firs
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Any
 
 from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig
+from kairos.common.kv_events import KvEventEndpoints
 from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.vllm_node import VllmNodeSpec
@@ -126,8 +125,7 @@ class VllmCluster(LocalCluster):
         self.specs[node.node_id] = spec
         # What the node's heartbeat publisher advertises (LocalCluster.start_agents): exactly the
         # engine's own --kv-events-config, not the ports LocalCluster planned for an emulated node.
-        publishes = spec.kv_event_endpoints() is not None
-        node.kv_events = KvEventsConfig.from_json(json.dumps(spec.kv_events_config())) if publishes else None
+        node.kv_events = spec.kv_events_config()
         return ManagedProcess(
             f"{node.node_id}-vllm",
             spec.argv(),

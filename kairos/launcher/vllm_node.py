@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints, KvEventsConfig, advertised_endpoints
 
 SCHEDULER_CLS = "kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler"
 # A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
@@ -98,8 +98,8 @@ class VllmNodeSpec:
         ]
         if not self.prefix_caching:
             args.append("--no-enable-prefix-caching")
-        elif self.kv_events_port:
-            args += ["--kv-events-config", json.dumps(self.kv_events_config())]
+        elif (events := self.kv_events_config()) is not None:
+            args += ["--kv-events-config", events.to_json()]
         if self.device == "cpu":
             args += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         return [*args, *self.extra_args]
@@ -110,33 +110,34 @@ class VllmNodeSpec:
             config["kv_buffer_device"] = "cpu"
         return config
 
-    def kv_events_config(self) -> dict[str, object]:
-        """vLLM's ``--kv-events-config``. vLLM binds its PUB socket only to a wildcard endpoint
-        (one naming a host, it connects to), so it listens on every interface; the replay socket
-        binds on the node's listen address. The events carry prompt token ids: firewall both
-        ports to the dispatchers."""
+    def kv_events_config(self) -> KvEventsConfig | None:
+        """vLLM's ``--kv-events-config`` (None: the node publishes no events). vLLM binds its PUB
+        socket only to a wildcard endpoint (one naming a host, it connects to), so it listens on
+        every interface; the replay socket binds on the node's listen address. The events carry
+        prompt token ids: firewall both ports to the dispatchers."""
+        if not self.kv_events_port or not self.prefix_caching:
+            return None
         bind = "*" if self.host in _WILDCARD_HOSTS else self.host
-        config: dict[str, object] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": _tcp("*", self.kv_events_port),
-            "topic": KV_EVENTS_TOPIC,
-        }
-        if self.kv_events_replay_port:
-            config["replay_endpoint"] = _tcp(bind, self.kv_events_replay_port)
-        return config
+        replay = _tcp(bind, self.kv_events_replay_port) if self.kv_events_replay_port else None
+        return KvEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=_tcp("*", self.kv_events_port),
+            replay_endpoint=replay,
+            topic=KV_EVENTS_TOPIC,
+        )
 
     def kv_event_endpoints(self, address: str | None = None) -> KvEventEndpoints | None:
         """Where a dispatcher subscribes to this node's KV events (None: it publishes none).
         ``address`` is the node's IP as the dispatchers reach it; by default the one it listens
         on, which must then not be a wildcard."""
-        if not self.kv_events_port or not self.prefix_caching:
+        config = self.kv_events_config()
+        if config is None:
             return None
         address = address or self.host
         if address in _WILDCARD_HOSTS:
             raise ConfigError(f"{self.node_id} listens on {self.host}: say the address dispatchers reach it at")
-        replay = _tcp(address, self.kv_events_replay_port) if self.kv_events_replay_port else None
-        return KvEventEndpoints(_tcp(address, self.kv_events_port), replay, KV_EVENTS_TOPIC)
+        return advertised_endpoints(config, address)
 
     def env(self) -> dict[str, str]:
         env = {

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from kairos.common.config import load_config
-from kairos.common.kv_events import KV_EVENTS_TOPIC
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
 from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import default_vllm_python
@@ -166,7 +166,7 @@ def kairos_flags(service: dict[str, Any]) -> dict[str, str]:
 
 def vllm_flags(args: list[str]) -> dict[str, str | bool]:
     """vLLM's flags: ``--flag value``, or ``--flag`` alone for a switch (True). JSON values are
-    normalised, so key order and spacing do not count."""
+    normalised, so key order, spacing and fields left at vLLM's defaults do not count."""
     out: dict[str, str | bool] = {}
     i = 0
     while i < len(args):
@@ -175,7 +175,9 @@ def vllm_flags(args: list[str]) -> dict[str, str | bool]:
         assert flag not in out, f"{flag} given twice"
         if i + 1 < len(args) and not args[i + 1].startswith("--"):
             value = args[i + 1]
-            if value.startswith("{"):
+            if flag == "--kv-events-config":  # as vLLM reads it: unwritten fields take its defaults
+                value = KvEventsConfig.from_json(value).to_json()
+            elif value.startswith("{"):
                 value = json.dumps(json.loads(value), sort_keys=True)
             out[flag] = value
             i += 2
@@ -413,7 +415,7 @@ def test_heartbeat_reads_its_engines_state_server(
     assert f["--state-url"] == f"127.0.0.1:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
     assert f["--url"] == f"127.0.0.1:{engine_flags(engine)['--port']}"
     # It advertises the KV event sockets of the engine's own flag, verbatim.
-    assert json.loads(f["--kv-events-config"]) == json.loads(str(engine_flags(engine)["--kv-events-config"]))
+    assert KvEventsConfig.from_json(f["--kv-events-config"]).to_json() == engine_flags(engine)["--kv-events-config"]
     # Everything else is the base file's command.
     base_flags = kairos_flags(base[HEARTBEATS[node]])
     own = ("--state-url", "--kv-events-config")

@@ -23,7 +23,7 @@ from kairos.common.contracts import (
     parse_steps_page,
 )
 from kairos.common.errors import ConfigError
-from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints
+from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints, KvEventsConfig
 from kairos.core.latency import largest_chunk_within, load_profile
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster
@@ -233,13 +233,13 @@ def test_vllm_node_publishes_its_kv_events_where_it_says(tmp_path: Path) -> None
     )
     argv = spec.argv()
     # vLLM binds its PUB socket only to a wildcard endpoint (to tcp://HOST:PORT it connects).
-    assert json.loads(argv[argv.index("--kv-events-config") + 1]) == {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": "tcp://*:8401",
-        "replay_endpoint": "tcp://127.0.0.1:8402",
-        "topic": KV_EVENTS_TOPIC,
-    }
+    assert KvEventsConfig.from_json(argv[argv.index("--kv-events-config") + 1]) == KvEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="tcp://*:8401",
+        replay_endpoint="tcp://127.0.0.1:8402",
+        topic=KV_EVENTS_TOPIC,
+    )
     assert spec.kv_event_endpoints() == KvEventEndpoints(
         "tcp://127.0.0.1:8401", "tcp://127.0.0.1:8402", KV_EVENTS_TOPIC
     )
