@@ -122,7 +122,7 @@ class _LegacyBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
 
 
 class _LegacyAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
+    """The older array form's ``["AllBlocksCleared"]``: a tag and no fields."""
 
 
 class _LegacyBatch(msgspec.Struct, array_like=True):
