@@ -52,19 +52,21 @@ class VllmEventPublisher:
         self.ports = tuple(int(e.rpartition(":")[2]) for e in (self.endpoints.pub, self.endpoints.replay or ""))
         self.seq = 0
         self.replay_requests: list[int] = []
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)  # (seq, payload) for replays
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replays, name="kv-replay", daemon=True)
         self._thread.start()
 
-    def publish(self, *events: KvEvent) -> int:
-        """One batch, live and into the replay buffer; its sequence number."""
+    def publish(self, *events: KvEvent, send: bool = True) -> int:
+        """One batch into the replay buffer and, unless ``send`` is False (a batch the subscribers
+        miss live), out live; its sequence number."""
         with self._lock:
             seq = self.seq
             frames = encode_message(self.endpoints.topic, seq, KvEventBatch(1.0, events, 0))
-            self.pub.send_multipart(frames)
-            self._buffer.append((seq, frames[2]))
+            if send:
+                self.pub.send_multipart(frames)
+            self.buffer.append((seq, frames[2]))
             self.seq += 1
         return seq
 
@@ -84,7 +86,7 @@ class VllmEventPublisher:
             first = decode_replay_request(start)
             with self._lock:
                 self.replay_requests.append(first)
-                replies = [(seq, payload) for seq, payload in self._buffer if seq >= first]
+                replies = [(seq, payload) for seq, payload in self.buffer if seq >= first]
             for seq, payload in replies:
                 self.router.send_multipart((client, b"", *encode_replay_reply(seq, payload)))
             self.router.send_multipart((client, b"", *encode_replay_reply(None)))
