@@ -41,11 +41,11 @@ from bench.gateway_overhead import (  # noqa: E402
     cluster_config,
     completion_body,
     hostport,
+    keep_headers,
     plain_path,
     serves,
     start_noop_gateway,
 )
-from kairos.common import contracts as c  # noqa: E402
 from kairos.launcher.local_cluster import LocalCluster  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, tcp_ready  # noqa: E402
 
@@ -119,13 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs, sidecars = {}, {}
             for k, code_root in (("A", base_root), ("B", None)):
                 procs[k], sidecars[k] = start_sidecar(group, workdir, f"sidecar-{k}", code_root, decode, prefill, env)
-            keep = (
-                (c.H_ROUTE, "keep"),
-                (c.H_REASON, "pd_only"),
-                (c.H_DECODE_NODE, "d0"),
-                (c.H_PREFILL_HOST, prefill),
-                (c.H_PRED_TTFT_PREFILL_MS, "10.0"),
-            )
+            keep = keep_headers(prefill)
             targets: dict[str, tuple[tuple[str, int], tuple[tuple[str, str], ...]]] = {
                 f"sidecar_{k}": (hp, keep) for k, hp in sidecars.items()
             }
