@@ -228,10 +228,12 @@ class SidecarMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        for path in PATHS:  # series exist from the start, so rates work before the first request
-            self.ttfb_seconds.labels(path)
-            self.ttft_seconds.labels(path)
-        self.hop1_seconds.labels(ROUTE_KEEP)
+        # Series exist from the start, so rates work before the first request; each request's are
+        # looked up here once, not per request (labels() takes a lock and hashes its labels).
+        self.ttfb = {path: self.ttfb_seconds.labels(path) for path in PATHS}
+        self.ttft = {path: self.ttft_seconds.labels(path) for path in PATHS}
+        self.hop1 = self.hop1_seconds.labels(ROUTE_KEEP)  # only the keep path has a hop 1
+        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (ROUTE_KEEP, ROUTE_DEFLECT)}
         for outcome in ("sent", "error", "dropped"):
             self.ttft_feedback.labels(outcome)
 
@@ -786,8 +788,8 @@ async def _hop1(
         log.warning("request %s: prefill node %s answered %d: %s", rid, prefill_host, status, snippet)
         raise UpstreamError(f"prefill node {prefill_host} answered {status}: {snippet}")
     try:
-        reply = _loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = _loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         reply = None
     params = reply.get(c.KV_TRANSFER_PARAMS) if isinstance(reply, dict) else None
     if not isinstance(params, dict):
@@ -969,8 +971,12 @@ class _NonFinite(float):
     them, so it refuses this type instead and :func:`_dumps` falls back to json."""
 
 
-def _loads(text: str | bytes) -> Any:
-    return json.loads(text, parse_constant=lambda name: _NonFinite(name))
+# One decoder for every body: json.loads with an argument builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_NonFinite)
+
+
+def _loads(text: str) -> Any:
+    return _DECODER.decode(text)
 
 
 def _json_dumps(obj: Any) -> bytes:
@@ -1004,13 +1010,14 @@ def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
     m = state.metrics
     path = timing.path if timing.path in PATHS else PATH_LOCAL
     if timing.hop1_s is not None:
-        m.hop1_seconds.labels(path).observe(timing.hop1_s)
+        m.hop1.observe(timing.hop1_s)
     if timing.ttfb_s is not None:
-        m.ttfb_seconds.labels(path).observe(timing.ttfb_s)
+        m.ttfb[path].observe(timing.ttfb_s)
     if timing.ttft_s is not None:
-        m.ttft_seconds.labels(path).observe(timing.ttft_s)
-        if timing.predicted_s:
-            m.ttft_vs_predicted.labels(path).observe(timing.ttft_s / timing.predicted_s)
+        m.ttft[path].observe(timing.ttft_s)
+        ratio = m.ttft_ratio.get(path)  # a prediction comes with the keep and deflect routes only
+        if timing.predicted_s and ratio is not None:
+            ratio.observe(timing.ttft_s / timing.predicted_s)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",
