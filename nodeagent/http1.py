@@ -152,7 +152,7 @@ class _Exchange(asyncio.Protocol):
 
     def taken(self) -> None:
         """The reader took the body bytes: read from the socket again if it was paused."""
-        if self._paused and self.transport is not None and not self.closed:
+        if self._paused and self.transport is not None and not self.transport.is_closing():
             self._paused = False
             self.transport.resume_reading()
 
@@ -203,9 +203,10 @@ class _Exchange(asyncio.Protocol):
             return
         if self.body or self.complete:
             self._wake()
-        if len(self.body) >= _STREAM_HIGH_WATER and not self._paused and self.transport is not None:
+        transport = self.transport
+        if len(self.body) >= _STREAM_HIGH_WATER and not self._paused and transport and not transport.is_closing():
             self._paused = True
-            self.transport.pause_reading()
+            transport.pause_reading()
 
     def _parse_head(self) -> Head | None:
         """The head, once it is in (interim 1xx answers skipped), its body's framing set."""
@@ -215,7 +216,7 @@ class _Exchange(asyncio.Protocol):
                 if len(self._buf) > _MAX_HEAD:
                     raise ProtocolError("reply headers over 64 KiB")
                 return None
-            lines = bytes(self._buf[:end]).decode("latin-1").split("\r\n")
+            lines = self._buf[:end].decode("latin-1").split("\r\n")
             del self._buf[: end + 4]
             status = _status(lines[0])
             raw: list[tuple[str, str]] = []

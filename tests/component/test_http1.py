@@ -10,6 +10,7 @@ import pytest
 import uvloop
 
 from kairos.nodeagent.http1 import ConnectFailed, ConnectionBroken, Http1Client, ProtocolError
+from tests.waiting import eventually
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -322,6 +323,10 @@ async def test_a_large_body_read_slowly_arrives_whole(serve) -> None:
     host = await serve(handler)
     client = Http1Client(1.0)
     resp = await client.open("POST", host, "/", b"", [])
+    conn = resp._conn
+    assert conn is not None
+    await eventually(lambda: conn._paused, what="the socket paused while the reader takes nothing")
+    assert len(conn.body) < len(payload)
     got = bytearray()
     while data := await resp.read(2.0):
         got += data
