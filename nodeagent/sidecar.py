@@ -59,7 +59,7 @@ from kairos.common.errors import (
 )
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
-from kairos.common.runtime import run, stop_on_signals
+from kairos.common.runtime import freeze_startup_heap, run, stop_on_signals
 from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Response
 
 log = logging.getLogger(__name__)
@@ -1093,6 +1093,7 @@ async def _serve(config: SidecarConfig) -> None:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         host, port = runner.addresses[0][:2]
+        freeze_startup_heap()  # before the ready line: a supervisor may send traffic at once
         print(f"listening on {host}:{port}", flush=True)
         log.info(
             "sidecar for local vLLM %s; static prefill allowlist %s; TTFT feedback %s",
