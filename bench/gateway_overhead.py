@@ -29,7 +29,8 @@ dependency). Paths, each a sequential keep-alive client sending non-streaming co
 - ``envoy_noop_extproc``: the Kairos Envoy config + the no-op ext_proc, to the decode node: the
   floor of Envoy's ext_proc filter and its round trips;
 - ``sidecar_pd`` / ``sidecar_deflect``: the decode node's sidecar called straight, with the
-  routing headers the dispatcher would set (keep + prefill host; deflect + chunk schedule);
+  routing headers the dispatcher would set (keep + prefill host; deflect + chunk schedule; both
+  with a TTFT prediction, so the sidecar sends its TTFT feedback as behind the dispatcher);
 - ``noop_gateway_pd``: the Kairos Envoy config + the no-op ext_proc setting the P/D routing
   headers, in front of that sidecar: the whole P/D path but the dispatcher's own work;
 - ``router_pd``: vLLM's Rust router, P/D mode, same prefill and decode nodes;
@@ -345,12 +346,30 @@ async def measure(paths: list[PathRunner], n: int, block: int) -> tuple[dict[str
     return samples, off_route
 
 
+def keep_headers(prefill_url: str) -> tuple[tuple[str, str], ...]:
+    """What the P/D dispatcher sets on a keep request. The prediction makes the sidecar send its
+    TTFT feedback, as behind the real dispatcher: sidecar_pd and noop_gateway_pd both carry it, so
+    its cost is in the sidecar hops, not in the gateway on the longer path."""
+    return (
+        (c.H_ROUTE, "keep"),
+        (c.H_REASON, "pd_only"),
+        (c.H_DECODE_NODE, "d0"),
+        (c.H_PREFILL_HOST, prefill_url),
+        (c.H_PRED_TTFT_PREFILL_MS, "10.0"),
+    )
+
+
 async def open_paths(
     targets: dict[str, tuple[str, int]], body: bytes, schedule: str, prefill_url: str
 ) -> list[PathRunner]:
-    keep_headers = ((c.H_ROUTE, "keep"), (c.H_PREFILL_HOST, prefill_url), (c.H_DECODE_NODE, "d0"))
+    keep = keep_headers(prefill_url)
     sizes = c.parse_chunk_schedule_header(schedule)
-    deflect_headers = ((c.H_ROUTE, "deflect"), (c.H_CHUNK_SCHEDULE, schedule), (c.H_DECODE_NODE, "d0"))
+    deflect_headers = (
+        (c.H_ROUTE, "deflect"),
+        (c.H_CHUNK_SCHEDULE, schedule),
+        (c.H_DECODE_NODE, "d0"),
+        (c.H_PRED_TTFT_DECODE_MS, "10.0"),
+    )
     makers: dict[str, Callable[[], Awaitable[PathRunner]]] = {
         "direct": lambda: plain_path("direct", targets["direct"], body),
         "client_pd": lambda: client_pd_path(targets["prefill"], targets["direct"], body),
@@ -359,7 +378,7 @@ async def open_paths(
         "direct_deflect": lambda: plain_path(
             "direct_deflect", targets["direct_deflect"], with_field(body, c.VLLM_XARGS, c.schedule_xargs(sizes))
         ),
-        "sidecar_pd": lambda: plain_path("sidecar_pd", targets["sidecar_pd"], body, keep_headers),
+        "sidecar_pd": lambda: plain_path("sidecar_pd", targets["sidecar_pd"], body, keep),
         "sidecar_deflect": lambda: plain_path("sidecar_deflect", targets["sidecar_deflect"], body, deflect_headers),
         "noop_gateway_pd": lambda: plain_path("noop_gateway_pd", targets["noop_gateway_pd"], body),
         "router_pd": lambda: plain_path("router_pd", targets["router_pd"], body),
@@ -470,18 +489,10 @@ def start_extras(
         MINIMAL_ENVOY.format(host=HOST, port=plain_port, admin_port=plain_admin, upstream_port=up_port)
     )
     start_envoy(group, workdir, "envoy-plain", plain_cfg, plain_admin)
-    # What the P/D dispatcher sets (the prediction makes the sidecar send its TTFT feedback too).
-    keep = (
-        (c.H_ROUTE, "keep"),
-        (c.H_REASON, "pd_only"),
-        (c.H_DECODE_NODE, "d0"),
-        (c.H_PREFILL_HOST, prefill_url),
-        (c.H_PRED_TTFT_PREFILL_MS, "10.0"),
-    )
     targets = {
         "envoy": (HOST, plain_port),
         "envoy_noop_extproc": start_noop_gateway(group, workdir, "noop", decode_url),
-        "noop_gateway_pd": start_noop_gateway(group, workdir, "noop-pd", sidecar_url, keep),
+        "noop_gateway_pd": start_noop_gateway(group, workdir, "noop-pd", sidecar_url, keep_headers(prefill_url)),
     }
     if router_bin is not None:
         port = free_port()

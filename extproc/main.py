@@ -27,7 +27,7 @@ from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, ProfileError
 from kairos.common.redis_client import redact_url
-from kairos.common.runtime import stop_on_signals
+from kairos.common.runtime import freeze_startup_heap, stop_on_signals
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from kairos.core.policies import NoPrefillPoolPolicy, make_policy, validate_gateway_policy
@@ -221,6 +221,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         redact_url(config.redis_url),
         "from the nodes' KV events" if kv_events is not None else "not read (the policy is cache-blind)",
     )
+    freeze_startup_heap()  # before the ready line: Envoy may send traffic at once
     print(f"listening on {config.host}:{port}", flush=True)
     try:
         await stop.wait()

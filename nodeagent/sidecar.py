@@ -39,14 +39,12 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 import redis.asyncio as aioredis
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from redis.exceptions import RedisError
-from yarl import URL
 
 from kairos.common import contracts as c
 from kairos.common.aio import cancel_and_wait
@@ -61,8 +59,8 @@ from kairos.common.errors import (
 )
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
-from kairos.common.runtime import run, stop_on_signals
-from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error
+from kairos.common.runtime import freeze_startup_heap, run, stop_on_signals
+from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Response
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +111,13 @@ _FEEDBACK_QUEUE = 1000
 _FEEDBACK_TIMEOUT_S = 0.25
 _FEEDBACK_RETRY_S = 1.0
 _FEEDBACK_BATCH = 100  # XADDs per pipelined round trip when samples queue up
-# How long the writer lets samples gather after the first one before it sends them: one round trip
-# per 50 ms at most, not one per request (each is sidecar and Redis CPU beside the requests in
-# flight: 0.4 ms of a 2 KB keep request's p50 on a 2-core machine when sent per request).
-_FEEDBACK_LINGER_S = 0.05
+# How long the writer lets samples gather after the first one before it sends them (unless a full
+# batch is waiting): one round trip per 200 ms at most, not one per request. Each round trip is
+# sidecar and Redis CPU beside the requests in flight (0.4 ms of a 2 KB keep request's p50 on a
+# 2-core machine when sent per request; at one per 50 ms the feedback still cost 0.15 ms of
+# sidecar CPU per request, a third of it less at 200 ms). The dispatchers' error metrics are
+# rolling windows: a sample 200 ms late changes nothing there.
+_FEEDBACK_LINGER_S = 0.2
 
 
 def normalize_hostport(value: str) -> str | None:
@@ -227,10 +228,12 @@ class SidecarMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        for path in PATHS:  # series exist from the start, so rates work before the first request
-            self.ttfb_seconds.labels(path)
-            self.ttft_seconds.labels(path)
-        self.hop1_seconds.labels(ROUTE_KEEP)
+        # Series exist from the start, so rates work before the first request; each request's are
+        # looked up here once, not per request (labels() takes a lock and hashes its labels).
+        self.ttfb = {path: self.ttfb_seconds.labels(path) for path in PATHS}
+        self.ttft = {path: self.ttft_seconds.labels(path) for path in PATHS}
+        self.hop1 = self.hop1_seconds.labels(ROUTE_KEEP)  # only the keep path has a hop 1
+        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (ROUTE_KEEP, ROUTE_DEFLECT)}
         for outcome in ("sent", "error", "dropped"):
             self.ttft_feedback.labels(outcome)
 
@@ -240,7 +243,7 @@ class TtftFeedbackPublisher:
 
     :meth:`offer` only puts the sample on a bounded queue (full: dropped and counted); one writer
     task XADDs what is queued (``MAXLEN ~`` the contract's cap), pipelined, after letting samples
-    gather for ``linger_s`` (one round trip per 50 ms at most rather than one per request).
+    gather for ``linger_s`` (one round trip per 200 ms at most rather than one per request).
     After a failed round trip the writer drops samples for ``retry_s`` before it tries again, so a
     dead Redis costs one failed attempt per second, not one per request. A failure is logged once
     per outage, and its end once.
@@ -307,7 +310,7 @@ class TtftFeedbackPublisher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            if self._linger_s > 0:
+            if self._linger_s > 0 and self._queue.qsize() < _FEEDBACK_BATCH - 1:
                 await asyncio.sleep(self._linger_s)
             while len(batch) < _FEEDBACK_BATCH and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
@@ -369,15 +372,17 @@ class _State:
     config: SidecarConfig
     allowlist: Callable[[], Collection[str]] | None
     metrics: SidecarMetrics
-    session: aiohttp.ClientSession | None = None
-    hop1_client: Http1Client | None = None  # hop 1's own lean client (one JSON reply per request)
+    # The lean HTTP/1.1 clients, created on app startup: hop 1's to the prefill nodes (one JSON
+    # reply per request), and the local vLLM's (hop 2, pass-through, health), replies streamed.
+    hop1_client: Http1Client | None = None
+    local_client: Http1Client | None = None
     logged_unrouted: bool = False
     feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
 
     @property
-    def http(self) -> aiohttp.ClientSession:
-        assert self.session is not None, "the client session is created on app startup"
-        return self.session
+    def local(self) -> Http1Client:
+        assert self.local_client is not None, "the client is created on app startup"
+        return self.local_client
 
 
 STATE: web.AppKey[_State] = web.AppKey("kairos_sidecar_state", _State)
@@ -424,18 +429,16 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
     app[STATE] = state
     app[METRICS] = state.metrics
 
-    async def client_session(app: web.Application) -> AsyncIterator[None]:
-        # One pooled session for every hop. No connection limit: vLLM bounds its own
-        # concurrency, and a stream holds its connection for the whole generation.
-        # auto_decompress=False: bodies are relayed byte for byte, Content-Encoding included.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
-        state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
+    async def clients(app: web.Application) -> AsyncIterator[None]:
+        # No connection limit: vLLM bounds its own concurrency, and a stream holds its connection
+        # for the whole generation. Bodies are relayed byte for byte, Content-Encoding included.
         state.hop1_client = Http1Client(config.hop1_connect_timeout_s)
+        state.local_client = Http1Client(config.hop2_timeout_s)
         yield
         await state.hop1_client.close()
-        await state.session.close()
+        await state.local_client.close()
 
-    app.cleanup_ctx.append(client_session)
+    app.cleanup_ctx.append(clients)
     if config.redis_url:
 
         async def feedback(app: web.Application) -> AsyncIterator[None]:
@@ -546,15 +549,15 @@ async def _not_public(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     """200 when the local vLLM's /health answers 200, else 503 (Envoy's health check)."""
     state = request.app[STATE]
-    url = f"http://{state.config.local_vllm}/health"
     try:
-        async with state.http.get(url, timeout=aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)) as resp:
-            if resp.status == 200:
-                return web.json_response({"status": "ok", "local_vllm": state.config.local_vllm})
-            detail = f"local vLLM /health answered {resp.status}"
+        async with asyncio.timeout(_HEALTH_TIMEOUT_S):
+            reply = await state.local.request("GET", state.config.local_vllm, "/health", None, ())
+        if reply.status == 200:
+            return web.json_response({"status": "ok", "local_vllm": state.config.local_vllm})
+        detail = f"local vLLM /health answered {reply.status}"
     except TimeoutError:
         detail = f"local vLLM /health did not answer within {_HEALTH_TIMEOUT_S:g}s"
-    except (aiohttp.ClientError, OSError) as exc:
+    except (Http1Error, OSError) as exc:
         detail = f"local vLLM unreachable: {exc}"
     log.warning("health check failed: %s", detail)
     return web.json_response(
@@ -785,8 +788,8 @@ async def _hop1(
         log.warning("request %s: prefill node %s answered %d: %s", rid, prefill_host, status, snippet)
         raise UpstreamError(f"prefill node {prefill_host} answered {status}: {snippet}")
     try:
-        reply = _loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = _loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         reply = None
     params = reply.get(c.KV_TRANSFER_PARAMS) if isinstance(reply, dict) else None
     if not isinstance(params, dict):
@@ -815,39 +818,30 @@ async def _relay(
     chunk by chunk as it arrives. 5xx and connection failures become our 502/504."""
     cfg = state.config
     target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
-    url = URL(f"http://{cfg.local_vllm}{target}", encoded=True)
     t = cfg.hop2_timeout_s
     started = time.perf_counter()
     try:
-        resp = await state.http.request(
-            request.method,
-            url,
-            data=data,
-            headers=headers,
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t),
-        )
+        async with asyncio.timeout(t):  # connect and the response's head; the body's silences are read's
+            resp = await state.local.open(request.method, cfg.local_vllm, target, data, headers.items())
     except TimeoutError:
         _count(state, "2", "timeout")
         log.warning("request %s: the local vLLM %s gave no answer in %gs", rid, cfg.local_vllm, t)
         raise UpstreamTimeoutError(f"the local vLLM did not answer within {t:g}s") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        _count(state, "2", "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "connection")
+    except (Http1Error, OSError) as exc:
+        _count(state, "2", "connect" if isinstance(exc, ConnectFailed) else "connection")
         log.warning("request %s: the local vLLM %s failed: %r", rid, cfg.local_vllm, exc)
         raise UpstreamError(f"the local vLLM failed: {type(exc).__name__}") from None
 
     try:
-        if resp.status >= 500:
+        head = resp.head
+        if head.status >= 500:
             _count(state, "2", "status_5xx")
-            snippet = await _snippet(resp)
-            log.warning("request %s: the local vLLM answered %d: %s", rid, resp.status, snippet)
-            raise UpstreamError(f"the local vLLM answered {resp.status}: {snippet}")
-        ok = resp.status < 400
-        out_headers = CIMultiDict(
-            (k, v)
-            for k, v in resp.headers.items()
-            if k.lower() not in _RESPONSE_DROP and k.lower() not in _named_in_connection(resp.headers)
-        )
+            snippet = await _snippet(resp, t)
+            log.warning("request %s: the local vLLM answered %d: %s", rid, head.status, snippet)
+            raise UpstreamError(f"the local vLLM answered {head.status}: {snippet}")
+        ok = head.status < 400
+        dropped = _RESPONSE_DROP | _named_in_connection(head.headers.get("connection", ""))
+        out_headers = CIMultiDict((k, v) for k, v in head.raw_headers if k.lower() not in dropped)
         out_headers.setdefault(c.H_REQUEST_ID, rid)
         for name in c.ECHOED_RESPONSE_HEADERS:  # the dispatcher's decision, for the client to see
             if name in request.headers:
@@ -869,19 +863,18 @@ async def _relay(
                 timing.ttft_s = now - timing.started
                 sample = bool(feedback and timing.predicted_s and timing.path in (ROUTE_KEEP, ROUTE_DEFLECT))
 
-        chunks = resp.content.iter_any()
-        if resp.content_type == "application/json" or request.method == "HEAD":
+        if head.content_type == "application/json" or request.method == "HEAD":
             # Small and complete by nature: relay as one response with its Content-Length.
             parts = []
             try:
-                async for chunk in chunks:
+                while chunk := await resp.read(t):
                     if not parts:
                         first_byte()
                     parts.append(chunk)
             except TimeoutError:
                 _count(state, "2", "timeout")
                 raise UpstreamTimeoutError(f"the local vLLM stalled for {t:g}s mid-response") from None
-            except aiohttp.ClientError as exc:
+            except Http1Error as exc:
                 _count(state, "2", "broken")
                 raise UpstreamError(f"the local vLLM broke off its response: {type(exc).__name__}") from None
             if sample:
@@ -889,36 +882,36 @@ async def _relay(
                 # which ends past aiohttp's write, so the writer's XADD (a Redis round trip on this
                 # loop, and Redis's CPU) never delays the client's bytes.
                 asyncio.get_running_loop().call_soon(offer)
-            return web.Response(status=resp.status, body=b"".join(parts), headers=out_headers)
+            return web.Response(status=head.status, body=b"".join(parts), headers=out_headers)
 
         def stream_first_byte() -> None:
             first_byte()
             if sample:
                 offer()  # a stream: now; the writer runs at its next wait, after this chunk is written
 
-        return await _stream(request, state, resp, out_headers, chunks, stream_first_byte, rid)
+        return await _stream(request, state, resp, out_headers, stream_first_byte, rid)
     finally:
-        resp.close()  # before EOF this drops the connection, so vLLM aborts the request
+        resp.close()  # before the body's end this drops the connection, so vLLM aborts the request
 
 
 async def _stream(
     request: web.Request,
     state: _State,
-    resp: aiohttp.ClientResponse,
+    resp: Response,
     out_headers: CIMultiDict[str],
-    chunks: AsyncIterator[bytes],
     first_byte: Callable[[], None],
     rid: str,
 ) -> web.StreamResponse:
     """Relay a streaming body (SSE) chunk by chunk: each chunk is written to the client's socket as
     soon as it arrives (aiohttp writes straight to the transport; TCP_NODELAY is on)."""
+    t = state.config.hop2_timeout_s
     out = web.StreamResponse(status=resp.status, headers=out_headers)
     await out.prepare(request)  # headers go out now: the client sees the stream open at once
     first = True
     last = b""
     failure: KairosError | None = None
     try:
-        async for chunk in chunks:
+        while chunk := await resp.read(t):
             if first:
                 first_byte()
                 first = False
@@ -931,13 +924,13 @@ async def _stream(
         return out
     except TimeoutError:
         _count(state, "2", "timeout")
-        failure = UpstreamTimeoutError(f"the local vLLM stalled for {state.config.hop2_timeout_s:g}s mid-stream")
-    except aiohttp.ClientError as exc:
+        failure = UpstreamTimeoutError(f"the local vLLM stalled for {t:g}s mid-stream")
+    except Http1Error as exc:
         _count(state, "2", "broken")
         failure = UpstreamError(f"the local vLLM broke off the stream: {type(exc).__name__}")
     if failure is not None:
         log.warning("request %s: %s", rid, failure.message)
-        if resp.content_type == "text/event-stream":
+        if resp.head.content_type == "text/event-stream":
             # The status is already sent: say it in the stream, as vLLM does for its own errors
             # (the openai SDK raises APIError on a data event carrying "error"). No [DONE].
             sep = b"" if last.endswith(b"\n\n") else b"\n\n"
@@ -956,17 +949,21 @@ async def _stream(
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-def _named_in_connection(headers: Mapping[str, str]) -> set[str]:
-    value = headers.get(hdrs.CONNECTION, "")
+def _named_in_connection(value: str) -> set[str]:
+    """The header names a Connection header's value lists (hop-by-hop, RFC 9110 §7.6.1)."""
     return {token.strip().lower() for token in value.split(",") if token.strip()}
 
 
-async def _snippet(resp: aiohttp.ClientResponse) -> str:
+async def _snippet(resp: Response, timeout_s: float) -> str:
+    """The start of an error reply's body, for our own error message."""
+    raw = b""
     try:
-        raw = await resp.content.read(_ERROR_SNIPPET)
-    except (aiohttp.ClientError, TimeoutError):
-        return "(no body)"
-    return raw.decode("utf-8", "replace")
+        while len(raw) < _ERROR_SNIPPET and (chunk := await resp.read(timeout_s)):
+            raw += chunk
+    except (Http1Error, TimeoutError):
+        if not raw:
+            return "(no body)"
+    return raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
 
 
 class _NonFinite(float):
@@ -974,8 +971,12 @@ class _NonFinite(float):
     them, so it refuses this type instead and :func:`_dumps` falls back to json."""
 
 
-def _loads(text: str | bytes) -> Any:
-    return json.loads(text, parse_constant=lambda name: _NonFinite(name))
+# One decoder for every body: json.loads with an argument builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_NonFinite)
+
+
+def _loads(text: str) -> Any:
+    return _DECODER.decode(text)
 
 
 def _json_dumps(obj: Any) -> bytes:
@@ -1009,13 +1010,14 @@ def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
     m = state.metrics
     path = timing.path if timing.path in PATHS else PATH_LOCAL
     if timing.hop1_s is not None:
-        m.hop1_seconds.labels(path).observe(timing.hop1_s)
+        m.hop1.observe(timing.hop1_s)
     if timing.ttfb_s is not None:
-        m.ttfb_seconds.labels(path).observe(timing.ttfb_s)
+        m.ttfb[path].observe(timing.ttfb_s)
     if timing.ttft_s is not None:
-        m.ttft_seconds.labels(path).observe(timing.ttft_s)
-        if timing.predicted_s:
-            m.ttft_vs_predicted.labels(path).observe(timing.ttft_s / timing.predicted_s)
+        m.ttft[path].observe(timing.ttft_s)
+        ratio = m.ttft_ratio.get(path)  # a prediction comes with the keep and deflect routes only
+        if timing.predicted_s and ratio is not None:
+            ratio.observe(timing.ttft_s / timing.predicted_s)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",
@@ -1091,6 +1093,7 @@ async def _serve(config: SidecarConfig) -> None:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         host, port = runner.addresses[0][:2]
+        freeze_startup_heap()  # before the ready line: a supervisor may send traffic at once
         print(f"listening on {host}:{port}", flush=True)
         log.info(
             "sidecar for local vLLM %s; static prefill allowlist %s; TTFT feedback %s",

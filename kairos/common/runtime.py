@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -30,3 +31,17 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
+
+
+def freeze_startup_heap() -> None:
+    """Take every object alive now out of the cyclic collector's sight, once a server is ready.
+
+    What a long-running component builds before it serves (modules, its app, clients, metrics,
+    tokenizer) lives as long as the process, yet each full collection scans it all again: 12 ms
+    for the sidecar's 53K objects, 15-22 ms for the dispatcher's 70K on this 2-core machine, a
+    pause that lands on whichever request or stream chunk is in flight. Frozen, they are never
+    scanned; collections see only what came after. Garbage is collected first, so none of it is
+    kept for good.
+    """
+    gc.collect()
+    gc.freeze()

@@ -10,6 +10,7 @@ import pytest
 import uvloop
 
 from kairos.nodeagent.http1 import ConnectFailed, ConnectionBroken, Http1Client, ProtocolError
+from tests.waiting import eventually
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -192,3 +193,184 @@ def test_it_runs_on_uvloop_as_the_sidecar_does() -> None:
             await server.wait_closed()
 
     assert uvloop.run(exchange()) == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamed replies (hop 2: the local vLLM's answer relayed as it arrives)
+# ---------------------------------------------------------------------------------------------
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def gated(first: bytes, rest: bytes, close: bool = False) -> tuple[Handler, asyncio.Event, list[int]]:
+    """A handler that sends ``first``, then ``rest`` once the event is set, on each request
+    (``close``: then closes the connection)."""
+    gate = asyncio.Event()
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(first)
+                await writer.drain()
+                await gate.wait()
+                writer.write(rest)
+                await writer.drain()
+                if close:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    return handler, gate, connections
+
+
+async def read_all(resp) -> bytes:
+    out = b""
+    while data := await resp.read(2.0):
+        out += data
+    return out
+
+
+@pytest.mark.parametrize(
+    ("head", "first", "rest"),
+    [
+        pytest.param(SSE_HEAD, chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n") + b"0\r\n\r\n", id="chunked"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n", b"data: 1\n\n", b"data: 2\n\n", id="length"),
+    ],
+)
+async def test_a_streamed_body_is_delivered_as_it_arrives_and_its_connection_reused(
+    serve, head: bytes, first: bytes, rest: bytes
+) -> None:
+    handler, gate, connections = gated(head + first, rest)
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    resp = await client.open("POST", host, "/v1/completions", b"{}", [])
+    assert resp.status == 200
+    # The server holds the rest until the gate opens: the first event came through alone.
+    assert await resp.read(2.0) == b"data: 1\n\n"
+    gate.set()
+    assert await read_all(resp) == b"data: 2\n\n"
+    resp.close()
+    resp = await client.open("POST", host, "/v1/completions", b"{}", [])  # read to its end: the same connection
+    assert await read_all(resp) == b"data: 1\n\ndata: 2\n\n"
+    resp.close()
+    await client.close()
+    assert len(connections) == 1
+
+
+async def test_a_stream_closed_mid_body_drops_its_connection_so_the_server_sees_it(serve) -> None:
+    handler, gate, connections = gated(SSE_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    resp = await client.open("POST", host, "/", b"{}", [])
+    assert await resp.read(2.0) == b"data: 1\n\n"
+    resp.close()
+    gate.set()
+    resp = await client.open("POST", host, "/", b"{}", [])
+    assert await read_all(resp) == b"data: 1\n\ndata: 2\n\n"
+    resp.close()
+    await client.close()
+    assert len(connections) == 2
+
+
+async def test_silence_mid_body_is_a_timeout_and_a_break_comes_after_the_bytes_before_it(serve) -> None:
+    handler, gate, _ = gated(SSE_HEAD + chunk(b"data: 1\n\n"), b"5\r\nda", close=True)
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    resp = await client.open("POST", host, "/", b"{}", [])
+    assert await resp.read(2.0) == b"data: 1\n\n"
+    with pytest.raises(TimeoutError):
+        await resp.read(0.05)
+    gate.set()
+    assert await resp.read(2.0) == b"da"
+    with pytest.raises(ConnectionBroken):
+        await resp.read(2.0)
+    resp.close()
+    await client.close()
+
+
+async def test_open_retries_a_kept_alive_connection_closed_while_idle_but_never_a_started_reply(serve) -> None:
+    handler, seen, connections = replying(OK_JSON, close=True)
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    resp = await client.open("POST", host, "/", b"", [])
+    assert await read_all(resp) == b'{"a": 1}'
+    resp.close()
+    await asyncio.sleep(0)  # the server closed the kept-alive connection
+    resp = await client.open("POST", host, "/", b"", [])
+    assert resp.status == 200
+    resp.close()
+    assert len(connections) == 2 and len(seen) == 2
+
+    cut, cut_seen, _ = replying(b"HTTP/1.1 200 OK\r\nContent-Le", close=True)
+    cut_host = await serve(cut)
+    with pytest.raises(ConnectionBroken):
+        await client.open("POST", cut_host, "/", b"", [])
+    await client.close()
+    assert len(cut_seen) == 1
+
+
+async def test_a_large_body_read_slowly_arrives_whole(serve) -> None:
+    """Past the high-water mark the client stops reading the socket until the reader catches up."""
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    handler, _, _ = replying(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    resp = await client.open("POST", host, "/", b"", [])
+    conn = resp._conn
+    assert conn is not None
+    await eventually(lambda: conn._paused, what="the socket paused while the reader takes nothing")
+    assert len(conn.body) < len(payload)
+    got = bytearray()
+    while data := await resp.read(2.0):
+        got += data
+        await asyncio.sleep(0)
+    resp.close()
+    await client.close()
+    assert got == payload
+
+
+async def test_head_get_and_raw_headers(serve) -> None:
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-Thing: Y\r\n\r\n"
+    handler, seen, connections = replying(reply, reply + b'{"a": 1}')
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    # HEAD: the reply has no body whatever its Content-Length says, and the connection stays usable.
+    head_reply = await client.request("HEAD", host, "/v1/models", None, [])
+    assert (head_reply.status, head_reply.body) == (200, b"")
+    resp = await client.open("GET", host, "/v1/models", None, [])
+    assert resp.head.raw_headers == (("Content-Length", "8"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+                                     ("X-Thing", "Y"))
+    assert await read_all(resp) == b'{"a": 1}'
+    resp.close()
+    await client.close()
+    assert len(connections) == 1
+    assert b"content-length" not in seen[1][0].lower()  # a GET without a body says none
+
+
+def test_streaming_runs_on_uvloop_as_the_sidecar_does() -> None:
+    async def exchange() -> bytes:
+        handler, gate, _ = gated(SSE_HEAD + chunk(b"data: 1\n\n"), chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+        gate.set()
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        host = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = Http1Client(1.0)
+        try:
+            out = b""
+            for _ in range(2):
+                resp = await client.open("POST", host, "/", b"{}", [])
+                out += await read_all(resp)
+                resp.close()
+            return out
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+
+    assert uvloop.run(exchange()) == b"data: 1\n\ndata: 2\n\n" * 2
