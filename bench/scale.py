@@ -12,10 +12,25 @@ and Redis are what is measured. For each K, after every dispatcher's view holds 
 1. an idle window (refresh only): Redis CPU and commands/s, each dispatcher's CPU, its poll
    time (``kairos_dispatcher_view_poll_seconds``) and the view's worst staleness
    (``kairos_dispatcher_view_oldest_heartbeat_seconds``: the oldest heartbeat at each poll,
-   just before its update);
+   just before its update, aged from when this dispatcher first read it), and that age's parts:
+   how far apart the publishers wrote each node's beats (and how late their batches began), how
+   long after its ``sent_at`` a beat entered the view
+   (``kairos_dispatcher_view_read_delay_seconds``, the largest at each poll), and how late the
+   polls began (``kairos_dispatcher_view_poll_lateness_seconds``);
 2. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
-   decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated), routes,
-   reservation conflicts, and the same refresh figures under load.
+   decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated, body to answer:
+   parse, Algorithm 1, the reservation's Redis round trip and every wait on a busy event loop)
+   and the policy's own compute (``kairos_dispatcher_policy_seconds``), routes, reservation
+   conflicts, and the same refresh figures under load.
+
+Each K runs under two harnesses (``--gateway-nice``). "fair" (10): the publishers, Redis, the
+upstream and the load generator (this process) run 10 nice steps above Envoy and the
+dispatchers: they stand for other machines (node agents, a Redis host, clients), which in
+production never wait for the gateway's CPUs; on 2 shared cores they otherwise do, and a late
+publisher ages every view by itself. The stand-ins are raised (which needs root) rather than the
+gateway lowered, so the gateway keeps the priority it has in "shared" against anything else on
+the machine; without root the gateway is lowered instead. "shared" (0): one priority for all,
+the earlier harness, kept for its end-to-end figure.
 
 And once, in process, on the very view a dispatcher builds from those 1,000 heartbeats
 (``Membership.poll_succeeded`` on one MGET): Algorithm 1's decision time, exact p50/p99, for 1K,
@@ -26,7 +41,8 @@ Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartb
 (the JSON records them and the load average).
 
     python bench/scale.py [--nodes 1000] [--prefill-nodes 100] [--publishers 4]
-                          [--dispatchers 1,2,4] [--idle-s 10] [--load-s 15] [--connections 16] [--json PATH]
+                          [--dispatchers 1,2,4] [--gateway-nice 10,0] [--idle-s 10] [--load-s 15]
+                          [--connections 16] [--baseline-tree PATH] [--json PATH]
 """
 
 from __future__ import annotations
@@ -92,6 +108,31 @@ CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
 
 def harness_name(gateway_nice: int) -> str:
     return "fair" if gateway_nice > 0 else "shared"
+
+
+class Priorities:
+    """CPU priorities of the stand-ins for other machines: this process (the load generator) and
+    the publishers, Redis and the upstream it started, ``gap`` nice steps above the gateway."""
+
+    def __init__(self, stand_ins: list[int]) -> None:
+        self.stand_ins = [0, *stand_ins]  # 0: this process (its main thread, the load generator's)
+        self.base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def _set(self, nice: int) -> None:
+        for pid in self.stand_ins:
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+    def open_gap(self, gap: int) -> int:
+        """Raise the stand-ins ``gap`` steps if allowed (else leave them); the nice value they
+        run at. Start the gateway with ``nice -n gap``: it inherits theirs."""
+        try:
+            self._set(max(-20, self.base - gap))
+        except PermissionError:
+            self._set(self.base)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    def close_gap(self) -> None:
+        self._set(self.base)
 
 
 def node_id(index: int, prefill_nodes: int) -> str:
@@ -379,10 +420,19 @@ def max_bucket(before: dict[str, float], after: dict[str, float]) -> str:
 # Processes
 # ---------------------------------------------------------------------------------------------
 def start_dispatchers(
-    group: ProcessGroup, k: int, logs: Path, redis_url: str, model_dir: Path, upstream: str, nice: int
+    group: ProcessGroup,
+    k: int,
+    logs: Path,
+    redis_url: str,
+    model_dir: Path,
+    upstream: str,
+    nice: int,
+    baseline: Path | None = None,
 ) -> tuple[int, list[int], dict[str, int]]:
     """K dispatchers and one Envoy in front of them, ``nice`` steps below this process's CPU
-    priority; (Envoy port, metrics ports, pids)."""
+    priority (:class:`Priorities`); (Envoy port, metrics ports, pids). With ``baseline`` (another
+    checkout with its own ``.venv``), the even-numbered replicas run that tree's dispatcher: a
+    change and the tree before it, side by side in the same minutes."""
     py = sys.executable
     below = ["nice", "-n", str(nice)] if nice else []  # nice execs its command: the pid is the process's
     envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
@@ -391,12 +441,15 @@ def start_dispatchers(
     grpc_ports, metrics_ports, pids = [], [], {}
     for i in range(k):
         grpc_port, metrics_port = free_port(), free_port()
+        tree, tree_py = ROOT, py
+        if baseline is not None and i % 2 == 0:
+            tree, tree_py = baseline, str(baseline / ".venv" / "bin" / "python")
         proc = group.start(
             ManagedProcess(
                 f"dispatcher-{i}",
                 [
                     *below,
-                    py,
+                    tree_py,
                     "-m",
                     "kairos.extproc",
                     "--host",
@@ -416,8 +469,8 @@ def start_dispatchers(
                 ],
                 logs / f"k{k}-dispatcher-{i}.log",
                 ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
-                env={"PYTHONPATH": str(ROOT)},
-                cwd=ROOT,
+                env={"PYTHONPATH": str(tree)},
+                cwd=tree,
             ),
             timeout_s=120,
         )
@@ -454,10 +507,13 @@ def start_dispatchers(
 def measure_k(
     k: int, nice: int, args: argparse.Namespace, base: dict[str, Any], base_pids: dict[str, int], body: bytes
 ) -> dict[str, Any]:
+    priorities: Priorities = base["priorities"]
+    stand_ins_nice = priorities.open_gap(nice)
     with ProcessGroup() as group:
         port, metrics_ports, pids = start_dispatchers(
-            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"], nice
+            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"], nice, args.baseline_tree
         )
+        gateway_nice = os.getpriority(os.PRIO_PROCESS, pids["dispatcher-0"])
         for mp in metrics_ports:
             wait_until(lambda mp=mp: nodes_in_view(mp) == args.nodes, 120, f"a dispatcher's view of {args.nodes} nodes")
         meter = CpuMeter({**base_pids, **pids, "client": os.getpid()})
@@ -474,6 +530,7 @@ def measure_k(
             loaded = window.end()
         finally:
             client.close()
+            priorities.close_gap()
         loaded.update(
             {
                 "completed": load.completed,
@@ -482,7 +539,13 @@ def measure_k(
                 "latency_ms": percentiles_ms([ns / 1e9 for ns in load.latencies_ns]),
             }
         )
-        return {"dispatchers": k, "gateway_nice": nice, "harness": harness_name(nice), "idle": idle, "load": loaded}
+        return {
+            "dispatchers": k,
+            "harness": harness_name(nice),
+            "nice": {"stand_ins": stand_ins_nice, "gateway": gateway_nice},
+            "idle": idle,
+            "load": loaded,
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -496,7 +559,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = build_tiny_model(workdir / "model")
         up_port, redis_port = free_port(), free_port()
         upstream, redis_url = f"{HOST}:{up_port}", f"redis://{HOST}:{redis_port}/0"
-        group.start(
+        upstream_proc = group.start(
             ManagedProcess(
                 "upstream",
                 [py, str(ROOT / "bench" / "loadgen.py"), "upstream", "--host", HOST, "--port", str(up_port)],
@@ -556,6 +619,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model_dir": model_dir,
             "upstream": upstream,
             "batch_logs": batch_logs,
+            "priorities": Priorities([*base_pids.values(), upstream_proc.pid]),
         }
         body = completion_body(2048, seed=1)
         rows = []
@@ -581,6 +645,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "load_s": args.load_s,
                 "connections": args.connections,
                 "gateway_nice": args.gateway_nice,
+                "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
                 "cores": os.cpu_count(),
             },
             "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
@@ -683,9 +748,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gateway-nice",
         default="10,0",
-        help="measure each K with Envoy and the dispatchers this many nice steps below the publishers, Redis, "
-        "the upstream and the load generator (10: 'fair', they stand for other machines; 0: 'shared', "
-        "one priority for all, the earlier harness)",
+        help="measure each K with the publishers, Redis, the upstream and the load generator this many nice "
+        "steps above Envoy and the dispatchers (10: 'fair', they stand for other machines; 0: 'shared', one "
+        "priority for all, the earlier harness)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of the tree before a change, with its own .venv: the even-numbered replicas run its "
+        "dispatcher (e.g. --dispatchers 2: replica 0 before, replica 1 after)",
     )
     parser.add_argument("--calls", type=int, default=2000, help="in-process decisions per prompt size")
     parser.add_argument("--json", type=Path, help="output path (default bench/results/scale.json)")

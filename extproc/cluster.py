@@ -198,7 +198,8 @@ class RedisClusterView:
         self._reader: SyncRedis | None = None
         self._task: asyncio.Task[None] | None = None  # waits on the poll thread's life
         self._stopping = threading.Event()  # tells the poll thread to end
-        self._follow_up: asyncio.Task[None] | None = None  # the last threaded poll's follow-ups
+        self._follow_up: asyncio.Task[None] | None = None  # the threaded polls' follow-ups
+        self._follow_up_again: bool | None = None  # set: run them once more (True: Redis answered)
         self._keys: list[str] = []  # heartbeat keys found by the last SCAN that still held a value
         self._polls = 0
         self._scan_due = True
@@ -385,27 +386,37 @@ class RedisClusterView:
     def _apply_on_loop(
         self, outcome: _Read, started: float, applied: concurrent.futures.Future[None], stopping: threading.Event
     ) -> None:
-        """On the event loop: the update of one threaded poll, then its follow-ups as a task;
-        ``applied`` resolves when all is done. A bug is logged (once), never raised."""
-        if stopping.is_set():  # stopped since the read: the view stays as stop() left it
-            applied.set_result(None)
-            return
+        """On the event loop: the update of one threaded poll (``applied`` resolves then, so the
+        next read need not wait), then its follow-ups as a task. Follow-ups (the TTFT feedback
+        read is a Redis round trip on this loop) never hold back the next poll: while one runs,
+        the next update only asks it to run once more. A bug is logged (once), never raised."""
         try:
+            if stopping.is_set():  # stopped since the read: the view stays as stop() left it
+                return
             ok = self._apply(outcome, started)
         except Exception:
             self._bug()
-            applied.set_result(None)
             return
-        self._follow_up = asyncio.create_task(self._after_poll(ok), name="kairos-cluster-view-follow-up")
+        finally:
+            applied.set_result(None)
+        if self._follow_up is not None and not self._follow_up.done():
+            self._follow_up_again = self._follow_up_again or ok
+            return
+        self._follow_up = asyncio.create_task(self._follow_ups(ok), name="kairos-cluster-view-follow-up")
 
-        def done(task: asyncio.Task[None]) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                self._bug(task.exception())
+    async def _follow_ups(self, ok: bool) -> None:
+        """:meth:`_after_poll`, again for as long as updates arrived while it ran."""
+        while True:
+            self._follow_up_again = None
+            try:
+                await self._after_poll(ok)
+            except Exception as exc:
+                self._bug(exc)
             else:
                 self._bug_logged = False
-            applied.set_result(None)
-
-        self._follow_up.add_done_callback(done)
+            if self._follow_up_again is None:
+                return
+            ok = self._follow_up_again
 
     def _bug(self, exc: BaseException | None = None) -> None:
         """A poll failed unexpectedly: log it once per run of failures, keep the last view."""

@@ -609,6 +609,38 @@ async def test_a_failing_feedback_read_never_degrades_the_view(
         await view.stop()
 
 
+async def test_a_slow_feedback_read_never_holds_back_the_heartbeat_polls(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """The feedback read is a round trip on the event loop, after a poll's update: while one
+    hangs, the polls go on (and the read runs again, once, when it is free)."""
+    await decode_node_d0(redis)
+    view, _ = feedback_view(redis, registry)
+    assert view._feedback is not None
+    read_feedback = view._feedback.read
+    release = asyncio.Event()
+    feedback_reads: list[int] = []
+
+    async def slow_read(redis_client: aioredis.Redis) -> None:
+        feedback_reads.append(len(feedback_reads))
+        if len(feedback_reads) == 2:  # the background poller's first: hangs until released
+            await release.wait()
+        await read_feedback(redis_client)
+
+    view._feedback.read = slow_read  # type: ignore[method-assign]
+    await view.start()  # start()'s own poll reads the feedback once
+    try:
+        await eventually(lambda: len(feedback_reads) == 2, what="the hanging feedback read")
+        for seq in (2, 3):
+            await client.set("kairos:node:d0", beat("d0", seq, decode_tokens=seq))
+            await eventually(lambda seq=seq: [n.decode_tokens for n in view.view().decode] == [seq], what="a poll")
+        assert len(feedback_reads) == 2  # no second read while the first hangs
+        release.set()
+        await eventually(lambda: len(feedback_reads) >= 3, what="the read, once more")
+    finally:
+        await view.stop()
+
+
 async def test_without_feedback_the_stream_is_not_read(
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
 ) -> None:
