@@ -1,6 +1,6 @@
 """The dispatcher's live cluster view: a thin Redis poller around the membership rules.
 
-A background task polls Redis every ``poll_s`` (half a heartbeat period): a SCAN of
+A poll thread polls Redis every ``poll_s`` (half a heartbeat period): a SCAN of
 ``kairos:node:*`` every few polls (and at every poll while recovering from an outage) finds the
 nodes, one MGET per poll reads all their heartbeats. What came back, or the failure, goes to
 :class:`~kairos.extproc.membership.Membership` with the view's clock time; it applies the rules
@@ -8,11 +8,12 @@ nodes, one MGET per poll reads all their heartbeats. What came back, or the fail
 degraded mode) and says what changed, which this module logs. Ages use this dispatcher's clock
 at receipt, never the publisher's.
 
-The SCAN and MGET run on one worker thread with its own blocking client, not on the event loop:
-under request load every ``await`` of an asyncio read waits behind the requests' callbacks, and
-a 1,000-heartbeat MGET reply (about 300 KB) takes several reads, so the poll's round trips, not
-its work, aged the view (``bench/scale.py``). The loop only waits for the thread's answer once,
-then applies it; membership and the tracker stay the loop's alone.
+The poll's slots, SCAN and MGET run on that thread, with its own blocking client, not on the
+event loop: under request load every ``await`` of an asyncio read waits behind the requests'
+callbacks, and a 1,000-heartbeat MGET reply (about 300 KB) takes several reads, so the polls
+began late, took long and skipped slots (``bench/scale.py``). The loop applies each read in one
+callback (membership and the tracker stay the loop's alone); what follows a poll on the loop (KV
+event subscriptions, the TTFT feedback read) never holds back the next one.
 
 The request hot path never touches Redis: :meth:`RedisClusterView.view` returns the tracker's
 in-memory view and :meth:`RedisClusterView.record` adds a dispatch to its overlay. Only a
@@ -193,8 +194,9 @@ class RedisClusterView:
             else None
         )
         self._client: aioredis.Redis | None = None
-        # The poll's reads: one worker thread, which alone uses ``_reader`` (made there).
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kairos-view-poll")
+        # The poll's reads: one worker thread (made when first needed, ended by stop()), which
+        # alone uses ``_reader`` (made there).
+        self._io_pool: ThreadPoolExecutor | None = None
         self._reader: SyncRedis | None = None
         self._task: asyncio.Task[None] | None = None  # waits on the poll thread's life
         self._stopping = threading.Event()  # tells the poll thread to end
@@ -321,8 +323,11 @@ class RedisClusterView:
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-        # Queued behind the poll thread's last read, if it is still in flight.
-        await asyncio.get_running_loop().run_in_executor(self._io, self._close_reader)
+        io, self._io_pool = self._io_pool, None
+        if io is not None:
+            # Queued behind the poll thread's last read, if it is still in flight.
+            await asyncio.get_running_loop().run_in_executor(io, self._close_reader)
+            io.shutdown(wait=False)
 
     async def __aenter__(self) -> RedisClusterView:
         await self.start()
@@ -353,7 +358,7 @@ class RedisClusterView:
     async def _run(self, stopping: threading.Event) -> None:
         """The poll thread's life, on the worker, until ``stopping`` is set."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._io, self._poll_forever, loop, stopping)
+        await loop.run_in_executor(self._io(), self._poll_forever, loop, stopping)
 
     def _poll_forever(self, loop: asyncio.AbstractEventLoop, stopping: threading.Event) -> None:
         """On the worker thread: a poll every ``poll_s`` on a monotonic grid (a poll that overran
@@ -368,8 +373,7 @@ class RedisClusterView:
                 return
             self._poll_metrics.lateness.observe(max(0.0, time.monotonic() - due))
             started = time.perf_counter()
-            scan = self._next_scan()
-            outcome = self._read_or_error(scan)
+            outcome = self._read_or_error()
             applied: concurrent.futures.Future[None] = concurrent.futures.Future()
             try:
                 loop.call_soon_threadsafe(self._apply_on_loop, outcome, started, applied, stopping)
@@ -427,6 +431,11 @@ class RedisClusterView:
         else:
             log.debug("cluster view poll failed again", exc_info=exc_info)
 
+    def _io(self) -> ThreadPoolExecutor:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kairos-view-poll")
+        return self._io_pool
+
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
             self._client = fail_fast_client(self.config.redis_url, self.config.redis_timeout_s)
@@ -440,10 +449,12 @@ class RedisClusterView:
         keys = sorted({k.decode() for k in reader.scan_iter(match=REDIS_NODE_PATTERN, count=1000)}) if scan else known
         return keys, reader.mget(keys) if keys else []
 
-    def _read_or_error(self, scan: bool) -> _Read:
-        """:meth:`_read`, or what it raised (applied on the loop, which alone touches the view)."""
+    def _read_or_error(self) -> _Read:
+        """On the worker thread: :meth:`_read`, or what it raised, for the loop to apply (it alone
+        touches the view). The thread reads the poller's state only between two updates, when the
+        loop does not change it."""
         try:
-            return self._read(scan, self._keys)
+            return self._read(self._next_scan(), self._keys)
         except Exception as exc:
             return exc
 
@@ -454,8 +465,7 @@ class RedisClusterView:
 
     # -- polling ---------------------------------------------------------------------------------
     def _next_scan(self) -> bool:
-        """Whether the next poll SCANs for keys (read by the poll thread between two updates,
-        when the loop does not change what it reads)."""
+        """Whether the next poll SCANs for keys."""
         scan = (
             self._scan_due
             or self.membership.recovering(self.now())  # publishers are re-publishing
@@ -468,7 +478,7 @@ class RedisClusterView:
         """One poll: SCAN (every few polls) and MGET on the worker thread, then hand the result to
         membership. Never raises on Redis errors. Not while the background poller runs."""
         started = time.perf_counter()
-        outcome = await asyncio.get_running_loop().run_in_executor(self._io, self._read_or_error, self._next_scan())
+        outcome = await asyncio.get_running_loop().run_in_executor(self._io(), self._read_or_error)
         await self._after_poll(self._apply(outcome, started))
 
     def _apply(self, outcome: _Read, started: float) -> bool:
