@@ -15,8 +15,10 @@ and Redis are what is measured. For each K, after every dispatcher's view holds 
    just before its update, aged from when this dispatcher first read it), and that age's parts:
    how far apart the publishers wrote each node's beats (and how late their batches began), how
    long after its ``sent_at`` a beat entered the view
-   (``kairos_dispatcher_view_read_delay_seconds``, the largest at each poll), and how late the
-   polls began (``kairos_dispatcher_view_poll_lateness_seconds``);
+   (``kairos_dispatcher_view_read_delay_seconds``, the largest at each poll), how late the polls
+   began (``kairos_dispatcher_view_poll_lateness_seconds``), and of a poll's time how much was
+   Redis (``kairos_dispatcher_view_read_seconds``) and how much waiting for the dispatcher's
+   event loop (``kairos_dispatcher_view_apply_wait_seconds``);
 2. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
    decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated, body to answer:
    parse, Algorithm 1, the reservation's Redis round trip and every wait on a busy event loop)
@@ -101,6 +103,8 @@ POLL_METRIC = "kairos_dispatcher_view_poll_seconds"
 OLDEST_METRIC = "kairos_dispatcher_view_oldest_heartbeat_seconds"
 LATENESS_METRIC = "kairos_dispatcher_view_poll_lateness_seconds"
 READ_DELAY_METRIC = "kairos_dispatcher_view_read_delay_seconds"
+READ_METRIC = "kairos_dispatcher_view_read_seconds"
+APPLY_WAIT_METRIC = "kairos_dispatcher_view_apply_wait_seconds"
 DECISION_METRIC = "kairos_dispatcher_decision_seconds"
 POLICY_METRIC = "kairos_dispatcher_policy_seconds"
 CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
@@ -358,6 +362,8 @@ class Window:
                     "oldest": scrape_histogram(url, OLDEST_METRIC),
                     "lateness": scrape_histogram(url, LATENESS_METRIC),
                     "read_delay": scrape_histogram(url, READ_DELAY_METRIC),
+                    "read": scrape_histogram(url, READ_METRIC),
+                    "apply_wait": scrape_histogram(url, APPLY_WAIT_METRIC),
                     "decision": scrape_histogram(url, DECISION_METRIC),
                     "policy": scrape_histogram(url, POLICY_METRIC),
                     "decisions": scrape_decisions(url),
@@ -388,6 +394,8 @@ class Window:
                     "oldest_heartbeat_max_bucket_s": oldest_max,
                     "read_delay": histogram_summary(b["read_delay"], a["read_delay"]),
                     "read_delay_max_bucket_s": max_bucket(b["read_delay"], a["read_delay"]),
+                    "redis_read": histogram_summary(b["read"], a["read"]),
+                    "apply_wait": histogram_summary(b["apply_wait"], a["apply_wait"]),
                     "decision": histogram_summary(b["decision"], a["decision"]),
                     "policy": histogram_summary(b["policy"], a["policy"]),
                     "decisions": {k: a["decisions"][k] - b["decisions"].get(k, 0) for k in a["decisions"]},
@@ -711,7 +719,9 @@ def print_row(row: dict[str, Any]) -> None:
             f" + read into the view <= {each(lambda x: x['read_delay_max_bucket_s'])} s after;"
             f" polls {each(lambda x: format(x['polls_per_s'], '.1f'))}/s,"
             f" late p99 {each(lambda x: _quantile(x['poll_lateness'], 'p99'))} ms,"
-            f" take p99 {each(lambda x: _quantile(x['poll'], 'p99'))} ms{extra}"
+            f" take p99 {each(lambda x: _quantile(x['poll'], 'p99'))} ms"
+            f" (Redis read {each(lambda x: _quantile(x['redis_read'], 'p99'))},"
+            f" waiting for the loop {each(lambda x: _quantile(x['apply_wait'], 'p99'))}){extra}"
         )
 
 

@@ -373,10 +373,10 @@ class RedisClusterView:
                 return
             self._poll_metrics.lateness.observe(max(0.0, time.monotonic() - due))
             started = time.perf_counter()
-            outcome = self._read_or_error()
+            outcome, read_done = self._read_or_error()
             applied: concurrent.futures.Future[None] = concurrent.futures.Future()
             try:
-                loop.call_soon_threadsafe(self._apply_on_loop, outcome, started, applied, stopping)
+                loop.call_soon_threadsafe(self._apply_on_loop, outcome, started, read_done, applied, stopping)
             except RuntimeError:  # the loop is closed: the dispatcher is gone
                 return
             while not stopping.is_set():
@@ -388,7 +388,12 @@ class RedisClusterView:
                         return
 
     def _apply_on_loop(
-        self, outcome: _Read, started: float, applied: concurrent.futures.Future[None], stopping: threading.Event
+        self,
+        outcome: _Read,
+        started: float,
+        read_done: float,
+        applied: concurrent.futures.Future[None],
+        stopping: threading.Event,
     ) -> None:
         """On the event loop: the update of one threaded poll (``applied`` resolves then, so the
         next read need not wait), then its follow-ups as a task. Follow-ups (the TTFT feedback
@@ -397,7 +402,7 @@ class RedisClusterView:
         try:
             if stopping.is_set():  # stopped since the read: the view stays as stop() left it
                 return
-            ok = self._apply(outcome, started)
+            ok = self._apply(outcome, started, read_done)
         except Exception:
             self._bug()
             return
@@ -449,14 +454,19 @@ class RedisClusterView:
         keys = sorted({k.decode() for k in reader.scan_iter(match=REDIS_NODE_PATTERN, count=1000)}) if scan else known
         return keys, reader.mget(keys) if keys else []
 
-    def _read_or_error(self) -> _Read:
+    def _read_or_error(self) -> tuple[_Read, float]:
         """On the worker thread: :meth:`_read`, or what it raised, for the loop to apply (it alone
-        touches the view). The thread reads the poller's state only between two updates, when the
-        loop does not change it."""
+        touches the view), and when it ended (``perf_counter``). The thread reads the poller's
+        state only between two updates, when the loop does not change it."""
+        started = time.perf_counter()
+        outcome: _Read
         try:
-            return self._read(self._next_scan(), self._keys)
+            outcome = self._read(self._next_scan(), self._keys)
         except Exception as exc:
-            return exc
+            outcome = exc
+        done = time.perf_counter()
+        self._poll_metrics.read.observe(done - started)
+        return outcome, done
 
     def _close_reader(self) -> None:
         reader, self._reader = self._reader, None
@@ -478,11 +488,12 @@ class RedisClusterView:
         """One poll: SCAN (every few polls) and MGET on the worker thread, then hand the result to
         membership. Never raises on Redis errors. Not while the background poller runs."""
         started = time.perf_counter()
-        outcome = await asyncio.get_running_loop().run_in_executor(self._io(), self._read_or_error)
-        await self._after_poll(self._apply(outcome, started))
+        outcome, read_done = await asyncio.get_running_loop().run_in_executor(self._io(), self._read_or_error)
+        await self._after_poll(self._apply(outcome, started, read_done))
 
-    def _apply(self, outcome: _Read, started: float) -> bool:
+    def _apply(self, outcome: _Read, started: float, read_done: float) -> bool:
         """Feed one poll's read (or its failure) to membership; True if Redis answered."""
+        self._poll_metrics.apply_wait.observe(time.perf_counter() - read_done)
         if isinstance(outcome, BaseException):
             if not isinstance(outcome, REDIS_ERRORS):
                 raise outcome

@@ -196,6 +196,8 @@ class ViewPollMetrics:
     seconds: Histogram  # kairos_dispatcher_view_poll_seconds
     oldest_heartbeat: Histogram  # kairos_dispatcher_view_oldest_heartbeat_seconds
     lateness: Histogram  # kairos_dispatcher_view_poll_lateness_seconds
+    read: Histogram  # kairos_dispatcher_view_read_seconds
+    apply_wait: Histogram  # kairos_dispatcher_view_apply_wait_seconds
     read_delay: Histogram  # kairos_dispatcher_view_read_delay_seconds
 
 
@@ -225,6 +227,20 @@ def view_poll_metrics(registry: CollectorRegistry = REGISTRY) -> ViewPollMetrics
                 "kairos_dispatcher_view_poll_lateness_seconds",
                 "How long after its slot each periodic poll began: the event loop busy with requests, or the "
                 "host's CPUs with other processes",
+                buckets=_POLL_BUCKETS,
+                registry=registry,
+            ),
+            Histogram(
+                "kairos_dispatcher_view_read_seconds",
+                "Each poll's SCAN (every few polls) and MGET of the heartbeats, on the poll thread: Redis and the "
+                "round trips, apart from the dispatcher's event loop",
+                buckets=_POLL_BUCKETS,
+                registry=registry,
+            ),
+            Histogram(
+                "kairos_dispatcher_view_apply_wait_seconds",
+                "How long each poll's read waited for the event loop (busy with requests, or the host's CPUs busy) "
+                "before the update began",
                 buckets=_POLL_BUCKETS,
                 registry=registry,
             ),
