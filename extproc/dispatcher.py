@@ -311,18 +311,24 @@ class Dispatcher:
         ``cached``: each node's cached prefix of the prompt, for the prefix-aware policies."""
         full_view = view = self.cluster.view()
         if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
-            return self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
+            t0 = time.perf_counter()
+            decision = self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
+            self.metrics.policy_seconds.observe(time.perf_counter() - t0)
+            return decision
         if self._prefill_pool_gone:
             self._prefill_pool_gone = False
             log.warning("a prefill node is fresh again: routing normally")
         excluded: set[str] = set()  # nodes whose promise Redis could not take
         decision: Decision | None = None
+        compute_s = 0.0  # the policy's own time, apart from the promises' round trips
         for _ in range(self.settings.reservation_attempts):
             if excluded:
                 view = dataclasses.replace(view, decode=tuple(n for n in view.decode if n.node_id not in excluded))
                 if not view.decode:
                     break
+            t0 = time.perf_counter()
             decision = _run(policies.policy, prompt_tokens, view, self._clock(), cached)
+            compute_s += time.perf_counter() - t0
             if decision.route is not Route.DEFLECT:
                 break
             node_id = decision.decode_node
@@ -333,6 +339,7 @@ class Dispatcher:
             # counts the same).
             reservation = await self.cluster.try_reserve(node_id, self.owner, sum(decision.chunk_sizes))
             if reservation.granted:
+                self.metrics.policy_seconds.observe(compute_s)
                 return decision
             self.cluster.cancel(handle)
             self.metrics.reservation_conflicts.inc()
@@ -343,7 +350,10 @@ class Dispatcher:
         if decision.route is Route.DEFLECT:
             # No deflection target took the promise: the P/D path, where any decode node
             # (promised ones included) can take the request after its prefill.
+            t0 = time.perf_counter()
             decision = _run(policies.keep_policy, prompt_tokens, full_view, self._clock(), cached)
+            compute_s += time.perf_counter() - t0
+        self.metrics.policy_seconds.observe(compute_s)
         self.cluster.record(decision, self._clock())
         return decision
 

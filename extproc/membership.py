@@ -309,6 +309,10 @@ class Membership:
     _listed: dict[str, StaticNode] = field(default_factory=dict)
     _kv_events: dict[str, KvEventEndpoints] = field(default_factory=dict)
     kv_events_version: int = 0  # +1 whenever kv_event_endpoints() changes
+    # Of the last successful poll: how many new heartbeats it applied, and the earliest sent_at
+    # among them (the node's clock: for the read-delay metric only, never for a rule).
+    new_beats: int = 0
+    oldest_new_sent_at: float | None = None
 
     def __post_init__(self) -> None:
         self._listed = {n.node_id: n for n in self.config.static_nodes()}
@@ -397,12 +401,14 @@ class Membership:
         key that expired between its SCAN and its read."""
         events: list[Event] = []
         if self._outage_since is not None:
-            events.append(RedisBack(now - self._outage_since, self._outage_failures, self._ever_connected,
-                                    self.static_fallback))
+            events.append(
+                RedisBack(now - self._outage_since, self._outage_failures, self._ever_connected, self.static_fallback)
+            )
             self._recovered_at = now
         self._outage_since, self._outage_failures = None, 0
         self._ever_connected = True
         self.degraded = self.static_fallback = False
+        self.new_beats, self.oldest_new_sent_at = 0, None
 
         seen: set[str] = set()
         for node_id, raw in beats:
@@ -447,6 +453,9 @@ class Membership:
         if node is None or not node.from_redis:
             events.append(NodeJoined(hb))
         self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True, beat=hb, raw=raw)
+        self.new_beats += 1
+        if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
+            self.oldest_new_sent_at = hb.sent_at
         self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
         self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:

@@ -2,7 +2,9 @@
 
 - :func:`fail_fast_client`: bounded connect and command times and no hidden retries, because
   every caller (the dispatcher's poller, the heartbeat publisher, the sidecar's feedback writer)
-  already retries on its own period, and a retry with backoff would hold its loop.
+  already retries on its own period, and a retry with backoff would hold its loop;
+  :func:`fail_fast_sync_client`: the same for a blocking client that one worker thread owns (the
+  dispatcher's view poll, whose reads must not wait on an event loop busy with requests).
 - :func:`redact_url`: a Redis URL fit for a log line; :func:`with_credentials`: a URL with a
   user and password (ACL users: :mod:`kairos.common.redis_acl`).
 
@@ -23,7 +25,9 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.client import Redis as SyncRedis
 from redis.exceptions import RedisError
+from redis.retry import Retry as SyncRetry
 
 from kairos.common.errors import ConfigError
 
@@ -47,6 +51,16 @@ def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
+    )
+
+
+def fail_fast_sync_client(url: str, timeout_s: float) -> SyncRedis:
+    """:func:`fail_fast_client`'s settings on a blocking client (one thread's own: not shared)."""
+    return SyncRedis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=SyncRetry(NoBackoff(), 0),
     )
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,9 +335,66 @@ async def test_each_poll_reports_its_cost_and_the_oldest_heartbeat_it_found(
         assert registry.get_sample_value(f"{oldest}_count") == 2
         assert registry.get_sample_value(f"{oldest}_sum") == pytest.approx(0.25 + 0.35)
         assert registry.get_sample_value(f"{oldest}_bucket", {"le": "0.3"}) == 1
-        assert registry.get_sample_value("kairos_dispatcher_view_poll_seconds_count") == 3
+        for part in ("poll", "read", "apply_wait"):  # the whole poll, its Redis read, its wait for the loop
+            assert registry.get_sample_value(f"kairos_dispatcher_view_{part}_seconds_count") == 3
     finally:
         await view.stop()
+
+
+async def test_each_poll_reports_how_long_after_its_sent_at_the_oldest_new_heartbeat_entered_the_view(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """kairos_dispatcher_view_read_delay_seconds: at each poll that took new beats, the largest
+    time from a beat's sent_at to this poll (by the wall clock, the one sent_at is on)."""
+    wall = FakeClock(1000.0)
+    view = RedisClusterView(view_config(redis), clock=FakeClock(), registry=registry, wall_clock=wall)
+    delay = "kairos_dispatcher_view_read_delay_seconds"
+    try:
+        await client.set("kairos:node:p0", beat("p0", seq=1, sent_at=999.98))
+        await client.set("kairos:node:d0", beat("d0", seq=1, sent_at=999.9))
+        await view.poll_once()  # both new: the older counts, 0.1 s
+        wall.t = 1000.05
+        await view.poll_once()  # nothing new: nothing observed
+        await client.set("kairos:node:d0", beat("d0", seq=2, sent_at=1000.02))
+        wall.t = 1000.06
+        await view.poll_once()
+        assert registry.get_sample_value(f"{delay}_count") == 2
+        assert registry.get_sample_value(f"{delay}_sum") == pytest.approx(0.1 + 0.04)
+        assert registry.get_sample_value(f"{delay}_bucket", {"le": "0.05"}) == 1
+    finally:
+        await view.stop()
+
+
+async def test_the_poll_reads_redis_while_the_event_loop_is_busy(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """The background poll's slots and reads run on its own thread: a loop busy with requests
+    (here: blocked outright) delays only the update, which lands once the loop is free (the
+    thread reads again only after that: one poll at a time)."""
+    view = RedisClusterView(view_config(redis), registry=registry)
+    read = view._read
+    reads: list[bool] = []
+    thread_read = threading.Event()
+
+    def counting_read(scan: bool, known: list[str]) -> tuple[list[str], list[bytes | None]]:
+        got = read(scan, known)
+        reads.append(scan)
+        if len(reads) >= 2:  # start()'s own poll, then the poll thread's
+            thread_read.set()
+        return got
+
+    view._read = counting_read  # type: ignore[method-assign]
+    await client.set("kairos:node:d0", beat("d0", seq=1))
+    await view.start()
+    try:
+        await client.set("kairos:node:d0", beat("d0", seq=2, decode_tokens=7))
+        assert thread_read.wait(timeout=30)  # blocks this loop: no await until the thread has read
+        await eventually(lambda: [n.decode_tokens for n in view.view().decode] == [7], what="the update")
+        await eventually(lambda: len(reads) >= 3, what="the next read, after the update")
+        assert (registry.get_sample_value("kairos_dispatcher_view_poll_lateness_seconds_count") or 0) >= 2
+    finally:
+        await view.stop()
+    assert not view.running
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +606,38 @@ async def test_a_failing_feedback_read_never_degrades_the_view(
         await client.xadd(REDIS_TTFT_FEEDBACK_STREAM, feedback_fields("keep", 100, 100))
         await view.poll_once()
         assert ratio_count(registry, "keep") == 1
+    finally:
+        await view.stop()
+
+
+async def test_a_slow_feedback_read_never_holds_back_the_heartbeat_polls(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """The feedback read is a round trip on the event loop, after a poll's update: while one
+    hangs, the polls go on (and the read runs again, once, when it is free)."""
+    await decode_node_d0(redis)
+    view, _ = feedback_view(redis, registry)
+    assert view._feedback is not None
+    read_feedback = view._feedback.read
+    release = asyncio.Event()
+    feedback_reads: list[int] = []
+
+    async def slow_read(redis_client: aioredis.Redis) -> None:
+        feedback_reads.append(len(feedback_reads))
+        if len(feedback_reads) == 2:  # the background poller's first: hangs until released
+            await release.wait()
+        await read_feedback(redis_client)
+
+    view._feedback.read = slow_read  # type: ignore[method-assign]
+    await view.start()  # start()'s own poll reads the feedback once
+    try:
+        await eventually(lambda: len(feedback_reads) == 2, what="the hanging feedback read")
+        for seq in (2, 3):
+            await client.set("kairos:node:d0", beat("d0", seq, decode_tokens=seq))
+            await eventually(lambda seq=seq: [n.decode_tokens for n in view.view().decode] == [seq], what="a poll")
+        assert len(feedback_reads) == 2  # no second read while the first hangs
+        release.set()
+        await eventually(lambda: len(feedback_reads) >= 3, what="the read, once more")
     finally:
         await view.stop()
 

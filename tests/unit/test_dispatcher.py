@@ -360,6 +360,9 @@ async def test_route_outcome(harness: HarnessFactory, case: RouteCase) -> None:
     assert h.sample("kairos_dispatcher_reservation_conflicts_total") == case.conflicts
     assert h.sample("kairos_dispatcher_decisions_total", route=case.route.value, reason=case.reason.value) == 1
     assert h.sample("kairos_dispatcher_decision_seconds_count") == 1
+    # The policy's own time, once per request (every attempt summed), within the whole decision's.
+    assert h.sample("kairos_dispatcher_policy_seconds_count") == 1
+    assert 0 < h.sample("kairos_dispatcher_policy_seconds_sum") <= h.sample("kairos_dispatcher_decision_seconds_sum")
     assert h.cluster.recorded == [(decision, NOW)]
 
 

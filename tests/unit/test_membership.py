@@ -443,6 +443,21 @@ def test_a_value_seen_at_the_last_poll_is_not_parsed_again(monkeypatch: pytest.M
     assert nodes_in_view(m) == {"p0": 0.1, "d0": 0.0}
 
 
+def test_each_poll_says_how_many_new_beats_it_applied_and_the_earliest_sent_at_among_them() -> None:
+    """What the read-delay metric is made of: only beats this poll took into the view count; a
+    beat read again, a rejected one, a malformed one and a failed poll do not."""
+    m = Membership(MembershipConfig(**CONFIG))
+    m.poll_succeeded({"p0": beat("p0", 1, sent_at=10.0), "d0": beat("d0", 1, sent_at=10.5)}.items(), 0.0)
+    assert (m.new_beats, m.oldest_new_sent_at) == (2, 10.0)
+    m.poll_succeeded({"p0": beat("p0", 1, sent_at=10.0), "d0": beat("d0", 2, sent_at=10.6)}.items(), 0.05)
+    assert (m.new_beats, m.oldest_new_sent_at) == (1, 10.6)
+    same = {"p0": beat("p0", 1, sent_at=10.0), "d0": beat("d0", 2, sent_at=10.6)}
+    m.poll_succeeded({**same, "d1": beat("d9", 1, sent_at=1.0), "d2": "{"}.items(), 0.1)
+    assert (m.new_beats, m.oldest_new_sent_at) == (0, None)
+    m.poll_failed(0.15)
+    assert (m.new_beats, m.oldest_new_sent_at) == (0, None)
+
+
 def test_the_view_carries_each_decode_nodes_step_calibration_and_an_old_heartbeat_reads_as_one() -> None:
     m = Membership(MembershipConfig())
     m.poll_succeeded([("d0", beat("d0", step_calibration=1.25)), ("d1", beat("d1"))], 5.0)
