@@ -40,9 +40,9 @@ POLICIES = (
     "dynamo",
     "dynamo:mode=either",
     "aibrix",
-    # The paper's Algorithm 1: one deflection in flight per decode node, Eq. 1 as the keep path's
-    # TTFT, no overload line, no step calibration.
-    PAPER := "kairos:pending=1,overload=off,calibrate=off,keep=eq1",
+    # The paper's Algorithm 1: alpha 1.3, one deflection in flight per decode node, Eq. 1 as the
+    # keep path's TTFT, no overload line, no step calibration, no deflection gate.
+    PAPER := "kairos:alpha=1.3,pending=1,overload=off,calibrate=off,keep=eq1,gate=off",
     "kairos",  # the defaults (this changes)
     "oracle",
 )

@@ -2,7 +2,7 @@
 workloads, from low load to decode overload, in the simulator.
 
     python bench/sim_never_worse.py [--workloads lphd,azure_conv] [--seeds 1,2,3] [--duration 1200]
-                                    [--policies 'pd;pd@hb=101;kairos:pressure=off;kairos'] [--rps R,R]
+                                    [--policies 'pd;pd@hb=101;kairos:alpha=1.3,gate=off;kairos'] [--rps R,R]
                                     [--error E] [--json PATH]
 
 Every policy after the first is compared with the first (P/D) at each workload and rate on the
@@ -64,7 +64,9 @@ def main() -> int:
     ap.add_argument("--workloads", default="lphd,azure_conv")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--duration", type=float, default=1200.0, help="simulated seconds of arrivals per point")
-    ap.add_argument("--policies", default="pd;pd@hb=101;kairos:pressure=off;kairos", help="';'-separated, P/D first")
+    ap.add_argument(
+        "--policies", default="pd;pd@hb=101;kairos:alpha=1.3,gate=off;kairos", help="';'-separated, P/D first"
+    )
     ap.add_argument("--rps", default=None, help="rates for every workload (default: each workload's sweep)")
     ap.add_argument("--error", type=float, default=0.0, help="simulated step-time error (0.1 = 10%% MAE)")
     ap.add_argument("--json", type=Path, default=None, help="default bench/results/sim_never_worse[_errorN].json")

@@ -54,6 +54,9 @@ class DeciderConfig:
     # overload line (decode pressure: its decodes are the cluster's bottleneck, and the chunks
     # would take their time to save a TTFT that meets its SLO anyway). None: no such rule.
     decode_pressure_share: float | None = defaults.DECODE_PRESSURE_SHARE
+    # No deflection while the keep path's TTFT estimate is under this share of the TTFT SLO
+    # (deflection_gate_open): it meets the SLO with room. None: Eq. 7 decides alone (the paper).
+    deflect_gate_share: float | None = defaults.DEFLECT_GATE_SHARE
     # The step model's mean absolute relative error against the node's real step times (a
     # profile's held-out MAPE). Schedules planned to the budget's edge with an erring model
     # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
@@ -92,6 +95,9 @@ class DeciderConfig:
         share = self.decode_pressure_share
         if share is not None and not (0.0 < share <= 1.0):
             raise ConfigError(f"decode_pressure_share must be in (0, 1] or None, got {share}")
+        gate = self.deflect_gate_share
+        if gate is not None and not (0.0 < gate <= 1.0):
+            raise ConfigError(f"deflect_gate_share must be in (0, 1] or None, got {gate}")
         if not (0.0 <= self.model_error < 1.0):
             raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
         if self.keep_estimate not in KEEP_ESTIMATES:
@@ -697,6 +703,17 @@ def relieve_decode_pressure(
     return [n for n, _ in kept], [f for _, f in kept]
 
 
+def deflection_gate_open(config: DeciderConfig, ttft_pf: float) -> bool:
+    """May a deflection be weighed at all for a request whose keep path's TTFT estimate is
+    ``ttft_pf``? Only from ``deflect_gate_share`` of the TTFT SLO on (always when None, the
+    paper). Below it the keep path meets the SLO with room: a deflection would shave a TTFT that
+    needs no saving, and its chunks lengthen the steps of the decodes beside them on a node that
+    P/D leaves to its decodes, a TBT cost the requests already there pay (never worse than P/D).
+    From the line on, the keep path's queue is what Eq. 7 weighs a deflection against."""
+    share = config.deflect_gate_share
+    return share is None or ttft_pf >= share * config.ttft_slo_s
+
+
 def pick_keep_decode_node(
     models: LatencyModels,
     view: ClusterView,
@@ -1012,7 +1029,8 @@ def decide(
 ) -> Decision:
     """Algorithm 1: keep on the best prefill node, or deflect to the decode node whose
     TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds against the keep path's
-    TTFT estimate (``keep_ttft_s``: Eq. 1 and the KV hand-off to the keep path's decode node).
+    TTFT estimate (``keep_ttft_s``: Eq. 1 and the KV hand-off to the keep path's decode node)
+    and the keep path's TTFT is not under the gate's share of the SLO (``deflection_gate_open``).
 
     ``cached``: the prompt tokens each node (by id) has cached, when known. Then every path
     prefills only the node's uncached tokens: Eq. 3 on prefill node p starts from its prefix
@@ -1044,6 +1062,8 @@ def decide(
         if any_can_take:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    if not deflection_gate_open(config, ttft_pf):
+        return keep(Reason.KEEP_SLO_ROOM, None)
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)

@@ -22,6 +22,7 @@ class Reason(StrEnum):
     KEEP_NO_SAFE_SCHEDULE = "keep_no_safe_schedule"  # no node has a TBT-safe schedule
     KEEP_NO_ELIGIBLE_DECODE = "keep_no_eligible_decode"  # all decode nodes stale, busy or full
     KEEP_DECODE_OVERLOADED = "keep_decode_overloaded"  # every eligible node's decode-only step over its line
+    KEEP_SLO_ROOM = "keep_slo_room"  # the keep path's TTFT is under the deflection gate's share of the SLO
     KEEP_STATIC_RULE = "keep_static_rule"  # SQ/SL threshold did not fire
     KEEP_POLICY = "keep_policy"  # the policy never deflects (P/D baseline)
     # The field's deciders (kairos.core.policies): <route>_<system>_<rule>

@@ -213,8 +213,10 @@ class KairosPolicy:
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
         share = self.config.decode_pressure_share
         pressure = "" if share == defaults.DECODE_PRESSURE_SHARE else f",pressure={share or 'off'}"
+        gate_share = self.config.deflect_gate_share
+        gate = "" if gate_share == defaults.DEFLECT_GATE_SHARE else f",gate={_share_label(gate_share)}"
         prefix = "" if self.prefix_aware else ",prefix=off"
-        knobs = f"{pending}{guard}{overload}{pressure}{error}{calibrate}{keep}{prefix}"
+        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{keep}{prefix}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
@@ -428,6 +430,10 @@ class AibrixPolicy:
         )
 
 
+def _share_label(share: float | None) -> str:
+    return "off" if share is None else f"{share:g}"
+
+
 def _chunk_label(chunk_tokens: int) -> str:
     return "" if chunk_tokens == defaults.DECODE_STEP_TOKENS else f",chunk={chunk_tokens}"
 
@@ -457,8 +463,20 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": ("prefix",),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": ("alpha", "beta", "pending", "guard", "overload", "pressure", "error", "calibrate", "keep", "prefix"),
-    "oracle": ("alpha", "beta", "guard", "overload", "pressure", "error", "calibrate", "keep", "prefix"),
+    "kairos": (
+        "alpha",
+        "beta",
+        "pending",
+        "guard",
+        "overload",
+        "pressure",
+        "gate",
+        "error",
+        "calibrate",
+        "keep",
+        "prefix",
+    ),
+    "oracle": ("alpha", "beta", "guard", "overload", "pressure", "gate", "error", "calibrate", "keep", "prefix"),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
@@ -575,6 +593,12 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         if share is not None and not (0.0 < share <= 1.0):  # "not" so that NaN fails too
             raise UnknownPolicyError(f"policy {name!r}: pressure={params['pressure']!r} must be in (0, 1] or 'off'")
         changes["decode_pressure_share"] = share
+    if "gate" in params:
+        raw = params["gate"].lower()
+        gate = None if raw == "off" else number("gate", 0.0)
+        if gate is not None and not (0.0 < gate <= 1.0):  # "not" so that NaN fails too
+            raise UnknownPolicyError(f"policy {name!r}: gate={params['gate']!r} must be in (0, 1] or 'off'")
+        changes["deflect_gate_share"] = gate
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

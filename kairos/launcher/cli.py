@@ -32,7 +32,8 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policies",
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, "
-        "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,pressure=S|off][,error=E][,calibrate=off], "
+        "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,pressure=S|off][,gate=S|off]"
+        "[,error=E][,calibrate=off], "
         "oracle:alpha=A,beta=B, "
         "llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
         "aibrix[:high=S,low=S] (default pd,kairos)",

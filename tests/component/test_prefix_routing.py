@@ -5,8 +5,10 @@ ZMQ sockets playing d1's prefix cache, and Dispatcher.route deciding on what it 
 
 d1 advertises the test's publisher; p0 and d0 advertise nothing (the count-only nodes). On the
 engines below a 6,000-token prompt keeps on an idle cluster (p0, decode d0); cached on d1, it is
-deflected to d1 over its uncached tokens. A node restart (sequence numbers from 0 on the same
-ports), a lost connection, new sockets in d1's beats and d1 leaving each take its hits away.
+deflected to d1 over its uncached tokens (with the deflection gate off: by default an idle
+cluster's keep path meets the TTFT SLO with room, and nothing is deflected there). A node
+restart (sequence numbers from 0 on the same ports), a lost connection, new sockets in d1's
+beats and d1 leaving each take its hits away.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ async def gateway(redis: RedisServer, tokenizer: PromptTokenizer) -> AsyncIterat
     models = load_profile()
     metrics = DispatcherMetrics(registry)
     dispatcher = Dispatcher(
-        tokenizer, make_policy("kairos", models), make_policy("pd", models), view, metrics, DispatchSettings(),
+        tokenizer, make_policy("kairos:gate=off", models), make_policy("pd", models), view, metrics, DispatchSettings(),
         prefixes=consumer,
     )
     gw = Gateway(redis, consumer, view, dispatcher, metrics, {}, {})

@@ -246,8 +246,11 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
     # The paper's one deflection in flight per decode node: a node another replica promised a
     # deflection to is not a target until a heartbeat shows it, which makes the promises'
     # effect visible from outside. (The default, no limit, schedules behind it instead:
-    # tests/component/test_cluster.py races two processes' promises.)
-    c = start_cluster(tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, policy="kairos:pending=1")
+    # tests/component/test_cluster.py races two processes' promises.) No deflection gate, as the
+    # tier's EQ7: the chaos test's light traffic must deflect before Redis goes.
+    c = start_cluster(
+        tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, policy="kairos:pending=1,gate=off"
+    )
     yield c
     c.stop()
 

@@ -27,7 +27,8 @@ def test_keep_request_prefills_on_a_prefill_node_and_decodes_on_a_decode_node(
 ) -> None:
     # 6000 tokens on an idle cluster: the decode path needs several TBT-safe steps (1.07 s),
     # slower than alpha x the keep path (3 prefill steps, the KV transfer and the first decode
-    # step: 0.50 s), so Algorithm 1 keeps it. (2500 tokens deflect now: 0.255 s vs 1.3 x 0.249.)
+    # step: 0.50 s), so Algorithm 1 keeps it. (2500 tokens deflect with the e2e tier's alpha 1.3
+    # and no gate: 0.255 s vs 1.3 x 0.249; by default the gate keeps them, see conftest.EQ7.)
     prompt = text_of(tokenizer, 6000)
     request_id = rid()
     status, headers, body = post_json(

@@ -19,6 +19,7 @@ from kairos.core.algorithm import (
     DeciderConfig,
     decide,
     decide_without_prefill_pool,
+    deflection_gate_open,
     greedy_schedule,
     prefill_exec_s,
     prefill_queue_wait_s,
@@ -326,9 +327,11 @@ def test_greedy_start_time_and_give_up() -> None:
 #   prefill chi_p=1000, queue Q: Eq. 1 = Q/1000 x 0.110 + 0.110
 # These tables check Algorithm 1's comparisons (Eqs. 5-7) against the paper's Eq. 1
 # (keep_estimate="eq1"): the builders' 1 MB/s link would add a second to every keep. The keep
-# path's full estimate (Eq. 1 + the KV hand-off) has its own tables below (KEEP_HANDOFF_CASES).
+# path's full estimate (Eq. 1 + the KV hand-off) has its own tables below (KEEP_HANDOFF_CASES),
+# and so has the deflection gate (GATE_CASES), off here so that Eq. 7 decides alone.
 CFG = DeciderConfig(
     keep_estimate="eq1",
+    deflect_gate_share=None,
     alpha=1.3,
     beta=1.0,
     tbt_slo_s=0.105,
@@ -471,6 +474,35 @@ PRESSURE_CASES = [
         id="pressure: B20 + 30 incoming, but the keep path (4.51 s) misses the TTFT SLO: deflects",
     ),
 ]
+# The deflection gate: no deflection while the keep path's TTFT estimate, Q/1000 x 0.110 + 0.110,
+# is under deflect_gate_share of the 4 s TTFT SLO. B10's decode path takes 0.250 for the
+# 1000-token prompt, within alpha of every keep path below: Eq. 7 alone deflects each of them.
+B10 = (decode_node("d1", b=10),)
+GATE_CASES = [
+    # Q=8000: 0.880 + 0.110 = 0.990 < 0.25 x 4 s
+    pytest.param(
+        _keep(8000, B10, Reason.KEEP_SLO_ROOM, "d1", 0.990, deflect_gate_share=0.25),
+        id="gate 0.25: keep path 0.990 s under 1 s, keeps",
+    ),
+    # Q=9000: 0.990 + 0.110 = 1.100 >= 1 s: Eq. 7 decides, 0.250 <= 1.3 x 1.100
+    pytest.param(
+        _deflect(9000, B10, "d1", 1.100, 0.250, (410, 410, 180), deflect_gate_share=0.25),
+        id="gate 0.25: keep path 1.100 s over 1 s, deflects",
+    ),
+    # gate 1: rescue only. Q=30000: 3.410 < 4 keeps; Q=40000: 4.510 >= 4 deflects
+    pytest.param(
+        _keep(30000, B10, Reason.KEEP_SLO_ROOM, "d1", 3.410, deflect_gate_share=1.0),
+        id="gate 1: keep path 3.41 s meets the 4 s SLO, keeps",
+    ),
+    pytest.param(
+        _deflect(40000, B10, "d1", 4.510, 0.250, (410, 410, 180), deflect_gate_share=1.0),
+        id="gate 1: keep path 4.51 s misses the 4 s SLO, the deflection rescues it",
+    ),
+    pytest.param(
+        _keep(0, (decode_node("d3", b=70),), Reason.KEEP_DECODE_OVERLOADED, "d3", 0.110, deflect_gate_share=0.25),
+        id="gate 0.25: idle prefill and an overloaded node: the node's reason comes first",
+    ),
+]
 DECIDE_CASES = [
     # Q=960: Eq. 1 = 0.1056 + 0.110 = 0.2156; x1.3 = 0.28028 >= 0.280
     pytest.param(
@@ -538,6 +570,7 @@ DECIDE_CASES = [
     ),
     *OVERLOAD_CASES,
     *PRESSURE_CASES,
+    *GATE_CASES,
     pytest.param(
         _keep(
             5000,
@@ -679,6 +712,7 @@ def test_decide_cases_cover_every_algorithm_1_reason() -> None:
         Reason.KEEP_NO_SAFE_SCHEDULE,
         Reason.KEEP_NO_ELIGIBLE_DECODE,
         Reason.KEEP_DECODE_OVERLOADED,
+        Reason.KEEP_SLO_ROOM,
     }
 
 
@@ -767,6 +801,36 @@ def test_pressure_off_deflects(case: DecideCase) -> None:
     cfg = dataclasses.replace(CFG, **{**case.config, "decode_pressure_share": None})  # type: ignore[arg-type]
     d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
     assert (d.route, d.reason) == (Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN)
+
+
+@pytest.mark.parametrize("case", [c for c in GATE_CASES if c.values[0].reason is Reason.KEEP_SLO_ROOM])
+def test_gate_off_is_eq7_alone(case: DecideCase) -> None:
+    """Without the gate (deflect_gate_share None, the paper) Eq. 7 deflects every case the gate
+    keeps: what the gate changes."""
+    cfg = dataclasses.replace(CFG, **{**case.config, "deflect_gate_share": None})  # type: ignore[arg-type]
+    d = decide(case.prompt, view(case.prefill, case.decode), 0.0, FLAT, cfg)
+    assert (d.route, d.reason) == (Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN)
+
+
+@pytest.mark.parametrize(
+    ("share", "ttft_pf", "open_"),
+    [
+        pytest.param(0.25, 0.999, False, id="under 0.25 x 4 s: shut"),
+        pytest.param(0.25, 1.0, True, id="at the line: open"),
+        pytest.param(0.25, 4.5, True, id="missing the SLO: open"),
+        pytest.param(1.0, 3.999, False, id="share 1, meeting the SLO: shut"),
+        pytest.param(1.0, 4.0, True, id="share 1, at the SLO: open"),
+        pytest.param(None, 0.0, True, id="no gate: open"),
+    ],
+)
+def test_deflection_gate(share: float | None, ttft_pf: float, open_: bool) -> None:
+    assert deflection_gate_open(DeciderConfig(deflect_gate_share=share, ttft_slo_s=4.0), ttft_pf) is open_
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.01, math.nan, math.inf])
+def test_deflect_gate_share_out_of_range_is_refused(share: float) -> None:
+    with pytest.raises(ConfigError, match="deflect_gate_share"):
+        DeciderConfig(deflect_gate_share=share)
 
 
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.01, math.nan])
@@ -937,13 +1001,15 @@ def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:
         DeciderConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_config_is_the_papers_but_for_the_pending_limit() -> None:
+def test_default_config_is_the_papers_but_for_alpha_the_pending_limit_and_the_gate() -> None:
     cfg = DeciderConfig()
-    assert (cfg.alpha, cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s) == (1.3, 1.0, 0.070, 4.0)
+    assert (cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s) == (1.0, 0.070, 4.0)
     assert cfg.chunk_candidates == (2048, 1024, 512, 256, 128)
     # The paper's one deflection in flight per decode node is kairos:pending=1; by default a
     # deflection is scheduled behind every one in flight (defaults.MAX_PENDING_DEFLECTIONS).
     assert cfg.max_pending_deflections is None
+    # The paper's alpha 1.3 and no deflection gate are kairos:alpha=1.3,gate=off.
+    assert (cfg.alpha, cfg.deflect_gate_share) == (1.0, 0.25)
     assert cfg.step_budget_s == pytest.approx(0.070)
 
 

@@ -242,8 +242,8 @@ class RouteCase:
 
 ROUTE_CASES = [
     pytest.param(
-        RouteCase({}, 4000, Route.KEEP, Reason.KEEP_DECODE_SLOWER, "d0", "p0", (), 0),
-        id="idle cluster, long prompt keeps on p0 and decodes on the lighter d0",
+        RouteCase({}, 4000, Route.KEEP, Reason.KEEP_SLO_ROOM, "d0", "p0", (), 0),
+        id="idle cluster (SLO room), long prompt keeps on p0 and decodes on the lighter d0",
     ),
     pytest.param(
         RouteCase(
@@ -808,7 +808,7 @@ async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
         pytest.param(
             {"prefill_age_s": 0.35, "decode_age_s": 0.25, "degraded": True},
             "keep",
-            "keep_decode_slower",
+            "keep_slo_room",
             id="Redis lost: prefill beats aged past staleness a beat before decode's, still P/D",
         ),
         pytest.param(

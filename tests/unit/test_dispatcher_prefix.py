@@ -4,7 +4,9 @@ PrefixIndex, fed the events directly) and decides on the uncached tokens; the co
 where no node is indexed, where the policy is cache-blind, or where a node's index is stale.
 
 The cluster is test_dispatcher's fake (p0 and p1 idle, d0 with B=8 and d1 with B=16): on it a
-6,000-token prompt keeps (p0, decode d0), see test_dispatcher's module docstring.
+6,000-token prompt keeps (p0, decode d0), see test_dispatcher's module docstring. Kairos runs with
+its deflection gate off (``KAIROS``): on this idle cluster the gate keeps every request, and the
+tests are about the hits (test_the_gate_keeps_a_cached_prompt_on_an_idle_cluster says what it does).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kairos.launcher.tinymodel import build_tiny_model
 from tests.unit.test_dispatcher import NOW, OWNER, FakeCluster, make_cluster
 
 BS = 16
+KAIROS = "kairos:gate=off"
 PROMPT = [3 + (i * 7) % 1000 for i in range(6000)]  # token ids in the tiny model's vocabulary
 CACHED = 5984  # the leading 374 blocks
 
@@ -72,7 +75,7 @@ Build = Callable[..., tuple[Dispatcher, FakeCluster, Metrics]]
 def build(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Build]:
     built: list[Dispatcher] = []
 
-    def make(prefixes: PrefixSource | None, policy: str = "kairos") -> tuple[Dispatcher, FakeCluster, Metrics]:
+    def make(prefixes: PrefixSource | None, policy: str = KAIROS) -> tuple[Dispatcher, FakeCluster, Metrics]:
         cluster, metrics = make_cluster(), DispatcherMetrics(CollectorRegistry())
         dispatcher = Dispatcher(
             tokenizer,
@@ -142,6 +145,15 @@ async def test_a_prompt_cached_on_d1_is_deflected_there_over_its_uncached_tokens
     assert decision.cached_tokens == CACHED
     assert hit_tokens(metrics, "deflect", "decode") == CACHED
     assert looked_up_tokens(metrics, "deflect") == len(PROMPT)
+
+
+async def test_the_gate_keeps_a_cached_prompt_on_an_idle_cluster(build: Build, consumer: KvEventConsumer) -> None:
+    """By default (the deflection gate on) the idle cluster's keep path meets the TTFT SLO with room:
+    the prompt cached on d1 keeps, and decodes on d1, which holds it."""
+    store(consumer.index, "d1", PROMPT[:CACHED])
+    dispatcher, _, _ = build(consumer, "kairos")
+    headers = await route(dispatcher)
+    assert (headers[c.H_ROUTE], headers[c.H_REASON], headers[c.H_DECODE_NODE]) == ("keep", "keep_slo_room", "d1")
 
 
 async def test_the_keep_path_picks_the_prefill_and_decode_nodes_holding_the_prompt(

@@ -67,20 +67,20 @@ PARSED = [
     pytest.param(
         "kairos:pending=none",
         KairosPolicy,
-        {"config.max_pending_deflections": None, "config.alpha": 1.3},
+        {"config.max_pending_deflections": None, "config.alpha": 1.0},
         id="kairos-pending-none",
     ),
     pytest.param("kairos:pending=2", KairosPolicy, {"config.max_pending_deflections": 2}, id="kairos-pending-2"),
     pytest.param(
         "kairos",
         KairosPolicy,
-        {"config.decode_overload_guard": True, "label": "kairos(alpha=1.3,beta=1)"},
+        {"config.decode_overload_guard": True, "label": "kairos(alpha=1,beta=1)"},
         id="kairos-overload-guard-on-by-default",
     ),
     pytest.param(
         "kairos:overload=off",
         KairosPolicy,
-        {"config.decode_overload_guard": False, "label": "kairos(alpha=1.3,beta=1,overload=off)"},
+        {"config.decode_overload_guard": False, "label": "kairos(alpha=1,beta=1,overload=off)"},
         id="kairos-overload-off",
     ),
     pytest.param(
@@ -92,25 +92,44 @@ PARSED = [
     pytest.param(
         "kairos:pressure=off",
         KairosPolicy,
-        {"config.decode_pressure_share": None, "label": "kairos(alpha=1.3,beta=1,pressure=off)"},
+        {"config.decode_pressure_share": None, "label": "kairos(alpha=1,beta=1,pressure=off)"},
         id="kairos-pressure-off",
     ),
     pytest.param(
         "kairos:pressure=0.9",
         KairosPolicy,
-        {"config.decode_pressure_share": 0.9, "label": "kairos(alpha=1.3,beta=1,pressure=0.9)"},
+        {"config.decode_pressure_share": 0.9, "label": "kairos(alpha=1,beta=1,pressure=0.9)"},
         id="kairos-pressure-share",
+    ),
+    pytest.param("kairos", KairosPolicy, {"config.deflect_gate_share": 0.25}, id="kairos-gate-on-by-default"),
+    pytest.param(
+        "kairos:gate=off",
+        KairosPolicy,
+        {"config.deflect_gate_share": None, "label": "kairos(alpha=1,beta=1,gate=off)"},
+        id="kairos-gate-off",
+    ),
+    pytest.param(
+        "kairos:alpha=1.3,gate=off",
+        KairosPolicy,
+        {"config.alpha": 1.3, "config.deflect_gate_share": None, "label": "kairos(alpha=1.3,beta=1,gate=off)"},
+        id="kairos-the-papers-eq7",
+    ),
+    pytest.param(
+        "oracle:gate=1",
+        KairosPolicy,
+        {"fresh_state": True, "config.deflect_gate_share": 1.0, "label": "oracle(alpha=1,beta=1,gate=1)"},
+        id="oracle-gate-share",
     ),
     pytest.param(
         "kairos:error=0.1",
         KairosPolicy,
-        {"config.model_error": 0.1, "label": "kairos(alpha=1.3,beta=1,error=0.1)"},
+        {"config.model_error": 0.1, "label": "kairos(alpha=1,beta=1,error=0.1)"},
         id="kairos-model-error",
     ),
     pytest.param(
         "oracle",
         KairosPolicy,
-        {"fresh_state": True, "config.max_pending_deflections": None, "config.alpha": 1.3, "config.beta": 1.0},
+        {"fresh_state": True, "config.max_pending_deflections": None, "config.alpha": 1.0, "config.beta": 1.0},
         id="oracle-sees-true-state-no-pending-limit",
     ),
     pytest.param("  KAIROS : Alpha = 1.5 ", KairosPolicy, {"config.alpha": 1.5}, id="case-and-spaces-tolerated"),
@@ -219,6 +238,10 @@ UNKNOWN = [
     pytest.param("kairos:pending=many", ["pending='many' is not a int"], id="pending-not-a-number"),
     pytest.param("kairos:error=tenth", ["error='tenth' is not a float"], id="error-not-a-number"),
     pytest.param("kairos:overload=no", ["overload='no' must be 'on' or 'off'"], id="overload-neither-on-nor-off"),
+    pytest.param("kairos:gate=1.5", ["gate='1.5' must be in (0, 1] or 'off'"], id="gate-above-1"),
+    pytest.param("kairos:gate=nan", ["gate='nan' must be in (0, 1] or 'off'"], id="gate-nan"),
+    pytest.param("kairos:gate=0", ["gate='0' must be in (0, 1] or 'off'"], id="gate-zero"),
+    pytest.param("kairos:gate=wide", ["gate='wide' is not a float"], id="gate-not-a-number"),
     pytest.param("kairos:pressure=1.5", ["pressure='1.5' must be in (0, 1] or 'off'"], id="pressure-above-1"),
     pytest.param("kairos:pressure=nan", ["pressure='nan' must be in (0, 1] or 'off'"], id="pressure-nan"),
     pytest.param("kairos:pressure=high", ["pressure='high' is not a float"], id="pressure-not-a-number"),
@@ -903,8 +926,11 @@ def test_pd_without_decode_nodes_raises() -> None:
 
 # tau = 0.105, candidates (420, 220, 120); Q=1700: Eq. 1 = 0.297, bound 0.3861. d1 carries one
 # deflected 300-token prefill: 0.090, then the request beside B=21: 0.1009 + 0.1009 + 0.0812.
-# Against the paper's Eq. 1 (keep_estimate="eq1"); test_kairos_keep_estimate adds the hand-off.
-KAIROS_BASE = DeciderConfig(tbt_slo_s=0.105, chunk_candidates=(420, 220, 120), keep_estimate="eq1")
+# Against the paper's Eq. 1 (keep_estimate="eq1") and Eq. 7 (alpha 1.3, no deflection gate);
+# test_kairos_keep_estimate adds the hand-off.
+KAIROS_BASE = DeciderConfig(
+    tbt_slo_s=0.105, chunk_candidates=(420, 220, 120), keep_estimate="eq1", alpha=1.3, deflect_gate_share=None
+)
 BACKLOGGED = view((prefill_node(queue=(1700,)),), (decode_node("d1", b=20, backlog=(300,)),))
 
 
@@ -955,12 +981,12 @@ def test_kairos_and_oracle(
 @pytest.mark.parametrize(
     ("spec", "label"),
     [
-        pytest.param("kairos", "kairos(alpha=1.3,beta=1)", id="kairos-defaults"),
-        pytest.param("kairos:pending=none", "kairos(alpha=1.3,beta=1)", id="kairos-pending-none-is-the-default"),
-        pytest.param("kairos:pending=1", "kairos(alpha=1.3,beta=1,pending=1)", id="kairos-pending-1"),
+        pytest.param("kairos", "kairos(alpha=1,beta=1)", id="kairos-defaults"),
+        pytest.param("kairos:pending=none", "kairos(alpha=1,beta=1)", id="kairos-pending-none-is-the-default"),
+        pytest.param("kairos:pending=1", "kairos(alpha=1,beta=1,pending=1)", id="kairos-pending-1"),
         pytest.param("oracle:alpha=1.5", "oracle(alpha=1.5,beta=1)", id="oracle"),
-        pytest.param("kairos:keep=eq1", "kairos(alpha=1.3,beta=1,keep=eq1)", id="kairos-keep-eq1"),
-        pytest.param("kairos:keep=full", "kairos(alpha=1.3,beta=1)", id="kairos-keep-full-is-the-default"),
+        pytest.param("kairos:keep=eq1", "kairos(alpha=1,beta=1,keep=eq1)", id="kairos-keep-eq1"),
+        pytest.param("kairos:keep=full", "kairos(alpha=1,beta=1)", id="kairos-keep-full-is-the-default"),
         pytest.param("sl:l=512", "sl(l=512)", id="sl"),
     ],
 )

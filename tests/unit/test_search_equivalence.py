@@ -97,6 +97,9 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
         ]
         if not eligible:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
+    gate = config.deflect_gate_share  # the deflection gate: the keep path meets the SLO with room
+    if gate is not None and ttft_pf < gate * config.ttft_slo_s:
+        return keep(Reason.KEEP_SLO_ROOM, None)
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
     best = None
@@ -149,6 +152,7 @@ configs = st.builds(
     decode_overload_guard=st.booleans(),
     model_error=st.sampled_from([0.0, 0.0, 0.1]),
     keep_estimate=st.sampled_from(alg.KEEP_ESTIMATES),
+    deflect_gate_share=st.sampled_from([None, None, 0.25, 1.0]),
 )
 shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
 
