@@ -37,6 +37,9 @@ the earlier harness, kept for its end-to-end figure.
 And once, in process, on the very view a dispatcher builds from those 1,000 heartbeats
 (``Membership.poll_succeeded`` on one MGET): Algorithm 1's decision time, exact p50/p99, for 1K,
 10K and 32K-token prompts, and a poll's membership cost when every value is new and when none is.
+Both the dispatchers and this decision run ``--policy`` (default ``kairos:gate=off``): every
+decision searches all decode nodes and every deflection reserves, the worst case of a view this
+size, which the default's deflection gate would skip here (the stand-in prefill nodes are idle).
 
 Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartbeat older than
 2 x 100 ms in any dispatcher's view while Redis holds. Everything shares the machine's cores
@@ -86,8 +89,8 @@ from kairos.common.contracts import (  # noqa: E402
     REDIS_NODE_PATTERN,
     encode_heartbeat,
 )
-from kairos.core.algorithm import DeciderConfig, decide  # noqa: E402
 from kairos.core.latency import load_profile  # noqa: E402
+from kairos.core.policies import make_policy  # noqa: E402
 from kairos.extproc.membership import Membership, MembershipConfig  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
@@ -107,6 +110,10 @@ READ_METRIC = "kairos_dispatcher_view_read_seconds"
 APPLY_WAIT_METRIC = "kairos_dispatcher_view_apply_wait_seconds"
 DECISION_METRIC = "kairos_dispatcher_decision_seconds"
 POLICY_METRIC = "kairos_dispatcher_policy_seconds"
+# Every decision searches all decode nodes and every deflection reserves: the worst case a view of
+# this size costs, which the default's deflection gate skips while the keep path meets the SLO
+# with room (here always: the stand-in prefill nodes report no queue).
+FULL_SEARCH_POLICY = "kairos:gate=off"
 CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
 
 
@@ -249,7 +256,7 @@ def read_heartbeats(redis_url: str) -> tuple[list[str], list[bytes | None]]:
         client.close()
 
 
-def in_process(keys: list[str], values: list[bytes | None], calls: int) -> dict[str, Any]:
+def in_process(keys: list[str], values: list[bytes | None], calls: int, policy_spec: str) -> dict[str, Any]:
     prefix = REDIS_NODE_PATTERN.rstrip("*")
     beats = [(k[len(prefix) :], v) for k, v in zip(keys, values, strict=True) if v is not None]
     membership = Membership(MembershipConfig())
@@ -262,14 +269,14 @@ def in_process(keys: list[str], values: list[bytes | None], calls: int) -> dict[
         membership.poll_succeeded(beats, 0.001 * (i + 1))  # the same values: nothing to parse
         same.append(time.perf_counter_ns() - t0)
     view = membership.tracker.view()
-    models, config = load_profile(), DeciderConfig()
+    policy = make_policy(policy_spec, load_profile())
     decisions: dict[str, Any] = {}
     for prompt in (1024, 10_240, 32_768):
-        decide(prompt, view, 0.0, models, config)  # warm-up
+        policy.decide(prompt, view, 0.0)  # warm-up
         samples, routes = [], {}
         for _ in range(calls):
             t0 = time.perf_counter_ns()
-            decision = decide(prompt, view, 0.0, models, config)
+            decision = policy.decide(prompt, view, 0.0)
             samples.append(time.perf_counter_ns() - t0)
             routes[str(decision.reason)] = routes.get(str(decision.reason), 0) + 1
         got = percentiles_us(samples)
@@ -281,6 +288,7 @@ def in_process(keys: list[str], values: list[bytes | None], calls: int) -> dict[
             "reasons": routes,
         }
     return {
+        "policy": policy.label,
         "prefill_nodes": len(view.prefill),
         "decode_nodes": len(view.decode),
         "membership_poll_ms": {
@@ -435,6 +443,7 @@ def start_dispatchers(
     model_dir: Path,
     upstream: str,
     nice: int,
+    policy: str,
     baseline: Path | None = None,
 ) -> tuple[int, list[int], dict[str, int]]:
     """K dispatchers and one Envoy in front of them, ``nice`` steps below this process's CPU
@@ -472,6 +481,8 @@ def start_dispatchers(
                     str(model_dir),
                     "--dispatcher-id",
                     f"scale-{i}",
+                    "--policy",
+                    policy,
                     "--log-level",
                     "WARNING",
                 ],
@@ -519,7 +530,15 @@ def measure_k(
     stand_ins_nice = priorities.open_gap(nice)
     with ProcessGroup() as group:
         port, metrics_ports, pids = start_dispatchers(
-            group, k, base["logs"], base["redis_url"], base["model_dir"], base["upstream"], nice, args.baseline_tree
+            group,
+            k,
+            base["logs"],
+            base["redis_url"],
+            base["model_dir"],
+            base["upstream"],
+            nice,
+            args.policy,
+            args.baseline_tree,
         )
         gateway_nice = os.getpriority(os.PRIO_PROCESS, pids["dispatcher-0"])
         for mp in metrics_ports:
@@ -640,7 +659,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for proc in group.procs:  # they stand for remote nodes: not on the dispatcher's cores
             if proc.name.startswith("publisher-"):
                 proc.stop()
-        decision = in_process(keys, values, args.calls)
+        decision = in_process(keys, values, args.calls, args.policy)
         print_in_process(decision)
         publishers = [json.loads(p.read_text()) for p in stats_paths if p.exists()]
         return {
@@ -653,6 +672,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "load_s": args.load_s,
                 "connections": args.connections,
                 "gateway_nice": args.gateway_nice,
+                "policy": args.policy,
                 "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
                 "cores": os.cpu_count(),
             },
@@ -728,7 +748,7 @@ def print_row(row: dict[str, Any]) -> None:
 def print_in_process(got: dict[str, Any]) -> None:
     mp = got["membership_poll_ms"]
     print(
-        f"in process, {got['prefill_nodes']}P + {got['decode_nodes']}D view: membership poll"
+        f"in process ({got['policy']}), {got['prefill_nodes']}P + {got['decode_nodes']}D view: membership poll"
         f" {mp['all_values_new']:.2f} ms (all values new), {mp['no_value_new_p50']:.2f} ms (none new)"
     )
     for prompt, d in got["decision"].items():
@@ -769,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
         "dispatcher (e.g. --dispatchers 2: replica 0 before, replica 1 after)",
     )
     parser.add_argument("--calls", type=int, default=2000, help="in-process decisions per prompt size")
+    parser.add_argument(
+        "--policy",
+        default=FULL_SEARCH_POLICY,
+        help=f"the dispatchers' policy and the in-process one (default {FULL_SEARCH_POLICY}: the default's "
+        "deflection gate would keep every request of this view unsearched, as its prefill nodes are idle)",
+    )
     parser.add_argument("--json", type=Path, help="output path (default bench/results/scale.json)")
     args = parser.parse_args(argv)
     if args.command == "publish":
