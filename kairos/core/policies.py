@@ -587,18 +587,12 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
                 f"policy {name!r}: keep={params['keep']!r} must be one of {list(alg.KEEP_ESTIMATES)}"
             )
         changes["keep_estimate"] = params["keep"].lower()
-    if "pressure" in params:
-        raw = params["pressure"].lower()
-        share = None if raw == "off" else number("pressure", 0.0)
-        if share is not None and not (0.0 < share <= 1.0):  # "not" so that NaN fails too
-            raise UnknownPolicyError(f"policy {name!r}: pressure={params['pressure']!r} must be in (0, 1] or 'off'")
-        changes["decode_pressure_share"] = share
-    if "gate" in params:
-        raw = params["gate"].lower()
-        gate = None if raw == "off" else number("gate", 0.0)
-        if gate is not None and not (0.0 < gate <= 1.0):  # "not" so that NaN fails too
-            raise UnknownPolicyError(f"policy {name!r}: gate={params['gate']!r} must be in (0, 1] or 'off'")
-        changes["deflect_gate_share"] = gate
+    for key, field in (("pressure", "decode_pressure_share"), ("gate", "deflect_gate_share")):
+        if key in params:
+            share = None if params[key].lower() == "off" else number(key, 0.0)
+            if share is not None and not (0.0 < share <= 1.0):  # "not" so that NaN fails too
+                raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be in (0, 1] or 'off'")
+            changes[field] = share
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:
