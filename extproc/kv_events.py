@@ -161,6 +161,14 @@ class NodeEventSubscriber:
     def _ask(self, request: ReplayRequest | None, poller: zmq.asyncio.Poller) -> None:
         if request is None:
             return
+        # From 0: a (re)connection. Past 0: a batch went missing from the live stream, which a
+        # healthy node never causes: say so, so that a later reset has its cause in the log.
+        log.log(
+            logging.WARNING if request.start_seq > 0 else logging.INFO,
+            "kv events %s: asking for a replay from seq %d",
+            self.sync.node_id,
+            request.start_seq,
+        )
         if self.endpoints.replay is None:
             self.sync.on_replay_failed(self.clock())
             return

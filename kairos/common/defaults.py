@@ -80,5 +80,9 @@ PREFIX_INDEX_CAPACITY_BLOCKS = 65_536
 # Live event batches a node's stream holds while its replay is outstanding; past this the oldest
 # go, and the hole they leave resets that node's index (an under-count, never a wrong hit).
 KV_EVENTS_MAX_PENDING_BATCHES = 10_000
-KV_EVENTS_REPLAY_TIMEOUT_S = 1.0  # a replay unanswered this long counts as failed (reset)
+# A replay unanswered this long counts as failed, and the node's index is reset. vLLM answers
+# replays from its publisher thread, which on a busy CPU host took over 1 s (a real node in the
+# integration tier, 2 shared cores); waiting only holds that node's hits at 0 a little longer,
+# where a reset forgets every block it cached until each is stored again.
+KV_EVENTS_REPLAY_TIMEOUT_S = 5.0
 KV_BLOCK_TOKENS = 16  # tokens per KV-cache block: vLLM's default --block-size, the prefix cache's unit
