@@ -25,7 +25,7 @@ CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # prefill chunk sizes, strictly 
 # Bursty moves PD's knee from 4 RPS to 6, where one per node reaches 5).
 MAX_PENDING_DEFLECTIONS: int | None = None
 
-# Decode pressure (kairos.core.algorithm.relieve_decode_pressure, "never worse than P/D"): while
+# Decode pressure (kairos.core.algorithm.decode_pressure_refusal, "never worse than P/D"): while
 # the keep path meets the TTFT SLO, a decode node whose decode-only step with the request joined
 # is over this share of its overload line takes no deflection. Near that line its steps already
 # run over tau on batch swings alone (P/D's own violations start there), and the chunks would

@@ -678,29 +678,28 @@ def decode_load_after_s(models: LatencyModels, node: DecodeNodeState, prompt_tok
     )
 
 
-def relieve_decode_pressure(
-    models: LatencyModels,
-    config: DeciderConfig,
-    eligible: list[DecodeNodeState],
-    facts: list[_NodeFacts],
-    prompt_tokens: int,
-    ttft_pf: float,
-) -> tuple[list[DecodeNodeState], list[_NodeFacts]]:
-    """The deflection candidates (and their facts) left by the decode pressure rule: while the
-    keep path's TTFT ``ttft_pf`` meets the SLO, none whose decode-only step with the request
-    joined is over ``decode_pressure_share`` of its overload line. The request decodes on some
-    decode node either way; its chunks would lengthen the steps of a node whose own decodes
-    already near tau, to save part of a TTFT that needs no saving. When the keep path misses the
-    SLO, the deflection can still rescue the request, and every candidate stays."""
+def decode_pressure_refusal(
+    models: LatencyModels, config: DeciderConfig, prompt_tokens: int, ttft_pf: float
+) -> Callable[[DecodeNodeState], bool] | None:
+    """The decode pressure rule for one request: None where it does not apply, else whether it
+    refuses a deflection candidate. While the keep path's TTFT ``ttft_pf`` meets the SLO, it
+    refuses a node whose decode-only step with the request joined is over
+    ``decode_pressure_share`` of its overload line. The request decodes on some decode node
+    either way; its chunks would lengthen the steps of a node whose own decodes already near
+    tau, to save part of a TTFT that needs no saving. When the keep path misses the SLO, the
+    deflection can still rescue the request, and no candidate is refused.
+
+    A predicate, asked of the candidates the search reaches, rather than a filter over all of
+    them: the bounded search plans a few of a thousand nodes, and a refused node skipped where
+    it would be planned leaves the same winner as its absence."""
     share = config.decode_pressure_share
     if share is None or not config.decode_overload_guard or ttft_pf > config.ttft_slo_s:
-        return eligible, facts
-    kept = [
-        (n, f)
-        for n, f in zip(eligible, facts, strict=True)
-        if decode_load_after_s(models, n, prompt_tokens) <= share * f.overload_s
-    ]
-    return [n for n, _ in kept], [f for _, f in kept]
+        return None
+
+    def refuses(node: DecodeNodeState) -> bool:
+        return decode_load_after_s(models, node, prompt_tokens) > share * node_overload_s(config, node)
+
+    return refuses
 
 
 def deflection_gate_open(config: DeciderConfig, ttft_pf: float) -> bool:
@@ -940,13 +939,17 @@ def _search_in_id_order(
     prompt_tokens: int,
     bound: float,
     cached: Mapping[str, int] | None = None,
+    refused: Callable[[DecodeNodeState], bool] | None = None,
 ) -> tuple[_Best | None, bool]:
     """Every node in id order, each schedule search abandoned once slower than both the bound
-    and the best node so far (§4.4). The search for profiles ``_search_bounded`` cannot bound."""
+    and the best node so far (§4.4); none that ``refused`` (the decode pressure rule) refuses.
+    The search for profiles ``_search_bounded`` cannot bound."""
     best: _Best | None = None
     any_too_slow = False
     memo: _PlanMemo = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
+        if refused is not None and refused(node):
+            continue
         give_up = bound if best is None else min(bound, best[0])
         hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
         plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up, hit)
@@ -965,9 +968,11 @@ def _search_bounded(
     bound: float,
     facts: list[_NodeFacts],
     cached: Mapping[str, int] | None = None,
+    refused: Callable[[DecodeNodeState], bool] | None = None,
 ) -> tuple[_Best | None, bool]:
     """``_search_in_id_order``'s result, visiting only the nodes whose TTFT lower bound
-    (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first.
+    (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first, and asking
+    ``refused`` only of those.
 
     The same winner: it is the least (TTFT, node id, place in the view) among the nodes whose
     schedule fits the bound, and a node is skipped only when its bound, hence its TTFT, is above
@@ -994,6 +999,8 @@ def _search_bounded(
         lb, node_id, i, node = heapq.heappop(order)
         if lb > cutoff:
             break  # every node left has a bound at least this high
+        if refused is not None and refused(node):
+            continue
         hit = cached_prefix(cached, node_id, prompt_tokens) if cached else 0
         plan = _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, limit, hit)
         if plan == _TOO_SLOW:
@@ -1006,6 +1013,7 @@ def _search_bounded(
         any_too_slow = any_too_slow or any(
             _memo_plan(memo, _plan_on_path, models, config, node, prompt_tokens, bound) == _TOO_SLOW
             for node in beyond  # no cached prefix there: those nodes had a bound
+            if refused is None or not refused(node)
         )
         return None, any_too_slow
     return (best[0], best[1], best[3]), any_too_slow
@@ -1042,7 +1050,7 @@ def decide(
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
     keep_hit = cached_prefix(cached, keep_decode.node_id, prompt_tokens)
     ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens, keep_hit)
-    eligible, facts = relieve_decode_pressure(models, config, eligible, facts, prompt_tokens, ttft_pf)
+    refused = decode_pressure_refusal(models, config, prompt_tokens, ttft_pf)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
         return Decision(
@@ -1062,15 +1070,17 @@ def decide(
         if any_can_take:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
         return keep(Reason.KEEP_NO_ELIGIBLE_DECODE, None)
+    if refused is not None and all(map(refused, eligible)):  # stops at the first node let through
+        return keep(Reason.KEEP_DECODE_OVERLOADED, None)
     if not deflection_gate_open(config, ttft_pf):
         return keep(Reason.KEEP_SLO_ROOM, None)
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
     if models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES:
-        best, any_too_slow = _search_bounded(models, config, eligible, prompt_tokens, bound, facts, cached)
+        best, any_too_slow = _search_bounded(models, config, eligible, prompt_tokens, bound, facts, cached, refused)
     else:
-        best, any_too_slow = _search_in_id_order(models, config, eligible, prompt_tokens, bound, cached)
+        best, any_too_slow = _search_in_id_order(models, config, eligible, prompt_tokens, bound, cached, refused)
 
     if best is None:
         if not any_too_slow:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kairos.common import defaults
 from kairos.core import algorithm as alg
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels, load_profile
@@ -153,6 +154,8 @@ configs = st.builds(
     model_error=st.sampled_from([0.0, 0.0, 0.1]),
     keep_estimate=st.sampled_from(alg.KEEP_ESTIMATES),
     deflect_gate_share=st.sampled_from([None, None, 0.25, 1.0]),
+    # 0.3: a low line, so the rule refuses nodes the search would reach, or all of them
+    decode_pressure_share=st.sampled_from([None, defaults.DECODE_PRESSURE_SHARE, 0.3]),
 )
 shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
 
@@ -316,3 +319,24 @@ def test_what_a_decision_keeps_on_a_state_is_not_part_of_it() -> None:
     assert node.derived is not None
     renewed = replace(node)
     assert renewed == node and renewed.derived is None and repr(renewed) == repr(node)
+
+
+@pytest.mark.parametrize("search", ["bounded", "in_id_order"])
+def test_a_node_the_pressure_rule_refuses_is_never_planned_nor_counted_too_slow(search: str) -> None:
+    """Refused nodes are as if absent: none is the winner, and none that would run past the
+    bound makes the reason 'slower' rather than 'no safe schedule'."""
+    models, config, prompt = MODELS["packaged"], alg.DeciderConfig(), 10_240
+    nodes = [DecodeNodeState(f"d{i}", 4 + i, 14_000 * (i + 1), 1_300_000, 0.0) for i in range(3)]
+    facts = [alg._facts(models, config, n) for n in nodes]
+
+    def run(bound: float, refused: Any) -> tuple[Any, bool]:
+        if search == "bounded":
+            return alg._search_bounded(models, config, nodes, prompt, bound, facts, None, refused)
+        return alg._search_in_id_order(models, config, nodes, prompt, bound, None, refused)
+
+    (_, winner, _), _ = run(math.inf, None)
+    (_, second, _), _ = run(math.inf, lambda n: n.node_id == winner)
+    assert second != winner
+    assert run(math.inf, lambda n: True) == (None, False)
+    assert run(1e-6, None) == (None, True)  # every schedule runs past so tight a bound
+    assert run(1e-6, lambda n: True) == (None, False)
