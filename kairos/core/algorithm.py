@@ -204,9 +204,10 @@ def keep_handoff_s(
       clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
       prefill ends. The keeps this dispatcher sent the node whose prefill still runs
       (incoming_keeps) are not counted on the link: they stay incoming until their Eq. 1 end,
-      which Eq. 2 over-predicts under load, so most of them have crossed the link by then and
-      show as pulls or decodes already (counting them too made the estimate worse from 5 RPS on
-      Bursty 2P2D: bench/sim_keep_estimate.py). They do count in b, k and the KV they promise.
+      which the paper's Eq. 2 over-predicted under load, so most of them had crossed the link by
+      then and showed as pulls or decodes already (counting them too made the estimate worse from
+      5 RPS on Bursty 2P2D: bench/sim_keep_estimate.py; not measured again since Eq. 2 costs each
+      prompt on its own). They do count in b, k and the KV they promise.
     - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
       K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
       tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k
