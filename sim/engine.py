@@ -169,6 +169,7 @@ class EngineSnapshot:
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
     queued_prefill_total: int  # sum(queued_prefill_tokens)
+    queued_prefill_squared: int  # sum(n * n for n in queued_prefill_tokens)
     step_calibration: float | None = None  # the engine's, when it measures its steps
 
 
@@ -181,15 +182,20 @@ class _PrefillQueue:
     tokens: list[int] = field(default_factory=list)  # a list: a heartbeat copies it with one memcpy
     admitted: list[Sequence] = field(default_factory=list)  # the first len(admitted) of tokens
     total: int = 0  # sum(tokens)
+    squared: int = 0  # sum(n * n for n in tokens): Eq. 2's, kept so that a heartbeat never loops
 
     def add(self, seq: Sequence) -> None:
-        self.tokens.append(seq.prefill_remaining)
-        self.total += seq.prefill_remaining
+        n = seq.prefill_remaining
+        self.tokens.append(n)
+        self.total += n
+        self.squared += n * n
 
     def advance(self, seq: Sequence, tokens: int) -> None:
         """``seq`` (admitted) prefilled ``tokens`` more; it leaves once its prompt is done."""
         i = self.admitted.index(seq)  # the head, but for a chunk the step guard deferred
         self.total -= tokens
+        before = self.tokens[i]
+        self.squared -= before * before - (before - tokens) * (before - tokens)
         if seq.prefill_remaining == 0:
             del self.admitted[i]
             del self.tokens[i]
@@ -524,5 +530,6 @@ class Engine:
             scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
             queued_prefill_total=self._unscheduled.total,
+            queued_prefill_squared=self._unscheduled.squared,
             step_calibration=None if self.calibration is None else self.calibration.value,
         )

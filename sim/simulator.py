@@ -456,7 +456,12 @@ class Simulator:
 
 def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
     return PrefillNodeState(
-        snap.node_id, snap.queued_prefill_tokens, snap.max_step_tokens, now, snap.queued_prefill_total
+        snap.node_id,
+        snap.queued_prefill_tokens,
+        snap.max_step_tokens,
+        now,
+        snap.queued_prefill_total,
+        snap.queued_prefill_squared,
     )
 
 

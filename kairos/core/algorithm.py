@@ -143,12 +143,22 @@ def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
 # Prefill-node TTFT estimator (§4.2)
 # ---------------------------------------------------------------------------------------------
 def prefill_queue_wait_s(models: LatencyModels, node: PrefillNodeState) -> float:
-    """Eq. 2: (sum l_i / chi_p) steps, each costed with half the outstanding tokens cached."""
+    """Eq. 2: (sum l_i / chi_p) steps, each costed over half of its own prompt cached, on
+    average: the token-weighted mean of l_i / 2, sum l_i^2 / (2 sum l_i).
+
+    The paper costs every step over half the whole queue (sum l_i / 2), as if the queue were one
+    prompt; a chunk attends to its own prompt's prefix only (the multi-chunk steps of
+    ``predicted_step_s`` are costed the same way), so that cost grew with the square of the
+    queue. Under sustained load it held keep-path requests incoming on their decode node long
+    after they had arrived, until the overload line and the promised KV barred every deflection,
+    and the prefill queue grew further (Bursty 8 RPS 2P2D: 710 deflections, attainment 21.6%;
+    keep-path MAPE 8.5 for P/D, bench/sim_keep_estimate.py). One queued prompt: the paper's, to
+    the bit."""
     outstanding = node.outstanding_tokens
     if outstanding == 0:
         return 0.0
     chi_p = node.chunk_tokens
-    return outstanding / chi_p * models.prefill_step_s(chi_p, outstanding / 2)
+    return outstanding / chi_p * models.prefill_step_s(chi_p, node.squared_tokens / (2 * outstanding))
 
 
 def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0) -> float:
@@ -194,9 +204,10 @@ def keep_handoff_s(
       clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
       prefill ends. The keeps this dispatcher sent the node whose prefill still runs
       (incoming_keeps) are not counted on the link: they stay incoming until their Eq. 1 end,
-      which Eq. 2 over-predicts under load, so most of them have crossed the link by then and
-      show as pulls or decodes already (counting them too made the estimate worse from 5 RPS on
-      Bursty 2P2D: bench/sim_keep_estimate.py). They do count in b, k and the KV they promise.
+      which the paper's Eq. 2 over-predicted under load, so most of them had crossed the link by
+      then and showed as pulls or decodes already (counting them too made the estimate worse from
+      5 RPS on Bursty 2P2D: bench/sim_keep_estimate.py; not measured again since Eq. 2 costs each
+      prompt on its own). They do count in b, k and the KV they promise.
     - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
       K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
       tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k

@@ -19,12 +19,16 @@ class PrefillNodeState:
     # overload a queue holds thousands of prompts, so callers that keep the total as the queue
     # changes (the tracker's overlay, the simulator's engines) pass it.
     outstanding_tokens: int = -1
+    # sum(l * l for l in queued_prefill_tokens), Eq. 2's cached length, likewise summed here unless given.
+    squared_tokens: int = -1
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"prefill node {self.node_id}: chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.outstanding_tokens < 0:
             object.__setattr__(self, "outstanding_tokens", sum(self.queued_prefill_tokens))
+        if self.squared_tokens < 0:
+            object.__setattr__(self, "squared_tokens", sum(n * n for n in self.queued_prefill_tokens))
 
     @property
     def queue_length(self) -> int:

@@ -189,6 +189,7 @@ class ClusterTracker:
             s,
             queued_prefill_tokens=s.queued_prefill_tokens + tokens,
             outstanding_tokens=s.outstanding_tokens + sum(tokens),
+            squared_tokens=s.squared_tokens + sum(n * n for n in tokens),
         )
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:

@@ -30,7 +30,8 @@ from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
 
 # ---------------------------------------------------------------------------------------------
-# Eq. 2: queue wait = (sum l_i / chi_p) x T_step(chi_p, sum l_i / 2)
+# Eq. 2: queue wait = (sum l_i / chi_p) x T_step(chi_p, sum l_i^2 / (2 sum l_i)): each step over
+# half of its own prompt cached on average (the paper: half the whole queue, sum l_i / 2)
 # ---------------------------------------------------------------------------------------------
 CACHED_PREFILL = make_models(prefill_x_cached=1e-8)  # prefill step 0.010 + 1e-4 n + 1e-8 n c
 
@@ -41,7 +42,10 @@ CACHED_PREFILL = make_models(prefill_x_cached=1e-8)  # prefill step 0.010 + 1e-4
         pytest.param((), 512, 0.0, id="empty-queue-waits-nothing"),
         # 2048/512 = 4 steps x (0.010 + 0.0512 + 1e-8*512*1024) = 4 x 0.06644288
         pytest.param((2048,), 512, 0.26577152, id="one-2048-request: 4 steps at half cached"),
-        pytest.param((1024, 1024), 512, 0.26577152, id="two-1024-requests-wait-the-same-as-one-2048"),
+        # 4 steps x (0.010 + 0.0512 + 1e-8*512*512): each prompt's chunks over its own 512, not 1024
+        pytest.param((1024, 1024), 512, 0.25528576, id="two-1024-requests-wait-less-than-one-2048"),
+        # 3 steps x (0.010 + 0.0512 + 1e-8*512*c), c = (1024^2 + 512^2) / (2 x 1536) = 426.67
+        pytest.param((1024, 512), 512, 0.1901536, id="uneven-prompts: token-weighted half"),
         # 300/1000 = 0.3 steps x (0.010 + 0.1 + 1e-8*1000*150) = 0.3 x 0.1115
         pytest.param((300,), 1000, 0.03345, id="fractional-step-count"),
     ],
@@ -49,6 +53,22 @@ CACHED_PREFILL = make_models(prefill_x_cached=1e-8)  # prefill step 0.010 + 1e-4
 def test_prefill_queue_wait_eq2(queue: tuple[int, ...], chunk: int, expected: float) -> None:
     node = prefill_node(queue=queue, chunk=chunk)
     assert prefill_queue_wait_s(CACHED_PREFILL, node) == pytest.approx(expected)
+
+
+# A queue of 40 prompts of 200 tokens and a 100-token request, chi_p = 1000, prefill step 0.010 +
+# 1e-4 n + 1e-7 n c. Eq. 2: 8 steps x (0.110 + 1e-4 x 100 cached) = 0.960; Eq. 3: 0.020; Eq. 1 =
+# 0.980, under the gate's 1 s: the keep path meets the SLO with room, and it keeps. The paper's
+# Eq. 2 costs each step over half the queue (4000 cached: 8 x 0.510 = 4.080) and put the keep
+# path past the 4 s SLO, and the idle decode node took the request (DEFLECT_WITHIN_MARGIN). Under
+# sustained load that over-prediction held keep-path requests incoming on their decode nodes long
+# after they arrived, until no node could take a deflection (Bursty 8 RPS: 710 deflections).
+def test_a_queue_of_short_prompts_is_not_one_long_prompt() -> None:
+    models = make_models(prefill_x_cached=1e-7)
+    cfg = dataclasses.replace(CFG, deflect_gate_share=0.25)
+    v = view((prefill_node(queue=(200,) * 40),), (decode_node("d1"),))
+    d = decide(100, v, 0.0, models, cfg)
+    assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_SLO_ROOM)
+    assert d.predicted_ttft_prefill_s == pytest.approx(0.980)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,6 +133,7 @@ def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() 
         assert snap.queued_prefill_tokens == tuple(s.prefill_remaining for s in pending if not s.schedule)
         assert snap.scheduled_prefill_tokens == tuple(s.prefill_remaining for s in pending if s.schedule)
         assert snap.queued_prefill_total == sum(snap.queued_prefill_tokens)
+        assert snap.queued_prefill_squared == sum(n * n for n in snap.queued_prefill_tokens)
         if not run_steps(engine, 1):
             break
     assert saw_both  # the KV limit held some back while others were part-way
