@@ -27,9 +27,11 @@ MAX_PENDING_DEFLECTIONS: int | None = None
 
 # Decode pressure (kairos.core.algorithm.decode_pressure_refusal, "never worse than P/D"): while
 # the keep path meets the TTFT SLO, a decode node whose decode-only step with the request joined
-# is over this share of its overload line takes no deflection. Near that line its steps already
-# run over tau on batch swings alone (P/D's own violations start there), and the chunks would
-# take decode time from the cluster's bottleneck to shave a TTFT that meets its SLO anyway.
+# is over this share of the overload line (min(tau, beta tau), not divided by the node's step
+# calibration: the step error has its margin in the calibrated lines) takes no deflection. Near
+# that line its steps already run over tau on batch swings alone (P/D's own violations start
+# there), and the chunks would take decode time from the cluster's bottleneck to shave a TTFT
+# that meets its SLO anyway.
 # 2P2D, seeds 90417 and 1-4, azure_conv 17 RPS: attainment -0.30 points vs P/D without it, -0.06
 # with it; Bursty's deflections under pressure rescue keeps that miss the SLO, and stay.
 DECODE_PRESSURE_SHARE: float | None = 0.85

@@ -50,9 +50,10 @@ class DeciderConfig:
     # paper's Algorithm 1) only to measure what the rule changes.
     decode_overload_guard: bool = True
     # With the overload guard, while the keep path meets the TTFT SLO: deflect to no node whose
-    # decode-only step with the request joined (decode_load_after_s) is over this share of the
-    # overload line (decode pressure: its decodes are the cluster's bottleneck, and the chunks
-    # would take their time to save a TTFT that meets its SLO anyway). None: no such rule.
+    # decode-only step with the request joined (decode_load_after_s) is over this share of
+    # decode_overload_s, uncalibrated (decode pressure: its decodes are the cluster's bottleneck,
+    # and the chunks would take their time to save a TTFT that meets its SLO anyway). None: no
+    # such rule.
     decode_pressure_share: float | None = defaults.DECODE_PRESSURE_SHARE
     # No deflection while the keep path's TTFT estimate is under this share of the TTFT SLO
     # (deflection_gate_open): it meets the SLO with room. None: Eq. 7 decides alone (the paper).
@@ -700,15 +701,23 @@ def decode_pressure_refusal(
     tau, to save part of a TTFT that needs no saving. When the keep path misses the SLO, the
     deflection can still rescue the request, and no candidate is refused.
 
+    The line is a share of ``config.decode_overload_s``, not of the node's calibrated one: the
+    rule is about P/D's own decodes nearing tau on batch swings, and the model's error has its
+    margin already, in the calibrated overload line and step budget. Divided by the calibration
+    too, the error counted twice: at a 10% step error (a 99th-percentile ratio near 1.29) the line
+    fell to 46 ms, under Bursty's 48 ms decode-only steps, and refused nearly every deflection
+    (``bench/sim_calibration.py``). With no error (calibration 1) nothing changes.
+
     A predicate, asked of the candidates the search reaches, rather than a filter over all of
     them: the bounded search plans a few of a thousand nodes, and a refused node skipped where
     it would be planned leaves the same winner as its absence."""
     share = config.decode_pressure_share
     if share is None or not config.decode_overload_guard or ttft_pf > config.ttft_slo_s:
         return None
+    line_s = share * config.decode_overload_s
 
     def refuses(node: DecodeNodeState) -> bool:
-        return decode_load_after_s(models, node, prompt_tokens) > share * node_overload_s(config, node)
+        return decode_load_after_s(models, node, prompt_tokens) > line_s
 
     return refuses
 

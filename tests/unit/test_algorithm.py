@@ -1191,3 +1191,13 @@ def test_keep_estimate_is_checked() -> None:
         DeciderConfig(keep_estimate="eq2")
     with pytest.raises(ConfigError, match="mean_output_tokens"):
         DeciderConfig(mean_output_tokens=0.5)
+
+
+def test_the_pressure_line_is_not_calibrated() -> None:
+    """The step error's margin is in the calibrated overload line and budget; the pressure rule
+    compares with 0.85 tau however slow the node's steps run against the model. B = 20 + 14
+    incoming keeps, the request joined: T0 0.075, over 0.85 x 0.105 / 1.25 = 0.0714 but under
+    0.85 x 0.105 = 0.08925 and under the calibrated overload line 0.105 / 1.25 = 0.084."""
+    node = dataclasses.replace(_incoming(decode_node("d1", b=20), 14), step_calibration=1.25)
+    d = decide(1000, view((prefill_node(queue=(5000,)),), (node,)), 0.0, FLAT, CFG)
+    assert d.route is Route.DEFLECT and d.step_budget_s == pytest.approx(0.084)

@@ -94,7 +94,7 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
             n
             for n in eligible
             if alg.decode_load_s(models, n) <= line[n.node_id]
-            and not (pressure and alg.decode_load_after_s(models, n, prompt) > share * line[n.node_id])
+            and not (pressure and alg.decode_load_after_s(models, n, prompt) > share * config.decode_overload_s)
         ]
         if not eligible:
             return keep(Reason.KEEP_DECODE_OVERLOADED, None)
