@@ -696,7 +696,7 @@ def decode_pressure_refusal(
     """The decode pressure rule for one request: None where it does not apply, else whether it
     refuses a deflection candidate. While the keep path's TTFT ``ttft_pf`` meets the SLO, it
     refuses a node whose decode-only step with the request joined is over
-    ``decode_pressure_share`` of its overload line. The request decodes on some decode node
+    ``decode_pressure_share`` of the overload line. The request decodes on some decode node
     either way; its chunks would lengthen the steps of a node whose own decodes already near
     tau, to save part of a TTFT that needs no saving. When the keep path misses the SLO, the
     deflection can still rescue the request, and no candidate is refused.
