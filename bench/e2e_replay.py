@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_result
+from kairos.common.contracts import HeartbeatField
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy, split_policy_list
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
@@ -182,6 +184,24 @@ def format_fidelity(fid: dict[str, Any]) -> str:
     )
 
 
+def decode_step_calibrations(nodes_report: dict[str, Any]) -> dict[str, float | None]:
+    """Each decode node's step calibration in a dispatcher's ``GET /nodes`` report: the ratio its
+    steps ran at against the model, which scales its TBT budget and overload line. The
+    simulator's twin runs at 1.0 (no step error), so a live value over 1 says how much smaller
+    the live chunks were. None: the node reports none."""
+    return {
+        node["id"]: node.get(HeartbeatField.STEP_CALIBRATION)
+        for node in nodes_report["nodes"]
+        if node["role"] == "decode"
+    }
+
+
+def fetch_nodes_report(cluster: LocalCluster) -> dict[str, Any]:
+    url = f"http://{cluster.config.gateway_host}:{cluster.dispatcher_metrics_ports[0]}/nodes"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
 def scrape_keep_parts(sidecars: list[str]) -> tuple[float, float, int]:
     """Sums over the decode sidecars of the keep path's hop-1 seconds (the prefill node's answer:
     its queue, prefill and the HTTP hop) and TTFT seconds, and the request count (wall time)."""
@@ -317,6 +337,7 @@ def main() -> int:
             results = replay(trace, cfg)
             wall = time.monotonic() - t0
             parts_after = scrape_keep_parts(sidecars)
+            calibrations = decode_step_calibrations(fetch_nodes_report(cluster))
         finally:
             cluster.stop()
         summary = summarize(results, cfg)
@@ -348,6 +369,7 @@ def main() -> int:
             "p95_ttft_gap_vs_sim": rel_gap(summary["p95_ttft_s"], sim["p95_ttft_s"]),
             "fidelity": fidelity(results, outcomes),
             "keep_parts": keep_parts_fidelity(parts_before, parts_after, scale, outcomes),
+            "decode_step_calibration_at_end": calibrations,
         }
         out["policies"][policy] = record
         print(
@@ -356,6 +378,7 @@ def main() -> int:
             flush=True,
         )
         print(f"   {policy}: {format_fidelity(record['fidelity'])}", flush=True)
+        print(f"   {policy}: decode nodes' step calibration at the end (simulator: 1.0): {calibrations}", flush=True)
         if record["keep_parts"]:
             print(f"   {policy}: {format_keep_parts(record['keep_parts'])}", flush=True)
 

@@ -3,6 +3,7 @@ keep path's two halves from the sidecars' histograms."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -11,13 +12,17 @@ import pytest
 
 from bench.e2e_replay import (
     SimOutcome,
+    decode_step_calibrations,
     fidelity,
     format_fidelity,
     format_keep_parts,
     keep_parts_fidelity,
     scrape_keep_parts,
 )
+from kairos.common.contracts import Role, encode_heartbeat
+from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.launcher.replay import RequestResult
+from tests.unit.test_heartbeat_contract import BEAT
 
 
 def served(request_id: str, route: str, node: str, ttft_s: float) -> RequestResult:
@@ -121,3 +126,15 @@ def test_keep_parts_come_from_the_sidecars_keep_histograms_in_model_time(sidecar
     assert parts["mean_prefilled_to_first_token_s"]["sim"] == pytest.approx(0.5)
     assert "mean until prefilled 1.571 s (sim 1.000)" in format_keep_parts(parts)
     assert keep_parts_fidelity(after, after, 2.0, sim) is None  # no keep request in between
+
+
+def test_the_decode_nodes_step_calibration_is_read_from_the_dispatchers_nodes_report() -> None:
+    """The field name is the heartbeat contract's, as the dispatcher's /nodes reports it."""
+    membership = Membership(MembershipConfig())
+    beats = [
+        ("d0", encode_heartbeat(dataclasses.replace(BEAT, step_calibration=1.17))),
+        ("d1", encode_heartbeat(dataclasses.replace(BEAT, node_id="d1"))),  # reports none
+        ("p0", encode_heartbeat(dataclasses.replace(BEAT, node_id="p0", role=Role.PREFILL, sidecar=""))),
+    ]
+    membership.poll_succeeded(beats, 10.0)
+    assert decode_step_calibrations(membership.report(10.0)) == {"d0": 1.17, "d1": None}
