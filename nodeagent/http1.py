@@ -14,6 +14,7 @@ idle connections per host:port; what it cannot read is a :class:`ProtocolError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -418,10 +419,9 @@ class Http1Client:
     ) -> tuple[_Exchange, Reply | Head]:
         conn = self._take(hostport)
         if conn is not None:
-            try:
+            # Closed while idle: the request never reached it; once more on a new connection.
+            with contextlib.suppress(ClosedBeforeReply):
                 return conn, await self._start(conn, request, stream, head_only)
-            except ClosedBeforeReply:
-                pass  # closed while idle: the request never reached it; once more on a new one
         conn = await self._connect(hostport)
         return conn, await self._start(conn, request, stream, head_only)
 

@@ -120,6 +120,29 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced_once(serve)
     assert len(connections) == 2 and len(seen) == 2
 
 
+async def test_a_request_its_kept_alive_connection_closed_under_is_sent_once_more(serve) -> None:
+    """The race the idle check cannot see: the connection was open when taken, and the server
+    closed it as the request arrived (an idle timeout), before any byte of a reply."""
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        with contextlib.suppress(*CLIENT_GONE):
+            await read_request(reader)
+            writer.write(OK_JSON)
+            await writer.drain()
+            if len(connections) == 1:
+                await read_request(reader)  # the next request arrives; the server hangs up on it
+        writer.close()
+
+    host = await serve(handler)
+    client = Http1Client(1.0)
+    for _ in range(2):
+        assert (await client.request("POST", host, "/", b"", [])).status == 200
+    await client.close()
+    assert len(connections) == 2
+
+
 async def test_a_connection_cut_mid_reply_is_an_error_never_a_retry(serve) -> None:
     handler, seen, _ = replying(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part", close=True)
     host = await serve(handler)
