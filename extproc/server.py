@@ -48,22 +48,20 @@ def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
 
 
 def _routed_response(routed: Routed, phase: str) -> pb.ProcessingResponse:
-    mutation = pb.HeaderMutation(
-        set_headers=[
-            # Values must travel in raw_value: Envoy ignores ``value`` here.
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
-            )
-            for k, v in routed.set_headers
-        ],
-        remove_headers=list(routed.remove_headers),
-    )
-    metadata = struct_pb2.Struct()
-    metadata.update({c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: ",".join(routed.destinations)}})
-    common = pb.CommonResponse(header_mutation=mutation)
-    if phase == "headers":
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+    # Filled in place: upb builds a nested message from constructor arguments at about three
+    # times the cost (21 against 8 us for the eight decision headers), on every request's path.
+    response = pb.ProcessingResponse()
+    answer = response.request_headers if phase == "headers" else response.request_body
+    mutation = answer.response.header_mutation
+    mutation.SetInParent()  # present, with its parents, even with nothing to set or remove
+    add = mutation.set_headers.add
+    for key, value in routed.set_headers:
+        header = add(append_action=_OVERWRITE).header
+        header.key = key
+        header.raw_value = value.encode()  # Envoy ignores ``value`` here
+    mutation.remove_headers.extend(routed.remove_headers)
+    response.dynamic_metadata.update({c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: ",".join(routed.destinations)}})
+    return response
 
 
 def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:

@@ -287,6 +287,17 @@ async def test_a_get_is_answered_at_the_headers_message(gateway: GatewayStarter)
     assert gw.cluster.recorded == []
 
 
+async def test_a_get_with_nothing_to_change_is_still_a_headers_answer(gateway: GatewayStarter) -> None:
+    """No header to set or remove: the answer still names its phase (Envoy drops a stream whose
+    answer does not), with the upstream in its metadata."""
+    gw = await gateway(make_cluster())
+    (answer,) = await exchange(gw.stub, [request_headers("GET", "/v1/models", end_of_stream=True)])
+
+    assert answer.WhichOneof("response") == "request_headers"
+    assert answer.request_headers.response.HasField("header_mutation")
+    assert metadata_of(answer) == destination("d0", "d1")
+
+
 async def test_a_5_mb_body_is_accepted(gateway: GatewayStarter) -> None:
     gw = await gateway(make_cluster())
     size = 5 * 1024 * 1024
