@@ -247,20 +247,22 @@ class Dispatcher:
         if found is not None:
             decode_hit = cached_prefix(found, decision.decode_node, decision.prompt_tokens)
             self.metrics.observe_prefix_hits(decision, decode_hit)
-        log.debug(
-            "request %s: %s (%s) prompt=%d cached=%d decode=%s prefill=%s chunks=%s ttft_pf=%s ttft_dec=%s in %.2f ms",
-            request_id,
-            decision.route.value,
-            decision.reason.value,
-            request.prompt_tokens,
-            decision.cached_tokens,
-            decision.decode_node,
-            decision.prefill_node or "-",
-            c.encode_chunk_schedule(decision.chunk_sizes) or "-",
-            _ms(decision.predicted_ttft_prefill_s),
-            _ms(decision.predicted_ttft_decode_s),
-            elapsed * 1e3,
-        )
+        if log.isEnabledFor(logging.DEBUG):  # its arguments cost a few µs to format, on every request
+            log.debug(
+                "request %s: %s (%s) prompt=%d cached=%d decode=%s prefill=%s chunks=%s ttft_pf=%s ttft_dec=%s"
+                " in %.2f ms",
+                request_id,
+                decision.route.value,
+                decision.reason.value,
+                request.prompt_tokens,
+                decision.cached_tokens,
+                decision.decode_node,
+                decision.prefill_node or "-",
+                c.encode_chunk_schedule(decision.chunk_sizes) or "-",
+                _ms(decision.predicted_ttft_prefill_s),
+                _ms(decision.predicted_ttft_decode_s),
+                elapsed * 1e3,
+            )
         return Routed(
             destinations=destinations,
             set_headers=tuple(set_headers),

@@ -3,11 +3,11 @@ keep path's two halves from the sidecars' histograms."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+import msgspec
 import pytest
 
 from bench.e2e_replay import (
@@ -132,9 +132,9 @@ def test_the_decode_nodes_step_calibration_is_read_from_the_dispatchers_nodes_re
     """The field name is the heartbeat contract's, as the dispatcher's /nodes reports it."""
     membership = Membership(MembershipConfig())
     beats = [
-        ("d0", encode_heartbeat(dataclasses.replace(BEAT, step_calibration=1.17))),
-        ("d1", encode_heartbeat(dataclasses.replace(BEAT, node_id="d1"))),  # reports none
-        ("p0", encode_heartbeat(dataclasses.replace(BEAT, node_id="p0", role=Role.PREFILL, sidecar=""))),
+        ("d0", encode_heartbeat(msgspec.structs.replace(BEAT, step_calibration=1.17))),
+        ("d1", encode_heartbeat(msgspec.structs.replace(BEAT, node_id="d1"))),  # reports none
+        ("p0", encode_heartbeat(msgspec.structs.replace(BEAT, node_id="p0", role=Role.PREFILL, sidecar=""))),
     ]
     membership.poll_succeeded(beats, 10.0)
     assert decode_step_calibrations(membership.report(10.0)) == {"d0": 1.17, "d1": None}

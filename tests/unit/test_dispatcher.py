@@ -470,6 +470,24 @@ async def test_the_first_deflection_fills_d0_so_the_next_one_goes_to_d1(harness:
     assert h.cluster.reservations == [("d0", OWNER), ("d1", OWNER)]
 
 
+async def test_each_decision_is_logged_at_debug_and_only_then(
+    harness: HarnessFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line per routed request at DEBUG, with the route, the reason and the chunk schedule;
+    none at INFO (the line's arguments are not even formatted then)."""
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
+    with caplog.at_level("INFO", logger="kairos.extproc.dispatcher"):
+        await h.dispatcher.route("POST", COMPLETIONS, {c.H_REQUEST_ID: "quiet"}, completion_body(1000))
+    assert not [r for r in caplog.records if "quiet" in r.getMessage()]
+
+    with caplog.at_level("DEBUG", logger="kairos.extproc.dispatcher"):
+        routed = await h.dispatcher.route("POST", COMPLETIONS, {c.H_REQUEST_ID: "told"}, completion_body(900))
+    assert isinstance(routed, Routed) and routed.decision is not None
+    (line,) = [r.getMessage() for r in caplog.records if "told" in r.getMessage()]
+    chunks = c.encode_chunk_schedule(routed.decision.chunk_sizes)
+    assert "deflect (deflect_within_margin) prompt=900" in line and f"chunks={chunks}" in line
+
+
 # ---------------------------------------------------------------------------------------------
 # Decisions are recorded into the cluster view
 # ---------------------------------------------------------------------------------------------
