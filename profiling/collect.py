@@ -490,7 +490,11 @@ async def collect(cfg: CollectConfig, progress: Callable[[str], None] = _stderr)
     deadline = loop.time() + cfg.budget_s
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    # A connection per request: a kept-alive one races the node's idle timeout (vLLM's server closes
+    # after 5 s) whenever a phase starts after a pause, and the request then dies unsent with
+    # "Can not write request body". The collector's few requests a second do not need the reuse.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         col = Collector(cfg, http, progress)
         await col.probe_node()
         phases = col.plan()

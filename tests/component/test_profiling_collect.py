@@ -130,9 +130,25 @@ def test_unreachable_node_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
 # ---------------------------------------------------------------------------------------------
 # Step-log file (real vLLM with the step recorder): a stand-in server without /kairos/steps
 # ---------------------------------------------------------------------------------------------
-async def _stand_in(log: Path | None) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+async def _stand_in(
+    log: Path | None, dropped: list[str] | None = None
+) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+    """With ``dropped``, the node closes a kept-alive connection unanswered when a second request
+    comes on it (an idle timeout racing the request at once) and lists those requests there."""
     bodies: list[dict[str, Any]] = []
     index = [0]
+    served: set[object] = set()  # the transports themselves: an id is reused once one is freed
+
+    @web.middleware
+    async def idle_timeout(request: web.Request, handler: Any) -> web.StreamResponse:
+        transport = request.transport
+        if dropped is not None and transport is not None:
+            if transport in served:
+                dropped.append(request.path)
+                transport.close()
+                raise web.HTTPServiceUnavailable()  # never written: the connection is gone
+            served.add(transport)
+        return await handler(request)
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "real-model", "max_model_len": 4096}]})
@@ -152,7 +168,7 @@ async def _stand_in(log: Path | None) -> tuple[web.AppRunner, str, list[dict[str
                 f.write(line[10:] + "\n")
         return web.json_response({"choices": [{"text": "x"}]})
 
-    app = web.Application()
+    app = web.Application(middlewares=[idle_timeout])
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
@@ -186,6 +202,24 @@ async def test_step_log_file_source(tmp_path: Path) -> None:
     assert all(isinstance(t, int) for b in bodies for t in b["prompt"])
     assert max(len(b["prompt"]) for b in bodies) <= 512
     assert len({tuple(b["prompt"][:16]) for b in bodies}) == len(bodies)
+
+
+async def test_a_node_closing_kept_alive_connections_loses_no_request(tmp_path: Path) -> None:
+    # vLLM's server closes a connection idle for 5 s; a phase that starts after a pause must not
+    # send its requests into connections the node has just closed.
+    log = tmp_path / "steps.jsonl"
+    dropped: list[str] = []
+    runner, url, bodies = await _stand_in(log, dropped)
+    try:
+        cfg = config(url, tmp_path / "out", step_log=log, time_scale=10.0,
+                     plan=PlanConfig(role="prefill", rates=(20.0,), duration_s=1.0, max_prompt_tokens=512))  # fmt: skip
+        summary = await collect(cfg, lambda _: None)
+    finally:
+        await runner.cleanup()
+    assert dropped == [] and summary.complete
+    manifest = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())
+    assert [entry["failed"] for entry in manifest["phases"].values()] == [0]
+    assert len(load_runs([tmp_path / "out"])[0].records) == len(bodies) > 5
 
 
 async def test_a_node_without_a_step_log_needs_step_log(tmp_path: Path) -> None:
