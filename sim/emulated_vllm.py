@@ -122,6 +122,10 @@ class EmulatedNodeConfig:
     # and its default). Wall, not model time, as in vLLM: at --time-scale 1000 a model-time hold
     # lasted 120 ms, less than a gateway's hops on a loaded host take to send the decode request.
     kv_hold_timeout_s: float = 480.0
+    # Wall seconds the server keeps an idle kept-alive connection open (vLLM's
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE and its default): a client that reuses a connection after a
+    # pause races this close, on a real node and so here.
+    keep_alive_timeout_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     step_log_size: int = 10_000  # engine steps kept for /kairos/steps
     prefix_caching: bool = True  # vLLM's --enable-prefix-caching (its default) / --no-enable-prefix-caching
@@ -141,8 +145,10 @@ class EmulatedNodeConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ConfigError(f"time_scale must be a positive number, got {self.time_scale}")
-        if not (self.kv_hold_timeout_s > 0 and math.isfinite(self.kv_hold_timeout_s)):
-            raise ConfigError(f"kv_hold_timeout_s must be a positive number, got {self.kv_hold_timeout_s}")
+        for name in ("kv_hold_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number, got {value}")
         for name in (
             "max_model_len",
             "max_step_tokens",
@@ -333,7 +339,11 @@ class EmulatedNode:
         publish = self.kv_events.publish if self.kv_events is not None else None
         self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size, kv_events=publish)
         self.rt.start()
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
+        # A connection per KV pull: a claim is not safe to send twice, and a kept-alive connection
+        # could meet the prefill node's idle close on the way (the claim then unsent or unknown).
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S), connector=aiohttp.TCPConnector(force_close=True)
+        )
         log.info(
             "node %s (%s) up: model=%s profile=%s time_scale=%g max_step_tokens=%d kv_capacity=%d engine_id=%s",
             cfg.node_id,
@@ -1202,6 +1212,12 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int)
     p.add_argument("--time-scale", dest="time_scale", type=float, help="10 = ten times faster than real time")
     p.add_argument("--kv-hold-timeout-s", dest="kv_hold_timeout_s", type=float, help="wall seconds (vLLM: 480)")
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        dest="keep_alive_timeout_s",
+        type=float,
+        help="wall seconds an idle kept-alive connection stays open (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5)",
+    )
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
     p.add_argument(
         "--enable-prefix-caching",
@@ -1223,10 +1239,15 @@ def _arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
+    """The node's application, served as vLLM serves: idle connections closed after
+    ``keep_alive_timeout_s``."""
+    return web.AppRunner(build_app(config), access_log=None, keepalive_timeout=config.keep_alive_timeout_s)
+
+
 async def _serve_forever(config: EmulatedNodeConfig) -> None:
     stop = stop_on_signals()
-    app = build_app(config)
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

@@ -26,7 +26,7 @@ from kairos.common.config import load_config
 from kairos.common.contracts import STEP_BUDGET_OVERRUNS_METRIC, Role
 from kairos.common.errors import ConfigError
 from kairos.launcher.tinymodel import build_tiny_model
-from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, build_app
+from kairos.sim.emulated_vllm import NODE_KEY, EmulatedNode, EmulatedNodeConfig, app_runner
 from kairos.sim.engine import Engine, EngineConfig
 from kairos.sim.engine import Sequence as Seq
 from kairos.sim.realtime import EngineStoppedError, RealtimeEngine
@@ -60,12 +60,11 @@ class Node:
 @asynccontextmanager
 async def running(model_dir: Path, node_id: str, role: Role, **overrides: Any) -> AsyncIterator[Node]:
     settings: dict[str, Any] = {"model": MODEL, "time_scale": SCALE, **overrides}
-    app = build_app(EmulatedNodeConfig(node_id=node_id, role=role, model_dir=str(model_dir), **settings))
-    runner = web.AppRunner(app)
+    runner = app_runner(EmulatedNodeConfig(node_id=node_id, role=role, model_dir=str(model_dir), **settings))
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        yield Node(f"http://127.0.0.1:{runner.addresses[0][1]}", app[NODE_KEY])
+        yield Node(f"http://127.0.0.1:{runner.addresses[0][1]}", runner.app[NODE_KEY])
     finally:
         await runner.cleanup()
 
@@ -185,6 +184,29 @@ async def test_completions_and_chat_through_the_openai_sdk(decode: Node, tokeniz
             await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32768)
     finally:
         await client.close()
+
+
+async def test_an_idle_kept_alive_connection_is_closed_as_vllm_closes_it(model_dir: Path) -> None:
+    # vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): a client that
+    # reuses connections must meet that close here too, not only against a real node.
+    async with running(model_dir, "d9", Role.DECODE, keep_alive_timeout_s=0.2) as node:
+        host, port = node.host_port.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {node.host_port}\r\n\r\n".encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+            assert head.startswith(b"HTTP/1.1 200") and b"close" not in head.lower()  # kept alive
+            length = int(
+                next(
+                    v for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length"
+                )
+            )
+            await reader.readexactly(length)
+            assert await asyncio.wait_for(reader.read(1), 20) == b""  # then closed by the node
+        finally:
+            writer.close()
+    with pytest.raises(ConfigError, match="keep_alive_timeout_s must be a positive number"):
+        EmulatedNodeConfig(node_id="d9", role=Role.DECODE, model_dir=str(model_dir), keep_alive_timeout_s=0)
 
 
 async def test_x_request_id_names_the_sequence_and_the_response(decode: Node, http: aiohttp.ClientSession) -> None:
@@ -605,11 +627,16 @@ async def test_tokenize_detokenize_and_version_answer_as_vllm(
         assert resp.status == 200
         out = await resp.json()
     ids_ = tokenizer.encode(text, add_special_tokens=True)
-    assert out == {"count": len(ids_), "max_model_len": decode.node.config.max_model_len, "tokens": ids_,
-                   "token_strs": None}
+    assert out == {
+        "count": len(ids_),
+        "max_model_len": decode.node.config.max_model_len,
+        "tokens": ids_,
+        "token_strs": None,
+    }
     assert ids_[0] == tokenizer.bos_token_id
-    async with http.post(f"{decode.url}/tokenize", json={"prompt": text, "add_special_tokens": False,
-                                                         "return_token_strs": True}) as resp:
+    async with http.post(
+        f"{decode.url}/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    ) as resp:
         plain = await resp.json()
     assert plain["tokens"] == ids_[1:]
     assert plain["token_strs"] == [tokenizer.raw_tokenizer.id_to_token(t) for t in ids_[1:]]
@@ -768,8 +795,9 @@ async def test_cli_listens_and_stops_on_sigterm(model_dir: Path, http: aiohttp.C
 async def test_steps_over_a_deflected_chunks_budget_while_decodes_run_are_counted() -> None:
     """The emulated node's own guard keeps its chunks within budget (its timer is its model), so
     the count is driven here by an engine with no guard and a step time over the budget."""
-    engine = Engine(EngineConfig("r1", Role.DECODE, 256, kv_capacity_tokens=10_000), lambda role, plan: 0.05,
-                    track_tokens=True)
+    engine = Engine(
+        EngineConfig("r1", Role.DECODE, 256, kv_capacity_tokens=10_000), lambda role, plan: 0.05, track_tokens=True
+    )
     rt = RealtimeEngine(engine, time_scale=50.0)
     rt.start()
     try:
