@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from redis.exceptions import RedisError
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.aio import cancel_and_wait
 from kairos.common.config import load_config
 from kairos.common.errors import (
@@ -1087,7 +1088,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(config: SidecarConfig) -> None:
     stop = stop_on_signals()
     # The access log would add an INFO line per request; the DEBUG timing line covers it.
-    runner = web.AppRunner(build_app(config), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    runner = web.AppRunner(
+        build_app(config),
+        access_log=None,
+        shutdown_timeout=_SHUTDOWN_GRACE_S,
+        keepalive_timeout=defaults.SIDECAR_KEEP_ALIVE_S,  # Envoy's idle close comes first
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

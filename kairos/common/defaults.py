@@ -56,6 +56,13 @@ MEAN_OUTPUT_TOKENS = 72.0
 # a half heartbeat periods: one late beat on a loaded host is not an outage.
 STALE_AFTER_S = 0.35
 
+# Envoy's kept-alive connections to the decode sidecars. Envoy closes one idle for
+# GATEWAY_SIDECAR_IDLE_S, before the sidecar's own idle close (SIDECAR_KEEP_ALIVE_S) can race a
+# request into it: such a request would be reset, and Envoy's retry sends it to another decode
+# node than the one its decision named.
+SIDECAR_KEEP_ALIVE_S = 75.0
+GATEWAY_SIDECAR_IDLE_S = 60.0
+
 # The served model and the engines of the reference cluster (DeepSeek-V2-Lite on A100)
 PROFILE = "deepseek-v2-lite-a100"  # packaged latency profile
 MAX_MODEL_LEN = 32768  # tokens of context

@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
 
@@ -39,6 +40,8 @@ class EnvoySettings:
     buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own body limit (8 MiB)
     message_timeout: str = "2s"  # a slower dispatcher answer gives 504
     stream_idle_timeout: str = "300s"
+    # An idle connection to a sidecar closes on Envoy's side first (defaults.GATEWAY_SIDECAR_IDLE_S).
+    sidecar_idle_timeout: str = f"{defaults.GATEWAY_SIDECAR_IDLE_S:g}s"
     # How often Envoy health-checks each dispatcher replica (grpc.health.v1).
     health_check_interval: str = "0.5s"
     # Retries in flight per cluster (Envoy's default is 3): one per request that a dead
@@ -121,6 +124,7 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         buffer_limit_bytes=settings.buffer_limit_bytes,
         message_timeout=settings.message_timeout,
         stream_idle_timeout=settings.stream_idle_timeout,
+        sidecar_idle_timeout=settings.sidecar_idle_timeout,
         health_check_interval=settings.health_check_interval,
         ext_proc_service=c.EXT_PROC_HEALTH_SERVICE,
         max_retries=settings.max_retries,

@@ -16,6 +16,7 @@ from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE
 from kairos.extproc.main import DispatcherConfig
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig
 from kairos.sim.experiment import SimSettings
@@ -105,3 +106,14 @@ def test_the_readme_states_the_shared_defaults() -> None:
     assert f"alpha {defaults.ALPHA:g}" in readme
     assert f"tau {defaults.TBT_SLO_S * 1e3:g} ms" in readme
     assert f"TTFT SLO {defaults.TTFT_SLO_S:g} s" in readme
+
+
+def test_envoy_closes_an_idle_sidecar_connection_before_the_sidecar_does() -> None:
+    rendered = yaml.safe_load(render_envoy_config(EnvoySettings(sidecars=("127.0.0.1:8201",))))
+    (cluster,) = (c for c in rendered["static_resources"]["clusters"] if c["name"] == "decode_sidecars")
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    idle = options["common_http_protocol_options"]["idle_timeout"]
+    assert idle == f"{defaults.GATEWAY_SIDECAR_IDLE_S:g}s"
+    assert 0 < defaults.GATEWAY_SIDECAR_IDLE_S < defaults.SIDECAR_KEEP_ALIVE_S
+    for compose_envoy in ("envoy.yaml", "envoy.loopback.yaml"):
+        assert f"idle_timeout: {idle}" in (ROOT / "compose" / compose_envoy).read_text()
