@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,8 +45,42 @@ def _die_with_parent() -> None:
 _PR_SET_PDEATHSIG = 1
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PLANNED_PORTS_FLOOR = 15_000  # below the usual ephemeral range (32768-60999), above the well-known services
+_handed_out: set[int] = set()  # this process's ports: never the same one twice
+_pick = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (Linux; 32768 where it cannot be read)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel's choice for port 0)."""
+    """A port free now, for a server that binds it a little later, chosen below the kernel's
+    ephemeral range: there no outgoing connection's local port and no other program's port-0
+    bind (vLLM picks its internal ports so) can take it in between. A real vLLM node's NIXL
+    listener lost its port that way, in the middle of a CI run. Falls back to the kernel's own
+    choice when the range leaves no room below it."""
+    low = _ephemeral_low()
+    if low - _PLANNED_PORTS_FLOOR >= 1000:
+        for _ in range(200):
+            port = _pick.randrange(_PLANNED_PORTS_FLOOR, low)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
