@@ -54,20 +54,39 @@ class Response:
 
 
 class HttpConnection:
-    """One keep-alive HTTP/1.1 connection (one request in flight at a time)."""
+    """One keep-alive HTTP/1.1 connection (one request in flight at a time). A server that closed
+    it while idle (vLLM's server does after 5 s, and a benchmark's paths take turns) gets a new
+    one, as any pooling client reconnects: before the request when the close is in, and once
+    more when the close crossed the request (no byte of a reply came)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.host, self.port = host, port
         self._reader = reader
         self._writer = writer
+        self.reconnects = 0
 
     @classmethod
     async def open(cls, host: str, port: int) -> HttpConnection:
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-        return cls(reader, writer)
+        return cls(host, port, reader, writer)
+
+    async def _reopen(self) -> None:
+        await self.close()
+        self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        self.reconnects += 1
 
     async def send(self, request: bytes) -> Response:
+        if self._reader.at_eof():
+            await self._reopen()
         self._writer.write(request)
-        head = await self._reader.readuntil(b"\r\n\r\n")
+        try:
+            head = await self._reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+            if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
+                raise
+            await self._reopen()
+            self._writer.write(request)
+            head = await self._reader.readuntil(b"\r\n\r\n")
         lines = head[:-4].decode("latin-1").split("\r\n")
         try:
             status = int(lines[0].split(" ", 2)[1])
