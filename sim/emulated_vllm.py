@@ -82,6 +82,7 @@ NODE_KEY = web.AppKey("node", "EmulatedNode")  # the application's EmulatedNode 
 KV_PULL_PATH = "/kairos/kv/pull"
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
+PULL_KEEPALIVE_S = 1.0  # wall seconds a decode node reuses an idle pull connection (nodes close at 5)
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # One short word per output token: the text is noise, the token accounting is what matters. The
 # node streams words the model's tokenizer holds as one token each (see ``one_token_words``), as
@@ -124,7 +125,7 @@ class EmulatedNodeConfig:
     kv_hold_timeout_s: float = 480.0
     # Wall seconds the server keeps an idle kept-alive connection open (vLLM's
     # VLLM_HTTP_TIMEOUT_KEEP_ALIVE and its default): a client that reuses a connection after a
-    # pause races this close, on a real node and so here.
+    # pause races this close, on a real node and so here. Over PULL_KEEPALIVE_S.
     keep_alive_timeout_s: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     step_log_size: int = 10_000  # engine steps kept for /kairos/steps
@@ -145,10 +146,13 @@ class EmulatedNodeConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ConfigError(f"time_scale must be a positive number, got {self.time_scale}")
-        for name in ("kv_hold_timeout_s", "keep_alive_timeout_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if not (self.kv_hold_timeout_s > 0 and math.isfinite(self.kv_hold_timeout_s)):
+            raise ConfigError(f"kv_hold_timeout_s must be a positive number, got {self.kv_hold_timeout_s}")
+        if not (self.keep_alive_timeout_s > PULL_KEEPALIVE_S and math.isfinite(self.keep_alive_timeout_s)):
+            raise ConfigError(
+                f"keep_alive_timeout_s must be a number over {PULL_KEEPALIVE_S:g} (the decode nodes reuse a KV pull "
+                f"connection that long), got {self.keep_alive_timeout_s}"
+            )
         for name in (
             "max_model_len",
             "max_step_tokens",
@@ -339,10 +343,12 @@ class EmulatedNode:
         publish = self.kv_events.publish if self.kv_events is not None else None
         self.rt = RealtimeEngine(engine, cfg.time_scale, cfg.step_log_size, kv_events=publish)
         self.rt.start()
-        # A connection per KV pull: a claim is not safe to send twice, and a kept-alive connection
-        # could meet the prefill node's idle close on the way (the claim then unsent or unknown).
+        # Kept-alive pull connections (NIXL keeps its connections to a prefill engine too), given
+        # up well before the prefill node's own idle close: a claim is not safe to send twice, so
+        # it must never go out on a connection that close could cross.
         self.http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S), connector=aiohttp.TCPConnector(force_close=True)
+            timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S),
+            connector=aiohttp.TCPConnector(keepalive_timeout=PULL_KEEPALIVE_S),
         )
         log.info(
             "node %s (%s) up: model=%s profile=%s time_scale=%g max_step_tokens=%d kv_capacity=%d engine_id=%s",

@@ -189,7 +189,7 @@ async def test_completions_and_chat_through_the_openai_sdk(decode: Node, tokeniz
 async def test_an_idle_kept_alive_connection_is_closed_as_vllm_closes_it(model_dir: Path) -> None:
     # vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): a client that
     # reuses connections must meet that close here too, not only against a real node.
-    async with running(model_dir, "d9", Role.DECODE, keep_alive_timeout_s=0.2) as node:
+    async with running(model_dir, "d9", Role.DECODE, keep_alive_timeout_s=1.1) as node:
         host, port = node.host_port.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
@@ -205,8 +205,8 @@ async def test_an_idle_kept_alive_connection_is_closed_as_vllm_closes_it(model_d
             assert await asyncio.wait_for(reader.read(1), 20) == b""  # then closed by the node
         finally:
             writer.close()
-    with pytest.raises(ConfigError, match="keep_alive_timeout_s must be a positive number"):
-        EmulatedNodeConfig(node_id="d9", role=Role.DECODE, model_dir=str(model_dir), keep_alive_timeout_s=0)
+    with pytest.raises(ConfigError, match="keep_alive_timeout_s must be a number over 1 "):
+        EmulatedNodeConfig(node_id="d9", role=Role.DECODE, model_dir=str(model_dir), keep_alive_timeout_s=1)
 
 
 async def test_x_request_id_names_the_sequence_and_the_response(decode: Node, http: aiohttp.ClientSession) -> None:
