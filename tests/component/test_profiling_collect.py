@@ -18,7 +18,7 @@ from kairos.core.latency import load_profile
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.profiling.__main__ import main
-from kairos.profiling.collect import CollectConfig, CollectError, FileSteps, collect
+from kairos.profiling.collect import CollectConfig, CollectError, CollectSummary, FileSteps, collect
 from kairos.profiling.dataset import profile_predictions, split_by_model
 from kairos.profiling.plan import PlanConfig
 from kairos.profiling.records import MANIFEST_FILE, StepKind, file_sha256, load_runs
@@ -179,17 +179,25 @@ async def _stand_in(
     return runner, f"http://127.0.0.1:{port}", bodies
 
 
+async def _collect_a_prefill_phase(
+    tmp_path: Path, log: Path, dropped: list[str] | None = None
+) -> tuple[CollectSummary, list[dict[str, Any]]]:
+    """One short prefill phase against the stand-in, into ``tmp_path / "out"``; the summary and
+    the bodies the stand-in was sent."""
+    runner, url, bodies = await _stand_in(log, dropped)
+    try:
+        cfg = config(url, tmp_path / "out", step_log=log, time_scale=10.0,
+                     plan=PlanConfig(role="prefill", rates=(20.0,), duration_s=1.0, max_prompt_tokens=512))  # fmt: skip
+        return await collect(cfg, lambda _: None), bodies
+    finally:
+        await runner.cleanup()
+
+
 async def test_step_log_file_source(tmp_path: Path) -> None:
     log = tmp_path / "steps.jsonl"
     log.write_text(json.dumps({"index": 99, "start": 0, "duration": 0.5, "decode_tokens": 1, "kv_tokens": 1,
                                "chunks": []}) + "\n")  # fmt: skip  # an older step: not this phase's
-    runner, url, bodies = await _stand_in(log)
-    try:
-        cfg = config(url, tmp_path / "out", step_log=log, time_scale=10.0,
-                     plan=PlanConfig(role="prefill", rates=(20.0,), duration_s=1.0, max_prompt_tokens=512))  # fmt: skip
-        summary = await collect(cfg, lambda _: None)
-    finally:
-        await runner.cleanup()
+    summary, bodies = await _collect_a_prefill_phase(tmp_path, log)
     assert summary.complete
     (run,) = load_runs([tmp_path / "out"])
     assert len(run.records) == len(bodies) > 5
@@ -209,13 +217,7 @@ async def test_a_node_closing_kept_alive_connections_loses_no_request(tmp_path: 
     # send its requests into connections the node has just closed.
     log = tmp_path / "steps.jsonl"
     dropped: list[str] = []
-    runner, url, bodies = await _stand_in(log, dropped)
-    try:
-        cfg = config(url, tmp_path / "out", step_log=log, time_scale=10.0,
-                     plan=PlanConfig(role="prefill", rates=(20.0,), duration_s=1.0, max_prompt_tokens=512))  # fmt: skip
-        summary = await collect(cfg, lambda _: None)
-    finally:
-        await runner.cleanup()
+    summary, bodies = await _collect_a_prefill_phase(tmp_path, log, dropped)
     assert dropped == [] and summary.complete
     manifest = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())
     assert [entry["failed"] for entry in manifest["phases"].values()] == [0]
