@@ -48,25 +48,26 @@ async def server(close_after_reply: bool) -> AsyncIterator[int]:
         await srv.wait_closed()
 
 
-async def test_a_connection_the_server_closed_while_idle_is_reopened() -> None:
-    async with server(close_after_reply=True) as port:
+@asynccontextmanager
+async def client(close_after_reply: bool) -> AsyncIterator[tuple[HttpConnection, bytes]]:
+    """A connection to :func:`server` and the request to send on it."""
+    async with server(close_after_reply) as port:
         conn = await HttpConnection.open("127.0.0.1", port)
-        request = build_request("127.0.0.1", port, "/v1/completions", b"{}")
         try:
-            assert (await conn.send(request)).body == b"ok"
-            await eventually(lambda: conn._reader.at_eof(), timeout_s=20)
-            assert (await conn.send(request)).body == b"ok"
-            assert conn.reconnects == 1
+            yield conn, build_request("127.0.0.1", port, "/v1/completions", b"{}")
         finally:
             await conn.close()
+
+
+async def test_a_connection_the_server_closed_while_idle_is_reopened() -> None:
+    async with client(close_after_reply=True) as (conn, request):
+        assert (await conn.send(request)).body == b"ok"
+        await eventually(lambda: conn._reader.at_eof(), timeout_s=20)
+        assert (await conn.send(request)).body == b"ok"
+        assert conn.reconnects == 1
 
 
 async def test_a_close_that_crosses_the_request_is_retried_once_on_a_new_connection() -> None:
-    async with server(close_after_reply=False) as port:
-        conn = await HttpConnection.open("127.0.0.1", port)
-        request = build_request("127.0.0.1", port, "/v1/completions", b"{}")
-        try:
-            assert [(await conn.send(request)).body for _ in range(3)] == [b"ok"] * 3
-            assert conn.reconnects == 2  # every second request on a connection met its close
-        finally:
-            await conn.close()
+    async with client(close_after_reply=False) as (conn, request):
+        assert [(await conn.send(request)).body for _ in range(3)] == [b"ok"] * 3
+        assert conn.reconnects == 2  # every second request on a connection met its close
