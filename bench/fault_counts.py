@@ -85,9 +85,24 @@ def _up_case(workdir: Path, model_dir: Path, rps: float, after_s: float) -> dict
     port = free_port()
     up_dir = workdir / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.launcher.cli", "up", "--port", str(port), "--workdir", str(up_dir),
-         "--model-dir", str(model_dir), "--time-scale", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "kairos.launcher.cli",
+            "up",
+            "--port",
+            str(port),
+            "--workdir",
+            str(up_dir),
+            "--model-dir",
+            str(model_dir),
+            "--time-scale",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         assert proc.stdout is not None
@@ -95,8 +110,11 @@ def _up_case(workdir: Path, model_dir: Path, rps: float, after_s: float) -> dict
             if "curl " in line:
                 break
         out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-        engine = next(int(line.split()[0]) for line in out.splitlines()
-                      if "emulated_vllm" in line and "--node-id d1 " in line and str(model_dir) in line)
+        engine = next(
+            int(line.split()[0])
+            for line in out.splitlines()
+            if "emulated_vllm" in line and "--node-id d1 " in line and str(model_dir) in line
+        )
         return _under_load(f"http://127.0.0.1:{port}", rps, after_s, engine)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -120,9 +138,12 @@ def main() -> int:
         else:
             figures = _cluster_case(case, workdir, model_dir, args.rps, args.after)
         results["cases"][case] = figures
-        print(f"{case:>10}: {figures['failed']:3d} of {figures['requests_after_kill']:3d} sent after the kill failed "
-              f"({figures['failed_sent_after_kill_plus_2s']} sent > 2 s after it; last failure sent "
-              f"{figures['last_failure_s_after_kill']} s after it) {figures['errors'][:2]}", flush=True)
+        print(
+            f"{case:>10}: {figures['failed']:3d} of {figures['requests_after_kill']:3d} sent after the kill failed "
+            f"({figures['failed_sent_after_kill_plus_2s']} sent > 2 s after it; last failure sent "
+            f"{figures['last_failure_s_after_kill']} s after it) {figures['errors'][:2]}",
+            flush=True,
+        )
     write_result("fault_counts", results)
     return 0
 

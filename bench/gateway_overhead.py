@@ -437,8 +437,17 @@ def start_noop_gateway(
     group.start(
         ManagedProcess(
             f"{name}-extproc",
-            [sys.executable, str(ROOT / "bench" / "noop_extproc.py"), "--host", HOST, "--port", str(grpc_port),
-             "--destination", upstream, *(f"--header={k}={v}" for k, v in headers)],
+            [
+                sys.executable,
+                str(ROOT / "bench" / "noop_extproc.py"),
+                "--host",
+                HOST,
+                "--port",
+                str(grpc_port),
+                "--destination",
+                upstream,
+                *(f"--header={k}={v}" for k, v in headers),
+            ],
             workdir / f"{name}-extproc.log",
             ready=tcp_ready(HOST, grpc_port),
             cwd=ROOT,
@@ -500,9 +509,22 @@ def start_extras(
             ManagedProcess(
                 "vllm-router",
                 # Its Prometheus exporter on a free port too: the default (29000) may be another run's.
-                [router_bin, "--host", HOST, "--port", str(port), "--vllm-pd-disaggregation",
-                 "--prefill", f"http://{prefill_url}", "--decode", f"http://{decode_url}", "--log-level", "warning",
-                 "--prometheus-port", str(free_port())],
+                [
+                    router_bin,
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--vllm-pd-disaggregation",
+                    "--prefill",
+                    f"http://{prefill_url}",
+                    "--decode",
+                    f"http://{decode_url}",
+                    "--log-level",
+                    "warning",
+                    "--prometheus-port",
+                    str(free_port()),
+                ],
                 workdir / "router.log",
                 ready=tcp_ready(HOST, port),
             ),
@@ -699,8 +721,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_latency(label: str, row: dict[str, Any]) -> None:
-    print(f"\n{label} body ({row['body_bytes']} bytes, {row['prompt_tokens']} prompt tokens), "
-          f"{row['requests_per_path']} sequential requests per path")
+    print(
+        f"\n{label} body ({row['body_bytes']} bytes, {row['prompt_tokens']} prompt tokens), "
+        f"{row['requests_per_path']} sequential requests per path"
+    )
     print(f"  {'path':<20} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
     for p, s in row["paths"].items():
         a = row["added_over_direct"].get(p, {"p50_ms": 0.0, "p99_ms": 0.0})

@@ -61,9 +61,21 @@ def complete(gateway: str, prompt: str = " ".join(["hello"] * 500), max_tokens: 
 
 def beat(node_id: str, role: str, url: str, sidecar: str, seq: int) -> str:
     return c.encode_heartbeat(
-        c.Heartbeat(node_id=node_id, role=c.Role(role), url=url, sidecar=sidecar, seq=seq, sent_at=time.time(),
-                    decode_tokens=0, kv_tokens=0, kv_capacity_tokens=10_000_000, queued_prefill_tokens=(),
-                    scheduled_prefill_tokens=(), max_step_tokens=4096, model=MODEL)
+        c.Heartbeat(
+            node_id=node_id,
+            role=c.Role(role),
+            url=url,
+            sidecar=sidecar,
+            seq=seq,
+            sent_at=time.time(),
+            decode_tokens=0,
+            kv_tokens=0,
+            kv_capacity_tokens=10_000_000,
+            queued_prefill_tokens=(),
+            scheduled_prefill_tokens=(),
+            max_step_tokens=4096,
+            model=MODEL,
+        )
     )
 
 
@@ -120,8 +132,14 @@ def attack_fake_prefill(client: redis.Redis, args: argparse.Namespace) -> dict[s
     with Writer(lambda s: client.set(key, beat("aaa-evil-p", "prefill", DEAD, "", s), px=500), 0.05) as w:
         adopted = any(n["id"] == "aaa-evil-p" for n in nodes_report(args.metrics)["nodes"])
         results = requests(args.gateway)
-    return {"writes_refused": w.refused, "writes_ok": w.ok, "adopted": adopted,
-            "failed": sum(s != 200 for s, _ in results), "requests": len(results), "error": w.last_error}
+    return {
+        "writes_refused": w.refused,
+        "writes_ok": w.ok,
+        "adopted": adopted,
+        "failed": sum(s != 200 for s, _ in results),
+        "requests": len(results),
+        "error": w.last_error,
+    }
 
 
 def attack_overwrite(client: redis.Redis, args: argparse.Namespace) -> dict[str, Any]:
@@ -131,21 +149,32 @@ def attack_overwrite(client: redis.Redis, args: argparse.Namespace) -> dict[str,
 
     with writer("p0") as w0, writer("p1") as w1:
         results = requests(args.gateway)
-    return {"writes_refused": w0.refused + w1.refused, "writes_ok": w0.ok + w1.ok,
-            "failed": sum(s != 200 for s, _ in results), "requests": len(results),
-            "error": w0.last_error or w1.last_error}
+    return {
+        "writes_refused": w0.refused + w1.refused,
+        "writes_ok": w0.ok + w1.ok,
+        "failed": sum(s != 200 for s, _ in results),
+        "requests": len(results),
+        "error": w0.last_error or w1.last_error,
+    }
 
 
 def attack_fake_decode(client: redis.Redis, args: argparse.Namespace, admin: redis.Redis) -> dict[str, Any]:
     real = json.loads(admin.get(c.REDIS_NODE_KEY.format(node_id="d0")) or "{}")
     sidecar = real.get("sidecar", DEAD)
     key = c.REDIS_NODE_KEY.format(node_id="aaa-evil-d")
-    with Writer(lambda s: client.set(key, beat("aaa-evil-d", "decode", real.get("url", DEAD), sidecar, s), px=500),
-                0.05) as w:
+    with Writer(
+        lambda s: client.set(key, beat("aaa-evil-d", "decode", real.get("url", DEAD), sidecar, s), px=500), 0.05
+    ) as w:
         results = requests(args.gateway)
     won = sum(h.get(c.H_DECODE_NODE) == "aaa-evil-d" for _, h in results)
-    return {"writes_refused": w.refused, "writes_ok": w.ok, "decisions_won": won,
-            "failed": sum(s != 200 for s, _ in results), "requests": len(results), "error": w.last_error}
+    return {
+        "writes_refused": w.refused,
+        "writes_ok": w.ok,
+        "decisions_won": won,
+        "failed": sum(s != 200 for s, _ in results),
+        "requests": len(results),
+        "error": w.last_error,
+    }
 
 
 def deflections_on_saturated_pool(args: argparse.Namespace, admin: redis.Redis) -> int:
@@ -182,8 +211,14 @@ def attack_reservations(client: redis.Redis, args: argparse.Namespace, admin: re
         attacked = deflections_on_saturated_pool(args, admin)
     finally:
         admin.delete(*keys)
-    return {"writes_refused": refused, "writes_ok": len(keys) - refused, "deflections_without": baseline,
-            "deflections_with": attacked, "requests": 6, "error": error}
+    return {
+        "writes_refused": refused,
+        "writes_ok": len(keys) - refused,
+        "deflections_without": baseline,
+        "deflections_with": attacked,
+        "requests": 6,
+        "error": error,
+    }
 
 
 def attack_feedback(client: redis.Redis, args: argparse.Namespace) -> dict[str, Any]:
@@ -193,8 +228,13 @@ def attack_feedback(client: redis.Redis, args: argparse.Namespace) -> dict[str, 
     f = c.TtftFeedbackField
     refused, error = 0, ""
     for _ in range(200):
-        junk = {f.REQUEST_ID: uuid.uuid4().hex, f.PATH: "keep", f.NODE: "d0", f.PREDICTED_MS: "10000000",
-                f.OBSERVED_MS: "1"}
+        junk = {
+            f.REQUEST_ID: uuid.uuid4().hex,
+            f.PATH: "keep",
+            f.NODE: "d0",
+            f.PREDICTED_MS: "10000000",
+            f.OBSERVED_MS: "1",
+        }
         try:
             client.xadd(c.REDIS_TTFT_FEEDBACK_STREAM, junk)
         except redis.RedisError as exc:
@@ -203,8 +243,14 @@ def attack_feedback(client: redis.Redis, args: argparse.Namespace) -> dict[str, 
     time.sleep(1.0)
     after = metric(args.metrics, "kairos_dispatcher_ttft_prediction_mape", 'path="keep"')
     malformed = metric(args.metrics, "kairos_dispatcher_ttft_feedback_malformed_total")
-    return {"writes_refused": refused, "writes_ok": 200 - refused, "mape_before": before, "mape_after": after,
-            "feedback_rejected_total": malformed, "error": error}
+    return {
+        "writes_refused": refused,
+        "writes_ok": 200 - refused,
+        "mape_before": before,
+        "mape_after": after,
+        "feedback_rejected_total": malformed,
+        "error": error,
+    }
 
 
 def main() -> int:

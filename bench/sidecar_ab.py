@@ -80,8 +80,21 @@ def start_sidecar(
     proc = group.start(
         ManagedProcess(
             name,
-            [sys.executable, "-m", "kairos.nodeagent.sidecar", "--host", HOST, "--port", str(port),
-             "--local-vllm", decode, "--allow-prefill", prefill, "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "kairos.nodeagent.sidecar",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--local-vllm",
+                decode,
+                "--allow-prefill",
+                prefill,
+                "--log-level",
+                "WARNING",
+            ],
             workdir / f"{name}.log",
             ready=tcp_ready(HOST, port),
             env={**env, **extra},
@@ -169,8 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> None:
     cfg, load = result["config"], result["load_average_1_5_15"]
-    print(f"A = {cfg['base']}, B = this tree; {cfg['requests']} rounds, {cfg['body_bytes']} B body, "
-          f"load {load['before'][0]:.1f} -> {load['after'][0]:.1f}")
+    print(
+        f"A = {cfg['base']}, B = this tree; {cfg['requests']} rounds, {cfg['body_bytes']} B body, "
+        f"load {load['before'][0]:.1f} -> {load['after'][0]:.1f}"
+    )
     print(f"  {'path':<12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
     for name, s in result["paths"].items():
         print(f"  {name:<12} {s['p50_ms']:>8.3f} {s['p90_ms']:>8.3f} {s['p99_ms']:>8.3f} {s['mean_ms']:>8.3f}")

@@ -148,9 +148,7 @@ def print_table(workload: str, rates: tuple[float, ...], rows: list[dict[str, An
         cells = []
         for r in rates:
             p = row["per_rate"][f"{r:g}"]
-            cells.append(
-                f"{100 * p['slo_attainment']:6.1f}/{100 * p['tbt_violation_rate']:5.2f}/{p['deflections']:>5}"
-            )
+            cells.append(f"{100 * p['slo_attainment']:6.1f}/{100 * p['tbt_violation_rate']:5.2f}/{p['deflections']:>5}")
         name = SHORT.get(row["policy"], row["policy"])
         print(f"{name:<22}{knee_text:>7}{ratio:>6}  " + "  ".join(f"{c:>18}" for c in cells), flush=True)
 

@@ -71,9 +71,12 @@ def main() -> int:
         for d in durations:
             row = measure(spec, d, args.rps, args.repeat)
             rows.append(row)
-            print(f"{spec:>7}: {row['requests']} requests, {d:g} simulated s in {row['wall_s']:.1f} s wall "
-                  f"({row['cpu_s']:.1f} s CPU) = {row['requests_per_wall_s']:,.0f} requests/s "
-                  f"({row['requests_per_cpu_s']:,.0f} per CPU s)", flush=True)
+            print(
+                f"{spec:>7}: {row['requests']} requests, {d:g} simulated s in {row['wall_s']:.1f} s wall "
+                f"({row['cpu_s']:.1f} s CPU) = {row['requests_per_wall_s']:,.0f} requests/s "
+                f"({row['requests_per_cpu_s']:,.0f} per CPU s)",
+                flush=True,
+            )
     longest, shortest = durations[0], durations[-1]
     print(f"Bursty {args.rps:g} RPS, 2P2D: simulated requests per second of wall (of CPU)")
     print(f"{'policy':>7}  " + "  ".join(f"{d:>8g} s sim" for d in durations) + "  ratio (wall, cpu)")
@@ -88,14 +91,19 @@ def main() -> int:
         cpu_ratio = by_duration[longest]["requests_per_cpu_s"] / by_duration[shortest]["requests_per_cpu_s"]
         ratios[spec] = {"wall": wall_ratio, "cpu": cpu_ratio}
         print(f"{spec:>7}  {cells}  {wall_ratio:.2f}, {cpu_ratio:.2f}")
-    met = all(
-        r["requests_per_wall_s"] >= TARGET_PER_WALL_S for r in rows if r["duration_s"] == longest
-    ) and all(ratio["wall"] >= TARGET_RATIO for ratio in ratios.values())
+    met = all(r["requests_per_wall_s"] >= TARGET_PER_WALL_S for r in rows if r["duration_s"] == longest) and all(
+        ratio["wall"] >= TARGET_RATIO for ratio in ratios.values()
+    )
     print(f"targets (>= {TARGET_PER_WALL_S:,.0f}/wall s for {longest:g} s, ratio >= {TARGET_RATIO}) met: {met}")
     write_result(
         "sim_speed",
-        {"rps": args.rps, "durations_s": durations, "rows": rows, "ratio_longest_to_shortest": ratios,
-         "target_met": met},
+        {
+            "rps": args.rps,
+            "durations_s": durations,
+            "rows": rows,
+            "ratio_longest_to_shortest": ratios,
+            "target_met": met,
+        },
         args.json,
     )
     return 0

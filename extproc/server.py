@@ -82,7 +82,7 @@ def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
             headers=headers,
             body=rejected.body,
             details=f"kairos_{rejected.code}",
-        )
+        ),
     )
 
 

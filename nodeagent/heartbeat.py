@@ -273,9 +273,7 @@ class HeartbeatPublisher:
     leaves the key to expire after ``ttl_s``. The caller owns ``source`` and closes it.
     """
 
-    def __init__(
-        self, config: PublisherConfig, source: EngineStateSource, sidecar: SidecarProbe | None = None
-    ) -> None:
+    def __init__(self, config: PublisherConfig, source: EngineStateSource, sidecar: SidecarProbe | None = None) -> None:
         self.config = config
         self.source = source
         self.sidecar = sidecar  # checked after each state read; None = not checked

@@ -462,9 +462,7 @@ class Http1Client:
         return conn
 
 
-def _encode(
-    method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]
-) -> bytes:
+def _encode(method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]) -> bytes:
     """The request as one buffer: Host and (with a body) Content-Length set here, not by the caller."""
     head = [f"{method} {target} HTTP/1.1", f"Host: {hostport}"]
     if body is not None:

@@ -262,9 +262,7 @@ def held_out(data: dict[str, Steps], cfg: FitConfig, base_decode: DecodePredicto
             continue
         m, p = np.concatenate(measured), np.concatenate(predicted)
         keep = inliers(p, m, cfg.outlier_mad)
-        out[name] = HeldOut(
-            mape(p[keep], m[keep]), folds, len(runs), m, p, mape(p, m), float(1 - keep.mean())
-        )
+        out[name] = HeldOut(mape(p[keep], m[keep]), folds, len(runs), m, p, mape(p, m), float(1 - keep.mean()))
     return out
 
 

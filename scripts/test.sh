@@ -43,6 +43,7 @@ if ((${#integration[@]} > 0)); then
   require=(KAIROS_REQUIRE_VLLM=1)
 fi
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 
 failed=0
 tier() {  # tier LABEL [ENV=VALUE...] -- PYTEST-ARGS...

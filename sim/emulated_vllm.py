@@ -583,9 +583,7 @@ class EmulatedNode:
         n_blocks = max(1, -(-seq.prompt_tokens // self.config.block_size))
         block_ids = [next(self._block_ids) for _ in range(n_blocks)]
         held = _HeldKV(seq, block_ids)
-        held.expiry = asyncio.get_running_loop().call_later(
-            self.config.kv_hold_timeout_s, self._expire, block_ids[0]
-        )
+        held.expiry = asyncio.get_running_loop().call_later(self.config.kv_hold_timeout_s, self._expire, block_ids[0])
         self._held[block_ids[0]] = held
         # Where the decode side reaches us: the address this request came in on (right for
         # port 0 and for 0.0.0.0 binds alike).

@@ -442,9 +442,7 @@ class Engine:
     def step_duration(self, plan: StepPlan) -> float:
         return self.timer(self.config.role, plan)
 
-    def finish_step(
-        self, plan: StepPlan, now: float, duration: float, measured_s: float | None = None
-    ) -> StepOutcome:
+    def finish_step(self, plan: StepPlan, now: float, duration: float, measured_s: float | None = None) -> StepOutcome:
         """Apply a planned step that ended at ``now``. Sequences that joined while it ran
         (``joining``) are not part of it. ``measured_s``: the step as its tokens' readers saw
         it, when that is not ``duration`` (a node in real time wakes late on a busy host); the

@@ -98,9 +98,7 @@ def requests_for(settings: SimSettings, rps: float) -> list[RequestSpec]:
     """The traffic of one sweep point."""
     if settings.trace is not None:
         return truncate(rescale_to_rate(load_trace(settings.trace), rps), settings.duration_s)
-    return make_workload(
-        settings.workload, rps=rps, duration_s=settings.duration_s, seed=settings.seed, cv=settings.cv
-    )
+    return make_workload(settings.workload, rps=rps, duration_s=settings.duration_s, seed=settings.seed, cv=settings.cv)
 
 
 def run_point(settings: SimSettings, policy_spec: str, rps: float) -> dict[str, Any]:
@@ -109,9 +107,7 @@ def run_point(settings: SimSettings, policy_spec: str, rps: float) -> dict[str, 
     policy = make_policy(policy_spec, models, settings.decider())
     requests = requests_for(settings, rps)
     started = time.perf_counter()
-    metrics = Simulator(
-        requests, policy, models, settings.cluster(), settings.tbt_slo_s, settings.ttft_slo_s
-    ).run()
+    metrics = Simulator(requests, policy, models, settings.cluster(), settings.tbt_slo_s, settings.ttft_slo_s).run()
     wall = time.perf_counter() - started
     return {
         "policy": policy.label,
@@ -164,4 +160,3 @@ def print_progress(done: int, total: int, record: dict[str, Any]) -> None:
         file=sys.stderr,
         flush=True,
     )
-

@@ -99,7 +99,7 @@ def _reject_lone_surrogates(data: object) -> None:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
         raise RequestError(
-            f"request body has an unpaired UTF-16 surrogate escape ({exc.object[exc.start:exc.end]!r}): "
+            f"request body has an unpaired UTF-16 surrogate escape ({exc.object[exc.start : exc.end]!r}): "
             "strings must be valid Unicode text"
         ) from None
 

@@ -353,8 +353,9 @@ def _hb_optional(data: Mapping[str, Any], name: str, kind: type) -> Any:
 def _hb_endpoint(data: Mapping[str, Any], name: str) -> str | None:
     value = data.get(name)
     if value is not None and not (isinstance(value, str) and _KV_EVENTS_ENDPOINT.match(value)):
-        raise MalformedHeartbeat(f"{name} must be a ZMQ endpoint to connect to (tcp://host:port or ipc://path), "
-                                 f"got {value!r}")
+        raise MalformedHeartbeat(
+            f"{name} must be a ZMQ endpoint to connect to (tcp://host:port or ipc://path), got {value!r}"
+        )
     return value
 
 

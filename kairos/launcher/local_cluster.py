@@ -430,15 +430,21 @@ class LocalCluster:
         """Every metrics endpoint of the cluster in Prometheus's ``file_sd`` format: dispatchers,
         decode sidecars (their own path) and node engines, labelled by job, node and role."""
         groups: list[dict[str, Any]] = [
-            {"targets": [f"{LOOPBACK}:{port}" for port in self.dispatcher_metrics_ports],
-             "labels": {"job": "kairos-dispatcher"}},
+            {
+                "targets": [f"{LOOPBACK}:{port}" for port in self.dispatcher_metrics_ports],
+                "labels": {"job": "kairos-dispatcher"},
+            },
         ]
         for node in self.nodes:
             labels = {"node": node.node_id, "role": str(node.role)}
             groups.append({"targets": [node.url], "labels": {"job": "kairos-node", **labels}})
             if node.sidecar_port:
-                groups.append({"targets": [node.sidecar_url],
-                               "labels": {"job": "kairos-sidecar", "__metrics_path__": SIDECAR_METRICS_PATH, **labels}})
+                groups.append(
+                    {
+                        "targets": [node.sidecar_url],
+                        "labels": {"job": "kairos-sidecar", "__metrics_path__": SIDECAR_METRICS_PATH, **labels},
+                    }
+                )
         return groups
 
     def write_prometheus_targets(self, path: Path) -> Path:

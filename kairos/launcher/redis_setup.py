@@ -66,8 +66,23 @@ def make_tls_files(folder: Path, hosts: Iterable[str], days: int = 825) -> tuple
     steps = [
         ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", str(days), "-subj", "/CN=kairos-redis-ca"],
         ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=kairos-redis"],
-        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
-         "-days", str(days), "-extfile", ext],
+        [
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            cert,
+            "-days",
+            str(days),
+            "-extfile",
+            ext,
+        ],
     ]
     old = os.umask(0o077)
     try:
@@ -216,4 +231,3 @@ class RedisSetup:
             url = self.node_url(node_id, host)
             files[node_id] = {HEARTBEAT_ENV: url, SIDECAR_ENV: url}
         return files
-

@@ -113,7 +113,10 @@ class RemoteNodesCluster(LocalCluster):
         setup = self._redis_setup()
         for n in self.remote:
             log.info(
-                "node %s (%s) at %s: its agents' Redis URL is in %s", n.node_id, n.role, n.url,
+                "node %s (%s) at %s: its agents' Redis URL is in %s",
+                n.node_id,
+                n.role,
+                n.url,
                 setup.credentials_file(n.node_id),
             )
 

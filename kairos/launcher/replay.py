@@ -599,9 +599,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, help="YAML file with a 'replay' section")
     p.add_argument("--url", help="gateway base URL (default http://127.0.0.1:8000)")
     p.add_argument("--model", help="model name sent in each request")
-    p.add_argument(
-        "--model-dir", help="the served model's tokenizer dir (builds the prompts; conversations need it)"
-    )
+    p.add_argument("--model-dir", help="the served model's tokenizer dir (builds the prompts; conversations need it)")
     p.add_argument(
         "--workload",
         help="bursty, lpld, lphd, hpld, hphd, azure_conv or multiturn (conversations; default bursty)",

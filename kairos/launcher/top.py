@@ -99,22 +99,36 @@ def local_alerts(scrape: Scrape) -> list[Alert]:
     for labels, age in sorted(scrape.series("kairos_dispatcher_heartbeat_age_seconds").items()):
         lab = dict(labels)
         if age > STALE_HEARTBEAT_S:
-            alerts.append(Alert("KairosNodeHeartbeatStale", "warning",
-                                f"{lab.get('role')} node {lab.get('node')}: last heartbeat {age:.1f} s ago"))
+            alerts.append(
+                Alert(
+                    "KairosNodeHeartbeatStale",
+                    "warning",
+                    f"{lab.get('role')} node {lab.get('node')}: last heartbeat {age:.1f} s ago",
+                )
+            )
     if scrape.total("kairos_dispatcher_degraded") >= 1:
         alerts.append(Alert("KairosDispatcherDegraded", "critical", "dispatcher cannot reach Redis"))
     for labels, mape in sorted(scrape.series("kairos_dispatcher_ttft_prediction_mape").items()):
         if mape > TTFT_MAPE_LIMIT:
-            alerts.append(Alert("KairosTtftPredictionDrift", "warning",
-                                f"{dict(labels).get('path')} TTFT predictions off by {mape:.0%} (MAPE)"))
+            alerts.append(
+                Alert(
+                    "KairosTtftPredictionDrift",
+                    "warning",
+                    f"{dict(labels).get('path')} TTFT predictions off by {mape:.0%} (MAPE)",
+                )
+            )
     return alerts
 
 
 def prometheus_alerts(payload: Mapping[str, Any]) -> list[Alert]:
     """Prometheus's ``GET /api/v1/alerts`` answer as alerts, firing first."""
     alerts = [
-        Alert(a["labels"].get("alertname", "?"), a["labels"].get("severity", ""),
-              a.get("annotations", {}).get("summary", ""), a.get("state", "firing"))
+        Alert(
+            a["labels"].get("alertname", "?"),
+            a["labels"].get("severity", ""),
+            a.get("annotations", {}).get("summary", ""),
+            a.get("state", "firing"),
+        )
         for a in payload["data"]["alerts"]
     ]
     return sorted(alerts, key=lambda a: (a.state != "firing", a.name, a.summary))
@@ -183,8 +197,9 @@ def render(frame: Frame) -> str:
     latency = _mean(scrape, "kairos_dispatcher_decision_seconds")
     latency_ms = None if latency is None else latency * 1e3
     lines.append(f"DECISIONS  {_num(total, '.1f', '/s')}{share}   mean decision time {_num(latency_ms, '.2f', ' ms')}")
-    keys = sorted({dict(k)["route"] + " " + dict(k)["reason"]
-                   for k in scrape.series("kairos_dispatcher_decisions_total")})
+    keys = sorted(
+        {dict(k)["route"] + " " + dict(k)["reason"] for k in scrape.series("kairos_dispatcher_decisions_total")}
+    )
     for key in keys:
         route, reason = key.split(" ", 1)
         rate = _rate(frame, "kairos_dispatcher_decisions_total", route=route, reason=reason)
@@ -224,11 +239,17 @@ def _get(url: str, timeout_s: float) -> bytes:
         return resp.read()
 
 
-def next_frame(args: argparse.Namespace, previous: Scrape | None,
-               fetch: Callable[[str, float], bytes] = _get) -> Frame:
+def next_frame(args: argparse.Namespace, previous: Scrape | None, fetch: Callable[[str, float], bytes] = _get) -> Frame:
     base = args.dispatcher.rstrip("/")
-    frame = Frame(base, time.strftime("%H:%M:%S"), args.interval, None, previous, None,
-                  f"prometheus {args.prometheus}" if args.prometheus else "local")
+    frame = Frame(
+        base,
+        time.strftime("%H:%M:%S"),
+        args.interval,
+        None,
+        previous,
+        None,
+        f"prometheus {args.prometheus}" if args.prometheus else "local",
+    )
     try:
         nodes = json.loads(fetch(f"{base}/nodes", args.timeout))
         metrics = parse_metrics(fetch(f"{base}/metrics", args.timeout).decode())
@@ -238,8 +259,9 @@ def next_frame(args: argparse.Namespace, previous: Scrape | None,
         frame.previous = None
     if args.prometheus:
         try:
-            frame.alerts = prometheus_alerts(json.loads(fetch(f"{args.prometheus.rstrip('/')}/api/v1/alerts",
-                                                              args.timeout)))
+            frame.alerts = prometheus_alerts(
+                json.loads(fetch(f"{args.prometheus.rstrip('/')}/api/v1/alerts", args.timeout))
+            )
         except (OSError, ValueError, KeyError) as exc:
             frame.errors.append(f"prometheus {args.prometheus}: {exc}")
     elif frame.scrape is not None:
@@ -272,8 +294,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(kairos up prints the command). Alerts come from --prometheus when given, else the "
         "rules' conditions are checked here from the dispatcher's metrics.",
     )
-    p.add_argument("--dispatcher", default=DEFAULT_DISPATCHER,
-                   help=f"the dispatcher's metrics URL (default {DEFAULT_DISPATCHER})")
+    p.add_argument(
+        "--dispatcher", default=DEFAULT_DISPATCHER, help=f"the dispatcher's metrics URL (default {DEFAULT_DISPATCHER})"
+    )
     p.add_argument("--prometheus", help="Prometheus URL to show its alerts, e.g. http://127.0.0.1:9090")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each answer (default 5)")

@@ -66,9 +66,13 @@ class VllmCluster(LocalCluster):
         """Besides vLLM's own /metrics: each plugin state server's (step-budget overruns)."""
         return [
             *super().prometheus_targets(),
-            *({"targets": [self.state_url(node)],
-               "labels": {"job": "kairos-node-state", "node": node.node_id, "role": str(node.role)}}
-              for node in self.nodes),
+            *(
+                {
+                    "targets": [self.state_url(node)],
+                    "labels": {"job": "kairos-node-state", "node": node.node_id, "role": str(node.role)},
+                }
+                for node in self.nodes
+            ),
         ]
 
     def kv_event_endpoints(self, node: NodeProcs) -> KvEventEndpoints | None:

@@ -123,8 +123,14 @@ async def nodes(redis: RedisServer) -> AsyncIterator[dict[str, Node]]:
             await node.crash()
 
 
-MEMBERSHIP_FIELDS = {"stale_after_s", "recovery_grace_s", "forget_malformed_after_s", "last_resort_s",
-                     "fallback_prefill", "fallback_decode"}
+MEMBERSHIP_FIELDS = {
+    "stale_after_s",
+    "recovery_grace_s",
+    "forget_malformed_after_s",
+    "last_resort_s",
+    "fallback_prefill",
+    "fallback_decode",
+}
 
 
 def view_config(redis: RedisServer, **kw: Any) -> ClusterViewConfig:
@@ -139,8 +145,7 @@ def view_config(redis: RedisServer, **kw: Any) -> ClusterViewConfig:
     }
     settings = {**base, **kw}
     membership = MembershipConfig(**{k: v for k, v in settings.items() if k in MEMBERSHIP_FIELDS})
-    return ClusterViewConfig(**{k: v for k, v in settings.items() if k not in MEMBERSHIP_FIELDS},
-                             membership=membership)
+    return ClusterViewConfig(**{k: v for k, v in settings.items() if k not in MEMBERSHIP_FIELDS}, membership=membership)
 
 
 @pytest.fixture

@@ -89,7 +89,14 @@ class Gateway:
         role, url, sidecar, state = ENGINES[node_id]
         config = "" if kv_events is None else kv_events_config(*kv_events.ports).to_json()
         cfg = PublisherConfig(
-            node_id, role, url, sidecar, self.redis.url, period_s=0.02, ttl_s=0.2, redis_timeout_s=2.0,
+            node_id,
+            role,
+            url,
+            sidecar,
+            self.redis.url,
+            period_s=0.02,
+            ttl_s=0.2,
+            redis_timeout_s=2.0,
             kv_events_config=config,
         )
         publisher = self.publishers[node_id] = HeartbeatPublisher(cfg, Source(state))
@@ -127,7 +134,12 @@ async def gateway(redis: RedisServer, tokenizer: PromptTokenizer) -> AsyncIterat
     models = load_profile()
     metrics = DispatcherMetrics(registry)
     dispatcher = Dispatcher(
-        tokenizer, make_policy("kairos:gate=off", models), make_policy("pd", models), view, metrics, DispatchSettings(),
+        tokenizer,
+        make_policy("kairos:gate=off", models),
+        make_policy("pd", models),
+        view,
+        metrics,
+        DispatchSettings(),
         prefixes=consumer,
     )
     gw = Gateway(redis, consumer, view, dispatcher, metrics, {}, {})
@@ -219,8 +231,10 @@ async def test_new_sockets_in_the_beats_resubscribe_and_a_node_that_leaves_is_dr
     kv.append(second)
     await gw.stop_beating("d1")
     gw.beat("d1", second)
-    await eventually(lambda: "d1" in gw.consumer.subscribers
-                     and gw.consumer.subscribers["d1"].endpoints == second.endpoints, what="d1 resubscribed")
+    await eventually(
+        lambda: "d1" in gw.consumer.subscribers and gw.consumer.subscribers["d1"].endpoints == second.endpoints,
+        what="d1 resubscribed",
+    )
     await eventually(gw.d1_ready, what="d1's new sockets in step")
     assert gw.d1_hit() == 0  # the old stream's blocks were dropped with it
     await stored(second, PROMPT, lambda: gw.d1_hit() == CACHED)

@@ -55,8 +55,14 @@ def sync(url: str) -> redis.Redis:
 
 def publisher(server: SecuredRedisServer, node_id: str, role: str, url: str, sidecar: str = "") -> HeartbeatPublisher:
     cfg = PublisherConfig(
-        node_id=node_id, role=role, url=url, sidecar=sidecar, redis_url=server.setup.node_url(node_id),
-        period_s=0.02, ttl_s=0.5, redis_timeout_s=2.0,
+        node_id=node_id,
+        role=role,
+        url=url,
+        sidecar=sidecar,
+        redis_url=server.setup.node_url(node_id),
+        period_s=0.02,
+        ttl_s=0.5,
+        redis_timeout_s=2.0,
     )
     return HeartbeatPublisher(cfg, FakeSource(STATE))
 
@@ -167,9 +173,7 @@ async def test_publishers_sidecar_and_dispatcher_over_rediss_with_their_own_user
 
             await eventually(sample_read, timeout_s=30, what="the dispatcher reading d0's feedback sample")
             assert sidecar_metrics.registry.get_sample_value("kairos_sidecar_ttft_feedback_total", {"outcome": "sent"})
-            assert metrics.registry.get_sample_value(
-                "kairos_dispatcher_redis_errors_total", {"operation": "poll"}
-            ) == 0
+            assert metrics.registry.get_sample_value("kairos_dispatcher_redis_errors_total", {"operation": "poll"}) == 0
     finally:
         await writer.stop()
         for p in pubs:

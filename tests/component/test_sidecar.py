@@ -648,8 +648,10 @@ async def test_values_orjson_cannot_write_reach_the_nodes_as_sent(rig: Rig, rout
         b'{"model": "tiny", "prompt": "hi \\ud83d\\ude00", "max_tokens": 3, "temperature": NaN, '
         b'"top_p": Infinity, "seed": 123456789012345678901234567890}'
     )
-    headers = {**(_keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}),
-               "Content-Type": "application/json"}
+    headers = {
+        **(_keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "256"}),
+        "Content-Type": "application/json",
+    }
     async with rig.http.post(f"{url}/v1/completions", data=raw, headers=headers) as resp:
         assert resp.status == 200, await resp.text()
     hops = [*rig.prefill.seen, *rig.decode.seen]
@@ -664,13 +666,18 @@ async def test_values_orjson_cannot_write_reach_the_nodes_as_sent(rig: Rig, rout
 @pytest.mark.parametrize(
     ("raw", "headers", "status", "code"),
     [
-        pytest.param(b'{"prompt": "x"}', {"Content-Encoding": "gzip"}, 415, "unsupported_content_encoding",
-                     id="plain body labelled gzip"),
-        pytest.param(b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, 415, "unsupported_content_encoding",
-                     id="gzip body"),
+        pytest.param(
+            b'{"prompt": "x"}',
+            {"Content-Encoding": "gzip"},
+            415,
+            "unsupported_content_encoding",
+            id="plain body labelled gzip",
+        ),
+        pytest.param(
+            b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}, 415, "unsupported_content_encoding", id="gzip body"
+        ),
         pytest.param(b'{"prompt": "x"}', {"Content-Encoding": "br"}, 415, "unsupported_content_encoding", id="br"),
-        pytest.param(b'{"prompt": "x", "user": "\xed\xa0\x80"}', {}, 400, "invalid_request",
-                     id="raw surrogate bytes"),
+        pytest.param(b'{"prompt": "x", "user": "\xed\xa0\x80"}', {}, 400, "invalid_request", id="raw surrogate bytes"),
         pytest.param(b'{"prompt": "x", "user": "\\ud800"}', {}, 400, "invalid_request", id="escaped lone surrogate"),
     ],
 )

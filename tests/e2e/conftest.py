@@ -79,8 +79,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     c.stop()
 
 
-def http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+def http(
+    method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> tuple[int, dict[str, str], bytes]:
     req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -89,10 +90,12 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict[str, st
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
-def post_json(url: str, payload: dict[str, Any], headers: dict[str, str] | None = None,
-              timeout: float = 60.0) -> tuple[int, dict[str, str], dict[str, Any]]:
-    status, hdrs, raw = http("POST", url, json.dumps(payload).encode(),
-                             {"content-type": "application/json", **(headers or {})}, timeout)
+def post_json(
+    url: str, payload: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    status, hdrs, raw = http(
+        "POST", url, json.dumps(payload).encode(), {"content-type": "application/json", **(headers or {})}, timeout
+    )
     return status, hdrs, json.loads(raw)
 
 
@@ -118,8 +121,11 @@ def wait_for_fresh_polls(cluster: LocalCluster, polls: int = 1, timeout_s: float
     poll, seen after the first sample, came after that sample. Sampling slower than the beats may
     miss one (then this waits for the next); it never counts one that did not happen."""
     for index in range(len(cluster.dispatcher_metrics_ports)):
-        wait_until(_fresh_polls_counter(cluster, index, polls), timeout_s,
-                   what=f"dispatcher {index} taking {polls} newer heartbeats")
+        wait_until(
+            _fresh_polls_counter(cluster, index, polls),
+            timeout_s,
+            what=f"dispatcher {index} taking {polls} newer heartbeats",
+        )
 
 
 def _fresh_polls_counter(cluster: LocalCluster, index: int, polls: int) -> Callable[[], bool]:
@@ -155,8 +161,11 @@ def load_prefill_queues(
     long_prompt = text_of(tokenizer, 16_000)
 
     def send() -> None:
-        post_json(f"{cluster.gateway_url}/v1/completions", {"model": "kairos-tiny-llama", "prompt": long_prompt,
-                                                            "max_tokens": 1}, timeout=120)
+        post_json(
+            f"{cluster.gateway_url}/v1/completions",
+            {"model": "kairos-tiny-llama", "prompt": long_prompt, "max_tokens": 1},
+            timeout=120,
+        )
 
     threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
     for t in threads:

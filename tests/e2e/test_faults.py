@@ -63,15 +63,19 @@ def fresh_nodes(cluster: LocalCluster, index: int = 0) -> list[str]:
 
 def redis_errors(cluster: LocalCluster, index: int = 0) -> float:
     _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/metrics")
-    return sum(float(v) for v in re.findall(r"^kairos_dispatcher_redis_errors_total\{[^}]*\} (\S+)$",
-                                            body.decode(), re.M))
+    return sum(
+        float(v) for v in re.findall(r"^kairos_dispatcher_redis_errors_total\{[^}]*\} (\S+)$", body.decode(), re.M)
+    )
 
 
-def complete(cluster: LocalCluster, prompt: str, max_tokens: int = 2,
-             request_id: str | None = None) -> tuple[int, dict[str, str]]:
-    status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
-                                      {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
-                                      {"x-request-id": request_id or f"fault-{uuid.uuid4().hex[:10]}"})
+def complete(
+    cluster: LocalCluster, prompt: str, max_tokens: int = 2, request_id: str | None = None
+) -> tuple[int, dict[str, str]]:
+    status, headers, body = post_json(
+        f"{cluster.gateway_url}/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+        {"x-request-id": request_id or f"fault-{uuid.uuid4().hex[:10]}"},
+    )
     assert status == 200, body
     return status, headers
 
@@ -111,13 +115,17 @@ def restore(cluster: LocalCluster) -> None:
         if proc is not None and not proc.alive():
             proc.start()
             proc.wait_ready(60.0)
-    wait_until(lambda: envoy_healthy_dispatchers(cluster) == sorted(cluster.dispatcher_ports),
-               what="Envoy holding every dispatcher replica healthy")
+    wait_until(
+        lambda: envoy_healthy_dispatchers(cluster) == sorted(cluster.dispatcher_ports),
+        what="Envoy holding every dispatcher replica healthy",
+    )
     everyone = sorted(n.node_id for n in cluster.nodes)
     for index in range(len(cluster.dispatcher_procs)):
         wait_until(lambda i=index: dispatcher_health(cluster, i) == "ok", what=f"dispatcher {index} healthy")
-        wait_until(lambda i=index: fresh_nodes(cluster, i) == everyone == sorted(dispatcher_nodes(cluster, i)),
-                   what=f"dispatcher {index} routing on exactly {everyone}, all fresh")
+        wait_until(
+            lambda i=index: fresh_nodes(cluster, i) == everyone == sorted(dispatcher_nodes(cluster, i)),
+            what=f"dispatcher {index} routing on exactly {everyone}, all fresh",
+        )
 
 
 def whole_and_idle(cluster: LocalCluster) -> None:
@@ -248,9 +256,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
     # effect visible from outside. (The default, no limit, schedules behind it instead:
     # tests/component/test_cluster.py races two processes' promises.) No deflection gate, as the
     # tier's EQ7: the chaos test's light traffic must deflect before Redis goes.
-    c = start_cluster(
-        tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, policy="kairos:pending=1,gate=off"
-    )
+    c = start_cluster(tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, policy="kairos:pending=1,gate=off")
     yield c
     c.stop()
 
@@ -352,21 +358,26 @@ def _kill(proc: ManagedProcess | None) -> None:
 CHAOS = (
     # The fault itself as the condition (its port refuses), not Envoy noticing it: the requests
     # sent before Envoy's health checks catch up are the ones failover must save.
-    Fault("dispatcher replica", lambda cl: _kill(cl.dispatcher_procs[0]),
-          lambda cl: not tcp_ready("127.0.0.1", cl.dispatcher_ports[0])(), in_flight_only=True),
+    Fault(
+        "dispatcher replica",
+        lambda cl: _kill(cl.dispatcher_procs[0]),
+        lambda cl: not tcp_ready("127.0.0.1", cl.dispatcher_ports[0])(),
+        in_flight_only=True,
+    ),
     Fault("decode engine", lambda cl: _kill(cl.node("d1").engine), lambda cl: _everywhere(cl, "d1")),
     Fault("sidecar", lambda cl: _kill(cl.node("d0").sidecar), lambda cl: _everywhere(cl, "d0")),
     Fault("publisher", lambda cl: _kill(cl.node("p0").publisher), lambda cl: _everywhere(cl, "p0")),
-    Fault("redis", lambda cl: _kill(cl.redis),
-          lambda cl: all(dispatcher_health(cl, i) == "degraded" for i in range(len(cl.dispatcher_procs)))),
+    Fault(
+        "redis",
+        lambda cl: _kill(cl.redis),
+        lambda cl: all(dispatcher_health(cl, i) == "degraded" for i in range(len(cl.dispatcher_procs))),
+    ),
 )
 SERVED_IN_FAULT = 10  # requests sent and finished while the fault is visible, before the repair
 SERVED_AFTER = 5  # and after the repair is visible, before the next fault
 
 
-def test_chaos_under_steady_traffic_loses_nothing_servable(
-    replicas: LocalCluster, tokenizer: PromptTokenizer
-) -> None:
+def test_chaos_under_steady_traffic_loses_nothing_servable(replicas: LocalCluster, tokenizer: PromptTokenizer) -> None:
     """Steady traffic through two dispatcher replicas and 2P2D while, in turn, a dispatcher
     replica, a decode engine, a sidecar, a publisher and Redis are killed with SIGKILL, each
     until the cluster's view shows it, then restarted until the view is whole again. Every
@@ -385,13 +396,19 @@ def test_chaos_under_steady_traffic_loses_nothing_servable(
             fault.kill(cluster)
             wait_until(lambda f=fault: f.shown(cluster), timeout_s=60, what=f"{fault.name}: the fault in the view")
             seen = time.monotonic()
-            wait_until(lambda s=seen: load.finished_since(s) >= SERVED_IN_FAULT, timeout_s=60,
-                       what=f"{fault.name}: {SERVED_IN_FAULT} requests during the fault")
+            wait_until(
+                lambda s=seen: load.finished_since(s) >= SERVED_IN_FAULT,
+                timeout_s=60,
+                what=f"{fault.name}: {SERVED_IN_FAULT} requests during the fault",
+            )
             repair = time.monotonic()
             restore(cluster)
             back = time.monotonic()
-            wait_until(lambda b=back: load.finished_since(b) >= SERVED_AFTER, timeout_s=60,
-                       what=f"{fault.name}: {SERVED_AFTER} requests after the repair")
+            wait_until(
+                lambda b=back: load.finished_since(b) >= SERVED_AFTER,
+                timeout_s=60,
+                what=f"{fault.name}: {SERVED_AFTER} requests after the repair",
+            )
             windows[fault.name] = (killed, repair, time.monotonic())
     finally:
         outcomes = load.stop()

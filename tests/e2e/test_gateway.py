@@ -145,19 +145,29 @@ def test_spoofed_kairos_headers_change_nothing(cluster: LocalCluster, tokenizer:
         pytest.param(json.dumps({"model": MODEL}).encode(), 400, "prompt", id="missing prompt"),
         pytest.param(json.dumps({"model": MODEL, "prompt": 42}).encode(), 400, "prompt", id="prompt a number"),
         pytest.param(json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "empty", id="empty prompt"),
-        pytest.param(json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "x"}).encode(), 400, "max_tokens",
-                     id="max_tokens a string"),
-        pytest.param(json.dumps({"model": MODEL, "prompt": "word " * 40_000}).encode(), 400, "context length",
-                     id="prompt longer than the context"),
-        pytest.param(json.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024)}).encode(), 413, "",
-                     id="body over the limit"),
+        pytest.param(
+            json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "x"}).encode(),
+            400,
+            "max_tokens",
+            id="max_tokens a string",
+        ),
+        pytest.param(
+            json.dumps({"model": MODEL, "prompt": "word " * 40_000}).encode(),
+            400,
+            "context length",
+            id="prompt longer than the context",
+        ),
+        pytest.param(
+            json.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024)}).encode(), 413, "", id="body over the limit"
+        ),
     ],
 )
 def test_bad_completions_get_an_openai_error_and_disturb_nothing(
     cluster: LocalCluster, body: bytes, status: int, fragment: str
 ) -> None:
-    code, headers, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body,
-                              {"content-type": "application/json"})
+    code, headers, raw = http(
+        "POST", f"{cluster.gateway_url}/v1/completions", body, {"content-type": "application/json"}
+    )
     assert code == status, raw[:300]
     error = json.loads(raw)["error"]
     assert fragment.lower() in error["message"].lower()
@@ -171,8 +181,9 @@ def test_bad_completions_get_an_openai_error_and_disturb_nothing(
     [
         pytest.param("hello", id="messages a string"),
         pytest.param([{"content": "no role"}], id="message without role"),
-        pytest.param([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                     id="image part"),
+        pytest.param(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], id="image part"
+        ),
     ],
 )
 def test_bad_chat_requests_get_400(cluster: LocalCluster, messages: Any) -> None:

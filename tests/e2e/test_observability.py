@@ -86,28 +86,37 @@ def send_traffic(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
     # its own each time (a repeated one would be found cached on a decode node, and deflect).
     routes = []
     for prompt in (text_of(tokenizer, tokens) for _ in range(3) for tokens in (400, 6000)):
-        status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
-                                          {"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        status, headers, body = post_json(
+            f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+        )
         assert status == 200, body
         routes.append(headers[c.H_ROUTE])
     assert {"keep", "deflect"} <= set(routes), routes
-    status, _, _ = http("POST", f"{cluster.gateway_url}/v1/completions", b"{not json",
-                        {"content-type": "application/json"})
+    status, _, _ = http(
+        "POST", f"{cluster.gateway_url}/v1/completions", b"{not json", {"content-type": "application/json"}
+    )
     assert status == 400
     sidecar = next(n for n in cluster.nodes if n.sidecar_port)
-    status, _, _ = http("POST", f"http://{sidecar.sidecar_url}/v1/completions",
-                        json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode(),
-                        {"content-type": "application/json", c.H_ROUTE: "keep", c.H_PREFILL_HOST: "127.0.0.1:9"})
+    status, _, _ = http(
+        "POST",
+        f"http://{sidecar.sidecar_url}/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode(),
+        {"content-type": "application/json", c.H_ROUTE: "keep", c.H_PREFILL_HOST: "127.0.0.1:9"},
+    )
     assert status >= 400  # hop 1 refused: 127.0.0.1:9 is no prefill node of this cluster
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     cluster: LocalCluster, prometheus: str, tokenizer: PromptTokenizer
 ) -> None:
-    endpoints = len(cluster.dispatcher_metrics_ports) + len(cluster.nodes) + sum(bool(n.sidecar_port)
-                                                                                 for n in cluster.nodes)
-    wait_until(lambda: [t["health"] for t in api(prometheus, "targets")["activeTargets"]] == ["up"] * endpoints,
-               60.0, what="every dispatcher, node and sidecar scraped")
+    endpoints = (
+        len(cluster.dispatcher_metrics_ports) + len(cluster.nodes) + sum(bool(n.sidecar_port) for n in cluster.nodes)
+    )
+    wait_until(
+        lambda: [t["health"] for t in api(prometheus, "targets")["activeTargets"]] == ["up"] * endpoints,
+        60.0,
+        what="every dispatcher, node and sidecar scraped",
+    )
     send_traffic(cluster, tokenizer)
     queries = dashboard_queries()
     empty: list[str] = []
@@ -125,8 +134,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     # The rules evaluate against the live series without errors.
     rules = [r for g in api(prometheus, "rules")["groups"] for r in g["rules"]]
     assert len(rules) == 12
-    wait_until(lambda: all(r["health"] == "ok" for r in api(prometheus, "rules")["groups"][0]["rules"]),
-               30.0, what="recording rules evaluated")
+    wait_until(
+        lambda: all(r["health"] == "ok" for r in api(prometheus, "rules")["groups"][0]["rules"]),
+        30.0,
+        what="recording rules evaluated",
+    )
     assert [r["lastError"] for g in api(prometheus, "rules")["groups"] for r in g["rules"] if r.get("lastError")] == []
 
 
@@ -144,7 +156,7 @@ class Tmux:
     def start(self, name: str, argv: list[str]) -> None:
         # The pane stays after the command ends, so a crash shows in the capture instead of a
         # vanished session.
-        command = f"{shlex.join(argv)}; echo \"kairos top exited: $?\"; sleep 3600"
+        command = f'{shlex.join(argv)}; echo "kairos top exited: $?"; sleep 3600'
         self.run("new-session", "-d", "-s", name, "-x", "132", "-y", "48", command)
 
     def capture(self, name: str) -> str:
@@ -190,8 +202,13 @@ def test_kairos_top_in_tmux_shows_the_cluster_and_the_alerts_of_a_redis_outage(
         tmux.start("local", top)
         send_traffic(cluster, tokenizer)
         for name in ("prom", "local"):
-            wait_pane(name, r"^status ok$", r"^DECISIONS +(?!0\.0/s)\d+\.\d/s, \d+% deflected",
-                      r"^ +\w+ +\w+ +(?!0\.00/s)\d+\.\d\d/s +\d+ total$", feed=True)
+            wait_pane(
+                name,
+                r"^status ok$",
+                r"^DECISIONS +(?!0\.0/s)\d+\.\d/s, \d+% deflected",
+                r"^ +\w+ +\w+ +(?!0\.00/s)\d+\.\d\d/s +\d+ total$",
+                feed=True,
+            )
             rows = node_rows(panes[name])
             assert sorted(rows) == sorted(n.node_id for n in cluster.nodes), panes[name]
             for node in cluster.nodes:
@@ -204,17 +221,32 @@ def test_kairos_top_in_tmux_shows_the_cluster_and_the_alerts_of_a_redis_outage(
         assert cluster.redis is not None
         cluster.redis.stop()
         try:
-            wait_pane("local", r"^status degraded$", r"FIRING +critical +KairosDispatcherDegraded",
-                      r"FIRING +warning +KairosNodeHeartbeatStale +decode node d0")
+            wait_pane(
+                "local",
+                r"^status degraded$",
+                r"FIRING +critical +KairosDispatcherDegraded",
+                r"FIRING +warning +KairosNodeHeartbeatStale +decode node d0",
+            )
             assert all("STALE" in row for row in node_rows(panes["local"]).values()), panes["local"]
             # Prometheus fires after the rules' `for` (15 s, 10 s) on its own scrapes.
-            wait_pane("prom", r"FIRING +critical +KairosDispatcherDegraded",
-                      r"FIRING +warning +KairosNodeHeartbeatStale", timeout_s=120.0)
+            wait_pane(
+                "prom",
+                r"FIRING +critical +KairosDispatcherDegraded",
+                r"FIRING +warning +KairosNodeHeartbeatStale",
+                timeout_s=120.0,
+            )
             print("\n--- kairos top, Redis down ---\n" + panes["prom"].rstrip())
         finally:
             cluster.start_redis()
-        wait_until(lambda: shows("local", r"^status ok$") and "KairosDispatcherDegraded" not in panes["local"]
-                   and not any("STALE" in row for row in node_rows(panes["local"]).values()),
-                   60.0, interval_s=0.5, what="the local pane back to a healthy cluster")
+        wait_until(
+            lambda: (
+                shows("local", r"^status ok$")
+                and "KairosDispatcherDegraded" not in panes["local"]
+                and not any("STALE" in row for row in node_rows(panes["local"]).values())
+            ),
+            60.0,
+            interval_s=0.5,
+            what="the local pane back to a healthy cluster",
+        )
     finally:
         tmux.kill()

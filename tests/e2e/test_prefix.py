@@ -50,8 +50,12 @@ def advertise(cluster: LocalCluster, node_id: str, pub: VllmEventPublisher) -> N
     node.publisher.stop()
     node.kv_events = kv_events_config(*pub.ports)
     node.publisher = cluster.start_publisher(node)
-    wait_until(lambda: (s := kv_state(cluster, node_id)) and s["endpoint"] == pub.endpoints.pub
-               and s["connected"] and s["synced"], what=f"{node_id}'s events subscribed and in step")
+    wait_until(
+        lambda: (
+            (s := kv_state(cluster, node_id)) and s["endpoint"] == pub.endpoints.pub and s["connected"] and s["synced"]
+        ),
+        what=f"{node_id}'s events subscribed and in step",
+    )
 
 
 def store_until_indexed(
@@ -121,7 +125,9 @@ def test_a_prompt_cached_on_d1_deflects_there_until_its_publisher_is_gone_or_res
     # Gone for good (the engine dead, its heartbeat still beating): its hits are zero, and the
     # second prompt, never sent, is cached nowhere else.
     restarted.close()
-    wait_until(lambda: (s := kv_state(cluster, "d1")) and not s["connected"] and s["cached_blocks"] == 0,
-               what="d1's connection lost and its index cleared")
+    wait_until(
+        lambda: (s := kv_state(cluster, "d1")) and not s["connected"] and s["cached_blocks"] == 0,
+        what="d1's connection lost and its index cleared",
+    )
     headers, _ = complete(cluster, second)
     assert headers[c.H_ROUTE] == "keep" and c.H_CACHED_TOKENS not in headers

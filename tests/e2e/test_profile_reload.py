@@ -43,8 +43,10 @@ def _trace() -> list[RequestSpec]:
 def _round(trace: list[RequestSpec], k: int) -> list[RequestSpec]:
     """Round ``k``: the trace's ``k``-th slice of ``ROUND`` requests (cycling), its ids made unique."""
     start = (k * ROUND) % len(trace)
-    return [RequestSpec(f"{r.request_id}-r{k}", r.arrival_s, r.prompt_tokens, r.output_tokens)
-            for r in trace[start:start + ROUND]]
+    return [
+        RequestSpec(f"{r.request_id}-r{k}", r.arrival_s, r.prompt_tokens, r.output_tokens)
+        for r in trace[start : start + ROUND]
+    ]
 
 
 class _Traffic(threading.Thread):

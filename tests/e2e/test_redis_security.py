@@ -51,12 +51,15 @@ def test_every_part_talks_rediss_with_its_own_user_and_no_secret_is_on_a_command
 ) -> None:
     setup = cluster.redis_setup
     assert setup is not None and setup.tls and cluster.redis_url.startswith("rediss://kairos-admin:")
-    status, _, body = post_json(f"{cluster.gateway_url}/v1/completions",
-                                {"model": MODEL, "prompt": text_of(tokenizer, 6000), "max_tokens": 4})
+    status, _, body = post_json(
+        f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": text_of(tokenizer, 6000), "max_tokens": 4}
+    )
     assert status == 200, body
     # the sidecar's TTFT sample went over TLS with the decode node's user; the dispatcher read it
-    wait_until(lambda: metric(cluster, "kairos_dispatcher_ttft_observed_over_predicted_count", 'path="keep"') >= 1,
-               what="the dispatcher reading the sidecar's TTFT sample")
+    wait_until(
+        lambda: metric(cluster, "kairos_dispatcher_ttft_observed_over_predicted_count", 'path="keep"') >= 1,
+        what="the dispatcher reading the sidecar's TTFT sample",
+    )
     procs = [p for p in cluster.group.procs if p.proc is not None]
     argv = " ".join(" ".join(p.argv) for p in procs)
     assert all(password not in argv for password in setup.passwords.values())
@@ -85,8 +88,9 @@ def test_a_forged_heartbeat_written_with_a_wrong_credential_is_refused(cluster: 
     with pytest.raises(NoPermissionError):
         p0.set(c.REDIS_RESERVATION_KEY.format(node_id="d0"), "p0")
     with pytest.raises(AuthenticationError):
-        client(f"rediss://kairos-node-d0:guess@127.0.0.1:{setup.port}/0"
-               f"?ssl_ca_certs={setup.ca_path}").set(c.REDIS_NODE_KEY.format(node_id="d0"), forged)
+        client(f"rediss://kairos-node-d0:guess@127.0.0.1:{setup.port}/0?ssl_ca_certs={setup.ca_path}").set(
+            c.REDIS_NODE_KEY.format(node_id="d0"), forged
+        )
     # The key can lapse for a moment between beats on a starved host: wait for a beat, then judge it.
     reader = client(cluster.redis_url)
     raw = wait_until(lambda: reader.get(c.REDIS_NODE_KEY.format(node_id="d0")), what="a heartbeat of d0")
@@ -121,14 +125,17 @@ def test_a_heartbeat_under_a_key_content_mismatch_is_ignored_and_counted(
     forger = threading.Thread(target=forge, daemon=True)
     forger.start()
     try:
-        wait_until(lambda: all(rejected(cluster, r) > before[r] for r in before),
-                   what="the dispatcher counting both kinds of forged heartbeat")
+        wait_until(
+            lambda: all(rejected(cluster, r) > before[r] for r in before),
+            what="the dispatcher counting both kinds of forged heartbeat",
+        )
         for _ in range(5):
             # Kept (a prompt of its own each: a repeated one would be found cached on a decode
             # node): its prefill runs on p0 or p1, never at a forged address.
             prompt = text_of(tokenizer, 6000)
-            status, headers, body = post_json(f"{cluster.gateway_url}/v1/completions",
-                                              {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            status, headers, body = post_json(
+                f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            )
             assert status == 200, body
             assert headers["x-kairos-route"] == "keep"
     finally:

@@ -52,8 +52,9 @@ def assert_openai_error(
 
 
 def still_serving(cluster: LocalCluster, url: str | None = None) -> None:
-    status, _, body = post_json(f"{url or cluster.gateway_url}/v1/completions",
-                                {"model": MODEL, "prompt": "still there?", "max_tokens": 1})
+    status, _, body = post_json(
+        f"{url or cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": "still there?", "max_tokens": 1}
+    )
     assert status == 200, body
 
 
@@ -97,8 +98,10 @@ def test_the_public_api_is_served(cluster: LocalCluster, tokenizer: PromptTokeni
     assert status == 200 and set(json.loads(raw)) == {"version"}
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"),
-                                              ("POST", "/v1/models"), ("GET", "/tokenize")])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("POST", "/v1/models"), ("GET", "/tokenize")],
+)
 def test_a_public_path_with_another_method_is_a_405(cluster: LocalCluster, method: str, path: str) -> None:
     status, _, raw = http(method, f"{cluster.gateway_url}{path}", b"{}" if method != "GET" else None)
     assert_openai_error(status, raw, 405, "method_not_allowed")
@@ -110,30 +113,48 @@ def test_a_public_path_with_another_method_is_a_405(cluster: LocalCluster, metho
 @pytest.mark.parametrize(
     ("body", "headers", "status", "code"),
     [
-        pytest.param(COMPLETION, {"content-encoding": "gzip"}, 415, "unsupported_content_encoding",
-                     id="plain body labelled gzip"),
-        pytest.param(gzip.compress(COMPLETION), {"content-encoding": "gzip"}, 415, "unsupported_content_encoding",
-                     id="real gzip body"),
+        pytest.param(
+            COMPLETION, {"content-encoding": "gzip"}, 415, "unsupported_content_encoding", id="plain body labelled gzip"
+        ),
+        pytest.param(
+            gzip.compress(COMPLETION),
+            {"content-encoding": "gzip"},
+            415,
+            "unsupported_content_encoding",
+            id="real gzip body",
+        ),
         pytest.param(COMPLETION, {"content-encoding": "br"}, 415, "unsupported_content_encoding", id="br"),
         pytest.param(COMPLETION, {"content-encoding": "deflate"}, 415, "unsupported_content_encoding", id="deflate"),
-        pytest.param(b'{"model": "kairos-tiny-llama", "prompt": "a \xed\xa0\x80 b", "max_tokens": 1}', {}, 400,
-                     "invalid_request", id="raw surrogate bytes in the prompt"),
-        pytest.param(b'{"model": "kairos-tiny-llama", "prompt": "a", "max_tokens": 1, "user": "\xed\xb2\x80"}', {},
-                     400, "invalid_request", id="raw surrogate bytes in another field"),
+        pytest.param(
+            b'{"model": "kairos-tiny-llama", "prompt": "a \xed\xa0\x80 b", "max_tokens": 1}',
+            {},
+            400,
+            "invalid_request",
+            id="raw surrogate bytes in the prompt",
+        ),
+        pytest.param(
+            b'{"model": "kairos-tiny-llama", "prompt": "a", "max_tokens": 1, "user": "\xed\xb2\x80"}',
+            {},
+            400,
+            "invalid_request",
+            id="raw surrogate bytes in another field",
+        ),
     ],
 )
 def test_undecodable_bodies_are_4xx(
     cluster: LocalCluster, body: bytes, headers: dict[str, str], status: int, code: str
 ) -> None:
-    got, _, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body,
-                       {"content-type": "application/json", **headers})
+    got, _, raw = http(
+        "POST", f"{cluster.gateway_url}/v1/completions", body, {"content-type": "application/json", **headers}
+    )
     assert_openai_error(got, raw, status, code)
 
 
 def test_chat_with_raw_surrogate_bytes_is_a_400(cluster: LocalCluster) -> None:
     body = b'{"model": "kairos-tiny-llama", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'
-    status, _, raw = http("POST", f"{cluster.gateway_url}/v1/chat/completions", body,
-                          {"content-type": "application/json"})
+    status, _, raw = http(
+        "POST", f"{cluster.gateway_url}/v1/chat/completions", body, {"content-type": "application/json"}
+    )
     assert_openai_error(status, raw, 400, "invalid_request")
 
 
@@ -141,14 +162,16 @@ def test_near_limit_bodies_are_refused_and_small_requests_beside_them_served(clu
     """Three 7 MB prompts (about 3 million tokens each, the body limit is 8 MiB) at once with
     small requests: each big one is a 400 once counted past the context, never Envoy's 504,
     and every small one is served."""
-    big = json.dumps({"model": MODEL, "prompt": "the quick brown fox jumps over a lazy dog " * 174_000,
-                      "max_tokens": 1}).encode()
+    big = json.dumps(
+        {"model": MODEL, "prompt": "the quick brown fox jumps over a lazy dog " * 174_000, "max_tokens": 1}
+    ).encode()
     assert 7_000_000 < len(big) < 8 * 1024 * 1024
     results: dict[str, tuple[int, bytes]] = {}
 
     def send(name: str, body: bytes) -> None:
-        status, _, raw = http("POST", f"{cluster.gateway_url}/v1/completions", body,
-                              {"content-type": "application/json"}, timeout=120)
+        status, _, raw = http(
+            "POST", f"{cluster.gateway_url}/v1/completions", body, {"content-type": "application/json"}, timeout=120
+        )
         results[name] = (status, raw)
 
     threads = [threading.Thread(target=send, args=(f"big{i}", big)) for i in range(3)]
@@ -192,8 +215,8 @@ def _read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict[str, 
         if not chunk:
             raise ConnectionError("closed mid-body")
         buf += chunk
-    body = bytes(buf[start:start + length])
-    del buf[:start + length]
+    body = bytes(buf[start : start + length])
+    del buf[: start + length]
     return status, headers, body
 
 
@@ -203,15 +226,21 @@ def _connect(port: int) -> socket.socket:
 
 
 def _request(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def test_content_length_with_transfer_encoding_is_a_clean_400(cluster: LocalCluster) -> None:
     body = b'{"model": "kairos-tiny-llama", "prompt": "x", "max_tokens": 1}'
-    smuggle = (b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+    smuggle = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
     with _connect(_port(cluster.gateway_url)) as sock:
         sock.sendall(smuggle)
         status, headers, raw = _read_response(sock, bytearray())
@@ -260,7 +289,7 @@ def test_pipelined_requests_behind_an_error_are_answered_right_or_left_to_resend
             with contextlib.suppress(ConnectionError):  # closed by Envoy: the rest is to resend
                 for _ in burst:
                     answers.append(_read_response(sock, buf))
-        assert len(answers) >= 2 and [a[0] for a in answers] == expected[:len(answers)]
+        assert len(answers) >= 2 and [a[0] for a in answers] == expected[: len(answers)]
         for status, _, raw in answers:
             if status >= 400:
                 assert_openai_error(status, raw, status)
@@ -285,8 +314,12 @@ def short_timeout_gateway(cluster: LocalCluster, tmp_path_factory: pytest.TempPa
     config.write_text(render_envoy_config(settings))
     envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
     assert envoy is not None
-    proc = ManagedProcess("envoy-short", [envoy, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
-                          workdir / "envoy.log", ready=http_ready(f"http://127.0.0.1:{admin}/ready"))
+    proc = ManagedProcess(
+        "envoy-short",
+        [envoy, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
+        workdir / "envoy.log",
+        ready=http_ready(f"http://127.0.0.1:{admin}/ready"),
+    )
     proc.start()
     try:
         proc.wait_ready(60.0)
@@ -300,8 +333,10 @@ def test_a_stalled_body_gets_a_408_and_others_are_served_meanwhile(
 ) -> None:
     with _connect(_port(short_timeout_gateway)) as stalled:
         # Promise 1000 bytes, send 10, then nothing.
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b'{"prompt":'
+        )
         still_serving(cluster, short_timeout_gateway)  # the stalled client holds up no one
         started = time.monotonic()
         status, _, raw = _read_response(stalled, bytearray())
@@ -313,7 +348,7 @@ def test_a_stalled_body_gets_a_408_and_others_are_served_meanwhile(
 def test_a_client_that_leaves_mid_body_disturbs_nothing(cluster: LocalCluster) -> None:
     for _ in range(3):
         with _connect(_port(cluster.gateway_url)) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 5000\r\n\r\n{\"pro")
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 5000\r\n\r\n{"pro')
     with _connect(_port(cluster.gateway_url)) as sock:  # half a request line, then gone
         sock.sendall(b"POST /v1/compl")
     still_serving(cluster)
@@ -324,19 +359,41 @@ def test_a_client_that_leaves_mid_body_disturbs_nothing(cluster: LocalCluster) -
 # ---------------------------------------------------------------------------------------------
 _text = st.text(st.characters(codec="utf-8"), max_size=40)
 _scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | _text
-_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
-                     max_leaves=8)
-_FIELDS = ("model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-           "n", "temperature", "user", "vllm_xargs", "kv_transfer_params", "min_tokens", "add_special_tokens",
-           "chat_template_kwargs", "tools", "logprobs", "stop")
+_json = st.recursive(
+    _scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=8
+)
+_FIELDS = (
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "user",
+    "vllm_xargs",
+    "kv_transfer_params",
+    "min_tokens",
+    "add_special_tokens",
+    "chat_template_kwargs",
+    "tools",
+    "logprobs",
+    "stop",
+)
 _prompt = st.one_of(_text.filter(bool), st.lists(st.integers(-5, 5000), min_size=1, max_size=8), _json)
-_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", ""]) | _json,
-                                  "content": _text | _json})
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", ""]) | _json, "content": _text | _json}
+)
 _body = st.fixed_dictionaries(
     # max_tokens always set (a chat without one generates to the end of the context: slow, not wrong)
     {"model": st.just(MODEL) | _json, "max_tokens": st.integers(1, 3) | _json.filter(lambda v: v is not None)},
-    optional={"prompt": _prompt, "messages": st.lists(_message, max_size=3) | _json,
-              **{name: _json for name in _FIELDS if name not in ("model", "max_tokens", "prompt", "messages")}},
+    optional={
+        "prompt": _prompt,
+        "messages": st.lists(_message, max_size=3) | _json,
+        **{name: _json for name in _FIELDS if name not in ("model", "max_tokens", "prompt", "messages")},
+    },
 )
 
 # Requests that are valid before any damage, so that the damage is what the gateway must catch.
@@ -344,9 +401,13 @@ _valid_body = st.fixed_dictionaries(
     {"model": st.just(MODEL), "prompt": _text.filter(bool), "max_tokens": st.integers(1, 3)},
     optional={"user": _text, "stream": st.booleans()},
 ) | st.fixed_dictionaries(
-    {"model": st.just(MODEL), "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}),
-                                                   min_size=1, max_size=2),
-     "max_tokens": st.integers(1, 3)},
+    {
+        "model": st.just(MODEL),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": _text}), min_size=1, max_size=2
+        ),
+        "max_tokens": st.integers(1, 3),
+    },
     optional={"user": _text},
 )
 
@@ -367,8 +428,13 @@ def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
     return raw
 
 
-@settings(max_examples=100, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=100,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     path=st.sampled_from([*c.INFERENCE_PATHS, "/tokenize", "/detokenize"]),
     body=_valid_body | _body,
@@ -382,16 +448,50 @@ def _mangle(raw: bytes, how: int, position: int, junk: bytes) -> bytes:
 )
 # The cases the adversarial run found (raw surrogates in the prompt, the chat content, another
 # field; a compressed body), always tried first.
-@example(path="/v1/completions", body={"prompt": "hi", "model": MODEL, "max_tokens": 1}, stream=False, how=4,
-         position=0, junk=b"\xed\xa0\x80", encoding=None)
-@example(path="/v1/chat/completions", body={"messages": [{"content": "hi", "role": "user"}], "max_tokens": 1},
-         stream=True, how=4, position=0, junk=b"\xed\xbf\xbf", encoding=None)
-@example(path="/v1/completions", body={"user": "u", "model": MODEL, "prompt": "hi", "max_tokens": 1}, stream=False,
-         how=4, position=0, junk=b"\xed\xa0\x80", encoding=None)
-@example(path="/v1/completions", body={"model": MODEL, "prompt": "hi", "max_tokens": 1}, stream=False, how=0,
-         position=0, junk=b"", encoding="gzip")
+@example(
+    path="/v1/completions",
+    body={"prompt": "hi", "model": MODEL, "max_tokens": 1},
+    stream=False,
+    how=4,
+    position=0,
+    junk=b"\xed\xa0\x80",
+    encoding=None,
+)
+@example(
+    path="/v1/chat/completions",
+    body={"messages": [{"content": "hi", "role": "user"}], "max_tokens": 1},
+    stream=True,
+    how=4,
+    position=0,
+    junk=b"\xed\xbf\xbf",
+    encoding=None,
+)
+@example(
+    path="/v1/completions",
+    body={"user": "u", "model": MODEL, "prompt": "hi", "max_tokens": 1},
+    stream=False,
+    how=4,
+    position=0,
+    junk=b"\xed\xa0\x80",
+    encoding=None,
+)
+@example(
+    path="/v1/completions",
+    body={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+    stream=False,
+    how=0,
+    position=0,
+    junk=b"",
+    encoding="gzip",
+)
 def test_fuzzed_requests_get_a_success_or_an_openai_4xx_never_a_5xx(
-    cluster: LocalCluster, path: str, body: dict[str, Any], stream: bool, how: int, position: int, junk: bytes,
+    cluster: LocalCluster,
+    path: str,
+    body: dict[str, Any],
+    stream: bool,
+    how: int,
+    position: int,
+    junk: bytes,
     encoding: str | None,
 ) -> None:
     if stream:

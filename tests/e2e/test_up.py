@@ -54,9 +54,25 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
     port = free_port()
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.launcher.cli", "--log-level", "debug", "up", "--port", str(port),
-         "--workdir", str(workdir), "--model-dir", str(model_dir), "--time-scale", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kairos.launcher.cli",
+            "--log-level",
+            "debug",
+            "up",
+            "--port",
+            str(port),
+            "--workdir",
+            str(workdir),
+            "--model-dir",
+            str(model_dir),
+            "--time-scale",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # its own process group, as a shell job has
     )
     lines: list[str] = []
@@ -68,10 +84,19 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
         # The printed `kairos top` line shows the cluster; the Prometheus targets file lists its dispatcher.
         watch = shlex.split(_read_until(proc, lines, "kairos top --dispatcher", 30).split(":", 1)[1])
         assert watch[:2] == ["kairos", "top"]
-        shown = subprocess.run([sys.executable, "-m", "kairos", *watch[1:], "--iterations", "1", "--plain"],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
+        shown = subprocess.run(
+            [sys.executable, "-m", "kairos", *watch[1:], "--iterations", "1", "--plain"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert [line.split()[:2] for line in shown.splitlines() if line[:2] in ("p0", "p1", "d0", "d1")] == [
-            ["d0", "decode"], ["d1", "decode"], ["p0", "prefill"], ["p1", "prefill"]], shown
+            ["d0", "decode"],
+            ["d1", "decode"],
+            ["p0", "prefill"],
+            ["p1", "prefill"],
+        ], shown
         targets = (workdir / "prometheus-targets.json").read_text()
         assert watch[-1].removeprefix("http://") in targets
         # --log-level reaches every process: the dispatcher's decision line, the sidecar's timing line.
@@ -144,9 +169,25 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         )
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.launcher.cli", "up", "--nodes", str(nodes_file), "--port", str(port),
-         "--redis-port", str(redis_port), "--workdir", str(tmp_path / "up"), "--model-dir", str(model_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kairos.launcher.cli",
+            "up",
+            "--nodes",
+            str(nodes_file),
+            "--port",
+            str(port),
+            "--redis-port",
+            str(redis_port),
+            "--workdir",
+            str(tmp_path / "up"),
+            "--model-dir",
+            str(model_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: list[str] = []
     try:
@@ -192,9 +233,24 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
     port = free_port()
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kairos.launcher.cli", "up", "--port", str(port), "--workdir", str(workdir),
-         "--model-dir", str(model_dir), "--time-scale", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "kairos.launcher.cli",
+            "up",
+            "--port",
+            str(port),
+            "--workdir",
+            str(workdir),
+            "--model-dir",
+            str(model_dir),
+            "--time-scale",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
     try:
@@ -220,9 +276,21 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
         assert proc.poll() is None
 
         second = subprocess.run(
-            [sys.executable, "-m", "kairos.launcher.cli", "up", "--port", str(port), "--workdir",
-             str(tmp_path / "second"), "--model-dir", str(model_dir)],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "kairos.launcher.cli",
+                "up",
+                "--port",
+                str(port),
+                "--workdir",
+                str(tmp_path / "second"),
+                "--model-dir",
+                str(model_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert second.returncode != 0
         assert f"the gateway port {port} on 127.0.0.1 is in use" in second.stderr, second.stderr
@@ -233,5 +301,7 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
     finally:
         _stop(proc)
     ours = (str(workdir), str(model_dir))
-    wait_until(lambda: not [a for a in _processes() if any(o in a for o in ours) and "pytest" not in a],
-               what="no process of the cluster left")
+    wait_until(
+        lambda: not [a for a in _processes() if any(o in a for o in ours) and "pytest" not in a],
+        what="no process of the cluster left",
+    )

@@ -67,9 +67,14 @@ def _no_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, blocked(f"os.{name}"))
-    for module, name in ((grpc, "server"), (grpc.aio, "server"),
-                         (grpc, "insecure_channel"), (grpc, "secure_channel"),
-                         (grpc.aio, "insecure_channel"), (grpc.aio, "secure_channel")):
+    for module, name in (
+        (grpc, "server"),
+        (grpc.aio, "server"),
+        (grpc, "insecure_channel"),
+        (grpc, "secure_channel"),
+        (grpc.aio, "insecure_channel"),
+        (grpc.aio, "secure_channel"),
+    ):
         monkeypatch.setattr(module, name, blocked(f"{module.__name__}.{name}"))
 
     yield refused

@@ -1087,6 +1087,8 @@ def test_nodes_in_the_same_state_with_different_calibrations_are_planned_apart()
     d = decide(1000, view((prefill_node(queue=(5000,)),), (slow, fast)), 0.0, FLAT, CFG)
     assert (d.decode_node, d.chunk_sizes, d.step_budget_s) == ("d2", (400, 400, 200), 0.105)
     assert d.predicted_ttft_decode_s == pytest.approx(0.280)
+
+
 # The keep path's TTFT beyond Eq. 1: W_link + T_xfer + W_adm + T_join (keep_handoff_s)
 # ---------------------------------------------------------------------------------------------
 # Flat models: T0(B) = 0.040 + 0.001 B (no K term), T_xfer(n) = 0.001 + n x 1000 B / 1e6 B/s.
@@ -1130,9 +1132,7 @@ KEEP_HANDOFF_CASES = [
     pytest.param(
         _dn(b=10, k=9000, capacity=9_500), 0.15, 0.05 + 1.001 + 0.076, id="short, but 0.15 s of prefill frees most"
     ),
-    pytest.param(
-        _dn(b=10, k=9000, capacity=9_500), 0.25, 1.001 + 0.076, id="short, but freed before the prefill ends"
-    ),
+    pytest.param(_dn(b=10, k=9000, capacity=9_500), 0.25, 1.001 + 0.076, id="short, but freed before the prefill ends"),
     # the backlog's 2000 tokens hold KV and join the batch: b 1, k 2000, 500 short:
     # 500 x 72 x 0.041 / 2000 = 0.738
     pytest.param(

@@ -713,9 +713,7 @@ REJECT_CASES = [
         id="the KV pull is not public",
     ),
     pytest.param(
-        RejectCase(
-            "DELETE", COMPLETIONS, None, 405, "method_not_allowed", "invalid_request_error", None, "use POST"
-        ),
+        RejectCase("DELETE", COMPLETIONS, None, 405, "method_not_allowed", "invalid_request_error", None, "use POST"),
         id="another method on an inference path is a 405",
     ),
     pytest.param(
@@ -724,22 +722,42 @@ REJECT_CASES = [
     ),
     pytest.param(
         RejectCase(
-            "POST", COMPLETIONS, b"\x1f\x8b", 415, "unsupported_content_encoding", "invalid_request_error", None,
-            "'gzip' is not supported", {"content-encoding": "gzip"},
+            "POST",
+            COMPLETIONS,
+            b"\x1f\x8b",
+            415,
+            "unsupported_content_encoding",
+            "invalid_request_error",
+            None,
+            "'gzip' is not supported",
+            {"content-encoding": "gzip"},
         ),
         id="a gzip body is a 415",
     ),
     pytest.param(
         RejectCase(
-            "POST", COMPLETIONS, b"{}", 415, "unsupported_content_encoding", "invalid_request_error", None,
-            "'br' is not supported", {"content-encoding": "br"},
+            "POST",
+            COMPLETIONS,
+            b"{}",
+            415,
+            "unsupported_content_encoding",
+            "invalid_request_error",
+            None,
+            "'br' is not supported",
+            {"content-encoding": "br"},
         ),
         id="a brotli body is a 415",
     ),
     pytest.param(
         RejectCase(
-            "POST", COMPLETIONS, b'{"prompt": "a \xed\xa0\x80 b"}', 400, "invalid_request",
-            "invalid_request_error", None, "not valid UTF-8",
+            "POST",
+            COMPLETIONS,
+            b'{"prompt": "a \xed\xa0\x80 b"}',
+            400,
+            "invalid_request",
+            "invalid_request_error",
+            None,
+            "not valid UTF-8",
         ),
         id="raw surrogate bytes in the prompt are a 400",
     ),

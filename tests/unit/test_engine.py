@@ -122,8 +122,9 @@ def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() 
     after every step the snapshot lists each kind's remaining tokens as the sequences hold them,
     and the unscheduled total is their sum."""
     engine = make(Role.DECODE, budget=700, kv=9_000)
-    for i, (tokens, schedule) in enumerate([(900, ()), (500, (300,)), (1200, ()), (4000, ()), (800, (250,)),
-                                            (3000, ()), (600, (200, 100))]):
+    for i, (tokens, schedule) in enumerate(
+        [(900, ()), (500, (300,)), (1200, ()), (4000, ()), (800, (250,)), (3000, ()), (600, (200, 100))]
+    ):
         engine.submit(Sequence(f"r{i}", tokens, 2, schedule=schedule))
     saw_both = False
     for _ in range(40):
@@ -194,8 +195,9 @@ def test_the_calibration_learns_the_measured_step_when_one_is_given() -> None:
 
     def run(measured_factor: float | None) -> float:
         calibration = StepCalibration()
-        engine = Engine(EngineConfig("d0", Role.DECODE, 4096, 100_000), model_step_time(MODELS), MODELS,
-                        calibration=calibration)
+        engine = Engine(
+            EngineConfig("d0", Role.DECODE, 4096, 100_000), model_step_time(MODELS), MODELS, calibration=calibration
+        )
         engine.submit(Sequence("a", 100, 2000))
         t = 0.0
         for _ in range(600):

@@ -146,9 +146,7 @@ _ANY_JSON = st.one_of(
     changes=st.dictionaries(st.sampled_from((*HeartbeatField.ALL, *HeartbeatField.OPTIONAL)), _ANY_JSON, max_size=3),
     dropped=st.sets(st.sampled_from(HeartbeatField.ALL), max_size=1),
 )
-def test_the_fast_decoder_and_the_checked_one_give_the_same_verdict(
-    changes: dict[str, Any], dropped: set[str]
-) -> None:
+def test_the_fast_decoder_and_the_checked_one_give_the_same_verdict(changes: dict[str, Any], dropped: set[str]) -> None:
     """parse_heartbeat decodes with msgspec and falls back to the Python checks only for a value
     msgspec refuses: both must accept exactly the same heartbeats, as the same values."""
     data = {**json.loads(encode_heartbeat(BEAT)), **changes}

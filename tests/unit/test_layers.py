@@ -22,8 +22,17 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
     "kairos.profiling": ("profiling", frozenset({"kairos.common", "kairos.core", "kairos.sim"})),
     "kairos.launcher": (
         "kairos/launcher",
-        frozenset({"kairos.common", "kairos.core", "kairos.api", "kairos.extproc", "kairos.nodeagent", "kairos.sim",
-                   "kairos.profiling"}),
+        frozenset(
+            {
+                "kairos.common",
+                "kairos.core",
+                "kairos.api",
+                "kairos.extproc",
+                "kairos.nodeagent",
+                "kairos.sim",
+                "kairos.profiling",
+            }
+        ),
     ),
 }
 

@@ -86,164 +86,369 @@ CONFIG = {"stale_after_s": 0.35, "recovery_grace_s": 0.5, "forget_malformed_afte
 STATIC = {"fallback_prefill": ("p0=10.0.0.1:8001", "p1=10.0.0.2:8001"), "fallback_decode": ("d0=10.0.1.1:8201",)}
 
 CASES = [
-    Case("a new seq refreshes the node at poll time; the same beat again ages it into staleness", (
-        Poll(10.0, {"p0": beat("p0", 1)}, {"p0": 10.0}, events=("joined p0 prefill",)),
-        Poll(10.3, {"p0": beat("p0", 1)}, {"p0": 10.0}),
-        Poll(10.4, {"p0": beat("p0", 1)}, {"p0": 10.0}, stale=frozenset({"p0"})),
-        Poll(10.5, {"p0": beat("p0", 2)}, {"p0": 10.5}),
-    )),
-    Case("the publisher's clock never matters: sent_at an hour ahead or behind", (
-        Poll(10.0, {"p0": beat("p0", 1, sent_at=5000.0), "d0": beat("d0", 1, sent_at=-2000.0)},
-             {"p0": 10.0, "d0": 10.0}, events=("joined p0 prefill", "joined d0 decode")),
-        Poll(10.4, {"p0": beat("p0", 2, sent_at=5000.1), "d0": beat("d0", 1, sent_at=-2000.0)},
-             {"p0": 10.4, "d0": 10.0}, stale=frozenset({"d0"})),
-    )),
-    Case("a restarted publisher counts as new even though its seq starts again", (
-        Poll(10.0, {"p0": beat("p0", 7, sent_at=1000.0)}, {"p0": 10.0}, events=("joined p0 prefill",)),
-        Poll(11.0, {"p0": beat("p0", 1, sent_at=1001.0)}, {"p0": 11.0}),
-    )),
-    Case("an expired key removes its node at the next poll, while the role has other nodes", (
-        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1")}, {"d0": 0.0, "d1": 0.0},
-             events=("joined d0 decode", "joined d1 decode")),
-        Poll(0.1, {"d1": beat("d1", 2)}, {"d1": 0.1}, events=("left d0 decode: its heartbeat key expired",)),
-    )),
-    Case("a key that expired between its SCAN and its MGET counts as gone", (
-        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1")}, {"d0": 0.0, "d1": 0.0},
-             events=("joined d0 decode", "joined d1 decode")),
-        Poll(0.1, {"d0": None, "d1": beat("d1", 2)}, {"d1": 0.1},
-             events=("left d0 decode: its heartbeat key expired",)),
-    )),
-    Case("every key of a role gone at once: its nodes stay, stale, as a last resort until one beats", (
-        Poll(0.0, {"d0": beat("d0"), "d1": beat("d1"), "p0": beat("p0")}, {"d0": 0.0, "d1": 0.0, "p0": 0.0},
-             events=("joined d0 decode", "joined d1 decode", "joined p0 prefill")),
-        Poll(1.0, {"p0": beat("p0", 2)}, {"d0": 0.0, "d1": 0.0, "p0": 1.0}, stale=frozenset({"d0", "d1"}),
-             events=("last resort decode 30 s",)),
-        Poll(1.1, {"p0": beat("p0", 2)}, {"d0": 0.0, "d1": 0.0, "p0": 1.0}, stale=frozenset({"d0", "d1"})),
-        Poll(1.2, {"p0": beat("p0", 2), "d1": beat("d1", 2)}, {"d1": 1.2, "p0": 1.0},
-             events=("left d0 decode: its heartbeat key expired",)),
-    )),
-    Case("the last resort ends last_resort_s after the node's last beat", (
-        Poll(0.0, {"d0": beat("d0"), "p0": beat("p0")}, {"d0": 0.0, "p0": 0.0},
-             events=("joined d0 decode", "joined p0 prefill")),
-        Poll(4.0, {"p0": beat("p0", 2)}, {"d0": 0.0, "p0": 4.0}, stale=frozenset({"d0"}),
-             events=("last resort decode 5 s",)),
-        Poll(5.0, {"p0": beat("p0", 3)}, {"p0": 5.0}, events=("left d0 decode: its heartbeat key expired",)),
-        # p0's key goes too, its last beat 0 s old: a last resort, logged again (a new episode)
-        Poll(5.1, {}, {"p0": 5.0}, events=("last resort prefill 5 s",)),
-        Poll(10.0, {}, {}, events=("left p0 prefill: its heartbeat key expired",)),
-    ), {"last_resort_s": 5.0}),
-    Case("last_resort_s = 0: every expired node leaves at once", (
-        Poll(0.0, {"d0": beat("d0")}, {"d0": 0.0}, events=("joined d0 decode",)),
-        Poll(0.1, {}, {}, events=("left d0 decode: its heartbeat key expired",)),
-    ), {"last_resort_s": 0.0}),
-    Case("malformed values are ignored and reported once per node until valid again", (
-        Poll(0.0, {"b1": "not json", "b2": json.dumps({"node_id": "b2"}), "b3": beat("someone-else"),
-                   "b4": beat("b4", role="decode", sidecar=""), "p0": beat("p0")}, {"p0": 0.0},
-             events=("rejected b1 malformed",
-                     "malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
-                     "rejected b2 malformed",
-                     "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
-                     "rejected b3 key_mismatch",
-                     "malformed b3: key_mismatch: node_id 'someone-else' in the key of 'b3'",
-                     "rejected b4 malformed",
-                     "malformed b4: a decode node needs a sidecar address (the dispatcher routes to it)",
-                     "joined p0 prefill")),
-        Poll(0.1, {"b1": "not json", "p0": beat("p0", 2)}, {"p0": 0.1}),
-        Poll(0.2, {"b1": beat("b1", 1)}, {"b1": 0.2}, events=(
-            "valid again b1 seq 1", "joined b1 prefill", "left p0 prefill: its heartbeat key expired")),
-    )),
-    Case("a known node that turns malformed keeps its last good state, then is forgotten", (
-        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
-        Poll(0.3, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0},
-             events=("rejected p0 malformed", "malformed p0: max_step_tokens must be an int >= 1, got 0")),
-        Poll(0.4, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0}, stale=frozenset({"p0"})),
-        Poll(0.5, {"p0": beat("p0", 2, max_step_tokens=0)}, {},
-             events=("left p0 prefill: no valid heartbeat for 0.50 s",)),
-        Poll(0.6, {"p0": beat("p0", 3)}, {"p0": 0.6}, events=("valid again p0 seq 3", "joined p0 prefill")),
-    )),
-    Case("a node that reports another role leaves and joins again as that role", (
-        Poll(1.0, {"n0": beat("n0", 1, role="prefill")}, {"n0": 1.0}, events=("joined n0 prefill",)),
-        Poll(2.0, {"n0": beat("n0", 2, role="decode")}, {"n0": 2.0},
-             events=("left n0 prefill: it now reports role decode", "joined n0 decode")),
-    )),
-    Case("redis lost after it answered: degraded, the last view stays and ages; back: it heals", (
-        Poll(0.0, {"p0": beat("p0"), "d0": beat("d0")}, {"p0": 0.0, "d0": 0.0},
-             events=("joined p0 prefill", "joined d0 decode")),
-        Poll(0.1, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True, events=("redis lost (after first answer, 1P 1D)",)),
-        Poll(0.2, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True),
-        Poll(0.4, DOWN, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}), degraded=True),
-        # Redis restarted empty: the grace keeps the nodes while publishers re-publish.
-        Poll(0.5, {}, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}),
-             events=("redis back again after 0.4 s, 3 failed",)),
-        Poll(0.6, {"p0": beat("p0", 2)}, {"p0": 0.6, "d0": 0.0}, stale=frozenset({"d0"})),
-        Poll(0.95, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 0.95, "d0": 0.95}),
-    )),
-    Case("after the recovery grace, nodes still missing leave", (
-        Poll(0.0, {"p0": beat("p0"), "d0": beat("d0"), "d1": beat("d1")}, {"p0": 0.0, "d0": 0.0, "d1": 0.0},
-             events=("joined p0 prefill", "joined d0 decode", "joined d1 decode")),
-        Poll(1.0, DOWN, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, stale=frozenset({"p0", "d0", "d1"}), degraded=True,
-             events=("redis lost (after first answer, 1P 2D)",)),
-        Poll(2.0, {"p0": beat("p0", 2), "d0": beat("d0", 2)}, {"p0": 2.0, "d0": 2.0, "d1": 0.0},
-             stale=frozenset({"d1"}), events=("redis back again after 1 s, 1 failed",)),
-        Poll(2.5, {"p0": beat("p0", 3), "d0": beat("d0", 3)}, {"p0": 2.5, "d0": 2.5},
-             events=("left d1 decode: its heartbeat key expired",)),
-    )),
-    Case("redis never up: the static lists, refreshed each poll, never deflectable; redis up replaces them", (
-        Poll(100.0, DOWN, {"p0": 100.0, "p1": 100.0, "d0": 100.0}, degraded=True, static=True,
-             events=("redis lost (before first answer, 2P 1D)",)),
-        Poll(101.0, DOWN, {"p0": 101.0, "p1": 101.0, "d0": 101.0}, degraded=True, static=True),
-        Poll(102.0, {"p0": beat("p0"), "d9": beat("d9")}, {"p0": 102.0, "p1": 101.0, "d0": 101.0, "d9": 102.0},
-             stale=frozenset({"p1", "d0"}),
-             events=("redis back after 2 s, 2 failed, leaving static", "joined p0 prefill", "joined d9 decode")),
-        Poll(102.5, {"p0": beat("p0"), "d9": beat("d9")}, {"p0": 102.0, "d9": 102.0}, stale=frozenset({"p0", "d9"}),
-             events=("left p1 prefill: it is a static node and redis now answers",
-                     "left d0 decode: it is a static node and redis now answers")),
-    ), STATIC),
-    Case("a forged beat in another node's key is ignored, counted once per value; the node keeps its state", (
-        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
-        Poll(0.1, {"p0": beat("p1", 9)}, {"p0": 0.0},
-             events=("rejected p0 key_mismatch", "malformed p0: key_mismatch: node_id 'p1' in the key of 'p0'")),
-        Poll(0.2, {"p0": beat("p1", 9)}, {"p0": 0.0}),  # the same forged value: not counted again
-        Poll(0.25, {"p0": beat("p1", 10)}, {"p0": 0.0}, events=("rejected p0 key_mismatch",)),
-        Poll(0.3, {"p0": beat("p0", 2)}, {"p0": 0.3}, events=("valid again p0 seq 2",)),
-    )),
-    Case("the very value applied before comes back after a rejected one: valid again, not skipped as seen", (
-        Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
-        Poll(0.1, {"p0": "{not json"}, {"p0": 0.0}, events=(
-            "rejected p0 malformed", "malformed p0: not JSON (JSONDecodeError: Expecting property name enclosed in "
-            "double quotes: line 1 column 2 (char 1))")),
-        Poll(0.2, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("valid again p0 seq 1",)),
-    )),
-    Case("listed nodes only: the listed role and addresses join, anything else is rejected", (
-        Poll(0.0, {"p0": beat("p0", url="10.0.0.1:8001"),  # as listed
-                   "p1": beat("p1", url="10.9.9.9:8001"),  # another address than listed
-                   "d0": beat("d0", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # url not listed: not checked
-                   "d1": beat("d1", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # not listed
-                   "d9": beat("d9", role="prefill", url="10.0.0.1:8001")},  # listed as decode
-             {"p0": 0.0, "d0": 0.0},
-             events=("joined p0 prefill",
-                     "rejected p1 address_mismatch",
-                     "malformed p1: address_mismatch: reports url '10.9.9.9:8001', listed as '10.0.0.2:8001'",
-                     "joined d0 decode",
-                     "rejected d1 unknown_node", "malformed d1: unknown_node: 'd1' is not a listed node",
-                     "rejected d9 role_mismatch",
-                     "malformed d9: role_mismatch: reports role prefill, listed as decode")),
-        # a forger that got d0's url right but not its sidecar: rejected, d0 keeps its state
-        Poll(0.1, {"p0": beat("p0", 2, url="10.0.0.1:8001"),
-                   "d0": beat("d0", 2, url="10.0.1.1:8101", sidecar="10.6.6.6:8201")},
-             {"p0": 0.1, "d0": 0.0},
-             events=("rejected d0 address_mismatch",
-                     "malformed d0: address_mismatch: reports sidecar '10.6.6.6:8201', listed as '10.0.1.1:8201'")),
-    ), {**STATIC, "fallback_decode": ("d0=10.0.1.1:8201", "d9=10.0.1.9:8101+10.0.1.9:8201"),
-        "admit_nodes": "listed"}),
-    Case("admit any (the lists are a fallback only): an unlisted node or another address joins", (
-        Poll(0.0, {"p1": beat("p1", url="10.9.9.9:8001"), "d7": beat("d7")}, {"p1": 0.0, "d7": 0.0},
-             events=("joined p1 prefill", "joined d7 decode")),
-    ), STATIC),
-    Case("redis never up and no static lists: an empty view", (
-        Poll(0.0, DOWN, {}, degraded=True, events=("redis lost (before first answer, 0P 0D)",)),
-        Poll(0.1, DOWN, {}, degraded=True),
-    )),
+    Case(
+        "a new seq refreshes the node at poll time; the same beat again ages it into staleness",
+        (
+            Poll(10.0, {"p0": beat("p0", 1)}, {"p0": 10.0}, events=("joined p0 prefill",)),
+            Poll(10.3, {"p0": beat("p0", 1)}, {"p0": 10.0}),
+            Poll(10.4, {"p0": beat("p0", 1)}, {"p0": 10.0}, stale=frozenset({"p0"})),
+            Poll(10.5, {"p0": beat("p0", 2)}, {"p0": 10.5}),
+        ),
+    ),
+    Case(
+        "the publisher's clock never matters: sent_at an hour ahead or behind",
+        (
+            Poll(
+                10.0,
+                {"p0": beat("p0", 1, sent_at=5000.0), "d0": beat("d0", 1, sent_at=-2000.0)},
+                {"p0": 10.0, "d0": 10.0},
+                events=("joined p0 prefill", "joined d0 decode"),
+            ),
+            Poll(
+                10.4,
+                {"p0": beat("p0", 2, sent_at=5000.1), "d0": beat("d0", 1, sent_at=-2000.0)},
+                {"p0": 10.4, "d0": 10.0},
+                stale=frozenset({"d0"}),
+            ),
+        ),
+    ),
+    Case(
+        "a restarted publisher counts as new even though its seq starts again",
+        (
+            Poll(10.0, {"p0": beat("p0", 7, sent_at=1000.0)}, {"p0": 10.0}, events=("joined p0 prefill",)),
+            Poll(11.0, {"p0": beat("p0", 1, sent_at=1001.0)}, {"p0": 11.0}),
+        ),
+    ),
+    Case(
+        "an expired key removes its node at the next poll, while the role has other nodes",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0"), "d1": beat("d1")},
+                {"d0": 0.0, "d1": 0.0},
+                events=("joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(0.1, {"d1": beat("d1", 2)}, {"d1": 0.1}, events=("left d0 decode: its heartbeat key expired",)),
+        ),
+    ),
+    Case(
+        "a key that expired between its SCAN and its MGET counts as gone",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0"), "d1": beat("d1")},
+                {"d0": 0.0, "d1": 0.0},
+                events=("joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(
+                0.1,
+                {"d0": None, "d1": beat("d1", 2)},
+                {"d1": 0.1},
+                events=("left d0 decode: its heartbeat key expired",),
+            ),
+        ),
+    ),
+    Case(
+        "every key of a role gone at once: its nodes stay, stale, as a last resort until one beats",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0"), "d1": beat("d1"), "p0": beat("p0")},
+                {"d0": 0.0, "d1": 0.0, "p0": 0.0},
+                events=("joined d0 decode", "joined d1 decode", "joined p0 prefill"),
+            ),
+            Poll(
+                1.0,
+                {"p0": beat("p0", 2)},
+                {"d0": 0.0, "d1": 0.0, "p0": 1.0},
+                stale=frozenset({"d0", "d1"}),
+                events=("last resort decode 30 s",),
+            ),
+            Poll(1.1, {"p0": beat("p0", 2)}, {"d0": 0.0, "d1": 0.0, "p0": 1.0}, stale=frozenset({"d0", "d1"})),
+            Poll(
+                1.2,
+                {"p0": beat("p0", 2), "d1": beat("d1", 2)},
+                {"d1": 1.2, "p0": 1.0},
+                events=("left d0 decode: its heartbeat key expired",),
+            ),
+        ),
+    ),
+    Case(
+        "the last resort ends last_resort_s after the node's last beat",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0"), "p0": beat("p0")},
+                {"d0": 0.0, "p0": 0.0},
+                events=("joined d0 decode", "joined p0 prefill"),
+            ),
+            Poll(
+                4.0,
+                {"p0": beat("p0", 2)},
+                {"d0": 0.0, "p0": 4.0},
+                stale=frozenset({"d0"}),
+                events=("last resort decode 5 s",),
+            ),
+            Poll(5.0, {"p0": beat("p0", 3)}, {"p0": 5.0}, events=("left d0 decode: its heartbeat key expired",)),
+            # p0's key goes too, its last beat 0 s old: a last resort, logged again (a new episode)
+            Poll(5.1, {}, {"p0": 5.0}, events=("last resort prefill 5 s",)),
+            Poll(10.0, {}, {}, events=("left p0 prefill: its heartbeat key expired",)),
+        ),
+        {"last_resort_s": 5.0},
+    ),
+    Case(
+        "last_resort_s = 0: every expired node leaves at once",
+        (
+            Poll(0.0, {"d0": beat("d0")}, {"d0": 0.0}, events=("joined d0 decode",)),
+            Poll(0.1, {}, {}, events=("left d0 decode: its heartbeat key expired",)),
+        ),
+        {"last_resort_s": 0.0},
+    ),
+    Case(
+        "malformed values are ignored and reported once per node until valid again",
+        (
+            Poll(
+                0.0,
+                {
+                    "b1": "not json",
+                    "b2": json.dumps({"node_id": "b2"}),
+                    "b3": beat("someone-else"),
+                    "b4": beat("b4", role="decode", sidecar=""),
+                    "p0": beat("p0"),
+                },
+                {"p0": 0.0},
+                events=(
+                    "rejected b1 malformed",
+                    "malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
+                    "rejected b2 malformed",
+                    "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
+                    "rejected b3 key_mismatch",
+                    "malformed b3: key_mismatch: node_id 'someone-else' in the key of 'b3'",
+                    "rejected b4 malformed",
+                    "malformed b4: a decode node needs a sidecar address (the dispatcher routes to it)",
+                    "joined p0 prefill",
+                ),
+            ),
+            Poll(0.1, {"b1": "not json", "p0": beat("p0", 2)}, {"p0": 0.1}),
+            Poll(
+                0.2,
+                {"b1": beat("b1", 1)},
+                {"b1": 0.2},
+                events=("valid again b1 seq 1", "joined b1 prefill", "left p0 prefill: its heartbeat key expired"),
+            ),
+        ),
+    ),
+    Case(
+        "a known node that turns malformed keeps its last good state, then is forgotten",
+        (
+            Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+            Poll(
+                0.3,
+                {"p0": beat("p0", 2, max_step_tokens=0)},
+                {"p0": 0.0},
+                events=("rejected p0 malformed", "malformed p0: max_step_tokens must be an int >= 1, got 0"),
+            ),
+            Poll(0.4, {"p0": beat("p0", 2, max_step_tokens=0)}, {"p0": 0.0}, stale=frozenset({"p0"})),
+            Poll(
+                0.5,
+                {"p0": beat("p0", 2, max_step_tokens=0)},
+                {},
+                events=("left p0 prefill: no valid heartbeat for 0.50 s",),
+            ),
+            Poll(0.6, {"p0": beat("p0", 3)}, {"p0": 0.6}, events=("valid again p0 seq 3", "joined p0 prefill")),
+        ),
+    ),
+    Case(
+        "a node that reports another role leaves and joins again as that role",
+        (
+            Poll(1.0, {"n0": beat("n0", 1, role="prefill")}, {"n0": 1.0}, events=("joined n0 prefill",)),
+            Poll(
+                2.0,
+                {"n0": beat("n0", 2, role="decode")},
+                {"n0": 2.0},
+                events=("left n0 prefill: it now reports role decode", "joined n0 decode"),
+            ),
+        ),
+    ),
+    Case(
+        "redis lost after it answered: degraded, the last view stays and ages; back: it heals",
+        (
+            Poll(
+                0.0,
+                {"p0": beat("p0"), "d0": beat("d0")},
+                {"p0": 0.0, "d0": 0.0},
+                events=("joined p0 prefill", "joined d0 decode"),
+            ),
+            Poll(0.1, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True, events=("redis lost (after first answer, 1P 1D)",)),
+            Poll(0.2, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True),
+            Poll(0.4, DOWN, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}), degraded=True),
+            # Redis restarted empty: the grace keeps the nodes while publishers re-publish.
+            Poll(
+                0.5,
+                {},
+                {"p0": 0.0, "d0": 0.0},
+                stale=frozenset({"p0", "d0"}),
+                events=("redis back again after 0.4 s, 3 failed",),
+            ),
+            Poll(0.6, {"p0": beat("p0", 2)}, {"p0": 0.6, "d0": 0.0}, stale=frozenset({"d0"})),
+            Poll(0.95, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 0.95, "d0": 0.95}),
+        ),
+    ),
+    Case(
+        "after the recovery grace, nodes still missing leave",
+        (
+            Poll(
+                0.0,
+                {"p0": beat("p0"), "d0": beat("d0"), "d1": beat("d1")},
+                {"p0": 0.0, "d0": 0.0, "d1": 0.0},
+                events=("joined p0 prefill", "joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(
+                1.0,
+                DOWN,
+                {"p0": 0.0, "d0": 0.0, "d1": 0.0},
+                stale=frozenset({"p0", "d0", "d1"}),
+                degraded=True,
+                events=("redis lost (after first answer, 1P 2D)",),
+            ),
+            Poll(
+                2.0,
+                {"p0": beat("p0", 2), "d0": beat("d0", 2)},
+                {"p0": 2.0, "d0": 2.0, "d1": 0.0},
+                stale=frozenset({"d1"}),
+                events=("redis back again after 1 s, 1 failed",),
+            ),
+            Poll(
+                2.5,
+                {"p0": beat("p0", 3), "d0": beat("d0", 3)},
+                {"p0": 2.5, "d0": 2.5},
+                events=("left d1 decode: its heartbeat key expired",),
+            ),
+        ),
+    ),
+    Case(
+        "redis never up: the static lists, refreshed each poll, never deflectable; redis up replaces them",
+        (
+            Poll(
+                100.0,
+                DOWN,
+                {"p0": 100.0, "p1": 100.0, "d0": 100.0},
+                degraded=True,
+                static=True,
+                events=("redis lost (before first answer, 2P 1D)",),
+            ),
+            Poll(101.0, DOWN, {"p0": 101.0, "p1": 101.0, "d0": 101.0}, degraded=True, static=True),
+            Poll(
+                102.0,
+                {"p0": beat("p0"), "d9": beat("d9")},
+                {"p0": 102.0, "p1": 101.0, "d0": 101.0, "d9": 102.0},
+                stale=frozenset({"p1", "d0"}),
+                events=("redis back after 2 s, 2 failed, leaving static", "joined p0 prefill", "joined d9 decode"),
+            ),
+            Poll(
+                102.5,
+                {"p0": beat("p0"), "d9": beat("d9")},
+                {"p0": 102.0, "d9": 102.0},
+                stale=frozenset({"p0", "d9"}),
+                events=(
+                    "left p1 prefill: it is a static node and redis now answers",
+                    "left d0 decode: it is a static node and redis now answers",
+                ),
+            ),
+        ),
+        STATIC,
+    ),
+    Case(
+        "a forged beat in another node's key is ignored, counted once per value; the node keeps its state",
+        (
+            Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+            Poll(
+                0.1,
+                {"p0": beat("p1", 9)},
+                {"p0": 0.0},
+                events=("rejected p0 key_mismatch", "malformed p0: key_mismatch: node_id 'p1' in the key of 'p0'"),
+            ),
+            Poll(0.2, {"p0": beat("p1", 9)}, {"p0": 0.0}),  # the same forged value: not counted again
+            Poll(0.25, {"p0": beat("p1", 10)}, {"p0": 0.0}, events=("rejected p0 key_mismatch",)),
+            Poll(0.3, {"p0": beat("p0", 2)}, {"p0": 0.3}, events=("valid again p0 seq 2",)),
+        ),
+    ),
+    Case(
+        "the very value applied before comes back after a rejected one: valid again, not skipped as seen",
+        (
+            Poll(0.0, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("joined p0 prefill",)),
+            Poll(
+                0.1,
+                {"p0": "{not json"},
+                {"p0": 0.0},
+                events=(
+                    "rejected p0 malformed",
+                    "malformed p0: not JSON (JSONDecodeError: Expecting property name enclosed in "
+                    "double quotes: line 1 column 2 (char 1))",
+                ),
+            ),
+            Poll(0.2, {"p0": beat("p0", 1)}, {"p0": 0.0}, events=("valid again p0 seq 1",)),
+        ),
+    ),
+    Case(
+        "listed nodes only: the listed role and addresses join, anything else is rejected",
+        (
+            Poll(
+                0.0,
+                {
+                    "p0": beat("p0", url="10.0.0.1:8001"),  # as listed
+                    "p1": beat("p1", url="10.9.9.9:8001"),  # another address than listed
+                    "d0": beat("d0", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # url not listed: not checked
+                    "d1": beat("d1", url="10.0.1.1:8101", sidecar="10.0.1.1:8201"),  # not listed
+                    "d9": beat("d9", role="prefill", url="10.0.0.1:8001"),
+                },  # listed as decode
+                {"p0": 0.0, "d0": 0.0},
+                events=(
+                    "joined p0 prefill",
+                    "rejected p1 address_mismatch",
+                    "malformed p1: address_mismatch: reports url '10.9.9.9:8001', listed as '10.0.0.2:8001'",
+                    "joined d0 decode",
+                    "rejected d1 unknown_node",
+                    "malformed d1: unknown_node: 'd1' is not a listed node",
+                    "rejected d9 role_mismatch",
+                    "malformed d9: role_mismatch: reports role prefill, listed as decode",
+                ),
+            ),
+            # a forger that got d0's url right but not its sidecar: rejected, d0 keeps its state
+            Poll(
+                0.1,
+                {
+                    "p0": beat("p0", 2, url="10.0.0.1:8001"),
+                    "d0": beat("d0", 2, url="10.0.1.1:8101", sidecar="10.6.6.6:8201"),
+                },
+                {"p0": 0.1, "d0": 0.0},
+                events=(
+                    "rejected d0 address_mismatch",
+                    "malformed d0: address_mismatch: reports sidecar '10.6.6.6:8201', listed as '10.0.1.1:8201'",
+                ),
+            ),
+        ),
+        {**STATIC, "fallback_decode": ("d0=10.0.1.1:8201", "d9=10.0.1.9:8101+10.0.1.9:8201"), "admit_nodes": "listed"},
+    ),
+    Case(
+        "admit any (the lists are a fallback only): an unlisted node or another address joins",
+        (
+            Poll(
+                0.0,
+                {"p1": beat("p1", url="10.9.9.9:8001"), "d7": beat("d7")},
+                {"p1": 0.0, "d7": 0.0},
+                events=("joined p1 prefill", "joined d7 decode"),
+            ),
+        ),
+        STATIC,
+    ),
+    Case(
+        "redis never up and no static lists: an empty view",
+        (
+            Poll(0.0, DOWN, {}, degraded=True, events=("redis lost (before first answer, 0P 0D)",)),
+            Poll(0.1, DOWN, {}, degraded=True),
+        ),
+    ),
 ]
 
 
@@ -257,8 +462,13 @@ def test_membership_rules(case: Case) -> None:
     m = Membership(MembershipConfig(**{**CONFIG, **case.config}))
     for i, poll in enumerate(case.polls):
         events = m.poll_failed(poll.t) if poll.redis is DOWN else m.poll_succeeded(poll.redis.items(), poll.t)
-        got = (nodes_in_view(m), frozenset(m.stale_node_ids(poll.t)), tuple(map(event_text, events)),
-               m.degraded, m.static_fallback)
+        got = (
+            nodes_in_view(m),
+            frozenset(m.stale_node_ids(poll.t)),
+            tuple(map(event_text, events)),
+            m.degraded,
+            m.static_fallback,
+        )
         want = (dict(poll.nodes), poll.stale, poll.events, poll.degraded, poll.static)
         assert got == want, f"poll {i} at t={poll.t}"
         assert set(m.addresses()) == set(poll.nodes), f"poll {i}: addresses and view disagree"
@@ -287,9 +497,7 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
     view = m.tracker.view()
     assert view.prefill == (PrefillNodeState("p0", (3000, 500), 2048, 5.0),)
     assert view.decode == (
-        DecodeNodeState(
-            "d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12)
-        ),
+        DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12)),
         DecodeNodeState("d1", 0, 0, 50_000, 5.0),
     )
     assert dict(m.addresses()) == {
@@ -310,21 +518,52 @@ def test_static_nodes_have_zero_load_and_no_kv_room() -> None:
 
 def test_the_nodes_report() -> None:
     m = Membership(MembershipConfig(stale_after_s=0.35))
-    d0 = beat("d0", 1, decode_tokens=3, kv_tokens=900, scheduled_prefill_tokens=[512, 100], running_requests=4,
-              waiting_requests=1, kv_usage=0.02)
+    d0 = beat(
+        "d0",
+        1,
+        decode_tokens=3,
+        kv_tokens=900,
+        scheduled_prefill_tokens=[512, 100],
+        running_requests=4,
+        waiting_requests=1,
+        kv_usage=0.02,
+    )
     m.poll_succeeded([("p0", beat("p0", 1)), ("d0", d0)], 10.0)
     m.poll_succeeded([("p0", beat("p0", 2, queued_prefill_tokens=[3000, 1000])), ("d0", d0)], 10.3)
-    load = {"decode_tokens": 0, "kv_tokens": 0, "kv_capacity_tokens": 50_000, "queued_prefill_tokens": 0,
-            "scheduled_prefill_tokens": 0}
+    load = {
+        "decode_tokens": 0,
+        "kv_tokens": 0,
+        "kv_capacity_tokens": 50_000,
+        "queued_prefill_tokens": 0,
+        "scheduled_prefill_tokens": 0,
+    }
     assert m.report(10.3) == {
         "status": "ok",
         "static_fallback": False,
         "nodes": [
-            {"id": "d0", "role": "decode", "age_s": 0.3, "stale": False, "from_redis": True,
-             **load, "decode_tokens": 3, "kv_tokens": 900, "scheduled_prefill_tokens": 612,
-             "running_requests": 4, "waiting_requests": 1, "kv_usage": 0.02},
-            {"id": "p0", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": True,
-             **load, "queued_prefill_tokens": 4000},  # the load of its newest beat
+            {
+                "id": "d0",
+                "role": "decode",
+                "age_s": 0.3,
+                "stale": False,
+                "from_redis": True,
+                **load,
+                "decode_tokens": 3,
+                "kv_tokens": 900,
+                "scheduled_prefill_tokens": 612,
+                "running_requests": 4,
+                "waiting_requests": 1,
+                "kv_usage": 0.02,
+            },
+            {
+                "id": "p0",
+                "role": "prefill",
+                "age_s": 0.0,
+                "stale": False,
+                "from_redis": True,
+                **load,
+                "queued_prefill_tokens": 4000,
+            },  # the load of its newest beat
         ],
         "rejected_heartbeats": dict.fromkeys(map(str, RejectReason), 0),
         "rejecting": [],
@@ -374,7 +613,11 @@ def test_rejections_show_in_the_nodes_report() -> None:
     m.poll_succeeded([("p0", beat("p0", 2)), ("p7", beat("p7", 2)), ("d0", "junk")], 1.1)
     report = m.report(1.1)
     assert report["rejected_heartbeats"] == {
-        "malformed": 1, "key_mismatch": 0, "unknown_node": 2, "role_mismatch": 0, "address_mismatch": 0
+        "malformed": 1,
+        "key_mismatch": 0,
+        "unknown_node": 2,
+        "role_mismatch": 0,
+        "address_mismatch": 0,
     }
     assert report["rejecting"] == [{"id": "d0", "reason": "malformed"}, {"id": "p7", "reason": "unknown_node"}]
     assert [n["id"] for n in report["nodes"]] == ["p0"]
@@ -468,8 +711,11 @@ def test_the_view_carries_each_decode_nodes_step_calibration_and_an_old_heartbea
 # ---------------------------------------------------------------------------------------------
 # KV event subscriptions: the nodes whose beats advertise sockets, and when that changes
 # ---------------------------------------------------------------------------------------------
-D0_EVENTS = {"kv_events_endpoint": "tcp://10.0.0.1:5557", "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
-             "kv_events_topic": "kv-events"}
+D0_EVENTS = {
+    "kv_events_endpoint": "tcp://10.0.0.1:5557",
+    "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
+    "kv_events_topic": "kv-events",
+}
 D0_MOVED = {**D0_EVENTS, "kv_events_endpoint": "tcp://10.0.0.1:6557"}
 P0_EVENTS = {"kv_events_endpoint": "ipc:///run/p0-events"}  # no replay socket, vLLM's default topic
 
@@ -483,27 +729,48 @@ class SubscriptionPoll:
 
 
 SUBSCRIPTION_SCRIPT = (
-    SubscriptionPoll(0.0, {"p0": beat("p0", 1, **P0_EVENTS), "d0": beat("d0", 1, **D0_EVENTS), "d1": beat("d1", 1)},
-                     {"p0": ("ipc:///run/p0-events", None, ""),
-                      "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    SubscriptionPoll(
+        0.0,
+        {"p0": beat("p0", 1, **P0_EVENTS), "d0": beat("d0", 1, **D0_EVENTS), "d1": beat("d1", 1)},
+        {"p0": ("ipc:///run/p0-events", None, ""), "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")},
+        changed=True,
+    ),
     # new beats advertising the same sockets, and d1 still none: nothing to do
-    SubscriptionPoll(0.1, {"p0": beat("p0", 2, **P0_EVENTS), "d0": beat("d0", 2, **D0_EVENTS), "d1": beat("d1", 2)},
-                     {"p0": ("ipc:///run/p0-events", None, ""),
-                      "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),
+    SubscriptionPoll(
+        0.1,
+        {"p0": beat("p0", 2, **P0_EVENTS), "d0": beat("d0", 2, **D0_EVENTS), "d1": beat("d1", 2)},
+        {"p0": ("ipc:///run/p0-events", None, ""), "d0": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")},
+        changed=False,
+    ),
     # d0 restarted its engine on another port; d1 starts publishing
-    SubscriptionPoll(0.2, {"p0": beat("p0", 3, **P0_EVENTS), "d0": beat("d0", 3, **D0_MOVED),
-                           "d1": beat("d1", 3, **D0_EVENTS)},
-                     {"p0": ("ipc:///run/p0-events", None, ""),
-                      "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
-                      "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    SubscriptionPoll(
+        0.2,
+        {"p0": beat("p0", 3, **P0_EVENTS), "d0": beat("d0", 3, **D0_MOVED), "d1": beat("d1", 3, **D0_EVENTS)},
+        {
+            "p0": ("ipc:///run/p0-events", None, ""),
+            "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
+            "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events"),
+        },
+        changed=True,
+    ),
     # a malformed value keeps d0's last good state, sockets included
-    SubscriptionPoll(0.3, {"p0": beat("p0", 4, **P0_EVENTS), "d0": "{", "d1": beat("d1", 4, **D0_EVENTS)},
-                     {"p0": ("ipc:///run/p0-events", None, ""),
-                      "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
-                      "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),
+    SubscriptionPoll(
+        0.3,
+        {"p0": beat("p0", 4, **P0_EVENTS), "d0": "{", "d1": beat("d1", 4, **D0_EVENTS)},
+        {
+            "p0": ("ipc:///run/p0-events", None, ""),
+            "d0": ("tcp://10.0.0.1:6557", "tcp://10.0.0.1:5558", "kv-events"),
+            "d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events"),
+        },
+        changed=False,
+    ),
     # d0's key expired: it leaves the view and its subscription; p0 stops advertising
-    SubscriptionPoll(0.4, {"p0": beat("p0", 5), "d1": beat("d1", 5, **D0_EVENTS)},
-                     {"d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=True),
+    SubscriptionPoll(
+        0.4,
+        {"p0": beat("p0", 5), "d1": beat("d1", 5, **D0_EVENTS)},
+        {"d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")},
+        changed=True,
+    ),
     # Redis lost: the last view stays, and so do its subscriptions (their own connections say
     # whether the nodes are alive)
     SubscriptionPoll(0.5, DOWN, {"d1": ("tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "kv-events")}, changed=False),

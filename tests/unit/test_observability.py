@@ -109,8 +109,9 @@ def test_rules_read_exported_metrics_or_recorded_ones() -> None:
         "KairosSidecarHopErrors",
         "KairosDecodeStepBudgetOverruns",
     }
-    assert all(r["labels"]["severity"] in {"warning", "critical"} and r["annotations"]["summary"]
-               for r in alerts.values())
+    assert all(
+        r["labels"]["severity"] in {"warning", "critical"} and r["annotations"]["summary"] for r in alerts.values()
+    )
 
 
 def test_the_clusters_prometheus_targets_name_every_metrics_endpoint(tmp_path: Path) -> None:
@@ -120,11 +121,18 @@ def test_the_clusters_prometheus_targets_name_every_metrics_endpoint(tmp_path: P
         {"targets": ["127.0.0.1:9100", "127.0.0.1:9101"], "labels": {"job": "kairos-dispatcher"}},
         {"targets": ["127.0.0.1:8100"], "labels": {"job": "kairos-node", "node": "p0", "role": "prefill"}},
         {"targets": ["127.0.0.1:8101"], "labels": {"job": "kairos-node", "node": "d0", "role": "decode"}},
-        {"targets": ["127.0.0.1:8201"],
-         "labels": {"job": "kairos-sidecar", "__metrics_path__": "/kairos/metrics", "node": "d0", "role": "decode"}},
+        {
+            "targets": ["127.0.0.1:8201"],
+            "labels": {"job": "kairos-sidecar", "__metrics_path__": "/kairos/metrics", "node": "d0", "role": "decode"},
+        },
     ]
-    vllm = VllmCluster(LocalClusterConfig(), tmp_path, nodes=nodes, dispatcher_metrics_ports=[9100],
-                       state_ports={"p0": 8300, "d0": 8301})
+    vllm = VllmCluster(
+        LocalClusterConfig(),
+        tmp_path,
+        nodes=nodes,
+        dispatcher_metrics_ports=[9100],
+        state_ports={"p0": 8300, "d0": 8301},
+    )
     assert vllm.prometheus_targets()[-2:] == [  # the plugin's state server: step-budget overruns
         {"targets": ["127.0.0.1:8300"], "labels": {"job": "kairos-node-state", "node": "p0", "role": "prefill"}},
         {"targets": ["127.0.0.1:8301"], "labels": {"job": "kairos-node-state", "node": "d0", "role": "decode"}},

@@ -21,8 +21,9 @@ from kairos.common.http_errors import error_body, error_json, error_status
 from kairos.launcher.tinymodel import build_tiny_model
 
 LIMITS = RequestLimits(max_body_bytes=64 * 1024, max_model_len=2048)
-FUZZ = settings(max_examples=200, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=200, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +35,14 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
 _text = st.text(st.characters(codec="utf-8"), max_size=30)  # any code point UTF-8 can carry
 _text_any = st.text(max_size=30)  # lone surrogates too: json.dumps escapes them as \udXXX
 _scalar = st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats() | _text | _text_any
-_json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
-                     max_leaves=10)
+_json = st.recursive(
+    _scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3), max_leaves=10
+)
 _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | _json},
-    optional={"content": _text | _json | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}),
-                                                 max_size=2)},
+    optional={
+        "content": _text | _json | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _text}), max_size=2)
+    },
 )
 _body = st.fixed_dictionaries(
     {},
@@ -72,8 +75,12 @@ _JUNK = (
 _valid = st.fixed_dictionaries(
     {"prompt": _text.filter(bool), "max_tokens": st.integers(1, 16)}, optional={"user": _text, "model": _text}
 ) | st.fixed_dictionaries(
-    {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _text}), min_size=1, max_size=2),
-     "max_tokens": st.integers(1, 16)},
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": _text}), min_size=1, max_size=2
+        ),
+        "max_tokens": st.integers(1, 16),
+    },
     optional={"user": _text},
 )
 
@@ -100,8 +107,13 @@ def test_any_json_body_is_accepted_or_a_4xx(tok: PromptTokenizer, path: str, bod
 
 
 @FUZZ
-@given(path=st.sampled_from(c.INFERENCE_PATHS), body=_valid | _body, at=st.integers(0, 10_000), junk=_JUNK,
-       how=st.sampled_from(["cut", "insert", "into_string"]))
+@given(
+    path=st.sampled_from(c.INFERENCE_PATHS),
+    body=_valid | _body,
+    at=st.integers(0, 10_000),
+    junk=_JUNK,
+    how=st.sampled_from(["cut", "insert", "into_string"]),
+)
 def test_damaged_bytes_are_accepted_or_a_4xx(
     tok: PromptTokenizer, path: str, body: dict[str, Any], at: int, junk: bytes, how: str
 ) -> None:
@@ -113,8 +125,11 @@ def test_damaged_bytes_are_accepted_or_a_4xx(
 
 
 @FUZZ
-@given(prompt=_text.filter(bool), junk=st.sampled_from([b"\xed\xa0\x80", b"\xed\xb0\x80", b"\xed\xbf\xbf"]),
-       field=st.sampled_from(["prompt", "user", "model"]))
+@given(
+    prompt=_text.filter(bool),
+    junk=st.sampled_from([b"\xed\xa0\x80", b"\xed\xb0\x80", b"\xed\xbf\xbf"]),
+    field=st.sampled_from(["prompt", "user", "model"]),
+)
 def test_raw_surrogate_bytes_anywhere_are_a_400(tok: PromptTokenizer, prompt: str, junk: bytes, field: str) -> None:
     raw = json.dumps({"prompt": prompt, "max_tokens": 1, "user": "u", "model": "m"}, ensure_ascii=False).encode()
     marker = json.dumps({"prompt": prompt, "user": "u", "model": "m"}[field], ensure_ascii=False).encode()
@@ -127,8 +142,26 @@ def test_raw_surrogate_bytes_anywhere_are_a_400(tok: PromptTokenizer, prompt: st
 # ---------------------------------------------------------------------------------------------
 # Counting with a limit: exact up to it, "more than" past it
 # ---------------------------------------------------------------------------------------------
-_pieces = st.sampled_from(["the ", "quick", " ", "  ", "\n", "\t ", "é", "日本語", "!", "42 ", "<s>", "</s>", "a.b",
-                           "don't ", "\U0001F600", "x" * 40])
+_pieces = st.sampled_from(
+    [
+        "the ",
+        "quick",
+        " ",
+        "  ",
+        "\n",
+        "\t ",
+        "é",
+        "日本語",
+        "!",
+        "42 ",
+        "<s>",
+        "</s>",
+        "a.b",
+        "don't ",
+        "\U0001f600",
+        "x" * 40,
+    ]
+)
 
 
 @FUZZ

@@ -41,8 +41,13 @@ def test_the_acl_file_holds_hashes_only_and_the_default_user_is_off() -> None:
     text = acl_file("admin-secret", "dispatcher-secret", [("p0", "p0-secret"), ("d0", "d0-secret")])
     lines = text.splitlines()
     assert lines[0].startswith("user default off ")
-    assert [line.split()[1] for line in lines] == ["default", "kairos-admin", "kairos-dispatcher",
-                                                   "kairos-node-p0", "kairos-node-d0"]
+    assert [line.split()[1] for line in lines] == [
+        "default",
+        "kairos-admin",
+        "kairos-dispatcher",
+        "kairos-node-p0",
+        "kairos-node-d0",
+    ]
     assert "secret" not in text.replace("#", " ").split() and "p0-secret" not in text
     assert password_hash("p0-secret") in lines[3]
     assert check_node_id("node-1.a_b") == "node-1.a_b"
@@ -53,7 +58,10 @@ def test_the_acl_file_holds_hashes_only_and_the_default_user_is_off() -> None:
     [
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("redis://:pw@h:1/0", "redis://:***@h:1/0"),
-        ("rediss://kairos-node-p0:p%40w@h:1/0?ssl_ca_certs=/etc/ca.pem", "rediss://kairos-node-p0:***@h:1/0?ssl_ca_certs=/etc/ca.pem"),
+        (
+            "rediss://kairos-node-p0:p%40w@h:1/0?ssl_ca_certs=/etc/ca.pem",
+            "rediss://kairos-node-p0:***@h:1/0?ssl_ca_certs=/etc/ca.pem",
+        ),
         ("redis://h:1/0?password=pw&db=0", "redis://h:1/0?password=***&db=0"),
         ("redis://user@h:1/0", "redis://user@h:1/0"),
     ],

@@ -37,9 +37,15 @@ def reference_greedy(
     return sizes, times
 
 
-CASES = [(random.Random(seed).randint(1, 32768), random.Random(seed + 1).randint(0, 140),
-          random.Random(seed + 2).randint(0, 600_000), random.Random(seed + 3).choice((0.055, 0.063, 0.07, 0.09)))
-         for seed in range(0, 1200, 4)]
+CASES = [
+    (
+        random.Random(seed).randint(1, 32768),
+        random.Random(seed + 1).randint(0, 140),
+        random.Random(seed + 2).randint(0, 600_000),
+        random.Random(seed + 3).choice((0.055, 0.063, 0.07, 0.09)),
+    )
+    for seed in range(0, 1200, 4)
+]
 
 
 @pytest.mark.parametrize(("prompt", "b", "k", "budget"), CASES)

@@ -21,12 +21,30 @@ NODES: dict[str, Any] = {
     "status": "ok",
     "static_fallback": False,
     "nodes": [
-        {"id": "d0", "role": "decode", "age_s": 0.04, "stale": False, "from_redis": True, "decode_tokens": 3,
-         "kv_tokens": 13000, "kv_capacity_tokens": 1300000, "queued_prefill_tokens": 0,
-         "scheduled_prefill_tokens": 612},
-        {"id": "p0", "role": "prefill", "age_s": 1.5, "stale": True, "from_redis": True, "decode_tokens": 0,
-         "kv_tokens": 0, "kv_capacity_tokens": 1300000, "queued_prefill_tokens": 4000,
-         "scheduled_prefill_tokens": 0},
+        {
+            "id": "d0",
+            "role": "decode",
+            "age_s": 0.04,
+            "stale": False,
+            "from_redis": True,
+            "decode_tokens": 3,
+            "kv_tokens": 13000,
+            "kv_capacity_tokens": 1300000,
+            "queued_prefill_tokens": 0,
+            "scheduled_prefill_tokens": 612,
+        },
+        {
+            "id": "p0",
+            "role": "prefill",
+            "age_s": 1.5,
+            "stale": True,
+            "from_redis": True,
+            "decode_tokens": 0,
+            "kv_tokens": 0,
+            "kv_capacity_tokens": 1300000,
+            "queued_prefill_tokens": 4000,
+            "scheduled_prefill_tokens": 0,
+        },
         {"id": "p9", "role": "prefill", "age_s": 0.0, "stale": False, "from_redis": False},  # static fallback
     ],
 }
@@ -37,8 +55,10 @@ class _Cluster:
         self.degraded = degraded
 
     def view(self) -> ClusterView:
-        return ClusterView(prefill=(PrefillNodeState("p0", (4000,), 2048, reported_at=8.5),),
-                           decode=(DecodeNodeState("d0", 3, 13000, 1300000, reported_at=9.96),))
+        return ClusterView(
+            prefill=(PrefillNodeState("p0", (4000,), 2048, reported_at=8.5),),
+            decode=(DecodeNodeState("d0", 3, 13000, 1300000, reported_at=9.96),),
+        )
 
     def now(self) -> float:
         return 10.0
@@ -67,8 +87,9 @@ def scrape(at: float, keeps: int, deflects: int, **kw: Any) -> top.Scrape:
     return top.Scrape(at, NODES, top.parse_metrics(_metrics_text(keeps, deflects, **kw)))
 
 
-def frame(previous: top.Scrape | None, current: top.Scrape, alerts: list[top.Alert] | None,
-          alerts_from: str = "local") -> top.Frame:
+def frame(
+    previous: top.Scrape | None, current: top.Scrape, alerts: list[top.Alert] | None, alerts_from: str = "local"
+) -> top.Frame:
     return top.Frame("http://127.0.0.1:9100", "12:00:00", 1.0, current, previous, alerts, alerts_from)
 
 
@@ -111,7 +132,8 @@ def test_the_first_frame_has_no_rates_yet() -> None:
 
 def test_local_alerts_follow_the_rules_thresholds() -> None:
     assert top.local_alerts(scrape(1.0, 1, 0, mape=0.25)) == [  # at the limit is not over it
-        top.Alert("KairosNodeHeartbeatStale", "warning", "prefill node p0: last heartbeat 1.5 s ago")]
+        top.Alert("KairosNodeHeartbeatStale", "warning", "prefill node p0: last heartbeat 1.5 s ago")
+    ]
     degraded = top.local_alerts(scrape(1.0, 1, 0, degraded=True))
     assert [a.name for a in degraded] == ["KairosNodeHeartbeatStale", "KairosDispatcherDegraded"]
     exprs = {r["alert"]: r["expr"] for r in rules() if "alert" in r}
@@ -121,12 +143,23 @@ def test_local_alerts_follow_the_rules_thresholds() -> None:
 
 
 def test_prometheus_alerts_firing_first_then_pending() -> None:
-    payload = {"status": "success", "data": {"alerts": [
-        {"labels": {"alertname": "KairosTtftPredictionDrift", "severity": "warning", "path": "keep"},
-         "annotations": {"summary": "keep TTFT predictions off by 40% (MAPE)"}, "state": "pending"},
-        {"labels": {"alertname": "KairosDispatcherDegraded", "severity": "critical"},
-         "annotations": {"summary": "dispatcher a:9100 cannot reach Redis"}, "state": "firing"},
-    ]}}
+    payload = {
+        "status": "success",
+        "data": {
+            "alerts": [
+                {
+                    "labels": {"alertname": "KairosTtftPredictionDrift", "severity": "warning", "path": "keep"},
+                    "annotations": {"summary": "keep TTFT predictions off by 40% (MAPE)"},
+                    "state": "pending",
+                },
+                {
+                    "labels": {"alertname": "KairosDispatcherDegraded", "severity": "critical"},
+                    "annotations": {"summary": "dispatcher a:9100 cannot reach Redis"},
+                    "state": "firing",
+                },
+            ]
+        },
+    }
     alerts = top.prometheus_alerts(payload)
     shown = top.render(frame(None, scrape(1.0, 0, 0), alerts, "prometheus http://127.0.0.1:9090"))
     assert shown.endswith(
@@ -137,13 +170,13 @@ def test_prometheus_alerts_firing_first_then_pending() -> None:
 
 
 def _args(**kw: Any) -> argparse.Namespace:
-    return argparse.Namespace(**{"dispatcher": "http://d:9100/", "prometheus": None, "interval": 1.0,
-                                 "timeout": 5.0, **kw})
+    return argparse.Namespace(
+        **{"dispatcher": "http://d:9100/", "prometheus": None, "interval": 1.0, "timeout": 5.0, **kw}
+    )
 
 
 def test_next_frame_reads_the_dispatcher_and_says_what_it_could_not_reach() -> None:
-    answers = {"http://d:9100/nodes": json.dumps(NODES).encode(),
-               "http://d:9100/metrics": _metrics_text(1, 0).encode()}
+    answers = {"http://d:9100/nodes": json.dumps(NODES).encode(), "http://d:9100/metrics": _metrics_text(1, 0).encode()}
 
     def fetch(url: str, timeout_s: float) -> bytes:
         if url not in answers:
@@ -151,15 +184,19 @@ def test_next_frame_reads_the_dispatcher_and_says_what_it_could_not_reach() -> N
         return answers[url]
 
     ok = top.next_frame(_args(), None, fetch)
-    assert ok.scrape is not None and ok.errors == [] and [a.name for a in ok.alerts or []] == [
-        "KairosNodeHeartbeatStale"]
+    assert (
+        ok.scrape is not None and ok.errors == [] and [a.name for a in ok.alerts or []] == ["KairosNodeHeartbeatStale"]
+    )
     with_prometheus = top.next_frame(_args(prometheus="http://prom:9090"), ok.scrape, fetch)
     assert with_prometheus.alerts is None and with_prometheus.errors == [
-        "prometheus http://prom:9090: connection refused: http://prom:9090/api/v1/alerts"]
+        "prometheus http://prom:9090: connection refused: http://prom:9090/api/v1/alerts"
+    ]
     assert "ALERTS (prometheus http://prom:9090): unknown" in top.render(with_prometheus)
     gone = top.next_frame(_args(dispatcher="http://gone:9100"), ok.scrape, fetch)
     assert gone.scrape is None and gone.previous is None
-    assert top.render(gone).splitlines()[1] == "! dispatcher http://gone:9100: connection refused: http://gone:9100/nodes"
+    assert (
+        top.render(gone).splitlines()[1] == "! dispatcher http://gone:9100: connection refused: http://gone:9100/nodes"
+    )
 
 
 @pytest.mark.parametrize("argv", [["top"], ["top", "--dispatcher", "http://x:1", "--prometheus", "http://p:2"]])
