@@ -43,7 +43,7 @@ def cluster(decode_nodes: int, prefill_nodes: int = 2, alike: bool = False) -> C
     # 34 queued prompts and more: Eq. 2 waits 5.1 s and more on each prefill node, so the keep path
     # misses the 4 s SLO and the search runs to that bound.
     prefill = tuple(
-        PrefillNodeState(f"p{i}", tuple([3569] * (34 + i)), 2048, reported_at=0.0) for i in range(prefill_nodes)
+        PrefillNodeState.from_queue(f"p{i}", [3569] * (34 + i), 2048, reported_at=0.0) for i in range(prefill_nodes)
     )
     # B cycles through 64 batch sizes (4 to 67) and K differs on every node. ``alike``: every node
     # at B = 4 with K one token apart, TTFTs a hair apart that no lower bound tells apart, so
@@ -84,7 +84,7 @@ def tracker_samples(decode_nodes: int, calls: int) -> list[int]:
 
     def heartbeats(at: float) -> None:
         for p in view.prefill:
-            tracker.update_prefill(PrefillNodeState(p.node_id, p.queued_prefill_tokens, p.chunk_tokens, at))
+            tracker.update_prefill(replace(p, reported_at=at))
         for d in view.decode:
             tracker.update_decode(DecodeNodeState(d.node_id, d.decode_tokens, d.kv_tokens, d.kv_capacity_tokens, at))
 

@@ -460,7 +460,7 @@ class Membership:
         self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
-                PrefillNodeState(hb.node_id, hb.queued_prefill_tokens, chunk_tokens=hb.max_step_tokens, reported_at=now)
+                PrefillNodeState.from_queue(hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=now)
             )
         else:
             self.tracker.update_decode(
@@ -535,7 +535,7 @@ class Membership:
             if n.role is Role.PREFILL:
                 # chunk_tokens is unknown; 1 token per step keeps the field valid and is never used
                 # to choose between static nodes, which all have the same (empty) queue.
-                self.tracker.update_prefill(PrefillNodeState(n.node_id, (), chunk_tokens=1, reported_at=now))
+                self.tracker.update_prefill(PrefillNodeState(n.node_id, 0, 0, 0, chunk_tokens=1, reported_at=now))
             else:
                 # kv_capacity_tokens=0: no prompt fits, so the decision core never deflects here.
                 self.tracker.update_decode(DecodeNodeState(n.node_id, 0, 0, 0, reported_at=now))

@@ -168,8 +168,6 @@ class EngineSnapshot:
     queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens, unscheduled prefills, FIFO
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
-    queued_prefill_total: int  # sum(queued_prefill_tokens)
-    queued_prefill_squared: int  # sum(n * n for n in queued_prefill_tokens)
     step_calibration: float | None = None  # the engine's, when it measures its steps
 
 
@@ -517,6 +515,13 @@ class Engine:
             self._uncache_refs(seq)
 
     # -- reporting -------------------------------------------------------------------------
+    def queue_load(self) -> tuple[int, int, int]:
+        """The unscheduled prefills as a decision reads them (the simulator's heartbeat of a
+        prefill node): how many, their remaining tokens and the sum of those squared, kept as
+        the queue changes, so that a heartbeat never walks a queue of thousands."""
+        queue = self._unscheduled
+        return len(queue.tokens), queue.total, queue.squared
+
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
             node_id=self.config.node_id,
@@ -527,7 +532,5 @@ class Engine:
             queued_prefill_tokens=tuple(self._unscheduled.tokens),
             scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
-            queued_prefill_total=self._unscheduled.total,
-            queued_prefill_squared=self._unscheduled.squared,
             step_calibration=None if self.calibration is None else self.calibration.value,
         )

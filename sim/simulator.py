@@ -276,7 +276,7 @@ class Simulator:
     # -- dispatch ----------------------------------------------------------------------------
     def _fresh_view(self, now: float) -> ClusterView:
         return ClusterView(
-            prefill=tuple(_prefill_state(e.snapshot(), now) for e in self.prefill),
+            prefill=tuple(_prefill_state(e, now) for e in self.prefill),
             decode=tuple(_decode_state(e.snapshot(), now, self.links[e.config.node_id]) for e in self.decode),
         )
 
@@ -447,22 +447,14 @@ class Simulator:
                 replay = self._kv_streams[node_id].on_live(*published, now)
                 assert replay is None, "a node's batches reach the simulated dispatcher in order"
             self.prefix_index.touch(node_id, now)  # the heartbeat: nothing else was published
-        snap = engine.snapshot()
-        if snap.role is Role.PREFILL:
-            self.tracker.update_prefill(_prefill_state(snap, now))
+        if engine.config.role is Role.PREFILL:
+            self.tracker.update_prefill(_prefill_state(engine, now))
         else:
-            self.tracker.update_decode(_decode_state(snap, now, self.links[node_id]))
+            self.tracker.update_decode(_decode_state(engine.snapshot(), now, self.links[node_id]))
 
 
-def _prefill_state(snap: EngineSnapshot, now: float) -> PrefillNodeState:
-    return PrefillNodeState(
-        snap.node_id,
-        snap.queued_prefill_tokens,
-        snap.max_step_tokens,
-        now,
-        snap.queued_prefill_total,
-        snap.queued_prefill_squared,
-    )
+def _prefill_state(engine: Engine, now: float) -> PrefillNodeState:
+    return PrefillNodeState(engine.config.node_id, *engine.queue_load(), engine.config.max_step_tokens, now)
 
 
 def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeState:

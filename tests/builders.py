@@ -96,13 +96,21 @@ def flat_models(**overrides: float) -> LatencyModels:
     return make_models(**{"mixed_p_x_cached": 0.0, **overrides})
 
 
+def queue_load(queue: tuple[int, ...] | PrefillNodeState) -> tuple[int, int, int]:
+    """A prefill queue as the decision state holds it, from a node's state or from its requests'
+    remaining tokens: (requests, tokens, the sum of their squares)."""
+    if isinstance(queue, PrefillNodeState):
+        return queue.queue_length, queue.outstanding_tokens, queue.squared_tokens
+    return len(queue), sum(queue), sum(n * n for n in queue)
+
+
 def prefill_node(
     node_id: str = "p1",
     queue: tuple[int, ...] = (),
     chunk: int = 1000,
     reported_at: float = 0.0,
 ) -> PrefillNodeState:
-    return PrefillNodeState(node_id=node_id, queued_prefill_tokens=queue, chunk_tokens=chunk, reported_at=reported_at)
+    return PrefillNodeState.from_queue(node_id, queue, chunk_tokens=chunk, reported_at=reported_at)
 
 
 def decode_node(

@@ -3,36 +3,44 @@ dispatches since then. Plain frozen values so the core stays pure and testable."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillNodeState:
-    """A prefill node as of its last heartbeat (plus dispatches since, if tracked)."""
+    """A prefill node as of its last heartbeat (plus dispatches since, if tracked).
+
+    Its queue as the decision reads it: how many prompts, their remaining tokens and the sum of
+    their squares (Eq. 2's cached length), not each prompt's tokens. Under overload a queue holds
+    thousands of prompts, and a state is built at every heartbeat and every dispatch: a per-prompt
+    tuple made both cost as much as the queue is long. The heartbeat carries the per-prompt list;
+    :meth:`from_queue` sums it once."""
 
     node_id: str
-    queued_prefill_tokens: tuple[int, ...]  # remaining prefill tokens per queued/prefilling request, FIFO
+    queue_length: int  # queued or prefilling requests
+    outstanding_tokens: int  # their remaining prefill tokens, all together
+    squared_tokens: int  # the sum of each one's remaining tokens squared
     chunk_tokens: int  # chi_p: the node's token budget per step (max_num_batched_tokens)
     reported_at: float  # time of the heartbeat, seconds on the decider's clock
-    # sum(queued_prefill_tokens), summed here unless given: every decision reads it, and under
-    # overload a queue holds thousands of prompts, so callers that keep the total as the queue
-    # changes (the tracker's overlay, the simulator's engines) pass it.
-    outstanding_tokens: int = -1
-    # sum(l * l for l in queued_prefill_tokens), Eq. 2's cached length, likewise summed here unless given.
-    squared_tokens: int = -1
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"prefill node {self.node_id}: chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.outstanding_tokens < 0:
-            object.__setattr__(self, "outstanding_tokens", sum(self.queued_prefill_tokens))
-        if self.squared_tokens < 0:
-            object.__setattr__(self, "squared_tokens", sum(n * n for n in self.queued_prefill_tokens))
+        if self.queue_length < 0 or self.outstanding_tokens < 0 or self.squared_tokens < 0:
+            raise ValueError(
+                f"prefill node {self.node_id}: queue_length={self.queue_length}, outstanding_tokens="
+                f"{self.outstanding_tokens}, squared_tokens={self.squared_tokens} must be >= 0"
+            )
 
-    @property
-    def queue_length(self) -> int:
-        return len(self.queued_prefill_tokens)
+    @classmethod
+    def from_queue(
+        cls, node_id: str, queued_prefill_tokens: Iterable[int], chunk_tokens: int, reported_at: float
+    ) -> PrefillNodeState:
+        """The state of a node whose queue holds these remaining prefill tokens, one per request."""
+        queue = tuple(queued_prefill_tokens)
+        return cls(node_id, len(queue), sum(queue), sum(n * n for n in queue), chunk_tokens, reported_at)
 
 
 @dataclass(frozen=True, slots=True)

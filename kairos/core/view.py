@@ -184,12 +184,11 @@ class ClusterTracker:
         extra = self._overlay.get(s.node_id)
         if not extra:
             return s
-        tokens = tuple(d.tokens for d in extra)
         return replace(
             s,
-            queued_prefill_tokens=s.queued_prefill_tokens + tokens,
-            outstanding_tokens=s.outstanding_tokens + sum(tokens),
-            squared_tokens=s.squared_tokens + sum(n * n for n in tokens),
+            queue_length=s.queue_length + len(extra),
+            outstanding_tokens=s.outstanding_tokens + sum(d.tokens for d in extra),
+            squared_tokens=s.squared_tokens + sum(d.tokens * d.tokens for d in extra),
         )
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:

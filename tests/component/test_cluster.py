@@ -37,6 +37,7 @@ from kairos.extproc.metrics import DispatcherMetrics, reservations_forged_counte
 from kairos.extproc.reservations import Reservation, ReservationClient
 from kairos.nodeagent.heartbeat import EngineState, HeartbeatPublisher, PublisherConfig
 from tests.builders import heartbeat_json as beat
+from tests.builders import queue_load
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
@@ -164,9 +165,9 @@ def by_id(view: ClusterView) -> dict[str, PrefillNodeState | DecodeNodeState]:
     return {n.node_id: n for n in (*view.prefill, *view.decode)}
 
 
-def prefill_queue(view: RedisClusterView, node_id: str) -> tuple[int, ...]:
+def prefill_queue(view: RedisClusterView, node_id: str) -> tuple[int, int, int]:
     (node,) = [n for n in view.view().prefill if n.node_id == node_id]
-    return node.queued_prefill_tokens
+    return queue_load(node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,8 +183,8 @@ async def test_view_shows_every_published_node_with_its_reported_load(
     p0, p1, d0, d1 = got["p0"], got["p1"], got["d0"], got["d1"]
     assert isinstance(p0, PrefillNodeState) and isinstance(p1, PrefillNodeState)
     assert isinstance(d0, DecodeNodeState) and isinstance(d1, DecodeNodeState)
-    assert (p0.queued_prefill_tokens, p0.chunk_tokens) == ((3000, 500), 2048)
-    assert (p1.queued_prefill_tokens, p1.chunk_tokens) == ((), 1024)
+    assert (queue_load(p0), p0.chunk_tokens) == (queue_load((3000, 500)), 2048)
+    assert (queue_load(p1), p1.chunk_tokens) == ((0, 0, 0), 1024)
     assert (d0.decode_tokens, d0.kv_tokens, d0.kv_capacity_tokens, d0.prefill_backlog_tokens) == (
         7,
         21_000,
@@ -208,11 +209,11 @@ async def test_view_shows_every_published_node_with_its_reported_load(
         v = by_id(live.view())
         d1, p1 = v["d1"], v["p1"]
         assert isinstance(d1, DecodeNodeState) and isinstance(p1, PrefillNodeState)
-        return (d1.decode_tokens, d1.kv_tokens, d1.prefill_backlog_tokens, p1.queued_prefill_tokens) == (
+        return (d1.decode_tokens, d1.kv_tokens, d1.prefill_backlog_tokens, queue_load(p1)) == (
             9,
             6_000,
             (100, 200),
-            (64,),
+            queue_load((64,)),
         )
 
     await eventually(updated, what="new load in the view")
@@ -225,9 +226,9 @@ async def test_view_overlays_own_dispatches_until_the_next_heartbeat(
     await eventually(lambda: len(live.addresses()) == 4, what="four nodes")
     keep = Decision(Route.KEEP, Reason.KEEP_POLICY, "d1", "p1", (), 0.1, None, 333)
     live.record(keep, live.now())
-    assert prefill_queue(live, "p1") == (333,)  # no await since record(): no poll in between
+    assert prefill_queue(live, "p1") == queue_load((333,))  # no await since record(): no poll in between
     # The next heartbeat of p1 (reported_at later than the dispatch) replaces the overlay.
-    await eventually(lambda: prefill_queue(live, "p1") == (), what="overlay expiry")
+    await eventually(lambda: prefill_queue(live, "p1") == (0, 0, 0), what="overlay expiry")
 
 
 async def test_a_node_that_stops_beating_leaves_the_view_after_its_ttl(
@@ -425,7 +426,7 @@ async def test_static_fallback_when_redis_was_never_up_is_plain_pd_routing(
         await view.poll_once()
         assert view.degraded and view.static_fallback
         static = ClusterView(
-            prefill=(PrefillNodeState("p0", (), 1, 100.0), PrefillNodeState("p1", (), 1, 100.0)),
+            prefill=(PrefillNodeState.from_queue("p0", (), 1, 100.0), PrefillNodeState.from_queue("p1", (), 1, 100.0)),
             decode=(DecodeNodeState("d0", 0, 0, 0, 100.0),),
         )
         assert view.view() == static
@@ -452,7 +453,7 @@ async def test_static_fallback_when_redis_was_never_up_is_plain_pd_routing(
         await view.poll_once()
         assert not view.degraded and not view.static_fallback
         got = by_id(view.view())
-        assert got["p0"] == PrefillNodeState("p0", (40,), 512, 102.0)
+        assert got["p0"] == PrefillNodeState.from_queue("p0", (40,), 512, 102.0)
         assert got["d9"] == DecodeNodeState("d9", 0, 0, 50_000, 102.0)
         assert got["p1"].reported_at == 101.0 and got["d0"].reported_at == 101.0
         clock.t = 102.5

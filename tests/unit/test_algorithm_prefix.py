@@ -14,7 +14,7 @@ from kairos.core.decision import Reason, Route
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
 from kairos.core.view import ClusterTracker
-from tests.builders import decode_node, make_models, prefill_node, view
+from tests.builders import decode_node, make_models, prefill_node, queue_load, view
 
 CACHED_PREFILL = make_models(prefill_x_cached=1e-8)
 PROFILE = load_profile()
@@ -160,5 +160,5 @@ def test_the_view_queues_only_the_uncached_work_of_a_dispatch() -> None:
     assert keep.route is Route.KEEP and keep.cached_tokens == 6000
     tracker.record(keep, 0.01)
     view = tracker.view()
-    assert view.prefill[0].queued_prefill_tokens == (2000,)  # what p0's queue will report
+    assert queue_load(view.prefill[0]) == queue_load((2000,))  # what p0's queue will report
     assert {n.node_id: n.incoming_keep_tokens for n in view.decode}[keep.decode_node] == 8000  # the KV to hold

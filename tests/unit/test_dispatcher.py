@@ -44,6 +44,7 @@ from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Re
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.reservations import REFUSED, Promise, Reservation
 from kairos.launcher.tinymodel import build_tiny_model
+from tests.builders import queue_load
 from tests.waiting import eventually
 
 NOW = 100.0
@@ -123,7 +124,7 @@ def make_cluster(
     tracker = ClusterTracker()
     for node_id in ("p0", "p1") if prefill else ():
         tracker.update_prefill(
-            PrefillNodeState(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW - prefill_age_s)
+            PrefillNodeState.from_queue(node_id, prefill_queue, chunk_tokens=2048, reported_at=NOW - prefill_age_s)
         )
     nodes = {k: v for k, v in ADDRESSES.items() if v.role == "prefill" and prefill}
     if decode:
@@ -493,14 +494,14 @@ async def test_each_decision_is_logged_at_debug_and_only_then(
 # ---------------------------------------------------------------------------------------------
 async def test_a_keep_joins_the_chosen_prefill_queue_in_the_view(harness: HarnessFactory) -> None:
     h = harness(make_cluster())
-    assert h.cluster.view().prefill[0].queued_prefill_tokens == ()
+    assert queue_load(h.cluster.view().prefill[0]) == (0, 0, 0)
     routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(4000))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     assert routed.decision.route is Route.KEEP and routed.decision.prefill_node == "p0"
     prefill = {n.node_id: n for n in h.cluster.view().prefill}
-    assert prefill["p0"].queued_prefill_tokens == (4000,)
-    assert prefill["p1"].queued_prefill_tokens == ()
+    assert queue_load(prefill["p0"]) == queue_load((4000,))
+    assert queue_load(prefill["p1"]) == (0, 0, 0)
     assert all(n.prefill_backlog_tokens == () for n in h.cluster.view().decode)
 
 
@@ -513,7 +514,7 @@ async def test_a_deflection_joins_the_decode_node_backlog_in_the_view(harness: H
     decode = {n.node_id: n for n in h.cluster.view().decode}
     assert decode["d0"].prefill_backlog_tokens == (1000,)
     assert decode["d1"].prefill_backlog_tokens == ()
-    assert all(n.queued_prefill_tokens == LOADED_QUEUE for n in h.cluster.view().prefill)
+    assert all(queue_load(n) == queue_load(LOADED_QUEUE) for n in h.cluster.view().prefill)
 
 
 # ---------------------------------------------------------------------------------------------

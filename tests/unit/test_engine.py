@@ -120,7 +120,7 @@ def test_snapshot_reports_queues_batch_and_kv() -> None:
 def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() -> None:
     """Unscheduled and scheduled prefills, admitted (some part-way) and waiting, on one node:
     after every step the snapshot lists each kind's remaining tokens as the sequences hold them,
-    and the unscheduled total is their sum."""
+    and the queue's load (count, total, squares) is theirs."""
     engine = make(Role.DECODE, budget=700, kv=9_000)
     for i, (tokens, schedule) in enumerate(
         [(900, ()), (500, (300,)), (1200, ()), (4000, ()), (800, (250,)), (3000, ()), (600, (200, 100))]
@@ -133,8 +133,8 @@ def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() 
         pending = [*engine.prefilling, *engine.waiting]
         assert snap.queued_prefill_tokens == tuple(s.prefill_remaining for s in pending if not s.schedule)
         assert snap.scheduled_prefill_tokens == tuple(s.prefill_remaining for s in pending if s.schedule)
-        assert snap.queued_prefill_total == sum(snap.queued_prefill_tokens)
-        assert snap.queued_prefill_squared == sum(n * n for n in snap.queued_prefill_tokens)
+        queued = snap.queued_prefill_tokens
+        assert engine.queue_load() == (len(queued), sum(queued), sum(n * n for n in queued))
         if not run_steps(engine, 1):
             break
     assert saw_both  # the KV limit held some back while others were part-way

@@ -495,7 +495,7 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
         5.0,
     )
     view = m.tracker.view()
-    assert view.prefill == (PrefillNodeState("p0", (3000, 500), 2048, 5.0),)
+    assert view.prefill == (PrefillNodeState.from_queue("p0", (3000, 500), 2048, 5.0),)
     assert view.decode == (
         DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12)),
         DecodeNodeState("d1", 0, 0, 50_000, 5.0),
@@ -511,7 +511,7 @@ def test_static_nodes_have_zero_load_and_no_kv_room() -> None:
     m = Membership(MembershipConfig(**STATIC))
     m.poll_failed(7.0)
     view = m.tracker.view()
-    assert view.prefill == (PrefillNodeState("p0", (), 1, 7.0), PrefillNodeState("p1", (), 1, 7.0))
+    assert view.prefill == (PrefillNodeState("p0", 0, 0, 0, 1, 7.0), PrefillNodeState("p1", 0, 0, 0, 1, 7.0))
     assert view.decode == (DecodeNodeState("d0", 0, 0, 0, 7.0),)  # kv capacity 0: no prompt fits
     assert m.addresses()["d0"] == NodeAddress(Role.DECODE, "", "10.0.1.1:8201", "")
 

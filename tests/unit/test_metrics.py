@@ -17,7 +17,7 @@ class StaticCluster:
 
     def view(self) -> ClusterView:
         return ClusterView(
-            prefill=(PrefillNodeState("p0", (), 2048, reported_at=9.75),),
+            prefill=(PrefillNodeState.from_queue("p0", (), 2048, reported_at=9.75),),
             decode=(DecodeNodeState("d0", 3, 900, 10_000, reported_at=9.5),),
         )
 

@@ -187,9 +187,9 @@ def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
 @st.composite
 def views(draw: st.DrawFn) -> ClusterView:
     prefill = tuple(
-        PrefillNodeState(
+        PrefillNodeState.from_queue(
             f"p{i}",
-            tuple(draw(st.lists(st.integers(1, 8000), max_size=30))),
+            draw(st.lists(st.integers(1, 8000), max_size=30)),
             draw(st.sampled_from([256, 512, 2048])),
             reported_at=draw(st.sampled_from([0.0, -1.0])),
         )
@@ -306,7 +306,7 @@ def test_large_clusters_decide_as_the_plain_search(seed: int) -> None:
         for i in rng.sample(range(512), rng.choice([64, 128, 512]))
         for b in [4 + rng.randrange(64)]
     )
-    prefill = tuple(PrefillNodeState(f"p{i}", (3569,) * rng.randrange(0, 40), 2048, 0.0) for i in range(2))
+    prefill = tuple(PrefillNodeState.from_queue(f"p{i}", (3569,) * rng.randrange(0, 40), 2048, 0.0) for i in range(2))
     view = ClusterView(prefill=prefill, decode=decode)
     for prompt in (1024, 4096, 10_240, 20_000, 32_768):
         assert alg.decide(prompt, view, NOW, models, config) == reference_decide(prompt, view, models, config)
@@ -314,7 +314,7 @@ def test_large_clusters_decide_as_the_plain_search(seed: int) -> None:
 
 def test_what_a_decision_keeps_on_a_state_is_not_part_of_it() -> None:
     node = DecodeNodeState("d0", 4, 14_000, 1_300_000, 0.0)
-    view = ClusterView(prefill=(PrefillNodeState("p0", (3569,) * 12, 2048, 0.0),), decode=(node,))
+    view = ClusterView(prefill=(PrefillNodeState.from_queue("p0", (3569,) * 12, 2048, 0.0),), decode=(node,))
     alg.decide(10_240, view, NOW, MODELS["packaged"], alg.DeciderConfig())
     assert node.derived is not None
     renewed = replace(node)

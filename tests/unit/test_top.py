@@ -56,7 +56,7 @@ class _Cluster:
 
     def view(self) -> ClusterView:
         return ClusterView(
-            prefill=(PrefillNodeState("p0", (4000,), 2048, reported_at=8.5),),
+            prefill=(PrefillNodeState.from_queue("p0", (4000,), 2048, reported_at=8.5),),
             decode=(DecodeNodeState("d0", 3, 13000, 1300000, reported_at=9.96),),
         )
 

@@ -12,7 +12,7 @@ from kairos.core.decision import Decision, Reason, Route
 from kairos.core.policies import PDPolicy
 from kairos.core.state import ClusterView
 from kairos.core.view import ClusterTracker
-from tests.builders import decode_node, flat_models, prefill_node
+from tests.builders import decode_node, flat_models, prefill_node, queue_load
 
 
 def keep_to(prefill: str, tokens: int, decode: str = "d1", ttft_s: float = 0.1) -> Decision:
@@ -118,8 +118,7 @@ def test_overlay(case: OverlayCase) -> None:
         tracker.update_prefill(prefill_node("p1", (500,), reported_at=case.heartbeat_at))
         tracker.update_decode(decode_node("d1", b=3, backlog=(200,), reported_at=case.heartbeat_at))
     v = tracker.view()
-    assert [n.queued_prefill_tokens for n in v.prefill] == [case.prefill_queue]
-    assert [n.outstanding_tokens for n in v.prefill] == [sum(case.prefill_queue)]  # kept, not re-summed
+    assert [queue_load(n) for n in v.prefill] == [queue_load(case.prefill_queue)]
     assert [n.prefill_backlog_tokens for n in v.decode] == [case.decode_backlog]
     assert [(n.incoming_keeps, n.incoming_keep_tokens) for n in v.decode] == [
         (len(case.decode_incoming), sum(case.decode_incoming))
@@ -135,7 +134,7 @@ def test_heartbeat_of_one_node_does_not_clear_another_nodes_dispatches() -> None
     tracker.update_prefill(prefill_node("p2", reported_at=1.0))
     tracker.record(keep_to("p1", 300), 1.2)
     tracker.update_prefill(prefill_node("p2", reported_at=2.0))
-    assert {n.node_id: n.queued_prefill_tokens for n in tracker.view().prefill} == {"p1": (300,), "p2": ()}
+    assert {n.node_id: queue_load(n) for n in tracker.view().prefill} == {"p1": queue_load((300,)), "p2": (0, 0, 0)}
 
 
 def test_remove_forgets_the_node_and_its_dispatches() -> None:
@@ -161,8 +160,8 @@ def test_view_is_cached_until_something_changes() -> None:
     tracker.record(keep_to("p1", 300), 1.2)
     second = tracker.view()
     assert second is not first
-    assert second.prefill[0].queued_prefill_tokens == (300,)
-    assert first.prefill[0].queued_prefill_tokens == ()  # earlier views are not mutated
+    assert queue_load(second.prefill[0]) == queue_load((300,))
+    assert queue_load(first.prefill[0]) == (0, 0, 0)  # earlier views are not mutated
 
 
 def test_a_dispatch_rebuilds_only_the_nodes_it_touches() -> None:
@@ -178,7 +177,7 @@ def test_a_dispatch_rebuilds_only_the_nodes_it_touches() -> None:
     before = tracker.view()
     tracker.record(keep_to("p1", 300, "d1"), 1.2)
     after = tracker.view()
-    assert [n.queued_prefill_tokens for n in after.prefill] == [(300,), (100,)]
+    assert [queue_load(n) for n in after.prefill] == [queue_load((300,)), queue_load((100,))]
     assert [n.incoming_keep_tokens for n in after.decode] == [300, 100]
     assert after.prefill[1] is before.prefill[1] and after.decode[1] is before.decode[1]
     assert after.prefill[0] is not before.prefill[0] and after.decode[0] is not before.decode[0]
@@ -204,7 +203,7 @@ def test_overlay_feeds_the_pending_deflection_limit() -> None:
     second = decide(1000, tracker.view(), 0.2, models, cfg)
     assert (second.route, second.reason) == (Route.KEEP, Reason.KEEP_NO_ELIGIBLE_DECODE)
     tracker.record(second, 0.2)
-    assert tracker.view().prefill[0].queued_prefill_tokens == (5000, 1000)
+    assert queue_load(tracker.view().prefill[0]) == queue_load((5000, 1000))
 
     # d1's next heartbeat (taken after the dispatch, prefill done) clears it: eligible again
     tracker.update_decode(decode_node("d1", b=21, k=1000, reported_at=0.3))
