@@ -104,7 +104,7 @@ class ClusterViewConfig:
     # at most poll_s after it was written, so no heartbeat is older than period + poll_s.
     poll_s: float = HEARTBEAT_PERIOD_S / 2
     scan_every_polls: int = 4  # SCAN kairos:node:* every this many polls (new nodes join this late at most)
-    redis_timeout_s: float = 0.2  # connect and command timeout of each round trip
+    redis_timeout_s: float = 0.2  # command timeout of each round trip (a connect: redis_client.connect_timeout_s)
     # Long enough for the deflected request to reach its node and show in a heartbeat the
     # dispatchers have read (hop + one beat + one poll, with slack on a loaded host).
     reservation_ttl_s: float = 3 * HEARTBEAT_PERIOD_S

@@ -162,7 +162,7 @@ class PublisherConfig:
     ttl_s: float = HEARTBEAT_TTL_S  # key expiry: a node that stops beating vanishes after this
     state_url: str = ""  # where to read the engine state (host:port or URL); "" = url
     state_timeout_s: float = 0.25  # a state read slower than this counts as a failure (no beat)
-    redis_timeout_s: float = 0.25  # connect and command timeout of each Redis round trip
+    redis_timeout_s: float = 0.25  # command timeout of each Redis round trip (a connect: connect_timeout_s)
     deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
     check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections
     # An engine whose state read times out is busy, not dead (a refused connection is dead): for

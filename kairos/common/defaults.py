@@ -56,6 +56,14 @@ MEAN_OUTPUT_TOKENS = 72.0
 # a half heartbeat periods: one late beat on a loaded host is not an outage.
 STALE_AFTER_S = 0.35
 
+# Redis connections (kairos.common.redis_client). A command gives up after its caller's short
+# budget (0.2-0.25 s: each caller retries on its own period), but a connection is made once and
+# reused, and its set-up (TCP, then TLS for rediss://) takes several round trips: a distant Redis
+# or a busy host needs more than one command's budget. At 0.25 s a TLS connect on a loaded 2-core
+# host timed out, and the heartbeat, poll or sample behind it was lost; a Redis that is down
+# refuses at once whatever this is.
+REDIS_CONNECT_TIMEOUT_S = 2.0
+
 # Envoy's kept-alive connections to the decode sidecars. Envoy closes one idle for
 # GATEWAY_SIDECAR_IDLE_S, before the sidecar's own idle close (SIDECAR_KEEP_ALIVE_S) can race a
 # request into it: such a request would be reset, and Envoy's retry sends it to another decode

@@ -1,6 +1,6 @@
 """Redis helpers every Kairos process shares: one client set-up, URL redaction, outage logging.
 
-- :func:`fail_fast_client`: bounded connect and command times and no hidden retries, because
+- :func:`fail_fast_client`: bounded command and connect times and no hidden retries, because
   every caller (the dispatcher's poller, the heartbeat publisher, the sidecar's feedback writer)
   already retries on its own period, and a retry with backoff would hold its loop;
   :func:`fail_fast_sync_client`: the same for a blocking client that one worker thread owns (the
@@ -29,6 +29,7 @@ from redis.client import Redis as SyncRedis
 from redis.exceptions import RedisError
 from redis.retry import Retry as SyncRetry
 
+from kairos.common import defaults
 from kairos.common.errors import ConfigError
 
 # What a failed Redis round trip raises: OSError covers refused sockets and asyncio timeouts.
@@ -43,13 +44,20 @@ def check_redis_url(name: str, value: str) -> None:
         raise ConfigError(f"{name}: expected a redis://, rediss:// or unix:// URL, got {redact_url(value)!r}")
 
 
+def connect_timeout_s(timeout_s: float) -> float:
+    """A fail-fast client's connect budget: :data:`~kairos.common.defaults.REDIS_CONNECT_TIMEOUT_S`,
+    or its command budget where that is longer."""
+    return max(timeout_s, defaults.REDIS_CONNECT_TIMEOUT_S)
+
+
 def fail_fast_client(url: str, timeout_s: float) -> aioredis.Redis:
-    """A client whose every connect and command gives up after ``timeout_s``, never retried.
-    redis-py reconnects by itself on the next command after an error."""
+    """A client whose every command gives up after ``timeout_s``, never retried, and whose
+    connect (TCP, TLS) after :func:`connect_timeout_s`. redis-py reconnects by itself on the next
+    command after an error."""
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s(timeout_s),
         retry=Retry(NoBackoff(), 0),
     )
 
@@ -59,7 +67,7 @@ def fail_fast_sync_client(url: str, timeout_s: float) -> SyncRedis:
     return SyncRedis.from_url(
         url,
         socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s(timeout_s),
         retry=SyncRetry(NoBackoff(), 0),
     )
 

@@ -1,14 +1,25 @@
 """Redis ACL rules and credential URLs (pure): every key a rule names comes from the contracts, a
-node id cannot widen its user's rights, and no password reaches a log line."""
+node id cannot widen its user's rights, no password reaches a log line, and the clients' time
+budgets."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.errors import ConfigError
 from kairos.common.redis_acl import acl_file, check_node_id, dispatcher_rules, node_rules, node_user, password_hash
-from kairos.common.redis_client import check_redis_url, redact_url, with_credentials
+from kairos.common.redis_client import (
+    check_redis_url,
+    fail_fast_client,
+    fail_fast_sync_client,
+    redact_url,
+    with_credentials,
+)
 
 
 def test_a_node_may_write_its_own_key_and_append_to_the_stream_only() -> None:
@@ -81,3 +92,14 @@ def test_a_rejected_url_is_named_without_its_password() -> None:
     with pytest.raises(ConfigError) as info:
         check_redis_url("redis_url", "http://kairos-node-p0:s3cret@gw:6379/0")
     assert "s3cret" not in info.value.message and "kairos-node-p0:***@gw" in info.value.message
+
+
+@pytest.mark.parametrize("make", [fail_fast_client, fail_fast_sync_client])
+def test_a_fail_fast_client_gives_its_connect_more_time_than_a_command(make: Callable[..., Any]) -> None:
+    """A TLS connect on a busy host outlasted the 0.25 s command budget and lost what it carried;
+    the connect gets its own budget, commands keep the caller's (creating a client opens nothing)."""
+    client = make("rediss://kairos-node-d0:secret@127.0.0.1:6380/0", 0.25)
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == 0.25
+    assert kwargs["socket_connect_timeout"] == defaults.REDIS_CONNECT_TIMEOUT_S > 0.25
+    assert make("redis://127.0.0.1:6379/0", 5.0).connection_pool.connection_kwargs["socket_connect_timeout"] == 5.0
