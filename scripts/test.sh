@@ -52,7 +52,9 @@ tier() {  # tier LABEL [ENV=VALUE...] -- PYTEST-ARGS...
   local env=()
   while [[ $1 != -- ]]; do env+=("$1"); shift; done
   shift
-  echo "== $label: pytest $*"
+  # The free disk, for a failure's log: the compose tier's images take about 2.5 GB (3.5 at peak),
+  # the virtual environments 5 GB, and a shared disk may run out under them.
+  echo "== $label: pytest $* ($(df -Pm . | awk 'NR == 2 { printf "%.1f GB", $4 / 1024 }') free on the disk)"
   started=$EPOCHREALTIME
   env "${env[@]}" .venv/bin/python -m pytest -q "$@" || rc=$?
   if ((rc == 5 && ${#options[@]} > 0)); then rc=0; fi  # the options selected nothing in this tier

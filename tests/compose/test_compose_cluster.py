@@ -183,13 +183,19 @@ def test_the_gpu_image_builds_on_a_cuda_free_base(docker_daemon: DockerDaemon, i
     for wheel in nixl.glob("*.whl"):
         shutil.copy(wheel, context)
     shutil.copy(Path(__file__).parent / "Dockerfile.cudafree", context / "Dockerfile")
-    docker_daemon.docker("build", "--network", "host", "-t", "kairos-cudafree:test", str(context), timeout=900)
-    # compose/Dockerfile.vllm as the GPU override builds it, on that base: its own checks (the
-    # plugins, NIXL, the logits-processor entry point) run in the build.
-    docker_daemon.docker(
-        "build", "--network", "host", "-f", str(COMPOSE_DIR / "Dockerfile.vllm"),
-        "--build-arg", "BASE_IMAGE=kairos-cudafree:test", "-t", "kairos-vllm:test", str(ROOT),
-        timeout=900,
-    )  # fmt: skip
-    entrypoint = docker_daemon.docker("inspect", "-f", "{{json .Config.Entrypoint}}", "kairos-vllm:test").stdout
-    assert json.loads(entrypoint) == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    try:
+        docker_daemon.docker("build", "--network", "host", "-t", "kairos-cudafree:test", str(context), timeout=900)
+        # compose/Dockerfile.vllm as the GPU override builds it, on that base: its own checks (the
+        # plugins, NIXL, the logits-processor entry point) run in the build.
+        docker_daemon.docker(
+            "build", "--network", "host", "-f", str(COMPOSE_DIR / "Dockerfile.vllm"),
+            "--build-arg", "BASE_IMAGE=kairos-cudafree:test", "-t", "kairos-vllm:test", str(ROOT),
+            timeout=900,
+        )  # fmt: skip
+        entrypoint = docker_daemon.docker("inspect", "-f", "{{json .Config.Entrypoint}}", "kairos-vllm:test").stdout
+        assert json.loads(entrypoint) == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    finally:
+        # Built to be checked, not run: their 0.9 GB (a second Kairos install) go at once, as do the
+        # layers of a failed build, so the rest of the run has the disk (CI's is shared).
+        docker_daemon.docker("rmi", "--force", "kairos-vllm:test", "kairos-cudafree:test", check=False)
+        docker_daemon.docker("image", "prune", "--force", check=False)
