@@ -53,7 +53,7 @@ tier() {  # tier LABEL [ENV=VALUE...] -- PYTEST-ARGS...
   while [[ $1 != -- ]]; do env+=("$1"); shift; done
   shift
   # The free disk, for a failure's log: the compose tier's images take about 2.5 GB (3.5 at peak),
-  # the virtual environments 5 GB, and a shared disk may run out under them.
+  # the virtual environments 6 GB, and a shared disk may run out under them.
   echo "== $label: pytest $* ($(df -Pm . | awk 'NR == 2 { printf "%.1f GB", $4 / 1024 }') free on the disk)"
   started=$EPOCHREALTIME
   env "${env[@]}" .venv/bin/python -m pytest -q "$@" || rc=$?

@@ -96,7 +96,8 @@ def get_json(url: str, timeout: float = 30.0) -> dict:
 
 
 def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    # Generous: vLLM's API server shares 2 cores with two busy engines (a scrape once took > 10 s).
+    with urllib.request.urlopen(url, timeout=60) as resp:
         return resp.read().decode()
 
 
