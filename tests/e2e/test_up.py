@@ -22,6 +22,8 @@ from kairos.launcher.processes import free_port
 from kairos.launcher.redis_setup import RedisSetup
 from tests.waiting import wait_until
 
+KAIROS = (sys.executable, "-m", "kairos.launcher.cli")  # the `kairos` command of this interpreter
+
 
 def _processes() -> list[str]:
     """Every live process as "pid args", untruncated."""
@@ -44,6 +46,18 @@ def _ctrl_c(proc: subprocess.Popen[str]) -> None:
     os.killpg(proc.pid, signal.SIGINT)
 
 
+def _kairos_up(*args: str, new_session: bool = False) -> subprocess.Popen[str]:
+    """`kairos up ARGS` with its output on a pipe; ``new_session``: its own process group, as a
+    shell job has (what Ctrl-C signals)."""
+    return subprocess.Popen(
+        [*KAIROS, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
 @pytest.mark.parametrize(
     "stop",
     [pytest.param(lambda proc: proc.send_signal(signal.SIGTERM), id="SIGTERM"), pytest.param(_ctrl_c, id="Ctrl-C")],
@@ -53,28 +67,10 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
 ) -> None:
     port = free_port()
     workdir = tmp_path / "up"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kairos.launcher.cli",
-            "--log-level",
-            "debug",
-            "up",
-            "--port",
-            str(port),
-            "--workdir",
-            str(workdir),
-            "--model-dir",
-            str(model_dir),
-            "--time-scale",
-            "5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, as a shell job has
-    )
+    proc = _kairos_up(
+        "--log-level", "debug", "up", "--port", str(port), "--workdir", str(workdir),
+        "--model-dir", str(model_dir), "--time-scale", "5", new_session=True,
+    )  # fmt: skip
     lines: list[str] = []
     try:
         curl = _read_until(proc, lines, "curl ", 90).strip()
@@ -168,27 +164,10 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
             if n.role == "decode"
         )
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kairos.launcher.cli",
-            "up",
-            "--nodes",
-            str(nodes_file),
-            "--port",
-            str(port),
-            "--redis-port",
-            str(redis_port),
-            "--workdir",
-            str(tmp_path / "up"),
-            "--model-dir",
-            str(model_dir),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _kairos_up(
+        "up", "--nodes", str(nodes_file), "--port", str(port), "--redis-port", str(redis_port),
+        "--workdir", str(tmp_path / "up"), "--model-dir", str(model_dir),
+    )  # fmt: skip
     lines: list[str] = []
     try:
         _read_until(proc, lines, "waiting for heartbeats from p0, d0", 60)
@@ -232,26 +211,10 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
     a second `kairos up` on the same port refuses to start instead of sharing the port."""
     port = free_port()
     workdir = tmp_path / "up"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kairos.launcher.cli",
-            "up",
-            "--port",
-            str(port),
-            "--workdir",
-            str(workdir),
-            "--model-dir",
-            str(model_dir),
-            "--time-scale",
-            "5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _kairos_up(
+        "up", "--port", str(port), "--workdir", str(workdir), "--model-dir", str(model_dir),
+        "--time-scale", "5", new_session=True,
+    )  # fmt: skip
     lines: list[str] = []
     try:
         curl = shlex.split(_read_until(proc, lines, "curl ", 90).strip())
@@ -276,22 +239,9 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
         assert proc.poll() is None
 
         second = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kairos.launcher.cli",
-                "up",
-                "--port",
-                str(port),
-                "--workdir",
-                str(tmp_path / "second"),
-                "--model-dir",
-                str(model_dir),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+            [*KAIROS, "up", "--port", str(port), "--workdir", str(tmp_path / "second"), "--model-dir", str(model_dir)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
         assert second.returncode != 0
         assert f"the gateway port {port} on 127.0.0.1 is in use" in second.stderr, second.stderr
         assert "HTTP/1.1 200" in subprocess.run(curl, capture_output=True, text=True, timeout=30, check=True).stdout
