@@ -52,9 +52,14 @@ tier() {  # tier LABEL [ENV=VALUE...] -- PYTEST-ARGS...
   local env=()
   while [[ $1 != -- ]]; do env+=("$1"); shift; done
   shift
-  # The free disk, for a failure's log: the compose tier's images take about 2.5 GB (3.5 at peak),
-  # the virtual environments 6 GB, and a shared disk may run out under them.
-  echo "== $label: pytest $* ($(df -Pm . | awk 'NR == 2 { printf "%.1f GB", $4 / 1024 }') free on the disk)"
+  # The free disk, for a failure's log: the virtual environments (6 GB) are in by now, and the
+  # compose tier's images take about 2.5 GB more (3.5 at peak); a shared disk may run out under them.
+  local free_mb
+  free_mb=$(df -Pm . | awk 'NR == 2 { print $4 }')
+  echo "== $label: pytest $* ($(awk -v m="$free_mb" 'BEGIN { printf "%.1f", m / 1024 }') GB free on the disk)"
+  if ((free_mb < 4096)); then
+    echo "== warning: under 4 GB free; the compose tier's image builds need about 3.5 GB" >&2
+  fi
   started=$EPOCHREALTIME
   env "${env[@]}" .venv/bin/python -m pytest -q "$@" || rc=$?
   if ((rc == 5 && ${#options[@]} > 0)); then rc=0; fi  # the options selected nothing in this tier
