@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS_DIR, write_result
 from kairos.common import defaults
+from kairos.core.policies import format_chunks
 from kairos.sim.experiment import SimSettings, run_sweep
 
 # From low load to past every policy's knee on 2P2D with the packaged profile.
@@ -41,10 +42,12 @@ POLICIES = (
     "dynamo:mode=either",
     "aibrix",
     # The paper's Algorithm 1: alpha 1.3, one deflection in flight per decode node, Eq. 1 as the
-    # keep path's TTFT, no overload line, no step calibration, no deflection gate. Its Eq. 2 is
-    # every policy's here (per prompt: the paper's grew with the square of the queue, README "The
-    # keep path's TTFT"), so this row differs from the paper in its queue estimate only.
-    PAPER := "kairos:alpha=1.3,pending=1,overload=off,calibrate=off,keep=eq1,gate=off",
+    # keep path's TTFT, no overload line, no step calibration, no deflection gate, its powers-of-two
+    # step sizes. Its Eq. 2 is every policy's here (per prompt: the paper's grew with the square of
+    # the queue, README "The keep path's TTFT"), so this row differs from the paper in its queue
+    # estimate only.
+    PAPER := "kairos:alpha=1.3,pending=1,overload=off,calibrate=off,keep=eq1,gate=off,chunks="
+    + format_chunks(defaults.PAPER_CHUNK_CANDIDATES),
     "kairos",  # the defaults (this issue's changes)
     "oracle",
 )

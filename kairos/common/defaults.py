@@ -18,7 +18,14 @@ ALPHA = 1.0
 BETA = 1.0  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
 TBT_SLO_S = 0.070  # tau: P95 time between tokens
 TTFT_SLO_S = 4.0  # P95 time to first token
-CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # prefill chunk sizes, strictly decreasing
+# Step sizes a deflected prefill's steps are planned at (Eq. 5: the step's decode tokens plus its
+# chunk), strictly decreasing: four per octave. The paper's powers of two leave a step up to half
+# its tokens short of the budget; on Bursty a decode node's deflected steps then ran 63.6 ms on
+# average under a 70 ms budget (chunks of ~235 tokens where ~330 fit), and a finer grid fills it
+# (2P2D simulator, seed 90417: Bursty's knee 6 -> 6.5 RPS, HPLD's 1.5 -> 1.75; README "Chunk
+# sizes"). ``kairos:chunks=2048/1024/512/256/128`` plans with the paper's.
+CHUNK_CANDIDATES = (2048, 1792, 1536, 1280, 1024, 896, 768, 640, 512, 448, 384, 320, 256, 224, 192, 160, 128)
+PAPER_CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # the paper's §6.1
 # Deflected prefills a decode node may hold in flight for it to take another. The paper's §5.3
 # allows one (1); None lifts the limit: a new deflection is scheduled behind the node's backlog,
 # its own dispatcher's and, through their promises in Redis, the other replicas' (which on

@@ -216,7 +216,9 @@ class KairosPolicy:
         gate_share = self.config.deflect_gate_share
         gate = "" if gate_share == defaults.DEFLECT_GATE_SHARE else f",gate={_share_label(gate_share)}"
         prefix = "" if self.prefix_aware else ",prefix=off"
-        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{keep}{prefix}"
+        cands = self.config.chunk_candidates
+        chunks = "" if cands == defaults.CHUNK_CANDIDATES else f",chunks={format_chunks(cands)}"
+        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{keep}{prefix}{chunks}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
@@ -475,12 +477,41 @@ _PARAMS: dict[str, tuple[str, ...]] = {
         "calibrate",
         "keep",
         "prefix",
+        "chunks",
     ),
-    "oracle": ("alpha", "beta", "guard", "overload", "pressure", "gate", "error", "calibrate", "keep", "prefix"),
+    "oracle": (
+        "alpha",
+        "beta",
+        "guard",
+        "overload",
+        "pressure",
+        "gate",
+        "error",
+        "calibrate",
+        "keep",
+        "prefix",
+        "chunks",
+    ),
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),
 }
+
+
+CHUNKS_SEPARATOR = "/"  # in a spec's chunks=... value: "," separates the spec's parameters
+
+
+def format_chunks(candidates: tuple[int, ...]) -> str:
+    """``(2048, 1024)`` -> ``"2048/1024"``, as a spec's ``chunks=`` takes them."""
+    return CHUNKS_SEPARATOR.join(map(str, candidates))
+
+
+def parse_chunks(name: str, raw: str) -> tuple[int, ...]:
+    """A spec's ``chunks=2048/1024/512/256/128`` (``DeciderConfig`` checks their order)."""
+    try:
+        return tuple(int(x) for x in raw.split(CHUNKS_SEPARATOR))
+    except ValueError:
+        raise UnknownPolicyError(f"policy {name!r}: chunks={raw!r} must be integers separated by '/'") from None
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -513,7 +544,8 @@ def validate_gateway_policy(spec: str) -> None:
 
 
 def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None = None) -> Policy:
-    """Build a policy from a spec string; ``base`` supplies the SLOs and chunk candidates."""
+    """Build a policy from a spec string; ``base`` supplies the SLOs and chunk candidates (a
+    Kairos spec's ``chunks=`` overrides the latter)."""
     name, params = parse_policy_spec(spec)
     cfg = base or alg.DeciderConfig()
 
@@ -593,6 +625,8 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
             if share is not None and not (0.0 < share <= 1.0):  # "not" so that NaN fails too
                 raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be in (0, 1] or 'off'")
             changes[field] = share
+    if "chunks" in params:
+        changes["chunk_candidates"] = parse_chunks(name, params["chunks"])
     if name == "oracle":
         changes["max_pending_deflections"] = None  # it sees the true backlog, no limit needed
     elif "pending" in params:

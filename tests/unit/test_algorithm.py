@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kairos.common import defaults
 from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import (
@@ -226,12 +227,12 @@ GREEDY_CASES = [
         id="B120: candidate equal to B skipped, so infeasible",
     ),
     pytest.param(
-        GreedyCase(100, 40, 0, alg.DEFAULT_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        GreedyCase(100, 40, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
         id="B40: T0 0.080 over the 0.070 budget, infeasible",
     ),
     pytest.param(
         # T0(10) = 0.050; only 128 fits: 0.0618 + 1e-7*118*c <= 0.070 while c <= 694
-        GreedyCase(1000, 10, 0, alg.DEFAULT_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        GreedyCase(1000, 10, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
         id="B10-1000-tokens: infeasible once 708 tokens are cached (0.0701544)",
     ),
     pytest.param(
@@ -239,7 +240,7 @@ GREEDY_CASES = [
             prompt=700,
             b=10,
             k=0,
-            candidates=alg.DEFAULT_CHUNK_CANDIDATES,
+            candidates=defaults.PAPER_CHUNK_CANDIDATES,
             budget=0.070,
             steps=(
                 (118, 0.0618),  # 0.050 + 0.0118
@@ -252,6 +253,24 @@ GREEDY_CASES = [
             ttft=0.390414,
         ),
         id="B10-700-tokens: five 118-chunks and a trimmed 110 just fit",
+    ),
+    pytest.param(
+        GreedyCase(
+            prompt=700,
+            b=10,
+            k=0,
+            candidates=defaults.CHUNK_CANDIDATES,  # four per octave: 192, 160 and 128 here
+            budget=0.070,
+            steps=(
+                (182, 0.0682),  # 0.050 + 0.0182
+                (150, 0.06773),  # 182 more would be 0.0715: 0.050 + 0.015 + 1e-7*150*182
+                (150, 0.06998),
+                (118, 0.0674876),  # 150 would be 0.0722
+                (100, 0.066),
+            ),
+            ttft=0.3393976,
+        ),
+        id="B10-700-tokens, the default chunks: five steps where the paper's take six",
     ),
     # flat, knee at 300 step tokens, 1e-4 per token over it: 420 -> 400 costs 0.100 + 0.012 = 0.112;
     # 220 -> 200 is under the knee (0.080); the last 300 ride a 320-token step: 0.090 + 0.002
@@ -315,7 +334,7 @@ def test_greedy_schedule(case: GreedyCase) -> None:
 def test_beta_scales_the_step_budget(beta: float, budget: float, expected: tuple[tuple[int, float], ...] | str) -> None:
     cfg = DeciderConfig(beta=beta, tbt_slo_s=0.070)
     assert cfg.step_budget_s == pytest.approx(budget)
-    got = greedy_schedule(flat_models(), 400, 10, 0, cfg.chunk_candidates, cfg.step_budget_s)
+    got = greedy_schedule(flat_models(), 400, 10, 0, defaults.PAPER_CHUNK_CANDIDATES, cfg.step_budget_s)
     if isinstance(expected, str):
         assert got == expected
         return
@@ -1021,10 +1040,13 @@ def test_bad_decider_config_rejected(kwargs: dict[str, object]) -> None:
         DeciderConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_config_is_the_papers_but_for_alpha_the_pending_limit_and_the_gate() -> None:
+def test_default_config_is_the_papers_but_for_alpha_the_pending_limit_the_gate_and_the_chunks() -> None:
     cfg = DeciderConfig()
     assert (cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s) == (1.0, 0.070, 4.0)
-    assert cfg.chunk_candidates == (2048, 1024, 512, 256, 128)
+    # Four step sizes per octave from 2048 to 128; the paper's powers of two are
+    # kairos:chunks=2048/1024/512/256/128.
+    assert cfg.chunk_candidates[::4] == defaults.PAPER_CHUNK_CANDIDATES == (2048, 1024, 512, 256, 128)
+    assert len(cfg.chunk_candidates) == 17
     # The paper's one deflection in flight per decode node is kairos:pending=1; by default a
     # deflection is scheduled behind every one in flight (defaults.MAX_PENDING_DEFLECTIONS).
     assert cfg.max_pending_deflections is None

@@ -220,6 +220,13 @@ def test_make_policy_keeps_the_base_config() -> None:
     )
 
 
+def test_a_specs_chunks_override_the_base_config() -> None:
+    base = DeciderConfig(tbt_slo_s=0.05, chunk_candidates=(256, 128))
+    policy = make_policy("kairos:chunks=1000/300/100", FLAT, base=base)
+    assert isinstance(policy, KairosPolicy)
+    assert (policy.config.chunk_candidates, policy.config.tbt_slo_s) == ((1000, 300, 100), 0.05)
+
+
 UNKNOWN = [
     pytest.param(
         "fifo", ["unknown policy 'fifo'", "known policies", "'pd'", "'kairos'", "'oracle'"], id="unknown-name"
@@ -262,6 +269,9 @@ UNKNOWN = [
     pytest.param("aibrix:low=-0.1", ["low=-0.1 must be in [0, inf]"], id="aibrix-negative-low"),
     pytest.param("aibrix:high=x", ["high='x' is not a float"], id="aibrix-high-not-a-number"),
     pytest.param("aibrix:theta=1", ["bad parameter 'theta=1'", "'high'", "'low'"], id="aibrix-unknown-param"),
+    pytest.param("kairos:chunks=512,256", ["bad parameter '256'"], id="chunks-comma-separated"),
+    pytest.param("oracle:chunks=512/big", ["chunks='512/big' must be integers separated by '/'"], id="chunks-not-ints"),
+    pytest.param("pd:chunks=512", ["bad parameter 'chunks=512'"], id="pd-has-no-chunks"),
 ]
 
 
@@ -283,6 +293,8 @@ def test_make_policy_rejects_unknown_names_params_and_values(spec: str, fragment
         pytest.param("kairos:beta=0", "beta must be in (0, 2]", id="beta-0"),
         pytest.param("oracle:beta=3", "beta must be in (0, 2]", id="beta-over-2"),
         pytest.param("kairos:pending=0", "max_pending_deflections", id="pending-0"),
+        pytest.param("kairos:chunks=256/512", "strictly decreasing, got [256, 512]", id="chunks-increasing"),
+        pytest.param("oracle:chunks=256/0", "must be positive", id="chunks-0"),
     ],
 )
 def test_make_policy_rejects_out_of_range_values(spec: str, fragment: str) -> None:
@@ -988,6 +1000,16 @@ def test_kairos_and_oracle(
         pytest.param("kairos:keep=eq1", "kairos(alpha=1,beta=1,keep=eq1)", id="kairos-keep-eq1"),
         pytest.param("kairos:keep=full", "kairos(alpha=1,beta=1)", id="kairos-keep-full-is-the-default"),
         pytest.param("sl:l=512", "sl(l=512)", id="sl"),
+        pytest.param(
+            "kairos:chunks=2048/1024/512/256/128",
+            "kairos(alpha=1,beta=1,chunks=2048/1024/512/256/128)",
+            id="kairos-the-papers-chunks",
+        ),
+        pytest.param(
+            "oracle:chunks=2048/1792/1536/1280/1024/896/768/640/512/448/384/320/256/224/192/160/128",
+            "oracle(alpha=1,beta=1)",
+            id="oracle-the-default-chunks",
+        ),
     ],
 )
 def test_policy_labels(spec: str, label: str) -> None:
