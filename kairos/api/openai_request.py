@@ -104,6 +104,15 @@ def _reject_lone_surrogates(data: object) -> None:
         ) from None
 
 
+def check_body_size(size: int, limits: RequestLimits) -> None:
+    """Raise the 413 for a body of ``size`` bytes over ``limits.max_body_bytes``: the one check
+    (and message) for a body in hand and for one a Content-Length announces."""
+    if size > limits.max_body_bytes:
+        raise PayloadTooLargeError(
+            f"request body is {size} bytes, over the gateway's limit of {limits.max_body_bytes} bytes"
+        )
+
+
 def parse_request(
     path: str,
     body: bytes,
@@ -129,10 +138,7 @@ def parse_request(
         raise NotFoundError(
             f"no such endpoint {route!r}: the gateway serves {COMPLETIONS_PATH} and {CHAT_COMPLETIONS_PATH}"
         )
-    if len(body) > limits.max_body_bytes:
-        raise PayloadTooLargeError(
-            f"request body is {len(body)} bytes, over the gateway's limit of {limits.max_body_bytes} bytes"
-        )
+    check_body_size(len(body), limits)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

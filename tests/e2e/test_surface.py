@@ -251,12 +251,42 @@ def test_content_length_with_transfer_encoding_is_a_clean_400(cluster: LocalClus
 
 def test_a_body_over_envoys_buffer_is_a_json_413(cluster: LocalCluster) -> None:
     body = b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}'  # over the 16 MiB buffer limit
+    chunked = (  # no Content-Length: the dispatcher cannot refuse it before Envoy has buffered it
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    )
     with _connect(_port(cluster.gateway_url)) as sock:
         with contextlib.suppress(OSError):  # Envoy may answer and close before taking it all
-            sock.sendall(_request("/v1/completions", body))
+            sock.sendall(chunked)
         status, _, raw = _read_response(sock, bytearray())
     error = assert_openai_error(status, raw, 413, "payload_too_large")
     assert "buffer limit" in error["message"]
+    still_serving(cluster)
+
+
+def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_sent(cluster: LocalCluster) -> None:
+    """The dispatcher refuses at the request's headers: the client hears at once, without
+    uploading (or Envoy buffering) the 20 MB it announced."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.settimeout(10)  # waiting for the body would take Envoy's 60 s request timeout
+        sock.sendall(head + b"Content-Length: 20000000\r\n\r\n" + b'{"prompt": "')
+        status, headers, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 413, "payload_too_large")
+    assert "20000000 bytes" in error["message"]
+    assert headers["content-type"].startswith("application/json")
+    still_serving(cluster)
+
+
+def test_a_connect_request_is_a_json_404_at_once(cluster: LocalCluster) -> None:
+    """A CONNECT's body is a tunnel that never ends: answered from its headers, not after
+    Envoy's 60 s request timeout."""
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"CONNECT 127.0.0.1:6379 HTTP/1.1\r\nHost: 127.0.0.1:6379\r\n\r\n")
+        status, _, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 404, "not_found")
+    assert "/v1/completions" in error["message"]
     still_serving(cluster)
 
 
