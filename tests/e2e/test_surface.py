@@ -290,6 +290,38 @@ def test_a_connect_request_is_a_json_404_at_once(cluster: LocalCluster) -> None:
     still_serving(cluster)
 
 
+def _read_to_close(sock: socket.socket) -> tuple[str, dict[str, str], bytes]:
+    """An HTTP/1.0 response, its body delimited by the connection's close: status line, headers, body."""
+    raw = bytearray()
+    while chunk := sock.recv(65536):
+        raw += chunk
+    head, _, body = bytes(raw).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return lines[0], headers, body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_http_1_0_clients_are_served(cluster: LocalCluster, stream: bool) -> None:
+    """As vLLM's server serves them (ApacheBench speaks HTTP/1.0), not refused with a 426; no
+    Host header needed, and a stream ends with the connection."""
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}).encode()
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        status_line, headers, raw = _read_to_close(sock)
+    assert status_line.split()[1] == "200", (status_line, raw[:300])
+    if stream:
+        assert headers["content-type"].startswith("text/event-stream")
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and len(events) == 4, raw[:600]
+    else:
+        assert json.loads(raw)["usage"]["completion_tokens"] == 3
+
+
 def test_pipelined_requests_are_answered_in_order(cluster: LocalCluster) -> None:
     good = _request("/v1/completions", COMPLETION)
     models = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
