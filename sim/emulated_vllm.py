@@ -389,8 +389,7 @@ class EmulatedNode:
         arrival = rt.now()
         body = await request.read()
         parsed = await self._parse(request.path, body)
-        if parsed.model is not None and parsed.model != self.config.model:
-            raise NotFoundError(f"The model `{parsed.model}` does not exist.")
+        self._check_model(parsed.body)
         n = parsed.body.get("n")
         if n is not None and n != 1:
             raise RequestError(f"n must be 1 on this emulated node (one choice per request), got {_dumps(n)}", "n")
@@ -821,7 +820,7 @@ class EmulatedNode:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if model and model != self.config.model:  # vLLM serves an empty name as its own model
             raise NotFoundError(f"The model `{model}` does not exist.")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
