@@ -1085,15 +1085,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def app_runner(
+    config: SidecarConfig,
+    allowlist: Callable[[], Collection[str]] | None = None,
+    *,
+    shutdown_timeout: float = _SHUTDOWN_GRACE_S,
+) -> web.AppRunner:
+    """The sidecar's app as it is served. A handler is cancelled when its client leaves (as
+    vLLM's ``with_cancellation`` does): its hop's connection is dropped and vLLM aborts the
+    request. A stream would notice at its next write, but a non-streaming reply has no byte to
+    write before the end: without this, a client that left would keep its request generating
+    on the node to the last token."""
+    # The access log would add an INFO line per request; the DEBUG timing line covers it.
+    return web.AppRunner(
+        build_app(config, allowlist),
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=defaults.SIDECAR_KEEP_ALIVE_S,  # Envoy's idle close comes first
+        handler_cancellation=True,
+    )
+
+
 async def _serve(config: SidecarConfig) -> None:
     stop = stop_on_signals()
-    # The access log would add an INFO line per request; the DEBUG timing line covers it.
-    runner = web.AppRunner(
-        build_app(config),
-        access_log=None,
-        shutdown_timeout=_SHUTDOWN_GRACE_S,
-        keepalive_timeout=defaults.SIDECAR_KEEP_ALIVE_S,  # Envoy's idle close comes first
-    )
+    runner = app_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

@@ -1244,8 +1244,11 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
     """The node's application, served as vLLM serves: idle connections closed after
-    ``keep_alive_timeout_s``."""
-    return web.AppRunner(build_app(config), access_log=None, keepalive_timeout=config.keep_alive_timeout_s)
+    ``keep_alive_timeout_s``, and a request whose client leaves aborted (vLLM's
+    ``with_cancellation``: a non-streaming one too, which has no byte to fail on before its end)."""
+    return web.AppRunner(
+        build_app(config), access_log=None, keepalive_timeout=config.keep_alive_timeout_s, handler_cancellation=True
+    )
 
 
 async def _serve_forever(config: EmulatedNodeConfig) -> None:

@@ -27,7 +27,8 @@ from kairos.common.contracts import Role
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
-from tests.e2e.conftest import http, post_json
+from tests.e2e.conftest import http, post_json, text_of
+from tests.waiting import wait_until
 
 MODEL = "kairos-tiny-llama"
 COMPLETION = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
@@ -413,6 +414,53 @@ def test_a_client_that_leaves_mid_body_disturbs_nothing(cluster: LocalCluster) -
             sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 5000\r\n\r\n{"pro')
     with _connect(_port(cluster.gateway_url)) as sock:  # half a request line, then gone
         sock.sendall(b"POST /v1/compl")
+    still_serving(cluster)
+
+
+def _engine_requests(cluster: LocalCluster) -> dict[str, float]:
+    """Requests each node's engine holds (running + waiting), from its vLLM metrics."""
+    held: dict[str, float] = {}
+    for node in cluster.nodes:
+        _, _, raw = http("GET", f"http://{node.url}/metrics")
+        held[node.node_id] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in raw.decode().splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+    return held
+
+
+@pytest.mark.parametrize(
+    ("stream", "leave_when"),
+    [(True, "first event"), (True, Role.PREFILL), (False, Role.PREFILL), (False, Role.DECODE)],
+    ids=["stream after its first event", "stream in its prefill hop", "json in its prefill hop", "json decoding"],
+)
+def test_a_client_that_leaves_leaves_no_request_on_a_node(
+    cluster: LocalCluster, tokenizer: PromptTokenizer, stream: bool, leave_when: str
+) -> None:
+    """The request asks for 20,000 tokens (minutes of decoding); its client leaves after the
+    first streamed event, or while a node of the role named holds it: every engine must drop
+    it (as vLLM does for its own clients, a JSON reply's included), and the gateway go on."""
+    prompt = text_of(tokenizer, 12_000 if leave_when == Role.PREFILL else 2000)  # a long prefill hop, or a short one
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 20_000, "stream": stream}).encode()
+    role = {n.node_id: n.role for n in cluster.nodes}
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(_request("/v1/completions", body))
+        if leave_when == "first event":
+            seen = bytearray()
+            while b"data: " not in seen:  # the first event (the head has no such text)
+                chunk = sock.recv(65536)
+                assert chunk, f"closed before the first event: {bytes(seen)!r}"
+                seen += chunk
+            assert seen.startswith(b"HTTP/1.1 200"), bytes(seen[:300])
+        else:
+            wait_until(
+                lambda: any(n for node, n in _engine_requests(cluster).items() if role[node] == leave_when),
+                what=f"the request on a {leave_when} node",
+            )
+    wait_until(
+        lambda: not any(_engine_requests(cluster).values()), timeout_s=60, what="every node's engine empty again"
+    )
     still_serving(cluster)
 
 
