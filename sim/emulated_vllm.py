@@ -83,6 +83,11 @@ KV_PULL_PATH = "/kairos/kv/pull"
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
 PULL_KEEPALIVE_S = 1.0  # wall seconds a decode node reuses an idle pull connection (nodes close at 5)
+# The request head vLLM's server reads (uvicorn's h11 limits as vLLM sets them by default:
+# H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT, H11_MAX_HEADER_COUNT_DEFAULT); aiohttp's own defaults
+# (8190 bytes a header, 128 headers) would refuse, with a text/plain 400, heads vLLM serves.
+VLLM_MAX_HEAD_BYTES = 4 * 1024 * 1024
+VLLM_MAX_HEADERS = 256
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # One short word per output token: the text is noise, the token accounting is what matters. The
 # node streams words the model's tokenizer holds as one token each (see ``one_token_words``), as
@@ -1244,10 +1249,17 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
     """The node's application, served as vLLM serves: idle connections closed after
-    ``keep_alive_timeout_s``, and a request whose client leaves aborted (vLLM's
-    ``with_cancellation``: a non-streaming one too, which has no byte to fail on before its end)."""
+    ``keep_alive_timeout_s``, a request whose client leaves aborted (vLLM's
+    ``with_cancellation``: a non-streaming one too, which has no byte to fail on before its end),
+    and request heads read up to vLLM's limits."""
     return web.AppRunner(
-        build_app(config), access_log=None, keepalive_timeout=config.keep_alive_timeout_s, handler_cancellation=True
+        build_app(config),
+        access_log=None,
+        keepalive_timeout=config.keep_alive_timeout_s,
+        handler_cancellation=True,
+        max_line_size=VLLM_MAX_HEAD_BYTES,  # one header may take the whole head
+        max_field_size=VLLM_MAX_HEAD_BYTES,
+        max_headers=VLLM_MAX_HEADERS,
     )
 
 

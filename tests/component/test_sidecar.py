@@ -32,6 +32,7 @@ from kairos.nodeagent.sidecar import (
     TtftFeedbackPublisher,
     app_runner,
 )
+from kairos.sim.emulated_vllm import VLLM_MAX_HEAD_BYTES, VLLM_MAX_HEADERS
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
@@ -181,12 +182,20 @@ class FakeVLLM:
 
 
 async def _serve(app: web.Application | web.AppRunner) -> tuple[web.AppRunner, str]:
-    """Serve a fake vLLM's app (its handlers cancelled when the client leaves, as vLLM's are)
-    or the sidecar's own runner."""
+    """Serve a fake vLLM's app (its handlers cancelled when the client leaves, and request heads
+    read, as vLLM's are) or the sidecar's own runner."""
     runner = (
         app
         if isinstance(app, web.AppRunner)
-        else web.AppRunner(app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True)
+        else web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=0.1,
+            handler_cancellation=True,
+            max_line_size=VLLM_MAX_HEAD_BYTES,
+            max_field_size=VLLM_MAX_HEAD_BYTES,
+            max_headers=VLLM_MAX_HEADERS,
+        )
     )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -333,6 +342,21 @@ async def test_client_disconnect_before_a_json_reply_aborts_the_upstream_request
     with contextlib.suppress(asyncio.CancelledError):
         await request
     await asyncio.wait_for(rig.decode.reader_gone.wait(), 20)
+
+
+@pytest.mark.parametrize("route", ["keep", "deflect"])
+async def test_a_header_aiohttp_would_refuse_by_default_reaches_vllm(rig: Rig, route: str) -> None:
+    """A 20 KB header (a long bearer token, a big trace context) is read and relayed, as vLLM
+    reads it: not aiohttp's text/plain 400 at its 8190-byte default."""
+    url = await rig.start_sidecar()
+    token = "Bearer " + "t" * 20_000
+    headers = {
+        "authorization": token,
+        **(_keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "4"}),
+    }
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    assert rig.decode.seen[-1].headers["authorization"] == token
 
 
 async def test_keep_generates_one_request_id_for_both_hops(rig: Rig) -> None:

@@ -417,6 +417,21 @@ def test_a_client_that_leaves_mid_body_disturbs_nothing(cluster: LocalCluster) -
     still_serving(cluster)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+def test_a_header_envoy_passes_is_read_behind_it(cluster: LocalCluster, path: str) -> None:
+    """A 20 KB header (under Envoy's 60 KiB for the whole head) is served as vLLM serves it, on
+    both hops of the keep path and on a relayed GET: no server behind Envoy refuses it with a
+    non-JSON 400."""
+    headers = {"authorization": "Bearer " + "t" * 20_000, "content-type": "application/json"}
+    status, answer_headers, raw = http(
+        "POST" if path == "/v1/completions" else "GET",
+        f"{cluster.gateway_url}{path}",
+        COMPLETION if path == "/v1/completions" else None,
+        headers,
+    )
+    assert status == 200, (status, answer_headers.get("content-type"), raw[:200])
+
+
 def _engine_requests(cluster: LocalCluster) -> dict[str, float]:
     """Requests each node's engine holds (running + waiting), from its vLLM metrics."""
     held: dict[str, float] = {}
