@@ -27,7 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kairos.api.openai_request import ParsedRequest, PayloadTooLargeError, RequestLimits, parse_request
+from kairos.api.openai_request import (
+    ParsedRequest,
+    PayloadTooLargeError,
+    RequestLimits,
+    check_body_size,
+    parse_request,
+)
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.errors import (
@@ -198,12 +204,30 @@ class Dispatcher:
                 return await self._route_inference(path, headers, body or b"", spoofed, started)
             return self._pass_through(spoofed)
         except KairosError as exc:
-            self.metrics.rejections.labels(code=exc.code).inc()
-            return Rejected(error_status(exc), error_json(exc), exc.code)
+            return self._rejected(exc, exc.code)
         except Exception as exc:  # a bug, not the client's fault: a clean 500, and the traceback in the log
             log.exception("internal error routing %s %s", method, path)
-            self.metrics.rejections.labels(code="internal_error").inc()
-            return Rejected(error_status(exc), error_json(exc), "internal_error")
+            return self._rejected(exc, "internal_error")
+
+    def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Rejected | None:
+        """The answer to a request whose body is still to come, when its headers alone refuse it
+        (a path or method not served, a compressed body, a Content-Length over the body limit):
+        the client hears at once rather than after sending its body, or never, for a body that
+        does not end (a CONNECT tunnel's). None: wait for the body and :meth:`route` it."""
+        try:
+            bare_path = path.split("?", 1)[0]
+            _check_public(method, bare_path, headers)
+            if bare_path in OPENAI_POST_PATHS:
+                declared = headers.get("content-length", "")
+                if declared.isascii() and declared.isdigit():  # Envoy refuses a malformed one before us
+                    check_body_size(int(declared), self.settings.limits)
+        except KairosError as exc:
+            return self._rejected(exc, exc.code)
+        return None
+
+    def _rejected(self, exc: Exception, code: str) -> Rejected:
+        self.metrics.rejections.labels(code=code).inc()
+        return Rejected(error_status(exc), error_json(exc), code)
 
     # -- inference requests ----------------------------------------------------------------
     async def _route_inference(
@@ -403,8 +427,9 @@ def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
     decode request bodies), so it is a 415 rather than a 400 or 500 further on."""
     methods = c.PUBLIC_ENDPOINTS.get(path)
     if methods is None:
+        what = path or f"{method} without a path"  # CONNECT's authority-form target has no :path
         raise NotFoundError(
-            f"{path} is not served by this gateway; it serves "
+            f"{what} is not served by this gateway; it serves "
             + ", ".join(f"{'/'.join(m)} {p}" for p, m in c.PUBLIC_ENDPOINTS.items())
         )
     if method not in methods:

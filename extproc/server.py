@@ -5,8 +5,10 @@ Per HTTP request Envoy opens one ``Process`` stream and sends the request header
 mode BUFFERED) the whole body. We answer the headers message with an empty response and put
 every mutation in the body response: the upstream as ``envoy.lb`` dynamic metadata for the
 override_host load balancer, and the decision headers. Requests without a body (GETs) are
-answered at the headers message. Response processing is skipped, so the stream is ended as
-soon as the last answer is sent (Envoy would otherwise hold it for the whole SSE response).
+answered at the headers message, and so are those the headers alone refuse (an unserved path or
+method, a body too large or compressed): Envoy answers those before their body arrives.
+Response processing is skipped, so the stream is ended as soon as the last answer is sent
+(Envoy would otherwise hold it for the whole SSE response).
 
 The same server answers the standard gRPC health-checking protocol (``grpc.health.v1``), which
 Envoy's active health checks of the dispatcher cluster call: ``SERVING`` for the ext_proc service
@@ -89,6 +91,9 @@ def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
+        # The benchmark's no-op router (bench/noop_extproc.py) has no such check: it routes
+        # every request as it comes, as the transport floor it measures.
+        self._check_headers = getattr(dispatcher, "check_headers", None)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -110,6 +115,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if msg.request_headers.end_of_stream:
                     routed = await self.dispatcher.route(method, path, headers, None)
                     await context.write(self._answer(routed, "headers"))
+                    return
+                refused = None if self._check_headers is None else self._check_headers(method, path, headers)
+                if refused is not None:
+                    await context.write(_rejected_response(refused))
                     return
                 await context.write(_CONTINUE_HEADERS)
             elif kind == "request_body":

@@ -105,6 +105,10 @@ _HOSTPORT = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?)
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 _HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
 _SHUTDOWN_GRACE_S = 30.0  # in-flight streams get this long to finish on SIGTERM
+# A request line or header may take this much (aiohttp's default: 8190 bytes): Envoy passes heads
+# of up to 60 KiB (its max_request_headers_kb default) and vLLM's server reads 4 MiB, so the
+# sidecar is never the one to refuse a request, with aiohttp's bare text/plain 400.
+_MAX_REQUEST_LINE_BYTES = 64 * 1024
 _ERROR_SNIPPET = 300  # characters of an upstream error body quoted in our own error message
 # TTFT feedback: samples waiting for the writer (beyond this they are dropped, never waited for),
 # the bound on one Redis round trip, and how long to drop samples after a failure before retrying.
@@ -1085,15 +1089,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def app_runner(
+    config: SidecarConfig,
+    allowlist: Callable[[], Collection[str]] | None = None,
+    *,
+    shutdown_timeout: float = _SHUTDOWN_GRACE_S,
+) -> web.AppRunner:
+    """The sidecar's app as it is served. A handler is cancelled when its client leaves (as
+    vLLM's ``with_cancellation`` does): its hop's connection is dropped and vLLM aborts the
+    request. A stream would notice at its next write, but a non-streaming reply has no byte to
+    write before the end: without this, a client that left would keep its request generating
+    on the node to the last token."""
+    # The access log would add an INFO line per request; the DEBUG timing line covers it.
+    return web.AppRunner(
+        build_app(config, allowlist),
+        access_log=None,
+        shutdown_timeout=shutdown_timeout,
+        keepalive_timeout=defaults.SIDECAR_KEEP_ALIVE_S,  # Envoy's idle close comes first
+        handler_cancellation=True,
+        max_line_size=_MAX_REQUEST_LINE_BYTES,
+        max_field_size=_MAX_REQUEST_LINE_BYTES,
+    )
+
+
 async def _serve(config: SidecarConfig) -> None:
     stop = stop_on_signals()
-    # The access log would add an INFO line per request; the DEBUG timing line covers it.
-    runner = web.AppRunner(
-        build_app(config),
-        access_log=None,
-        shutdown_timeout=_SHUTDOWN_GRACE_S,
-        keepalive_timeout=defaults.SIDECAR_KEEP_ALIVE_S,  # Envoy's idle close comes first
-    )
+    runner = app_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

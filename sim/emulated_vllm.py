@@ -83,6 +83,11 @@ KV_PULL_PATH = "/kairos/kv/pull"
 TOKENIZE_INLINE_BYTES = 16_384  # larger bodies are tokenized in a thread: the step loop keeps its timing
 PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
 PULL_KEEPALIVE_S = 1.0  # wall seconds a decode node reuses an idle pull connection (nodes close at 5)
+# The request head vLLM's server reads (uvicorn's h11 limits as vLLM sets them by default:
+# H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT, H11_MAX_HEADER_COUNT_DEFAULT); aiohttp's own defaults
+# (8190 bytes a header, 128 headers) would refuse, with a text/plain 400, heads vLLM serves.
+VLLM_MAX_HEAD_BYTES = 4 * 1024 * 1024
+VLLM_MAX_HEADERS = 256
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 # One short word per output token: the text is noise, the token accounting is what matters. The
 # node streams words the model's tokenizer holds as one token each (see ``one_token_words``), as
@@ -389,8 +394,7 @@ class EmulatedNode:
         arrival = rt.now()
         body = await request.read()
         parsed = await self._parse(request.path, body)
-        if parsed.model is not None and parsed.model != self.config.model:
-            raise NotFoundError(f"The model `{parsed.model}` does not exist.")
+        self._check_model(parsed.body)
         n = parsed.body.get("n")
         if n is not None and n != 1:
             raise RequestError(f"n must be 1 on this emulated node (one choice per request), got {_dumps(n)}", "n")
@@ -821,7 +825,7 @@ class EmulatedNode:
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
-        if model is not None and model != self.config.model:
+        if model and model != self.config.model:  # vLLM serves an empty name as its own model
             raise NotFoundError(f"The model `{model}` does not exist.")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
@@ -1245,8 +1249,18 @@ def _arg_parser() -> argparse.ArgumentParser:
 
 def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
     """The node's application, served as vLLM serves: idle connections closed after
-    ``keep_alive_timeout_s``."""
-    return web.AppRunner(build_app(config), access_log=None, keepalive_timeout=config.keep_alive_timeout_s)
+    ``keep_alive_timeout_s``, a request whose client leaves aborted (vLLM's
+    ``with_cancellation``: a non-streaming one too, which has no byte to fail on before its end),
+    and request heads read up to vLLM's limits."""
+    return web.AppRunner(
+        build_app(config),
+        access_log=None,
+        keepalive_timeout=config.keep_alive_timeout_s,
+        handler_cancellation=True,
+        max_line_size=VLLM_MAX_HEAD_BYTES,  # one header may take the whole head
+        max_field_size=VLLM_MAX_HEAD_BYTES,
+        max_headers=VLLM_MAX_HEADERS,
+    )
 
 
 async def _serve_forever(config: EmulatedNodeConfig) -> None:

@@ -104,6 +104,15 @@ def _reject_lone_surrogates(data: object) -> None:
         ) from None
 
 
+def check_body_size(size: int, limits: RequestLimits) -> None:
+    """Raise the 413 for a body of ``size`` bytes over ``limits.max_body_bytes``: the one check
+    (and message) for a body in hand and for one a Content-Length announces."""
+    if size > limits.max_body_bytes:
+        raise PayloadTooLargeError(
+            f"request body is {size} bytes, over the gateway's limit of {limits.max_body_bytes} bytes"
+        )
+
+
 def parse_request(
     path: str,
     body: bytes,
@@ -129,10 +138,7 @@ def parse_request(
         raise NotFoundError(
             f"no such endpoint {route!r}: the gateway serves {COMPLETIONS_PATH} and {CHAT_COMPLETIONS_PATH}"
         )
-    if len(body) > limits.max_body_bytes:
-        raise PayloadTooLargeError(
-            f"request body is {len(body)} bytes, over the gateway's limit of {limits.max_body_bytes} bytes"
-        )
+    check_body_size(len(body), limits)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -336,14 +342,14 @@ def _chat_prompt_tokens(
     data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None, want_ids: bool
 ) -> tuple[int, list[int] | None]:
     messages = _validate_messages(data.get("messages"))
-    if data.get("chat_template") is not None:
-        # vLLM refuses request-supplied templates unless started with --trust-request-chat-template.
-        raise RequestError(
-            "a chat_template in the request is not supported; the model's template is used", "chat_template"
-        )
     extra = data.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise RequestError(f"chat_template_kwargs must be an object, got {json_type(extra)}", "chat_template_kwargs")
+    # vLLM refuses request-supplied templates, at either place, unless started with
+    # --trust-request-chat-template.
+    for where, holder in (("chat_template", data), ("chat_template_kwargs.chat_template", extra or {})):
+        if holder.get("chat_template") is not None:
+            raise RequestError(f"a {where} in the request is not supported; the model's template is used", where)
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError(f"tools must be an array, got {json_type(tools)}", "tools")

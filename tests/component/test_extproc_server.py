@@ -349,8 +349,22 @@ REJECT_CASES = [
         id="empty prompt is an immediate 400",
     ),
     pytest.param(
-        RejectCase({}, False, (request_headers("POST", "/v1/embeddings"), request_body(b"{}")), 404, "not_found"),
-        id="unknown POST path is an immediate 404",
+        RejectCase({}, False, (request_headers("POST", "/v1/embeddings"),), 404, "not_found"),
+        id="unknown POST path is a 404 at the headers message, before its body",
+    ),
+    pytest.param(
+        RejectCase({}, False, (request_headers("CONNECT", ""),), 404, "not_found"),
+        id="a CONNECT, whose tunnel body never ends, is a 404 at the headers message",
+    ),
+    pytest.param(
+        RejectCase(
+            {},
+            False,
+            (request_headers("POST", COMPLETIONS, extra=[("content-length", str(9 * 1024 * 1024))]),),
+            413,
+            "payload_too_large",
+        ),
+        id="a Content-Length over the body limit is a 413 at the headers message",
     ),
     pytest.param(
         RejectCase(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -29,8 +30,9 @@ from kairos.nodeagent.sidecar import (
     SidecarConfig,
     SidecarMetrics,
     TtftFeedbackPublisher,
-    build_app,
+    app_runner,
 )
+from kairos.sim.emulated_vllm import VLLM_MAX_HEAD_BYTES, VLLM_MAX_HEADERS
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
@@ -136,6 +138,12 @@ class FakeVLLM:
         if route_keep and body["kv_transfer_params"] != PREFILL_KV:
             return web.json_response({"error": "wrong kv_transfer_params"}, status=400)
         if not body.get("stream"):
+            if self.use_gate:
+                try:
+                    await asyncio.wait_for(self.gate.wait(), 30)
+                except asyncio.CancelledError:  # its client left: vLLM's with_cancellation aborts here
+                    self.reader_gone.set()
+                    raise
             return web.json_response({"id": "cmpl-d", "choices": [{"index": 0, "text": "hi there"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -144,9 +152,9 @@ class FakeVLLM:
             assert request.transport is not None
             request.transport.close()
             return out
-        if self.use_gate:
-            await asyncio.wait_for(self.gate.wait(), 5)
         try:
+            if self.use_gate:
+                await asyncio.wait_for(self.gate.wait(), 5)
             for n in (2, 3):
                 await asyncio.sleep(0.02)
                 await out.write(f'data: {{"n": {n}}}\n\n'.encode())
@@ -154,6 +162,9 @@ class FakeVLLM:
         except ConnectionResetError:  # vLLM aborts the request here
             self.reader_gone.set()
             return out
+        except asyncio.CancelledError:  # or here, cancelled as the connection drops (with_cancellation)
+            self.reader_gone.set()
+            raise
         self.sent_last = True
         await out.write_eof()
         return out
@@ -170,8 +181,22 @@ class FakeVLLM:
         return web.Response(text="vllm:num_requests_running 0\n")
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+async def _serve(app: web.Application | web.AppRunner) -> tuple[web.AppRunner, str]:
+    """Serve a fake vLLM's app (its handlers cancelled when the client leaves, and request heads
+    read, as vLLM's are) or the sidecar's own runner."""
+    runner = (
+        app
+        if isinstance(app, web.AppRunner)
+        else web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=0.1,
+            handler_cancellation=True,
+            max_line_size=VLLM_MAX_HEAD_BYTES,
+            max_field_size=VLLM_MAX_HEAD_BYTES,
+            max_headers=VLLM_MAX_HEADERS,
+        )
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -212,7 +237,7 @@ async def rig() -> AsyncIterator[Rig]:
             "max_body_bytes": 64 * 1024,
         }
         settings.update(overrides)
-        runner, url = await _serve(build_app(SidecarConfig(**settings), allowlist))
+        runner, url = await _serve(app_runner(SidecarConfig(**settings), allowlist, shutdown_timeout=0.1))
         runners.append(runner)
         return f"http://{url}"
 
@@ -302,6 +327,36 @@ async def test_client_disconnect_closes_the_upstream_stream(rig: Rig) -> None:
     # The sidecar notices on its next write and drops hop 2, so the decode vLLM stops generating.
     await asyncio.wait_for(rig.decode.reader_gone.wait(), 2)
     assert not rig.decode.sent_last
+
+
+@pytest.mark.parametrize("route", ["keep", "deflect"])
+async def test_client_disconnect_before_a_json_reply_aborts_the_upstream_request(rig: Rig, route: str) -> None:
+    """A non-streaming reply has no byte to fail on until its end: the sidecar must notice the
+    client leave and drop its hop, or the node generates to the last token for no one."""
+    url = await rig.start_sidecar(hop2_timeout_s=60.0)  # no timeout of ours drops the hop meanwhile
+    rig.decode.use_gate = True  # the decode vLLM holds its reply until the gate opens (30 s at most)
+    headers = _keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "4"}
+    request = asyncio.create_task(rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers))
+    await eventually(lambda: any(s.path == "/v1/completions" for s in rig.decode.seen), 5, "hop 2 on the decode vLLM")
+    request.cancel()  # the client goes away while the node generates
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    await asyncio.wait_for(rig.decode.reader_gone.wait(), 20)
+
+
+@pytest.mark.parametrize("route", ["keep", "deflect"])
+async def test_a_header_aiohttp_would_refuse_by_default_reaches_vllm(rig: Rig, route: str) -> None:
+    """A 20 KB header (a long bearer token, a big trace context) is read and relayed, as vLLM
+    reads it: not aiohttp's text/plain 400 at its 8190-byte default."""
+    url = await rig.start_sidecar()
+    token = "Bearer " + "t" * 20_000
+    headers = {
+        "authorization": token,
+        **(_keep(rig) if route == "keep" else {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "4"}),
+    }
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    assert rig.decode.seen[-1].headers["authorization"] == token
 
 
 async def test_keep_generates_one_request_id_for_both_hops(rig: Rig) -> None:

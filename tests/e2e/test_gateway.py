@@ -196,3 +196,20 @@ def test_other_paths_pass_through_to_a_node(cluster: LocalCluster) -> None:
     assert code == 200 and json.loads(body)["data"][0]["id"] == MODEL
     code, _, body = http("POST", f"{cluster.gateway_url}/v1/embeddings", b"{}", {"content-type": "application/json"})
     assert code == 404 and "error" in json.loads(body)
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}),
+    ],
+)
+def test_an_empty_model_name_is_the_served_model_and_another_is_a_404(
+    cluster: LocalCluster, path: str, payload: dict[str, Any]
+) -> None:
+    """As vLLM's server: an empty ``model`` means its own model; a name it does not serve is a 404."""
+    code, _, body = post_json(f"{cluster.gateway_url}{path}", {"model": "", **payload})
+    assert code == 200 and body["model"] == MODEL, body
+    code, _, body = post_json(f"{cluster.gateway_url}{path}", {"model": "no-such-model", **payload})
+    assert code == 404 and "no-such-model" in body["error"]["message"], body

@@ -27,7 +27,8 @@ from kairos.common.contracts import Role
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
-from tests.e2e.conftest import http, post_json
+from tests.e2e.conftest import http, post_json, text_of
+from tests.waiting import wait_until
 
 MODEL = "kairos-tiny-llama"
 COMPLETION = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
@@ -251,13 +252,75 @@ def test_content_length_with_transfer_encoding_is_a_clean_400(cluster: LocalClus
 
 def test_a_body_over_envoys_buffer_is_a_json_413(cluster: LocalCluster) -> None:
     body = b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}'  # over the 16 MiB buffer limit
+    chunked = (  # no Content-Length: the dispatcher cannot refuse it before Envoy has buffered it
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    )
     with _connect(_port(cluster.gateway_url)) as sock:
         with contextlib.suppress(OSError):  # Envoy may answer and close before taking it all
-            sock.sendall(_request("/v1/completions", body))
+            sock.sendall(chunked)
         status, _, raw = _read_response(sock, bytearray())
     error = assert_openai_error(status, raw, 413, "payload_too_large")
     assert "buffer limit" in error["message"]
     still_serving(cluster)
+
+
+def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_sent(cluster: LocalCluster) -> None:
+    """The dispatcher refuses at the request's headers: the client hears at once, without
+    uploading (or Envoy buffering) the 20 MB it announced."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.settimeout(10)  # waiting for the body would take Envoy's 60 s request timeout
+        sock.sendall(head + b"Content-Length: 20000000\r\n\r\n" + b'{"prompt": "')
+        status, headers, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 413, "payload_too_large")
+    assert "20000000 bytes" in error["message"]
+    assert headers["content-type"].startswith("application/json")
+    still_serving(cluster)
+
+
+def test_a_connect_request_is_a_json_404_at_once(cluster: LocalCluster) -> None:
+    """A CONNECT's body is a tunnel that never ends: answered from its headers, not after
+    Envoy's 60 s request timeout."""
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"CONNECT 127.0.0.1:6379 HTTP/1.1\r\nHost: 127.0.0.1:6379\r\n\r\n")
+        status, _, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 404, "not_found")
+    assert "/v1/completions" in error["message"]
+    still_serving(cluster)
+
+
+def _read_to_close(sock: socket.socket) -> tuple[str, dict[str, str], bytes]:
+    """An HTTP/1.0 response, its body delimited by the connection's close: status line, headers, body."""
+    raw = bytearray()
+    while chunk := sock.recv(65536):
+        raw += chunk
+    head, _, body = bytes(raw).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return lines[0], headers, body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_http_1_0_clients_are_served(cluster: LocalCluster, stream: bool) -> None:
+    """As vLLM's server serves them (ApacheBench speaks HTTP/1.0), not refused with a 426; no
+    Host header needed, and a stream ends with the connection."""
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}).encode()
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        status_line, headers, raw = _read_to_close(sock)
+    assert status_line.split()[1] == "200", (status_line, raw[:300])
+    if stream:
+        assert headers["content-type"].startswith("text/event-stream")
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]" and len(events) == 4, raw[:600]
+    else:
+        assert json.loads(raw)["usage"]["completion_tokens"] == 3
 
 
 def test_pipelined_requests_are_answered_in_order(cluster: LocalCluster) -> None:
@@ -351,6 +414,68 @@ def test_a_client_that_leaves_mid_body_disturbs_nothing(cluster: LocalCluster) -
             sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 5000\r\n\r\n{"pro')
     with _connect(_port(cluster.gateway_url)) as sock:  # half a request line, then gone
         sock.sendall(b"POST /v1/compl")
+    still_serving(cluster)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+def test_a_header_envoy_passes_is_read_behind_it(cluster: LocalCluster, path: str) -> None:
+    """A 20 KB header (under Envoy's 60 KiB for the whole head) is served as vLLM serves it, on
+    both hops of the keep path and on a relayed GET: no server behind Envoy refuses it with a
+    non-JSON 400."""
+    headers = {"authorization": "Bearer " + "t" * 20_000, "content-type": "application/json"}
+    status, answer_headers, raw = http(
+        "POST" if path == "/v1/completions" else "GET",
+        f"{cluster.gateway_url}{path}",
+        COMPLETION if path == "/v1/completions" else None,
+        headers,
+    )
+    assert status == 200, (status, answer_headers.get("content-type"), raw[:200])
+
+
+def _engine_requests(cluster: LocalCluster) -> dict[str, float]:
+    """Requests each node's engine holds (running + waiting), from its vLLM metrics."""
+    held: dict[str, float] = {}
+    for node in cluster.nodes:
+        _, _, raw = http("GET", f"http://{node.url}/metrics")
+        held[node.node_id] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in raw.decode().splitlines()
+            if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+        )
+    return held
+
+
+@pytest.mark.parametrize(
+    ("stream", "leave_when"),
+    [(True, "first event"), (True, Role.PREFILL), (False, Role.PREFILL), (False, Role.DECODE)],
+    ids=["stream after its first event", "stream in its prefill hop", "json in its prefill hop", "json decoding"],
+)
+def test_a_client_that_leaves_leaves_no_request_on_a_node(
+    cluster: LocalCluster, tokenizer: PromptTokenizer, stream: bool, leave_when: str
+) -> None:
+    """The request asks for 20,000 tokens (minutes of decoding); its client leaves after the
+    first streamed event, or while a node of the role named holds it: every engine must drop
+    it (as vLLM does for its own clients, a JSON reply's included), and the gateway go on."""
+    prompt = text_of(tokenizer, 12_000 if leave_when == Role.PREFILL else 2000)  # a long prefill hop, or a short one
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 20_000, "stream": stream}).encode()
+    role = {n.node_id: n.role for n in cluster.nodes}
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(_request("/v1/completions", body))
+        if leave_when == "first event":
+            seen = bytearray()
+            while b"data: " not in seen:  # the first event (the head has no such text)
+                chunk = sock.recv(65536)
+                assert chunk, f"closed before the first event: {bytes(seen)!r}"
+                seen += chunk
+            assert seen.startswith(b"HTTP/1.1 200"), bytes(seen[:300])
+        else:
+            wait_until(
+                lambda: any(n for node, n in _engine_requests(cluster).items() if role[node] == leave_when),
+                what=f"the request on a {leave_when} node",
+            )
+    wait_until(
+        lambda: not any(_engine_requests(cluster).values()), timeout_s=60, what="every node's engine empty again"
+    )
     still_serving(cluster)
 
 

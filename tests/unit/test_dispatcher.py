@@ -1167,6 +1167,36 @@ async def test_custom_limits_apply(harness: HarnessFactory) -> None:
     assert "2048" in error_of(too_long)["message"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status", "code"),
+    [
+        pytest.param("CONNECT", "", {}, 404, "not_found", id="CONNECT has no path"),
+        pytest.param("POST", "/v1/embeddings", {}, 404, "not_found", id="unserved path"),
+        pytest.param("PUT", CHAT, {}, 405, "method_not_allowed", id="unserved method"),
+        pytest.param("POST", COMPLETIONS, {"content-encoding": "gzip"}, 415, "unsupported_content_encoding", id="gzip"),
+        pytest.param("POST", f"{COMPLETIONS}?x=1", {"content-length": "1025"}, 413, "payload_too_large", id="too long"),
+        pytest.param("POST", COMPLETIONS, {"content-length": "1024"}, None, None, id="at the limit: wait for it"),
+        pytest.param("POST", "/tokenize", {"content-length": "4096"}, None, None, id="relayed body: no limit here"),
+        pytest.param("POST", CHAT, {"content-length": "x"}, None, None, id="malformed length: Envoy's to refuse"),
+    ],
+)
+def test_the_headers_alone_refuse_what_no_body_can_mend(
+    harness: HarnessFactory, method: str, path: str, headers: dict[str, str], status: int | None, code: str | None
+) -> None:
+    limits = RequestLimits(max_body_bytes=1024)
+    h = harness(make_cluster(), settings=DispatchSettings(limits=limits, dispatcher_id=OWNER))
+    refused = h.dispatcher.check_headers(method, path, headers)
+
+    if status is None:
+        assert refused is None
+        return
+    assert isinstance(refused, Rejected) and (refused.status, refused.code) == (status, code)
+    if method == "CONNECT":
+        assert error_of(refused)["message"].startswith("CONNECT without a path is not served"), refused.body
+    assert h.sample("kairos_dispatcher_rejections_total", code=code) == 1
+    assert h.cluster.recorded == []
+
+
 async def test_under_the_papers_limit_concurrent_requests_never_deflect_twice_onto_one_node(
     harness: HarnessFactory, models: LatencyModels
 ) -> None:

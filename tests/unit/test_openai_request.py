@@ -401,6 +401,15 @@ BAD = [
         "not supported",
     ),
     Bad(
+        "request template in the template kwargs",
+        M,
+        {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+        InvalidRequestError,
+        400,
+        "chat_template_kwargs.chat_template",
+        "not supported",
+    ),
+    Bad(
         "template kwargs list",
         M,
         {"messages": MESSAGES, "chat_template_kwargs": []},
