@@ -91,9 +91,6 @@ def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
-        # The benchmark's no-op router (bench/noop_extproc.py) has no such check: it routes
-        # every request as it comes, as the transport floor it measures.
-        self._check_headers = getattr(dispatcher, "check_headers", None)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -116,7 +113,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     routed = await self.dispatcher.route(method, path, headers, None)
                     await context.write(self._answer(routed, "headers"))
                     return
-                refused = None if self._check_headers is None else self._check_headers(method, path, headers)
+                refused = self.dispatcher.check_headers(method, path, headers)
                 if refused is not None:
                     await context.write(_rejected_response(refused))
                     return
