@@ -36,12 +36,14 @@ from kairos.api.openai_request import (
 )
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.errors import (
     ConfigError,
     KairosError,
     MethodNotAllowedError,
     NoHealthyNodeError,
     NotFoundError,
+    RequestHeadersTooLargeError,
     UnsupportedContentEncodingError,
 )
 from kairos.common.http_errors import error_json, error_status
@@ -201,6 +203,8 @@ class Dispatcher:
             bare_path = path.split("?", 1)[0]
             _check_public(method, bare_path, headers)
             if bare_path in OPENAI_POST_PATHS:
+                if body is None:  # answered at the headers message: check_headers did not see it
+                    _check_head_room(headers)
                 return await self._route_inference(path, headers, body or b"", spoofed, started)
             return self._pass_through(spoofed)
         except KairosError as exc:
@@ -211,7 +215,8 @@ class Dispatcher:
 
     def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Rejected | None:
         """The answer to a request whose body is still to come, when its headers alone refuse it
-        (a path or method not served, a compressed body, a Content-Length over the body limit):
+        (a path or method not served, a compressed body, a Content-Length over the body limit, an
+        inference request's head with no room left for the routing headers):
         the client hears at once rather than after sending its body, or never, for a body that
         does not end (a CONNECT tunnel's). None: wait for the body and :meth:`route` it."""
         try:
@@ -221,6 +226,7 @@ class Dispatcher:
                 declared = headers.get("content-length", "")
                 if declared.isascii() and declared.isdigit():  # Envoy refuses a malformed one before us
                     check_body_size(int(declared), self.settings.limits)
+                _check_head_room(headers)
         except KairosError as exc:
             return self._rejected(exc, exc.code)
         return None
@@ -419,6 +425,27 @@ class Dispatcher:
     def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
         others = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar} - {primary})
         return tuple(others[:1])
+
+
+# Room a request's head must leave for the routing headers _route_inference sets: at most ten, a
+# few hundred bytes but for a deflection's chunk schedule, which this allows about 1,400 steps
+# (a plan within the TTFT SLO has under a hundred).
+ROUTING_HEADERS = 10
+ROUTING_HEADER_BYTES = 8 * 1024
+
+
+def _check_head_room(headers: Mapping[str, str]) -> None:
+    """431 for an inference request's head that would pass the gateway's header limits once the
+    routing headers are in: Envoy would fail that mutation with a 503 (a relayed GET gets none).
+    Sizes as Envoy counts them: names and values, the pseudo-headers included."""
+    size = sum(len(name) + len(value) for name, value in headers.items())
+    max_count = defaults.GATEWAY_MAX_REQUEST_HEADERS - ROUTING_HEADERS
+    max_size = defaults.GATEWAY_MAX_REQUEST_HEADERS_KB * 1024 - ROUTING_HEADER_BYTES
+    if len(headers) > max_count or size > max_size:
+        raise RequestHeadersTooLargeError(
+            f"the request's head ({len(headers)} headers, {size} bytes) leaves no room for the gateway's "
+            f"routing headers: send at most {max_count} headers and {max_size} bytes"
+        )
 
 
 def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:

@@ -78,6 +78,13 @@ REDIS_CONNECT_TIMEOUT_S = 2.0
 SIDECAR_KEEP_ALIVE_S = 75.0
 GATEWAY_SIDECAR_IDLE_S = 60.0
 
+# Envoy's limits on a request's head (its own defaults, written into the gateway's config): a
+# client's head past them gets Envoy's 431. The dispatcher's routing headers (x-kairos-*,
+# x-request-id) are checked against the same limits once added, and Envoy fails a mutation past
+# them with a 503, so the dispatcher refuses (431) a head that leaves its headers no room.
+GATEWAY_MAX_REQUEST_HEADERS = 100
+GATEWAY_MAX_REQUEST_HEADERS_KB = 60
+
 # The served model and the engines of the reference cluster (DeepSeek-V2-Lite on A100)
 PROFILE = "deepseek-v2-lite-a100"  # packaged latency profile
 MAX_MODEL_LEN = 32768  # tokens of context

@@ -35,6 +35,13 @@ class InvalidRequestError(KairosError):
     code = "invalid_request"
 
 
+class RequestHeadersTooLargeError(InvalidRequestError):
+    """The request's head leaves no room under the gateway's header limits for the routing
+    headers the dispatcher adds (431)."""
+
+    code = "request_headers_too_large"
+
+
 class NotFoundError(KairosError):
     """The path is not an endpoint this server (gateway, sidecar) serves (404)."""
 

@@ -45,6 +45,7 @@ ERROR_TABLE: Mapping[str, ErrorMapping] = MappingProxyType(
     {
         "invalid_request": ErrorMapping(400, "invalid_request_error"),
         "payload_too_large": ErrorMapping(413, "invalid_request_error"),
+        "request_headers_too_large": ErrorMapping(431, "invalid_request_error"),
         "not_found": ErrorMapping(404, "invalid_request_error"),  # OpenAI's answer to an unknown URL
         "method_not_allowed": ErrorMapping(405, "invalid_request_error"),
         "unsupported_content_encoding": ErrorMapping(415, "invalid_request_error"),

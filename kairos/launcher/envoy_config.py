@@ -88,7 +88,7 @@ LOCAL_REPLIES: tuple[LocalReply, ...] = (
     LocalReply(404, "not_found", "%LOCAL_REPLY_BODY%"),  # the catch-all route's own text
     LocalReply(408, "request_timeout", f"the request was not received in time {_DETAILS}"),
     LocalReply(413, "payload_too_large", f"request body is over the gateway's buffer limit {_DETAILS}"),
-    LocalReply(431, "invalid_request", f"request headers are too large {_DETAILS}"),
+    LocalReply(431, "request_headers_too_large", f"request headers are too large {_DETAILS}"),
     LocalReply(502, "upstream_error", f"the gateway could not reach a decode node {_DETAILS}"),
     LocalReply(503, "no_healthy_node", f"no dispatcher or decode node could take the request {_DETAILS}"),
     LocalReply(504, "upstream_timeout", f"the gateway timed out waiting for the dispatcher or a node {_DETAILS}"),
@@ -131,4 +131,6 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         # An ext_proc stream that cannot open is retried on each other replica.
         dispatcher_retries=max(1, len(settings.dispatchers) - 1),
         cluster_type=settings.cluster_type,
+        max_request_headers=defaults.GATEWAY_MAX_REQUEST_HEADERS,
+        max_request_headers_kb=defaults.GATEWAY_MAX_REQUEST_HEADERS_KB,
     )

@@ -432,6 +432,33 @@ def test_a_header_envoy_passes_is_read_behind_it(cluster: LocalCluster, path: st
     assert status == 200, (status, answer_headers.get("content-type"), raw[:200])
 
 
+@pytest.mark.parametrize(
+    ("path", "count", "status"),
+    [
+        ("/v1/completions", 80, 200),
+        ("/v1/completions", 88, 431),  # Envoy takes it, but the routing headers would not fit
+        ("/v1/models", 88, 200),  # relayed with no header added: Envoy's limit is its only one
+        ("/v1/completions", 120, 431),  # over Envoy's own limit: its 431, the same code
+    ],
+)
+def test_a_head_with_no_room_for_the_routing_headers_is_a_431(
+    cluster: LocalCluster, path: str, count: int, status: int
+) -> None:
+    """Envoy checks the head again once the dispatcher's headers are in, and fails that with a
+    503 (header_mutation_result_exceeds_limit): the client must hear a 431 instead."""
+    headers = {f"x-client-{i:03d}": "v" for i in range(count)} | {"content-type": "application/json"}
+    inference = path == "/v1/completions"
+    got, _, raw = http(
+        "POST" if inference else "GET", f"{cluster.gateway_url}{path}", COMPLETION if inference else None, headers
+    )
+    if status == 200:
+        assert got == 200, raw[:300]
+        return
+    error = assert_openai_error(got, raw, 431, "request_headers_too_large")
+    assert "headers" in error["message"]
+    still_serving(cluster)
+
+
 def _engine_requests(cluster: LocalCluster) -> dict[str, float]:
     """Requests each node's engine holds (running + waiting), from its vLLM metrics."""
     held: dict[str, float] = {}

@@ -1167,6 +1167,30 @@ async def test_custom_limits_apply(harness: HarnessFactory) -> None:
     assert "2048" in error_of(too_long)["message"]
 
 
+def _head(count: int, size: int | None = None) -> dict[str, str]:
+    """A head of ``count`` headers, ``size`` bytes of names and values in all when given (Envoy's
+    limits: 100 headers, 60 KiB; the dispatcher keeps 10 and 8 KiB for its own)."""
+    head = {f"x-h{i:03d}": "v" for i in range(count)}
+    if size is not None:
+        head["x-h000"] = "v" * (size - sum(len(k) + len(v) for k, v in head.items()) + 1)
+    return head
+
+
+async def test_a_bodiless_inference_request_needs_room_for_the_routing_headers_too(
+    harness: HarnessFactory,
+) -> None:
+    """A request without a body never reaches check_headers: route() checks its head itself, if
+    it is routed with headers of the dispatcher's (a relayed GET gets none, so Envoy's limit is
+    its only one)."""
+    h = harness(make_cluster(), settings=DispatchSettings(dispatcher_id=OWNER))
+    refused = await h.dispatcher.route("POST", COMPLETIONS, _head(91), None)
+    relayed = await h.dispatcher.route("GET", "/v1/models", _head(99), None)
+
+    assert isinstance(refused, Rejected) and (refused.status, refused.code) == (431, "request_headers_too_large")
+    assert "at most 90 headers and 53248 bytes" in error_of(refused)["message"]
+    assert isinstance(relayed, Routed) and relayed.set_headers == ()
+
+
 @pytest.mark.parametrize(
     ("method", "path", "headers", "status", "code"),
     [
@@ -1177,7 +1201,12 @@ async def test_custom_limits_apply(harness: HarnessFactory) -> None:
         pytest.param("POST", f"{COMPLETIONS}?x=1", {"content-length": "1025"}, 413, "payload_too_large", id="too long"),
         pytest.param("POST", COMPLETIONS, {"content-length": "1024"}, None, None, id="at the limit: wait for it"),
         pytest.param("POST", "/tokenize", {"content-length": "4096"}, None, None, id="relayed body: no limit here"),
+        pytest.param("POST", "/tokenize", _head(99), None, None, id="relayed: no routing headers to fit"),
         pytest.param("POST", CHAT, {"content-length": "x"}, None, None, id="malformed length: Envoy's to refuse"),
+        pytest.param("POST", CHAT, _head(90), None, None, id="90 headers: room for the routing ones"),
+        pytest.param("POST", CHAT, _head(91), 431, "request_headers_too_large", id="91 headers: no room"),
+        pytest.param("POST", CHAT, _head(1, 53_248), None, None, id="52 KiB: room"),
+        pytest.param("POST", CHAT, _head(1, 53_249), 431, "request_headers_too_large", id="one byte more"),
     ],
 )
 def test_the_headers_alone_refuse_what_no_body_can_mend(

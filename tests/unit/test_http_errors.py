@@ -15,6 +15,7 @@ from kairos.common.errors import (
     KairosError,
     NoHealthyNodeError,
     ProfileError,
+    RequestHeadersTooLargeError,
     UnknownPolicyError,
 )
 from kairos.common.http_errors import (
@@ -56,6 +57,7 @@ CASES = [
     ),
     Case(NoChatTemplateError("no chat template"), 400, "invalid_request_error", "invalid_request", "messages"),
     Case(PayloadTooLargeError("body is 9 bytes"), 413, "invalid_request_error", "payload_too_large"),
+    Case(RequestHeadersTooLargeError("120 headers"), 431, "invalid_request_error", "request_headers_too_large"),
     Case(NotFoundError("no such endpoint '/x'"), 404, "invalid_request_error", "not_found"),
     Case(NoHealthyNodeError("no decode node is healthy"), 503, "service_unavailable", "no_healthy_node"),
     Case(UpstreamError("prefill node reset the connection"), 502, "upstream_error", "upstream_error"),
@@ -111,6 +113,7 @@ def test_table_covers_every_client_facing_code() -> None:
     assert {code: m.status for code, m in ERROR_TABLE.items()} == {
         "invalid_request": 400,
         "payload_too_large": 413,
+        "request_headers_too_large": 431,
         "not_found": 404,
         "method_not_allowed": 405,
         "request_timeout": 408,
