@@ -82,10 +82,15 @@ class LocalReply:
         return ERROR_TABLE[self.code].type
 
 
+NOT_FOUND_TEXT = "no such endpoint: this gateway serves " + ", ".join(
+    f"{'/'.join(methods)} {path}" for path, methods in c.PUBLIC_ENDPOINTS.items()
+)
 _DETAILS = "(%RESPONSE_CODE_DETAILS%)"  # Envoy's reason, e.g. ext_proc_error_gRPC_error_14
 LOCAL_REPLIES: tuple[LocalReply, ...] = (
     LocalReply(400, "invalid_request", f"the gateway could not read the HTTP request {_DETAILS}"),
-    LocalReply(404, "not_found", "%LOCAL_REPLY_BODY%"),  # the catch-all route's own text
+    # The catch-all route's text, and also the answer when no route matches at all (OPTIONS *,
+    # whose reply has no body of its own to quote).
+    LocalReply(404, "not_found", NOT_FOUND_TEXT),
     LocalReply(408, "request_timeout", f"the request was not received in time {_DETAILS}"),
     LocalReply(413, "payload_too_large", f"request body is over the gateway's buffer limit {_DETAILS}"),
     LocalReply(431, "request_headers_too_large", f"request headers are too large {_DETAILS}"),
@@ -95,9 +100,6 @@ LOCAL_REPLIES: tuple[LocalReply, ...] = (
 )
 # Any other status Envoy answers itself: the same shape, with no code.
 FALLBACK_REPLY_MESSAGE = f"the gateway could not serve the request {_DETAILS}"
-NOT_FOUND_TEXT = "no such endpoint: this gateway serves " + ", ".join(
-    f"{'/'.join(methods)} {path}" for path, methods in c.PUBLIC_ENDPOINTS.items()
-)
 
 
 def public_path_regex() -> str:

@@ -291,6 +291,16 @@ def test_a_connect_request_is_a_json_404_at_once(cluster: LocalCluster) -> None:
     still_serving(cluster)
 
 
+def test_a_request_no_route_matches_is_a_json_404_that_says_so(cluster: LocalCluster) -> None:
+    """OPTIONS * (an asterisk-form target) matches no route, not even the catch-all: Envoy's own
+    404, which has no body to quote, still says what the gateway serves."""
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(b"OPTIONS * HTTP/1.1\r\nHost: gw\r\n\r\n")
+        status, _, raw = _read_response(sock, bytearray())
+    error = assert_openai_error(status, raw, 404, "not_found")
+    assert "/v1/completions" in error["message"]
+
+
 def _read_to_close(sock: socket.socket) -> tuple[str, dict[str, str], bytes]:
     """An HTTP/1.0 response, its body delimited by the connection's close: status line, headers, body."""
     raw = bytearray()
