@@ -74,6 +74,8 @@ from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
     HeartbeatRejected,
+    HeartbeatsBack,
+    HeartbeatsGone,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -478,6 +480,7 @@ class RedisClusterView:
         """Whether the next poll SCANs for keys."""
         scan = (
             self._scan_due
+            or self.membership.heartbeats_gone  # find the first one back at once
             or self.membership.recovering(self.now())  # publishers are re-publishing
             or self._polls % self.config.scan_every_polls == 0
         )
@@ -565,6 +568,19 @@ class RedisClusterView:
                         role,
                         keep_s,
                     )
+                case HeartbeatsGone(prefill, decode, stale_after_s):
+                    log.warning(
+                        "redis at %s answers but holds no heartbeat at all (full and refusing writes? flushed? "
+                        "publishers locked out?): keeping the last view of %d nodes (%d prefill, %d decode), which "
+                        "turn stale after %.0f ms (no deflection, keep routing only), until a heartbeat is back",
+                        self._url,
+                        prefill + decode,
+                        prefill,
+                        decode,
+                        stale_after_s * 1000,
+                    )
+                case HeartbeatsBack(after_s):
+                    log.info("redis at %s holds heartbeats again after %.2f s without any", self._url, after_s)
                 case RedisLost():
                     self._log_lost(event, exc)
                 case RedisBack(after_s, failed, again, leaving_static):

@@ -17,7 +17,10 @@ The rules (design principle 6):
     into an empty Redis and the view should not flash empty;
   - as a **last resort**: when every key of a role is gone at once (a starved host or a stalled
     agent is likelier than every node dying together), those nodes stay, stale, for up to
-    ``last_resort_s`` after their last beat.
+    ``last_resort_s`` after their last beat; and for as long as Redis holds **no heartbeat at
+    all**: every role's keys gone at once is a fault of Redis (full and refusing writes, flushed,
+    its writers locked out) far likelier than every node dying together, and the nodes that serve
+    must not leave the view for it. The first heartbeat back starts the recovery grace.
 * A **malformed** value keeps the node's last good state (aging) until it is
   ``forget_malformed_after_s`` old, then the node leaves as if its key had expired. A node that
   reports another **role** than before leaves and joins again as the new role.
@@ -240,6 +243,22 @@ class LastResortKept:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatsGone:
+    """Redis answers but holds no heartbeat at all: the view's nodes stay, stale (reported once)."""
+
+    prefill_nodes: int
+    decode_nodes: int
+    stale_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatsBack:
+    """The first heartbeat after Redis held none; the recovery grace starts."""
+
+    after_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RedisLost:
     """The first failed poll of an outage."""
 
@@ -266,6 +285,8 @@ Event = (
     | HeartbeatRejected
     | HeartbeatValidAgain
     | LastResortKept
+    | HeartbeatsGone
+    | HeartbeatsBack
     | RedisLost
     | RedisBack
 )
@@ -306,6 +327,7 @@ class Membership:
     _recovered_at: float | None = None  # start of the recovery grace
     _outage_since: float | None = None
     _outage_failures: int = 0
+    _gone_since: float | None = None  # Redis answered with no heartbeat at all since (the view kept)
     _listed: dict[str, StaticNode] = field(default_factory=dict)
     _kv_events: dict[str, KvEventEndpoints] = field(default_factory=dict)
     kv_events_version: int = 0  # +1 whenever kv_event_endpoints() changes
@@ -339,6 +361,11 @@ class Membership:
     def recovering(self, now: float) -> bool:
         """Within the recovery grace: nodes missing from Redis are not removed yet."""
         return self._recovered_at is not None and now - self._recovered_at < self.config.recovery_grace_s
+
+    @property
+    def heartbeats_gone(self) -> bool:
+        """Redis answers but held no heartbeat at the last poll; the view is kept as it was."""
+        return self._gone_since is not None
 
     def is_stale(self, node_id: str, now: float) -> bool:
         return now - self._nodes[node_id].reported_at > self.config.stale_after_s
@@ -435,6 +462,15 @@ class Membership:
         for gone in set(self._rejecting) - seen:
             del self._rejecting[gone]
             self._rejected_raw.pop(gone, None)
+        if not seen and self.config.last_resort_s > 0 and any(n.from_redis for n in self._nodes.values()):
+            if self._gone_since is None:  # every role's last resort, with no time bound
+                self._gone_since = now
+                events.append(HeartbeatsGone(*self.counts(), self.config.stale_after_s))
+            return events
+        if self._gone_since is not None:
+            events.append(HeartbeatsBack(now - self._gone_since))
+            self._gone_since = None
+            self._recovered_at = now  # the other publishers are re-publishing
         events.extend(self._absent(seen, now))
         return events
 

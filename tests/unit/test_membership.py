@@ -22,6 +22,8 @@ from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
     HeartbeatRejected,
+    HeartbeatsBack,
+    HeartbeatsGone,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -55,6 +57,10 @@ def event_text(event: Event) -> str:
             return f"valid again {node_id} seq {seq}"
         case LastResortKept(role, keep_s):
             return f"last resort {role} {keep_s:g} s"
+        case HeartbeatsGone(prefill, decode, _):
+            return f"every heartbeat gone, kept {prefill}P {decode}D"
+        case HeartbeatsBack(after):
+            return f"heartbeats back after {after:g} s"
         case RedisLost(ever, prefill, decode, _):
             return f"redis lost ({'after' if ever else 'before'} first answer, {prefill}P {decode}D)"
         case RedisBack(after, failed, again, leaving):
@@ -190,11 +196,48 @@ CASES = [
                 events=("last resort decode 5 s",),
             ),
             Poll(5.0, {"p0": beat("p0", 3)}, {"p0": 5.0}, events=("left d0 decode: its heartbeat key expired",)),
-            # p0's key goes too, its last beat 0 s old: a last resort, logged again (a new episode)
-            Poll(5.1, {}, {"p0": 5.0}, events=("last resort prefill 5 s",)),
-            Poll(10.0, {}, {}, events=("left p0 prefill: its heartbeat key expired",)),
+            # d1 joins, then the decode role goes again: a last resort, logged again (a new episode)
+            Poll(5.1, {"p0": beat("p0", 4), "d1": beat("d1")}, {"p0": 5.1, "d1": 5.1}, events=("joined d1 decode",)),
+            Poll(5.2, {"p0": beat("p0", 5)}, {"p0": 5.2, "d1": 5.1}, events=("last resort decode 5 s",)),
+            Poll(10.2, {"p0": beat("p0", 6)}, {"p0": 10.2}, events=("left d1 decode: its heartbeat key expired",)),
         ),
         {"last_resort_s": 5.0},
+    ),
+    Case(
+        "redis holds no heartbeat at all (full and refusing writes, flushed): the view stays past the last "
+        "resort; the first beat back starts the recovery grace",
+        (
+            Poll(
+                0.0,
+                {"p0": beat("p0"), "d0": beat("d0"), "d1": beat("d1")},
+                {"p0": 0.0, "d0": 0.0, "d1": 0.0},
+                events=("joined p0 prefill", "joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(0.1, {}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, events=("every heartbeat gone, kept 1P 2D",)),
+            Poll(0.2, {"d1": None}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}),  # expired between its SCAN and its read
+            Poll(100.0, {}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, stale=frozenset({"p0", "d0", "d1"})),
+            Poll(
+                100.1,
+                {"d0": beat("d0", 2)},
+                {"p0": 0.0, "d0": 100.1, "d1": 0.0},
+                stale=frozenset({"p0", "d1"}),
+                events=("heartbeats back after 100 s",),
+            ),
+            Poll(
+                100.7,
+                {"d0": beat("d0", 3), "p0": beat("p0", 2)},
+                {"p0": 100.7, "d0": 100.7},
+                events=("left d1 decode: its heartbeat key expired",),
+            ),
+        ),
+    ),
+    Case(
+        "redis empty before any heartbeat: nothing to keep",
+        (
+            Poll(0.0, {}, {}),
+            Poll(0.1, {}, {}),
+            Poll(0.2, {"p0": beat("p0")}, {"p0": 0.2}, events=("joined p0 prefill",)),
+        ),
     ),
     Case(
         "last_resort_s = 0: every expired node leaves at once",
@@ -282,16 +325,23 @@ CASES = [
             Poll(0.1, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True, events=("redis lost (after first answer, 1P 1D)",)),
             Poll(0.2, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True),
             Poll(0.4, DOWN, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}), degraded=True),
-            # Redis restarted empty: the grace keeps the nodes while publishers re-publish.
+            # Redis restarted empty: the view stays until a publisher is back, then the grace
+            # keeps the nodes while the others re-publish.
             Poll(
                 0.5,
                 {},
                 {"p0": 0.0, "d0": 0.0},
                 stale=frozenset({"p0", "d0"}),
-                events=("redis back again after 0.4 s, 3 failed",),
+                events=("redis back again after 0.4 s, 3 failed", "every heartbeat gone, kept 1P 1D"),
             ),
-            Poll(0.6, {"p0": beat("p0", 2)}, {"p0": 0.6, "d0": 0.0}, stale=frozenset({"d0"})),
-            Poll(0.95, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 0.95, "d0": 0.95}),
+            Poll(
+                1.2,
+                {"p0": beat("p0", 2)},
+                {"p0": 1.2, "d0": 0.0},
+                stale=frozenset({"d0"}),
+                events=("heartbeats back after 0.7 s",),
+            ),
+            Poll(1.6, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 1.6, "d0": 1.6}),
         ),
     ),
     Case(
