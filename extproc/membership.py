@@ -10,7 +10,10 @@ The rules (design principle 6):
 
 * A heartbeat with a new ``(seq, sent_at)`` refreshes its node, stamped ``now`` (the receiver's
   clock: the publisher's clock never matters). The same beat again keeps aging; a node with no
-  new beat for ``stale_after_s`` is stale (kept for keep routing, never deflected to).
+  new beat for ``stale_after_s`` is stale (kept for keep routing, never deflected to). The beat
+  a node left the view with, back in its key (a busy engine's publisher holds its last beat, and
+  a starved host lets the key lapse between two holds), rejoins it with its old stamp: never
+  fresh on state that old.
 * A key gone from Redis (expired: the node or its engine died) removes the node, except:
   - during the **recovery grace** (``recovery_grace_s`` after Redis answers again following an
     outage, or for the first time after the static fallback), when publishers are re-publishing
@@ -329,6 +332,8 @@ class Membership:
     _outage_failures: int = 0
     _gone_since: float | None = None  # Redis answered with no heartbeat at all since (the view kept)
     _listed: dict[str, StaticNode] = field(default_factory=dict)
+    # Of each node that left the view: its last beat's (seq, sent_at) and when that was first seen.
+    _left: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     _kv_events: dict[str, KvEventEndpoints] = field(default_factory=dict)
     kv_events_version: int = 0  # +1 whenever kv_event_endpoints() changes
     # Of the last successful poll: how many new heartbeats it applied, and the earliest sent_at
@@ -486,17 +491,25 @@ class Membership:
         if node is not None and node.role != hb.role:
             events.append(self._remove(hb.node_id, f"it now reports role {hb.role}"))
             node = None
+        new, reported_at = True, now
         if node is None or not node.from_redis:
             events.append(NodeJoined(hb))
-        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True, beat=hb, raw=raw)
-        self.new_beats += 1
-        if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
-            self.oldest_new_sent_at = hb.sent_at
+            left = self._left.pop(hb.node_id, None)
+            if left is not None and left[:2] == (hb.seq, hb.sent_at):
+                # The beat it left with: not news; it keeps aging from when it was new.
+                new, reported_at = False, left[2]
+        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, reported_at, from_redis=True, beat=hb, raw=raw)
+        if new:
+            self.new_beats += 1
+            if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
+                self.oldest_new_sent_at = hb.sent_at
         self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
         self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
-                PrefillNodeState.from_queue(hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=now)
+                PrefillNodeState.from_queue(
+                    hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=reported_at
+                )
             )
         else:
             self.tracker.update_decode(
@@ -505,7 +518,7 @@ class Membership:
                     hb.decode_tokens,
                     hb.kv_tokens,
                     hb.kv_capacity_tokens,
-                    reported_at=now,
+                    reported_at=reported_at,
                     prefill_backlog_tokens=hb.scheduled_prefill_tokens,
                     # Not reported (a node older than the field): 1.0, the model taken as it is.
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
@@ -558,6 +571,8 @@ class Membership:
 
     def _remove(self, node_id: str, reason: str) -> NodeLeft:
         node = self._nodes.pop(node_id)
+        if node.from_redis:
+            self._left[node_id] = (node.seq, node.sent_at, node.reported_at)
         self._addresses.pop(node_id, None)
         self._set_kv_events(node_id, None)
         self.tracker.remove(node_id)

@@ -119,6 +119,26 @@ CASES = [
         ),
     ),
     Case(
+        "the beat a node left with, back in its key (a busy engine's held beat after a lapse): stale, not fresh",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0", 1), "d1": beat("d1", 1)},
+                {"d0": 0.0, "d1": 0.0},
+                events=("joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(0.6, {"d1": beat("d1", 2)}, {"d1": 0.6}, events=("left d0 decode: its heartbeat key expired",)),
+            Poll(
+                0.7,
+                {"d0": beat("d0", 1), "d1": beat("d1", 2)},
+                {"d0": 0.0, "d1": 0.6},
+                stale=frozenset({"d0"}),
+                events=("joined d0 decode",),
+            ),
+            Poll(0.8, {"d0": beat("d0", 2), "d1": beat("d1", 3)}, {"d0": 0.8, "d1": 0.8}),
+        ),
+    ),
+    Case(
         "a restarted publisher counts as new even though its seq starts again",
         (
             Poll(10.0, {"p0": beat("p0", 7, sent_at=1000.0)}, {"p0": 10.0}, events=("joined p0 prefill",)),
