@@ -667,7 +667,7 @@ async def test_cli_publishes_until_sigterm_then_exits_cleanly_and_deregisters(
         "decode",
         "--url",
         "127.0.0.1:8101",
-        "--sidecar",  # the CLI checks that its sidecar accepts connections: any listening port does
+        "--sidecar",  # the CLI checks that its sidecar answers HTTP: any HTTP server does (this one 404s)
         f"127.0.0.1:{state_server.port}",
         "--redis",
         redis.url,
