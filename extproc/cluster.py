@@ -583,12 +583,13 @@ class RedisClusterView:
                     log.info("redis at %s holds heartbeats again after %.2f s without any", self._url, after_s)
                 case RedisLost():
                     self._log_lost(event, exc)
-                case RedisBack(after_s, failed, again, leaving_static):
+                case RedisBack(after_s, failed, again, leaving_static, empty):
                     log.info(
-                        "redis at %s answers%s after %.2f s unreachable (%d failed polls)%s",
+                        "redis at %s answers%s after %.2f s %s (%d failed polls)%s",
                         self._url,
                         " again" if again else "",
                         after_s,
+                        "without a heartbeat" if empty else "unreachable",
                         failed,
                         "; leaving the static node lists" if leaving_static else "",
                     )
@@ -599,7 +600,14 @@ class RedisClusterView:
             f"{event.prefill_nodes + event.decode_nodes} nodes ({event.prefill_nodes} prefill, "
             f"{event.decode_nodes} decode)"
         )
-        if not event.ever_connected:
+        if event.empty:
+            log.warning(
+                "redis at %s answers but holds no heartbeat, and this view none from it: using the static node "
+                "lists, %s: plain P/D routing, no deflection, until a heartbeat shows up",
+                self._url,
+                counts,
+            )
+        elif not event.ever_connected:
             log.warning(
                 "redis unreachable at %s: %s; no heartbeat seen yet, %s",
                 self._url,

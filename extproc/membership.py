@@ -42,7 +42,9 @@ The rules (design principle 6):
 * Redis **unreachable** after it had answered: ``degraded``; the last view stays as it is and
   ages (so it turns stale: keep routing only). Redis unreachable **since start**: the view is the
   config's **static node lists**, refreshed at every failed poll, with zero load and, on decode
-  nodes, a KV capacity of 0 so that no prompt fits: plain P/D routing, never a deflection.
+  nodes, a KV capacity of 0 so that no prompt fits: plain P/D routing, never a deflection. So is
+  Redis that answers but holds no heartbeat while the view holds none from it (a dispatcher
+  restarted while Redis is full or flushed): it cannot tell who serves, the lists can.
 """
 
 from __future__ import annotations
@@ -269,6 +271,7 @@ class RedisLost:
     prefill_nodes: int  # nodes in the view now (the last view, or the static lists)
     decode_nodes: int
     stale_after_s: float
+    empty: bool = False  # Redis answers, but with no heartbeat (the static lists stand in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +282,7 @@ class RedisBack:
     failed_polls: int
     again: bool  # False: the first answer since start
     leaving_static: bool
+    empty: bool = False  # its last polls were answered, with no heartbeat
 
 
 Event = (
@@ -330,6 +334,7 @@ class Membership:
     _recovered_at: float | None = None  # start of the recovery grace
     _outage_since: float | None = None
     _outage_failures: int = 0
+    _outage_empty: bool = False  # the outage's last poll was answered with no heartbeat
     _gone_since: float | None = None  # Redis answered with no heartbeat at all since (the view kept)
     _listed: dict[str, StaticNode] = field(default_factory=dict)
     # Of each node that left the view: its last beat's (seq, sent_at) and when that was first seen.
@@ -418,6 +423,7 @@ class Membership:
         """Redis did not answer this poll."""
         self.degraded = True
         self._outage_failures += 1
+        self._outage_empty = False
         first = self._outage_since is None
         if first:
             self._outage_since = now
@@ -431,13 +437,22 @@ class Membership:
     def poll_succeeded(self, beats: Iterable[tuple[str, bytes | str | None]], now: float) -> list[Event]:
         """Redis answered with ``(node_id, raw heartbeat)`` for each key it holds; ``None`` for a
         key that expired between its SCAN and its read."""
+        beats = list(beats)
+        if self._static_instead(beats):
+            return self._poll_without_heartbeats(now)
         events: list[Event] = []
         if self._outage_since is not None:
             events.append(
-                RedisBack(now - self._outage_since, self._outage_failures, self._ever_connected, self.static_fallback)
+                RedisBack(
+                    now - self._outage_since,
+                    self._outage_failures,
+                    self._ever_connected,
+                    self.static_fallback,
+                    self._outage_empty,
+                )
             )
             self._recovered_at = now
-        self._outage_since, self._outage_failures = None, 0
+        self._outage_since, self._outage_failures, self._outage_empty = None, 0, False
         self._ever_connected = True
         self.degraded = self.static_fallback = False
         self.new_beats, self.oldest_new_sent_at = 0, None
@@ -478,6 +493,31 @@ class Membership:
             self._recovered_at = now  # the other publishers are re-publishing
         events.extend(self._absent(seen, now))
         return events
+
+    def _static_instead(self, beats: list[tuple[str, bytes | str | None]]) -> bool:
+        """Redis holds no heartbeat and the view none from it: the static lists stand in."""
+        return (
+            bool(self._listed)
+            and all(raw is None for _, raw in beats)
+            and not any(n.from_redis for n in self._nodes.values())
+        )
+
+    def _poll_without_heartbeats(self, now: float) -> list[Event]:
+        """An answer with no heartbeat while the view holds none from Redis: the static lists,
+        degraded, as while Redis is unreachable since start, until a heartbeat shows up."""
+        self.degraded = True
+        self._outage_failures += 1
+        self._outage_empty = True
+        self.new_beats, self.oldest_new_sent_at = 0, None
+        self._malformed.clear()  # every key is gone, the ones that held bad values too
+        self._rejecting.clear()
+        self._rejected_raw.clear()
+        self._apply_static(now)
+        if self._outage_since is not None:
+            return []
+        self._outage_since = now
+        prefill, decode = self.counts()
+        return [RedisLost(self._ever_connected, prefill, decode, self.config.stale_after_s, empty=True)]
 
     def _beat(self, hb: Heartbeat, raw: bytes | str, now: float) -> list[Event]:
         events: list[Event] = []

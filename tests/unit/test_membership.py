@@ -61,11 +61,14 @@ def event_text(event: Event) -> str:
             return f"every heartbeat gone, kept {prefill}P {decode}D"
         case HeartbeatsBack(after):
             return f"heartbeats back after {after:g} s"
-        case RedisLost(ever, prefill, decode, _):
-            return f"redis lost ({'after' if ever else 'before'} first answer, {prefill}P {decode}D)"
-        case RedisBack(after, failed, again, leaving):
-            return f"redis back{' again' if again else ''} after {after:g} s, {failed} failed" + (
-                ", leaving static" if leaving else ""
+        case RedisLost(ever, prefill, decode, _, empty):
+            when = "after" if ever else "before"
+            return f"redis {'empty' if empty else 'lost'} ({when} first answer, {prefill}P {decode}D)"
+        case RedisBack(after, failed, again, leaving, empty):
+            return (
+                f"redis back{' again' if again else ''} after {after:g} s, {failed} failed"
+                + (", leaving static" if leaving else "")
+                + (", empty" if empty else "")
             )
     raise AssertionError(event)
 
@@ -250,6 +253,43 @@ CASES = [
                 events=("left d1 decode: its heartbeat key expired",),
             ),
         ),
+    ),
+    Case(
+        "redis answers with no heartbeat and the view holds none (a dispatcher restarted while redis is full): "
+        "the static lists, as while it is unreachable, until a heartbeat replaces them",
+        (
+            Poll(
+                0.0,
+                {},
+                {"p0": 0.0, "p1": 0.0, "d0": 0.0},
+                degraded=True,
+                static=True,
+                events=("redis empty (before first answer, 2P 1D)",),
+            ),
+            Poll(0.1, DOWN, {"p0": 0.1, "p1": 0.1, "d0": 0.1}, degraded=True, static=True),
+            Poll(0.2, {"d0": None}, {"p0": 0.2, "p1": 0.2, "d0": 0.2}, degraded=True, static=True),
+            Poll(
+                0.3,
+                {"p0": beat("p0")},
+                {"p0": 0.3, "p1": 0.2, "d0": 0.2},
+                events=("redis back after 0.3 s, 3 failed, leaving static, empty", "joined p0 prefill"),
+            ),
+            Poll(
+                0.9,
+                {"p0": beat("p0", 2), "d0": beat("d0")},
+                {"p0": 0.9, "d0": 0.9},
+                events=("joined d0 decode", "left p1 prefill: it is a static node and redis now answers"),
+            ),
+        ),
+        STATIC,
+    ),
+    Case(
+        "with static lists too, every heartbeat gone keeps the view from redis, not the lists",
+        (
+            Poll(0.0, {"p0": beat("p0")}, {"p0": 0.0}, events=("joined p0 prefill",)),
+            Poll(0.1, {}, {"p0": 0.0}, events=("every heartbeat gone, kept 1P 0D",)),
+        ),
+        STATIC,
     ),
     Case(
         "redis empty before any heartbeat: nothing to keep",
