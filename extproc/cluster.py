@@ -585,12 +585,13 @@ class RedisClusterView:
                     self._log_lost(event, exc)
                 case RedisBack(after_s, failed, again, leaving_static, empty):
                     log.info(
-                        "redis at %s answers%s after %.2f s %s (%d failed polls)%s",
+                        "redis at %s answers%s after %.2f s %s (%d %s)%s",
                         self._url,
                         " again" if again else "",
                         after_s,
                         "without a heartbeat" if empty else "unreachable",
                         failed,
+                        "polls" if empty else "failed polls",
                         "; leaving the static node lists" if leaving_static else "",
                     )
 
