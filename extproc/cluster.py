@@ -74,6 +74,8 @@ from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
     HeartbeatRejected,
+    HeartbeatsBack,
+    HeartbeatsGone,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -478,6 +480,7 @@ class RedisClusterView:
         """Whether the next poll SCANs for keys."""
         scan = (
             self._scan_due
+            or self.membership.heartbeats_gone  # find the first one back at once
             or self.membership.recovering(self.now())  # publishers are re-publishing
             or self._polls % self.config.scan_every_polls == 0
         )
@@ -565,15 +568,30 @@ class RedisClusterView:
                         role,
                         keep_s,
                     )
+                case HeartbeatsGone(prefill, decode, stale_after_s):
+                    log.warning(
+                        "redis at %s answers but holds no heartbeat at all (full and refusing writes? flushed? "
+                        "publishers locked out?): keeping the last view of %d nodes (%d prefill, %d decode), which "
+                        "turn stale after %.0f ms (no deflection, keep routing only), until a heartbeat is back",
+                        self._url,
+                        prefill + decode,
+                        prefill,
+                        decode,
+                        stale_after_s * 1000,
+                    )
+                case HeartbeatsBack(after_s):
+                    log.info("redis at %s holds heartbeats again after %.2f s without any", self._url, after_s)
                 case RedisLost():
                     self._log_lost(event, exc)
-                case RedisBack(after_s, failed, again, leaving_static):
+                case RedisBack(after_s, failed, again, leaving_static, empty):
                     log.info(
-                        "redis at %s answers%s after %.2f s unreachable (%d failed polls)%s",
+                        "redis at %s answers%s after %.2f s %s (%d %s)%s",
                         self._url,
                         " again" if again else "",
                         after_s,
+                        "without a heartbeat" if empty else "unreachable",
                         failed,
+                        "polls" if empty else "failed polls",
                         "; leaving the static node lists" if leaving_static else "",
                     )
 
@@ -583,7 +601,14 @@ class RedisClusterView:
             f"{event.prefill_nodes + event.decode_nodes} nodes ({event.prefill_nodes} prefill, "
             f"{event.decode_nodes} decode)"
         )
-        if not event.ever_connected:
+        if event.empty:
+            log.warning(
+                "redis at %s answers but holds no heartbeat, and this view none from it: using the static node "
+                "lists, %s: plain P/D routing, no deflection, until a heartbeat shows up",
+                self._url,
+                counts,
+            )
+        elif not event.ever_connected:
             log.warning(
                 "redis unreachable at %s: %s; no heartbeat seen yet, %s",
                 self._url,

@@ -10,14 +10,20 @@ The rules (design principle 6):
 
 * A heartbeat with a new ``(seq, sent_at)`` refreshes its node, stamped ``now`` (the receiver's
   clock: the publisher's clock never matters). The same beat again keeps aging; a node with no
-  new beat for ``stale_after_s`` is stale (kept for keep routing, never deflected to).
+  new beat for ``stale_after_s`` is stale (kept for keep routing, never deflected to). The beat
+  a node left the view with, back in its key (a busy engine's publisher holds its last beat, and
+  a starved host lets the key lapse between two holds), rejoins it with its old stamp: never
+  fresh on state that old.
 * A key gone from Redis (expired: the node or its engine died) removes the node, except:
   - during the **recovery grace** (``recovery_grace_s`` after Redis answers again following an
     outage, or for the first time after the static fallback), when publishers are re-publishing
     into an empty Redis and the view should not flash empty;
   - as a **last resort**: when every key of a role is gone at once (a starved host or a stalled
     agent is likelier than every node dying together), those nodes stay, stale, for up to
-    ``last_resort_s`` after their last beat.
+    ``last_resort_s`` after their last beat; and for as long as Redis holds **no heartbeat at
+    all**: every role's keys gone at once is a fault of Redis (full and refusing writes, flushed,
+    its writers locked out) far likelier than every node dying together, and the nodes that serve
+    must not leave the view for it. The first heartbeat back starts the recovery grace.
 * A **malformed** value keeps the node's last good state (aging) until it is
   ``forget_malformed_after_s`` old, then the node leaves as if its key had expired. A node that
   reports another **role** than before leaves and joins again as the new role.
@@ -36,7 +42,9 @@ The rules (design principle 6):
 * Redis **unreachable** after it had answered: ``degraded``; the last view stays as it is and
   ages (so it turns stale: keep routing only). Redis unreachable **since start**: the view is the
   config's **static node lists**, refreshed at every failed poll, with zero load and, on decode
-  nodes, a KV capacity of 0 so that no prompt fits: plain P/D routing, never a deflection.
+  nodes, a KV capacity of 0 so that no prompt fits: plain P/D routing, never a deflection. So is
+  Redis that answers but holds no heartbeat while the view holds none from it (a dispatcher
+  restarted while Redis is full or flushed): it cannot tell who serves, the lists can.
 """
 
 from __future__ import annotations
@@ -240,6 +248,22 @@ class LastResortKept:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatsGone:
+    """Redis answers but holds no heartbeat at all: the view's nodes stay, stale (reported once)."""
+
+    prefill_nodes: int
+    decode_nodes: int
+    stale_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatsBack:
+    """The first heartbeat after Redis held none; the recovery grace starts."""
+
+    after_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RedisLost:
     """The first failed poll of an outage."""
 
@@ -247,6 +271,7 @@ class RedisLost:
     prefill_nodes: int  # nodes in the view now (the last view, or the static lists)
     decode_nodes: int
     stale_after_s: float
+    empty: bool = False  # Redis answers, but with no heartbeat (the static lists stand in)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +282,7 @@ class RedisBack:
     failed_polls: int
     again: bool  # False: the first answer since start
     leaving_static: bool
+    empty: bool = False  # its last polls were answered, with no heartbeat
 
 
 Event = (
@@ -266,6 +292,8 @@ Event = (
     | HeartbeatRejected
     | HeartbeatValidAgain
     | LastResortKept
+    | HeartbeatsGone
+    | HeartbeatsBack
     | RedisLost
     | RedisBack
 )
@@ -306,7 +334,11 @@ class Membership:
     _recovered_at: float | None = None  # start of the recovery grace
     _outage_since: float | None = None
     _outage_failures: int = 0
+    _outage_empty: bool = False  # the outage's last poll was answered with no heartbeat
+    _gone_since: float | None = None  # Redis answered with no heartbeat at all since (the view kept)
     _listed: dict[str, StaticNode] = field(default_factory=dict)
+    # Of each node that left the view: its last beat's (seq, sent_at) and when that was first seen.
+    _left: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     _kv_events: dict[str, KvEventEndpoints] = field(default_factory=dict)
     kv_events_version: int = 0  # +1 whenever kv_event_endpoints() changes
     # Of the last successful poll: how many new heartbeats it applied, and the earliest sent_at
@@ -339,6 +371,11 @@ class Membership:
     def recovering(self, now: float) -> bool:
         """Within the recovery grace: nodes missing from Redis are not removed yet."""
         return self._recovered_at is not None and now - self._recovered_at < self.config.recovery_grace_s
+
+    @property
+    def heartbeats_gone(self) -> bool:
+        """Redis answers but held no heartbeat at the last poll; the view is kept as it was."""
+        return self._gone_since is not None
 
     def is_stale(self, node_id: str, now: float) -> bool:
         return now - self._nodes[node_id].reported_at > self.config.stale_after_s
@@ -386,6 +423,7 @@ class Membership:
         """Redis did not answer this poll."""
         self.degraded = True
         self._outage_failures += 1
+        self._outage_empty = False
         first = self._outage_since is None
         if first:
             self._outage_since = now
@@ -399,13 +437,22 @@ class Membership:
     def poll_succeeded(self, beats: Iterable[tuple[str, bytes | str | None]], now: float) -> list[Event]:
         """Redis answered with ``(node_id, raw heartbeat)`` for each key it holds; ``None`` for a
         key that expired between its SCAN and its read."""
+        beats = list(beats)
+        if self._static_instead(beats):
+            return self._poll_without_heartbeats(now)
         events: list[Event] = []
         if self._outage_since is not None:
             events.append(
-                RedisBack(now - self._outage_since, self._outage_failures, self._ever_connected, self.static_fallback)
+                RedisBack(
+                    now - self._outage_since,
+                    self._outage_failures,
+                    self._ever_connected,
+                    self.static_fallback,
+                    self._outage_empty,
+                )
             )
             self._recovered_at = now
-        self._outage_since, self._outage_failures = None, 0
+        self._outage_since, self._outage_failures, self._outage_empty = None, 0, False
         self._ever_connected = True
         self.degraded = self.static_fallback = False
         self.new_beats, self.oldest_new_sent_at = 0, None
@@ -435,8 +482,42 @@ class Membership:
         for gone in set(self._rejecting) - seen:
             del self._rejecting[gone]
             self._rejected_raw.pop(gone, None)
+        if not seen and self.config.last_resort_s > 0 and any(n.from_redis for n in self._nodes.values()):
+            if self._gone_since is None:  # every role's last resort, with no time bound
+                self._gone_since = now
+                events.append(HeartbeatsGone(*self.counts(), self.config.stale_after_s))
+            return events
+        if self._gone_since is not None:
+            events.append(HeartbeatsBack(now - self._gone_since))
+            self._gone_since = None
+            self._recovered_at = now  # the other publishers are re-publishing
         events.extend(self._absent(seen, now))
         return events
+
+    def _static_instead(self, beats: list[tuple[str, bytes | str | None]]) -> bool:
+        """Redis holds no heartbeat and the view none from it: the static lists stand in."""
+        return (
+            bool(self._listed)
+            and all(raw is None for _, raw in beats)
+            and not any(n.from_redis for n in self._nodes.values())
+        )
+
+    def _poll_without_heartbeats(self, now: float) -> list[Event]:
+        """An answer with no heartbeat while the view holds none from Redis: the static lists,
+        degraded, as while Redis is unreachable since start, until a heartbeat shows up."""
+        self.degraded = True
+        self._outage_failures += 1
+        self._outage_empty = True
+        self.new_beats, self.oldest_new_sent_at = 0, None
+        self._malformed.clear()  # every key is gone, the ones that held bad values too
+        self._rejecting.clear()
+        self._rejected_raw.clear()
+        self._apply_static(now)
+        if self._outage_since is not None:
+            return []
+        self._outage_since = now
+        prefill, decode = self.counts()
+        return [RedisLost(self._ever_connected, prefill, decode, self.config.stale_after_s, empty=True)]
 
     def _beat(self, hb: Heartbeat, raw: bytes | str, now: float) -> list[Event]:
         events: list[Event] = []
@@ -450,17 +531,25 @@ class Membership:
         if node is not None and node.role != hb.role:
             events.append(self._remove(hb.node_id, f"it now reports role {hb.role}"))
             node = None
+        new, reported_at = True, now
         if node is None or not node.from_redis:
             events.append(NodeJoined(hb))
-        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, now, from_redis=True, beat=hb, raw=raw)
-        self.new_beats += 1
-        if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
-            self.oldest_new_sent_at = hb.sent_at
+            left = self._left.pop(hb.node_id, None)
+            if left is not None and left[:2] == (hb.seq, hb.sent_at):
+                # The beat it left with: not news; it keeps aging from when it was new.
+                new, reported_at = False, left[2]
+        self._nodes[hb.node_id] = _Node(hb.role, hb.seq, hb.sent_at, reported_at, from_redis=True, beat=hb, raw=raw)
+        if new:
+            self.new_beats += 1
+            if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
+                self.oldest_new_sent_at = hb.sent_at
         self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
         self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
-                PrefillNodeState.from_queue(hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=now)
+                PrefillNodeState.from_queue(
+                    hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=reported_at
+                )
             )
         else:
             self.tracker.update_decode(
@@ -469,7 +558,7 @@ class Membership:
                     hb.decode_tokens,
                     hb.kv_tokens,
                     hb.kv_capacity_tokens,
-                    reported_at=now,
+                    reported_at=reported_at,
                     prefill_backlog_tokens=hb.scheduled_prefill_tokens,
                     # Not reported (a node older than the field): 1.0, the model taken as it is.
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
@@ -522,6 +611,8 @@ class Membership:
 
     def _remove(self, node_id: str, reason: str) -> NodeLeft:
         node = self._nodes.pop(node_id)
+        if node.from_redis:
+            self._left[node_id] = (node.seq, node.sent_at, node.reported_at)
         self._addresses.pop(node_id, None)
         self._set_kv_events(node_id, None)
         self.tracker.remove(node_id)

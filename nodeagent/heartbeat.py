@@ -11,8 +11,10 @@ Failure policy:
 
 * the state source fails (engine down, hung, malformed answer): nothing is published, so the key
   expires and the node leaves the cluster; one WARNING per outage, one INFO on recovery;
-* the sidecar of a decode node refuses connections (``--sidecar``, checked each beat by
-  :class:`SidecarProbe` when the publisher runs as a process): not published either, since the
+* the sidecar of a decode node refuses connections, or accepts them but answers no request for
+  ``sidecar_hang_s`` (frozen, hung: the kernel completes a TCP handshake for a stopped process
+  until its listen backlog fills, which took over 15 s at 10 probes/s); checked each beat by
+  :class:`SidecarProbe` when the publisher runs as a process: not published either, since the
   gateway reaches the node only through it; the node leaves the view until the sidecar is back;
 * Redis fails (refused, timeout): one WARNING per outage, the publisher keeps trying every period
   and resumes by itself (redis-py reconnects on the next command); it never crashes on either.
@@ -44,12 +46,14 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import redis.asyncio as aioredis
 
+from kairos.common.aio import cancel_and_wait
 from kairos.common.config import check_hostport, load_config
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
+    SIDECAR_METRICS_PATH,
     STATE_PATH,
     EngineState,
     EngineStateError,
@@ -130,20 +134,31 @@ class HttpStateSource:
 
 
 class SidecarProbe:
-    """Whether the node's sidecar accepts a TCP connection (it serves every request the gateway
-    sends this node). A bare connect, so nothing on the sidecar's request path is touched."""
+    """Whether the node's sidecar serves HTTP (it serves every request the gateway sends this
+    node): one ``GET`` of its own metrics path, answered by its event loop alone (the engine is
+    not asked, so a busy engine does not fail it). A bare TCP connect is not enough: the kernel
+    completes the handshake for a stopped or hung process until its listen backlog fills."""
 
     def __init__(self, hostport: str) -> None:
         check_hostport("sidecar", hostport)
         host, _, port = hostport.rpartition(":")
         self.hostport, self._host, self._port = hostport, host.strip("[]"), int(port)
+        self._request = f"GET {SIDECAR_METRICS_PATH} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n".encode()
 
     async def check(self) -> None:
-        """Returns when the sidecar accepted a connection; raises ``OSError`` otherwise."""
-        _, writer = await asyncio.open_connection(self._host, self._port)
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        """Returns once the sidecar answered with an HTTP status line (any status); raises
+        ``OSError`` when it refuses, closes or answers something else. No timeout of its own."""
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            writer.write(self._request)
+            await writer.drain()
+            status = await reader.readline()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        if not status.startswith(b"HTTP/1."):
+            raise ConnectionError(f"sidecar at {self.hostport} answered {status[:40]!r}, not HTTP")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +179,10 @@ class PublisherConfig:
     state_timeout_s: float = 0.25  # a state read slower than this counts as a failure (no beat)
     redis_timeout_s: float = 0.25  # command timeout of each Redis round trip (a connect: connect_timeout_s)
     deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
-    check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections
+    check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections or hangs
+    # A sidecar that accepts connections but has answered no probe for this long is down (stopped,
+    # hung); a shorter silence is a loaded event loop, and the node keeps beating through it.
+    sidecar_hang_s: float = 1.0
     # An engine whose state read times out is busy, not dead (a refused connection is dead): for
     # this long its last beat is kept alive unchanged, so the node stays in the view, stale (keep
     # routing only, no deflection), instead of expiring while it serves. 0 = a timeout is down.
@@ -196,6 +214,8 @@ class PublisherConfig:
             raise ConfigError(
                 f"ttl_s={self.ttl_s} must be > period_s={self.period_s}, else the key expires between beats"
             )
+        if not self.sidecar_hang_s >= 0:
+            raise ConfigError(f"sidecar_hang_s must be >= 0, got {self.sidecar_hang_s}")
         if not self.busy_hold_s >= 0:
             raise ConfigError(f"busy_hold_s must be >= 0 (0 = off), got {self.busy_hold_s}")
         if not self.state_timeout_s > 0 or not self.redis_timeout_s > 0:
@@ -286,6 +306,7 @@ class HeartbeatPublisher:
         self._state_outage = Outage(log)
         self._redis_outage = Outage(log)
         self._sidecar_outage = Outage(log)
+        self._sidecar_answered: float | None = None  # monotonic time of the sidecar's last answer
 
     @property
     def running(self) -> bool:
@@ -346,10 +367,14 @@ class HeartbeatPublisher:
     async def beat(self, client: aioredis.Redis) -> bool:
         """One beat: read the state, then SET + PUBLISH in one pipeline. True if Redis took it."""
         cfg = self.config
+        # The sidecar's probe runs beside the state read: a beat waits for the slower, not both.
+        probe = asyncio.create_task(self._sidecar_up(self.sidecar)) if self.sidecar is not None else None
         try:
             async with asyncio.timeout(cfg.state_timeout_s):
                 state = await self.source.read()
         except Exception as exc:  # any failure of the engine side means: no new beat
+            if probe is not None:
+                await cancel_and_wait(probe)
             busy = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
             held = busy and await self._hold_last_beat(client)
             self._state_outage.fail(
@@ -366,7 +391,7 @@ class HeartbeatPublisher:
             "engine state of node %(node)s readable again after %(after).2f s (%(failures)d failed reads)",
             node=cfg.node_id,
         )
-        if self.sidecar is not None and not await self._sidecar_up(self.sidecar):
+        if probe is not None and not await probe:
             return False
         self.seq += 1
         payload = encode_heartbeat(build_heartbeat(cfg, state, self.seq, time.time(), self.kv_events))
@@ -408,22 +433,33 @@ class HeartbeatPublisher:
             return False
 
     async def _sidecar_up(self, sidecar: SidecarProbe) -> bool:
+        """Down when the sidecar refuses (or closes) at once, or has answered no probe for
+        ``sidecar_hang_s``; a probe that times out within that is a busy loop, still up."""
         cfg = self.config
         try:
             async with asyncio.timeout(cfg.state_timeout_s):
                 await sidecar.check()
         except (OSError, TimeoutError) as exc:
+            now = time.monotonic()
+            last = self._sidecar_answered
+            if isinstance(exc, TimeoutError) and last is not None and now - last < cfg.sidecar_hang_s:
+                return True
             self._sidecar_outage.fail(
                 "sidecar of node %s at %s unreachable: %s; not publishing, so %s expires within %.0f ms",
                 cfg.node_id,
                 sidecar.hostport,
-                describe(exc) if not isinstance(exc, TimeoutError) else f"no connection in {cfg.state_timeout_s} s",
+                describe(exc)
+                if not isinstance(exc, TimeoutError)
+                else f"no answer for {now - last:.2f} s"
+                if last is not None
+                else f"no answer in {cfg.state_timeout_s} s",
                 cfg.key,
                 cfg.ttl_s * 1000,
             )
             return False
+        self._sidecar_answered = time.monotonic()
         self._sidecar_outage.ok(
-            "sidecar of node %(node)s accepts connections again after %(after).2f s (%(failures)d failed checks)",
+            "sidecar of node %(node)s answers again after %(after).2f s (%(failures)d failed checks)",
             node=cfg.node_id,
         )
         return True

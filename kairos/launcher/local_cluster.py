@@ -456,13 +456,15 @@ class LocalCluster:
 
     def nodes_unseen(self) -> list[str]:
         """Ids of the cluster's nodes that some dispatcher does not route on yet: absent from its
-        ``/nodes`` view or stale there (a dispatcher that does not answer sees none of them)."""
+        ``/nodes`` view, stale there, or there from the static node lists only (no heartbeat yet: a
+        dispatcher uses them while Redis answers without one); a dispatcher that does not answer
+        sees none of them."""
         seen_by_all = {n.node_id for n in self.nodes}
         for port in self.dispatcher_metrics_ports:
             try:
                 with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/nodes", timeout=2.0) as resp:
                     report = json.load(resp)
-                seen_by_all &= {n["id"] for n in report["nodes"] if not n["stale"]}
+                seen_by_all &= {n["id"] for n in report["nodes"] if not n["stale"] and n["from_redis"]}
             except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
                 seen_by_all = set()
         return [n.node_id for n in self.nodes if n.node_id not in seen_by_all]

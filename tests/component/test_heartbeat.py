@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -227,26 +228,67 @@ async def test_a_failing_engine_stops_the_beats_so_the_key_expires_and_they_resu
         await finish(task)
 
 
+class FakeSidecar:
+    """A sidecar's HTTP port: answers every request with a 200, or, while :meth:`hang` holds,
+    accepts the connection and answers nothing (a stopped or hung process, as a probe meets it)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.answered = 0
+        self._server: asyncio.Server | None = None
+        self._released = asyncio.Event()
+        self._released.set()
+
+    @property
+    def hostport(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeSidecar:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        self._released.set()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def hang(self, hung: bool) -> None:
+        if hung:
+            self._released.clear()
+        else:
+            self._released.set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await self._released.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            self.answered += 1
+        except (OSError, asyncio.IncompleteReadError):
+            pass  # the probe gave up first
+        finally:
+            writer.close()
+
+
 async def test_a_decode_node_whose_sidecar_refuses_connections_stops_beating_until_it_listens_again(
     redis: RedisServer, client: aioredis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The gateway reaches a decode node only through its sidecar: with the engine fine but the
     sidecar gone, the node must leave the view as if it were dead, and come back with it."""
     caplog.set_level(logging.INFO, logger=LOGGER)
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.close()
-
-    sidecar = await asyncio.start_server(accept, "127.0.0.1", 0)
-    port = sidecar.sockets[0].getsockname()[1]
-    cfg = config(redis.url, sidecar=f"127.0.0.1:{port}")
+    sidecar = await FakeSidecar().start()
+    # A generous probe timeout: on a starved host an in-process answer may take a while, and only
+    # the refusal below may count as an outage.
+    cfg = config(redis.url, sidecar=sidecar.hostport, state_timeout_s=2.0)
     source = FakeSource()
     publisher = HeartbeatPublisher(cfg, source, SidecarProbe(cfg.sidecar))
     task = await running(publisher)
     try:
         await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
-        sidecar.close()
-        await sidecar.wait_closed()
+        await sidecar.stop()
         reads = len(source.reads)
         await eventually(lambda: len(source.reads) > reads + 1, what="a beat after the sidecar closed")
         published = publisher.published
@@ -258,14 +300,86 @@ async def test_a_decode_node_whose_sidecar_refuses_connections_stops_beating_unt
         reads = len(source.reads)
         await eventually(lambda: len(source.reads) >= reads + 3, what="three more beats' reads")
         assert publisher.published == published  # the engine answers, yet nothing is published
-        assert len(messages(caplog, f"sidecar of node d0 at 127.0.0.1:{port} unreachable")) == 1
+        assert len(messages(caplog, f"sidecar of node d0 at {sidecar.hostport} unreachable")) == 1
 
-        sidecar = await asyncio.start_server(accept, "127.0.0.1", port)
+        await sidecar.start()  # the same port
         await eventually(lambda: client.exists("kairos:node:d0"), what="beats resume")
-        assert len(messages(caplog, "sidecar of node d0 accepts connections again")) == 1
+        assert len(messages(caplog, "sidecar of node d0 answers again")) == 1
     finally:
         await finish(task)
-        sidecar.close()
+        await sidecar.stop()
+
+
+async def test_the_sidecar_probe_fails_on_a_port_that_completes_handshakes_but_never_answers() -> None:
+    """A stopped (SIGSTOP) or hung sidecar: the kernel completes TCP handshakes on its listening
+    port until the backlog fills (over 15 s of probes under ``kairos up``), so a bare connect
+    passes and the node stayed fresh while every request sent to it hung."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(64)  # never accepted
+        probe = SidecarProbe(f"127.0.0.1:{listening.getsockname()[1]}")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await probe.check()
+
+
+async def test_a_decode_node_whose_sidecar_stops_answering_stops_beating_within_the_hang_limit(
+    redis: RedisServer, client: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    sidecar = await FakeSidecar().start()
+    cfg = config(redis.url, sidecar=sidecar.hostport, state_timeout_s=0.1, sidecar_hang_s=0.3, ttl_s=0.2)
+    publisher = HeartbeatPublisher(cfg, FakeSource(), SidecarProbe(cfg.sidecar))
+    task = await running(publisher)
+    try:
+        await eventually(lambda: client.exists("kairos:node:d0"), what="first beat")
+        sidecar.hang(True)
+
+        async def gone() -> bool:
+            return not await client.exists("kairos:node:d0")
+
+        await eventually(gone, what="key expiry while the sidecar accepts connections but answers none")
+        assert messages(caplog, f"sidecar of node d0 at {sidecar.hostport} unreachable: no answer")
+        sidecar.hang(False)
+        await eventually(lambda: client.exists("kairos:node:d0"), what="beats resume")
+        assert messages(caplog, "sidecar of node d0 answers again")
+    finally:
+        await finish(task)
+        await sidecar.stop()
+
+
+class SlowProbe:
+    """A sidecar probe that answers at once, or, while ``slow``, later than any probe timeout."""
+
+    hostport = "127.0.0.1:8201"
+
+    def __init__(self) -> None:
+        self.slow = False
+        self.checks = 0
+
+    async def check(self) -> None:
+        self.checks += 1
+        if self.slow:
+            await asyncio.Event().wait()
+
+
+async def test_a_sidecar_slow_to_answer_for_less_than_the_hang_limit_keeps_the_node_beating(
+    redis: RedisServer, client: aioredis.Redis
+) -> None:
+    """A loaded sidecar loop that misses a probe's timeout now and then is not a dead sidecar:
+    leaving the view for it would move traffic off a node that serves it."""
+    probe = SlowProbe()
+    cfg = config(redis.url, state_timeout_s=0.05, sidecar_hang_s=3600.0)
+    publisher = HeartbeatPublisher(cfg, FakeSource(), probe)  # type: ignore[arg-type]
+    task = await running(publisher)
+    try:
+        await eventually(lambda: publisher.published > 0, what="first beat")
+        probe.slow = True
+        checks, published = probe.checks, publisher.published
+        await eventually(lambda: probe.checks >= checks + 3, what="three probes timing out")
+        await eventually(lambda: publisher.published >= published + 3, what="beats through the slow probes")
+    finally:
+        await finish(task)
 
 
 async def test_publisher_rides_out_a_redis_restart_on_the_same_port(
@@ -553,7 +667,7 @@ async def test_cli_publishes_until_sigterm_then_exits_cleanly_and_deregisters(
         "decode",
         "--url",
         "127.0.0.1:8101",
-        "--sidecar",  # the CLI checks that its sidecar accepts connections: any listening port does
+        "--sidecar",  # the CLI checks that its sidecar answers HTTP: any HTTP server does (this one 404s)
         f"127.0.0.1:{state_server.port}",
         "--redis",
         redis.url,

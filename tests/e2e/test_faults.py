@@ -56,9 +56,10 @@ def dispatcher_nodes(cluster: LocalCluster, index: int = 0) -> list[str]:
 
 
 def fresh_nodes(cluster: LocalCluster, index: int = 0) -> list[str]:
-    """Ids of the nodes in the dispatcher's view with a fresh heartbeat (not stale)."""
+    """Ids of the nodes in the dispatcher's view with a fresh heartbeat (not stale, and from Redis:
+    a node from the static lists alone has none)."""
     _, _, body = http("GET", f"http://127.0.0.1:{cluster.dispatcher_metrics_ports[index]}/nodes")
-    return sorted(n["id"] for n in json.loads(body)["nodes"] if not n["stale"])
+    return sorted(n["id"] for n in json.loads(body)["nodes"] if not n["stale"] and n["from_redis"])
 
 
 def redis_errors(cluster: LocalCluster, index: int = 0) -> float:

@@ -22,6 +22,8 @@ from kairos.extproc.membership import (
     Event,
     HeartbeatMalformed,
     HeartbeatRejected,
+    HeartbeatsBack,
+    HeartbeatsGone,
     HeartbeatValidAgain,
     LastResortKept,
     Membership,
@@ -55,11 +57,18 @@ def event_text(event: Event) -> str:
             return f"valid again {node_id} seq {seq}"
         case LastResortKept(role, keep_s):
             return f"last resort {role} {keep_s:g} s"
-        case RedisLost(ever, prefill, decode, _):
-            return f"redis lost ({'after' if ever else 'before'} first answer, {prefill}P {decode}D)"
-        case RedisBack(after, failed, again, leaving):
-            return f"redis back{' again' if again else ''} after {after:g} s, {failed} failed" + (
-                ", leaving static" if leaving else ""
+        case HeartbeatsGone(prefill, decode, _):
+            return f"every heartbeat gone, kept {prefill}P {decode}D"
+        case HeartbeatsBack(after):
+            return f"heartbeats back after {after:g} s"
+        case RedisLost(ever, prefill, decode, _, empty):
+            when = "after" if ever else "before"
+            return f"redis {'empty' if empty else 'lost'} ({when} first answer, {prefill}P {decode}D)"
+        case RedisBack(after, failed, again, leaving, empty):
+            return (
+                f"redis back{' again' if again else ''} after {after:g} s, {failed} failed"
+                + (", leaving static" if leaving else "")
+                + (", empty" if empty else "")
             )
     raise AssertionError(event)
 
@@ -110,6 +119,26 @@ CASES = [
                 {"p0": 10.4, "d0": 10.0},
                 stale=frozenset({"d0"}),
             ),
+        ),
+    ),
+    Case(
+        "the beat a node left with, back in its key (a busy engine's held beat after a lapse): stale, not fresh",
+        (
+            Poll(
+                0.0,
+                {"d0": beat("d0", 1), "d1": beat("d1", 1)},
+                {"d0": 0.0, "d1": 0.0},
+                events=("joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(0.6, {"d1": beat("d1", 2)}, {"d1": 0.6}, events=("left d0 decode: its heartbeat key expired",)),
+            Poll(
+                0.7,
+                {"d0": beat("d0", 1), "d1": beat("d1", 2)},
+                {"d0": 0.0, "d1": 0.6},
+                stale=frozenset({"d0"}),
+                events=("joined d0 decode",),
+            ),
+            Poll(0.8, {"d0": beat("d0", 2), "d1": beat("d1", 3)}, {"d0": 0.8, "d1": 0.8}),
         ),
     ),
     Case(
@@ -190,11 +219,85 @@ CASES = [
                 events=("last resort decode 5 s",),
             ),
             Poll(5.0, {"p0": beat("p0", 3)}, {"p0": 5.0}, events=("left d0 decode: its heartbeat key expired",)),
-            # p0's key goes too, its last beat 0 s old: a last resort, logged again (a new episode)
-            Poll(5.1, {}, {"p0": 5.0}, events=("last resort prefill 5 s",)),
-            Poll(10.0, {}, {}, events=("left p0 prefill: its heartbeat key expired",)),
+            # d1 joins, then the decode role goes again: a last resort, logged again (a new episode)
+            Poll(5.1, {"p0": beat("p0", 4), "d1": beat("d1")}, {"p0": 5.1, "d1": 5.1}, events=("joined d1 decode",)),
+            Poll(5.2, {"p0": beat("p0", 5)}, {"p0": 5.2, "d1": 5.1}, events=("last resort decode 5 s",)),
+            Poll(10.2, {"p0": beat("p0", 6)}, {"p0": 10.2}, events=("left d1 decode: its heartbeat key expired",)),
         ),
         {"last_resort_s": 5.0},
+    ),
+    Case(
+        "redis holds no heartbeat at all (full and refusing writes, flushed): the view stays past the last "
+        "resort; the first beat back starts the recovery grace",
+        (
+            Poll(
+                0.0,
+                {"p0": beat("p0"), "d0": beat("d0"), "d1": beat("d1")},
+                {"p0": 0.0, "d0": 0.0, "d1": 0.0},
+                events=("joined p0 prefill", "joined d0 decode", "joined d1 decode"),
+            ),
+            Poll(0.1, {}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, events=("every heartbeat gone, kept 1P 2D",)),
+            Poll(0.2, {"d1": None}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}),  # expired between its SCAN and its read
+            Poll(100.0, {}, {"p0": 0.0, "d0": 0.0, "d1": 0.0}, stale=frozenset({"p0", "d0", "d1"})),
+            Poll(
+                100.1,
+                {"d0": beat("d0", 2)},
+                {"p0": 0.0, "d0": 100.1, "d1": 0.0},
+                stale=frozenset({"p0", "d1"}),
+                events=("heartbeats back after 100 s",),
+            ),
+            Poll(
+                100.7,
+                {"d0": beat("d0", 3), "p0": beat("p0", 2)},
+                {"p0": 100.7, "d0": 100.7},
+                events=("left d1 decode: its heartbeat key expired",),
+            ),
+        ),
+    ),
+    Case(
+        "redis answers with no heartbeat and the view holds none (a dispatcher restarted while redis is full): "
+        "the static lists, as while it is unreachable, until a heartbeat replaces them",
+        (
+            Poll(
+                0.0,
+                {},
+                {"p0": 0.0, "p1": 0.0, "d0": 0.0},
+                degraded=True,
+                static=True,
+                events=("redis empty (before first answer, 2P 1D)",),
+            ),
+            Poll(0.1, DOWN, {"p0": 0.1, "p1": 0.1, "d0": 0.1}, degraded=True, static=True),
+            Poll(0.2, {"d0": None}, {"p0": 0.2, "p1": 0.2, "d0": 0.2}, degraded=True, static=True),
+            Poll(
+                0.3,
+                {"p0": beat("p0")},
+                {"p0": 0.3, "p1": 0.2, "d0": 0.2},
+                events=("redis back after 0.3 s, 3 failed, leaving static, empty", "joined p0 prefill"),
+            ),
+            Poll(
+                0.9,
+                {"p0": beat("p0", 2), "d0": beat("d0")},
+                {"p0": 0.9, "d0": 0.9},
+                events=("joined d0 decode", "left p1 prefill: it is a static node and redis now answers"),
+            ),
+        ),
+        STATIC,
+    ),
+    Case(
+        "with static lists too, every heartbeat gone keeps the view from redis, not the lists",
+        (
+            Poll(0.0, {"p0": beat("p0")}, {"p0": 0.0}, events=("joined p0 prefill",)),
+            Poll(0.1, {}, {"p0": 0.0}, events=("every heartbeat gone, kept 1P 0D",)),
+        ),
+        STATIC,
+    ),
+    Case(
+        "redis empty before any heartbeat: nothing to keep",
+        (
+            Poll(0.0, {}, {}),
+            Poll(0.1, {}, {}),
+            Poll(0.2, {"p0": beat("p0")}, {"p0": 0.2}, events=("joined p0 prefill",)),
+        ),
     ),
     Case(
         "last_resort_s = 0: every expired node leaves at once",
@@ -282,16 +385,23 @@ CASES = [
             Poll(0.1, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True, events=("redis lost (after first answer, 1P 1D)",)),
             Poll(0.2, DOWN, {"p0": 0.0, "d0": 0.0}, degraded=True),
             Poll(0.4, DOWN, {"p0": 0.0, "d0": 0.0}, stale=frozenset({"p0", "d0"}), degraded=True),
-            # Redis restarted empty: the grace keeps the nodes while publishers re-publish.
+            # Redis restarted empty: the view stays until a publisher is back, then the grace
+            # keeps the nodes while the others re-publish.
             Poll(
                 0.5,
                 {},
                 {"p0": 0.0, "d0": 0.0},
                 stale=frozenset({"p0", "d0"}),
-                events=("redis back again after 0.4 s, 3 failed",),
+                events=("redis back again after 0.4 s, 3 failed", "every heartbeat gone, kept 1P 1D"),
             ),
-            Poll(0.6, {"p0": beat("p0", 2)}, {"p0": 0.6, "d0": 0.0}, stale=frozenset({"d0"})),
-            Poll(0.95, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 0.95, "d0": 0.95}),
+            Poll(
+                1.2,
+                {"p0": beat("p0", 2)},
+                {"p0": 1.2, "d0": 0.0},
+                stale=frozenset({"d0"}),
+                events=("heartbeats back after 0.7 s",),
+            ),
+            Poll(1.6, {"p0": beat("p0", 3), "d0": beat("d0", 2)}, {"p0": 1.6, "d0": 1.6}),
         ),
     ),
     Case(
