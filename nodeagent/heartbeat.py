@@ -53,7 +53,7 @@ from kairos.common.contracts import (
     HEARTBEAT_TTL_S,
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
-    SIDECAR_METRICS_PATH,
+    SIDECAR_PROBE_PATH,
     STATE_PATH,
     EngineState,
     EngineStateError,
@@ -135,15 +135,15 @@ class HttpStateSource:
 
 class SidecarProbe:
     """Whether the node's sidecar serves HTTP (it serves every request the gateway sends this
-    node): one ``GET`` of its own metrics path, answered by its event loop alone (the engine is
-    not asked, so a busy engine does not fail it). A bare TCP connect is not enough: the kernel
+    node): one ``GET`` of its probe path, answered by its event loop alone (the engine is not
+    asked, so a busy engine does not fail it). A bare TCP connect is not enough: the kernel
     completes the handshake for a stopped or hung process until its listen backlog fills."""
 
     def __init__(self, hostport: str) -> None:
         check_hostport("sidecar", hostport)
         host, _, port = hostport.rpartition(":")
         self.hostport, self._host, self._port = hostport, host.strip("[]"), int(port)
-        self._request = f"GET {SIDECAR_METRICS_PATH} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n".encode()
+        self._request = f"GET {SIDECAR_PROBE_PATH} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n".encode()
 
     async def check(self) -> None:
         """Returns once the sidecar answered with an HTTP status line (any status); raises

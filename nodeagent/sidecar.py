@@ -462,6 +462,7 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
     for path in COMPLETION_PATHS:
         app.router.add_post(path, _completion)
     app.router.add_get(c.SIDECAR_METRICS_PATH, _metrics)
+    app.router.add_get(c.SIDECAR_PROBE_PATH, _probe)
     app.router.add_get("/health", _health)
     # Of the local vLLM, only the public API is relayed: its /metrics, /kairos/state, step log
     # and KV endpoints are served on the node's own port, never through this one.
@@ -568,6 +569,12 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response(
         {"status": "unhealthy", "local_vllm": state.config.local_vllm, "detail": detail}, status=503
     )
+
+
+async def _probe(request: web.Request) -> web.Response:
+    """The node agent's liveness probe (``kairos.nodeagent.heartbeat.SidecarProbe``): answered by
+    this event loop alone, so it fails only when the sidecar does."""
+    return web.Response(status=204)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -556,6 +556,9 @@ def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | No
 # vLLM plugin (its state server's /metrics) alike.
 # ---------------------------------------------------------------------------------------------
 SIDECAR_METRICS_PATH = "/kairos/metrics"  # a decode sidecar's Prometheus metrics (kairos_sidecar_*)
+# The node agent's probe of its decode sidecar, every heartbeat: the sidecar's own event loop
+# answers 204, touching nothing else (its metrics page costs ~1 ms to render, ten times a second).
+SIDECAR_PROBE_PATH = "/kairos/probe"
 STEP_BUDGET_OVERRUNS_METRIC = "kairos_node_step_budget_overruns"  # a counter: exported with _total
 STEP_BUDGET_OVERRUNS_HELP = (
     "Steps with running decodes that took longer than the step budget of a deflected chunk they "

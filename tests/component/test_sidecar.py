@@ -25,6 +25,7 @@ from aiohttp import web
 import kairos.nodeagent.sidecar as sidecar_module
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
+from kairos.nodeagent.heartbeat import SidecarProbe
 from kairos.nodeagent.sidecar import (
     HOP1_KV_TRANSFER_PARAMS,
     SidecarConfig,
@@ -623,6 +624,16 @@ async def test_metrics_count_each_path(rig: Rig) -> None:
     assert _metric(text, "kairos_sidecar_ttft_seconds_count", path="keep") == 1
     assert _metric(text, "kairos_sidecar_hop1_seconds_sum", path="keep") > 0
     assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind="bad_routing_headers") == 1
+
+
+async def test_the_node_agents_probe_is_answered_by_the_sidecar_alone(rig: Rig) -> None:
+    """The heartbeat publisher's probe gets an empty 204 from the sidecar's own loop: no vLLM is
+    asked and no metrics page rendered (a 200 with a body would be one of those)."""
+    url = await rig.start_sidecar()
+    async with rig.http.get(f"{url}{c.SIDECAR_PROBE_PATH}") as resp:
+        assert (resp.status, await resp.read()) == (204, b"")
+    await SidecarProbe(url.removeprefix("http://")).check()
+    assert rig.decode.seen == rig.prefill.seen == []
 
 
 async def test_observed_ttft_over_the_dispatchers_prediction(rig: Rig) -> None:
