@@ -1,16 +1,20 @@
 """Requests lost to single process faults under steady load (issue 11's fault table).
 
 Each case runs steady open-loop traffic (``--rps``, short prompts, 4 tokens) through a local
-emulated 2P2D cluster, kills one process with SIGKILL, keeps the traffic going for
-``--after`` seconds, and counts the failed requests: all of them, those sent more than 2 s
-after the kill, and when the last failure was sent (seconds after the kill).
+emulated 2P2D cluster, kills one process with SIGKILL (or freezes it with SIGSTOP for the
+rest of the run), keeps the traffic going for ``--after`` seconds, and counts the failed
+requests: all of them, those sent more than 2 s after the fault, and when the last failure was
+sent (seconds after the fault).
 
 - ``dispatcher``: one of two dispatcher replicas (``LocalCluster``, ``dispatchers=2``).
+- ``frozen-dispatcher``: the same replica, stopped (SIGSTOP) instead: it holds its connections.
 - ``engine``: d1's emulated vLLM engine (its sidecar and publisher stay up).
+- ``prefill-engine``: p1's emulated vLLM engine (its publisher stays up until it notices).
 - ``sidecar``: d0's sidecar (its engine and publisher stay up).
 - ``up-engine``: d1's engine under ``kairos up`` itself (the launcher's reaction counts).
 
-    python bench/fault_counts.py [--cases dispatcher,engine,sidecar,up-engine] [--rps 6] [--after 15]
+    python bench/fault_counts.py [--cases dispatcher,frozen-dispatcher,engine,prefill-engine,sidecar,up-engine]
+                                 [--rps 6] [--after 15]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kairos.launcher.tinymodel import build_tiny_model
 from tests.steady_load import Outcome, SteadyLoad
 
 PROMPT = "the quick brown fox jumps over a lazy dog " * 20
-CASES = ("dispatcher", "engine", "sidecar", "up-engine")
+CASES = ("dispatcher", "frozen-dispatcher", "engine", "prefill-engine", "sidecar", "up-engine")
 
 
 def _count(outcomes: list[Outcome], killed_at: float) -> dict[str, Any]:
@@ -50,18 +54,23 @@ def _count(outcomes: list[Outcome], killed_at: float) -> dict[str, Any]:
     }
 
 
-def _under_load(url: str, rps: float, after_s: float, kill: ManagedProcess | int) -> dict[str, Any]:
+def _under_load(
+    url: str, rps: float, after_s: float, kill: ManagedProcess | int, sig: signal.Signals = signal.SIGKILL
+) -> dict[str, Any]:
     load = SteadyLoad(url, PROMPT, rps=rps).start()
     deadline = time.monotonic() + 60
     while sum(o.ok for o in load.outcomes) < 2 * rps and time.monotonic() < deadline:  # warm: ~2 s served
         time.sleep(0.1)
+    # A process the cluster started leads its own process group: signal all of it.
+    send = (lambda s: os.killpg(kill.pid, s)) if isinstance(kill, ManagedProcess) else (lambda s: os.kill(kill, s))
     killed_at = time.monotonic()
-    if isinstance(kill, ManagedProcess):
-        kill.kill()
-    else:
-        os.kill(kill, signal.SIGKILL)
-    time.sleep(after_s)
-    return _count(load.stop(), killed_at)
+    send(sig)
+    try:
+        time.sleep(after_s)
+        return _count(load.stop(), killed_at)
+    finally:
+        if sig == signal.SIGSTOP:
+            send(signal.SIGCONT)  # so that the cluster stops as usual
 
 
 def _cluster_case(case: str, workdir: Path, model_dir: Path, rps: float, after_s: float) -> dict[str, Any]:
@@ -72,11 +81,14 @@ def _cluster_case(case: str, workdir: Path, model_dir: Path, rps: float, after_s
         cluster.wait_for_heartbeats(60)
         victim = {
             "dispatcher": cluster.dispatcher_procs[0],
+            "frozen-dispatcher": cluster.dispatcher_procs[0],
             "engine": cluster.node("d1").engine,
+            "prefill-engine": cluster.node("p1").engine,
             "sidecar": cluster.node("d0").sidecar,
         }[case]
         assert victim is not None
-        return _under_load(cluster.gateway_url, rps, after_s, victim)
+        sig = signal.SIGSTOP if case.startswith("frozen") else signal.SIGKILL
+        return _under_load(cluster.gateway_url, rps, after_s, victim, sig)
     finally:
         cluster.stop()
 

@@ -226,6 +226,12 @@ class SidecarMetrics:
             ["hop", "kind"],
             registry=self.registry,
         )
+        self.local_prefills = Counter(
+            "kairos_sidecar_local_prefills",
+            "Keep-path requests prefilled on the local vLLM because hop 1 failed (prefill node down, "
+            "reset, 5xx or too slow)",
+            registry=self.registry,
+        )
         self.ttft_feedback = Counter(
             "kairos_sidecar_ttft_feedback",
             "TTFT samples for the dispatchers' feedback stream: sent (XADD done), error (XADD failed), "
@@ -501,11 +507,20 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             data = raw if scrubbed is None else _dumps(scrubbed)
         elif timing.path == ROUTE_KEEP:
             prefill_host = _prefill_host(state, request.headers, rid)
-            prefilled = await _hop1(state, request.path, prefill_host, clean, headers, rid, timing)
+            try:
+                prefilled = await _hop1(state, request.path, prefill_host, clean, headers, rid, timing)
+            except UpstreamError as exc:
+                # The prefill node failed it before a byte reached the client (dead, reset, 5xx,
+                # no answer in time): the local vLLM prefills it, as it would with no prefill pool.
+                # Envoy's retry could only reach another decode node whose hop 1 calls the same
+                # prefill node.
+                log.warning("request %s: %s; prefilling it on the local vLLM instead", rid, exc.message)
+                state.metrics.local_prefills.inc()
+                prefilled = None
             if isinstance(prefilled, web.Response):
                 status = prefilled.status
                 return prefilled
-            data = _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
+            data = _dumps(clean) if prefilled is None else _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
         elif timing.path == ROUTE_DEFLECT:
             data = _dumps(_deflect_body(state, clean, request.headers, rid))
         else:

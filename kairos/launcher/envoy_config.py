@@ -42,8 +42,12 @@ class EnvoySettings:
     stream_idle_timeout: str = "300s"
     # An idle connection to a sidecar closes on Envoy's side first (defaults.GATEWAY_SIDECAR_IDLE_S).
     sidecar_idle_timeout: str = f"{defaults.GATEWAY_SIDECAR_IDLE_S:g}s"
-    # How often Envoy health-checks each dispatcher replica (grpc.health.v1).
+    # How often Envoy health-checks each dispatcher replica (grpc.health.v1), and how long an
+    # answer may take: a stopped (frozen) replica is out after one missed check, ~0.75 s, where
+    # 1 s and two checks let it hold requests for 2.5 s (8 of 90 lost to a 2 s message timeout
+    # at 6 RPS, bench/fault_counts.py frozen-dispatcher).
     health_check_interval: str = "0.5s"
+    health_check_timeout: str = "0.25s"
     # Retries in flight per cluster (Envoy's default is 3): one per request that a dead
     # dispatcher replica or decode node makes Envoy retry.
     max_retries: int = 1024
@@ -128,6 +132,7 @@ def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> s
         stream_idle_timeout=settings.stream_idle_timeout,
         sidecar_idle_timeout=settings.sidecar_idle_timeout,
         health_check_interval=settings.health_check_interval,
+        health_check_timeout=settings.health_check_timeout,
         ext_proc_service=c.EXT_PROC_HEALTH_SERVICE,
         max_retries=settings.max_retries,
         # An ext_proc stream that cannot open is retried on each other replica.

@@ -9,6 +9,7 @@ for good)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -187,26 +188,25 @@ def test_a_dead_decode_node_gets_no_request_once_its_heartbeat_expires(
     assert used == Counter({"d0": 12})
 
 
-def test_a_request_sent_to_a_dead_engine_before_its_heartbeat_expires_is_served_by_another_decode_node(
-    whole: LocalCluster, tokenizer: PromptTokenizer
-) -> None:
-    """The window between an engine's death and its key's expiry, held open: d1's engine and
-    publisher are killed while d1 keeps beating (the last real beat, re-sent fresh), so the
-    dispatcher still routes to d1, whose sidecar answers 502. Envoy retries that hop once on
-    the dispatcher's fallback decode node: the client sees the decision for d1 and a whole answer."""
-    cluster = whole
-    node = cluster.node("d1")
-    assert node.engine is not None and node.publisher is not None
-    beat = heartbeat_of(cluster, "d1")
-    assert beat is not None
+@contextlib.contextmanager
+def beating_for_the_dead(cluster: LocalCluster, *node_ids: str) -> Iterator[None]:
+    """The window between nodes' death and their keys' expiry, held open: each node's publisher
+    and engine are killed while its last real beat is re-sent fresh every period, so the
+    dispatcher still routes to it."""
+    beats = {}
+    for node_id in node_ids:
+        beat = heartbeat_of(cluster, node_id)
+        assert beat is not None
+        beats[node_id] = beat
     stop = threading.Event()
-    key = c.REDIS_NODE_KEY.format(node_id="d1")
 
     def keep_beating() -> None:
         client = redis_sync.Redis.from_url(cluster.redis_url, socket_timeout=10)
         try:
-            for seq in itertools.count(beat["seq"] + 1_000):
-                client.set(key, json.dumps({**beat, "seq": seq, "sent_at": time.time()}), px=2_000)
+            for n in itertools.count(1_000):
+                for node_id, beat in beats.items():
+                    fresh = {**beat, "seq": beat["seq"] + n, "sent_at": time.time()}
+                    client.set(c.REDIS_NODE_KEY.format(node_id=node_id), json.dumps(fresh), px=2_000)
                 if stop.wait(c.HEARTBEAT_PERIOD_S):
                     break
         finally:
@@ -215,16 +215,62 @@ def test_a_request_sent_to_a_dead_engine_before_its_heartbeat_expires_is_served_
     beater = threading.Thread(target=keep_beating, daemon=True)
     beater.start()
     try:
-        node.publisher.kill()
-        node.engine.kill()
+        for node_id in node_ids:
+            node = cluster.node(node_id)
+            assert node.engine is not None and node.publisher is not None
+            node.publisher.kill()
+            node.engine.kill()
         wait_for_fresh_polls(cluster, polls=2)  # the re-sent beats, not the real ones, are what it sees
-        assert "d1" in fresh_nodes(cluster)
-        prompt = text_of(tokenizer, 400)
-        used = Counter(complete(cluster, prompt)[1]["x-kairos-decode-node"] for _ in range(8))
+        assert set(node_ids) <= set(fresh_nodes(cluster))
+        yield
     finally:
         stop.set()
         beater.join(timeout=30)
+
+
+def test_a_request_sent_to_a_dead_engine_before_its_heartbeat_expires_is_served_by_another_decode_node(
+    whole: LocalCluster, tokenizer: PromptTokenizer
+) -> None:
+    """d1's engine dies while it still looks alive: the dispatcher routes to d1, whose sidecar
+    answers 502. Envoy retries that hop once on the dispatcher's fallback decode node: the client
+    sees the decision for d1 and a whole answer."""
+    with beating_for_the_dead(whole, "d1"):
+        prompt = text_of(tokenizer, 400)
+        used = Counter(complete(whole, prompt)[1]["x-kairos-decode-node"] for _ in range(8))
     assert used["d1"] >= 1, used  # idle as its beat says, d1 was chosen; every one of them was served
+
+
+def test_a_request_sent_to_a_dead_prefill_node_before_its_heartbeat_expires_is_prefilled_on_its_decode_node(
+    tmp_path: Path, model_dir: Path, tokenizer: PromptTokenizer
+) -> None:
+    """The prefill engine dies while it still looks alive: every request still goes to it (P/D
+    routing, one prefill node), and each one's hop 1 fails to connect. The decode node's sidecar
+    prefills it locally instead: every request is served (Envoy's retry would only reach another
+    sidecar calling the same dead prefill node)."""
+    cluster = start_cluster(tmp_path / "pd", model_dir, prefill_nodes=1, decode_nodes=1, policy="pd")
+    try:
+        with beating_for_the_dead(cluster, "p0"):
+            before = local_prefills(cluster)
+            routes = Counter(complete(cluster, text_of(tokenizer, 400))[1]["x-kairos-route"] for _ in range(4))
+            after = local_prefills(cluster)
+    finally:
+        cluster.stop()
+    assert routes == Counter({"keep": 4}), routes  # and each a 200: complete() checks it
+    assert after - before == 4, (before, after)
+
+
+def local_prefills(cluster: LocalCluster) -> float:
+    """Keep-path requests the decode nodes' sidecars have prefilled locally after a failed hop 1."""
+    total = 0.0
+    for node in cluster.nodes:
+        if node.sidecar_port:
+            _, _, body = http("GET", f"http://{node.sidecar_url}{c.SIDECAR_METRICS_PATH}")
+            total += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in body.decode().splitlines()
+                if line.startswith("kairos_sidecar_local_prefills_total ")
+            )
+    return total
 
 
 def test_with_every_prefill_node_dead_decode_nodes_prefill_requests_themselves(
