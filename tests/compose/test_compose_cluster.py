@@ -46,8 +46,10 @@ def http_status_and_body(raw: str) -> tuple[int, dict[str, str], dict[str, Any]]
 
 
 def fresh_nodes() -> set[str]:
+    """Nodes the dispatcher routes on from their heartbeats: not stale, and from Redis (a node of
+    the static lists alone, used while Redis holds no heartbeat, is not one)."""
     with urllib.request.urlopen(DISPATCHER_NODES, timeout=10) as response:
-        return {n["id"] for n in json.load(response)["nodes"] if not n["stale"]}
+        return {n["id"] for n in json.load(response)["nodes"] if not n["stale"] and n["from_redis"]}
 
 
 def complete(max_tokens: int = 4) -> tuple[int, str]:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -71,14 +74,14 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
         "--log-level", "debug", "up", "--port", str(port), "--workdir", str(workdir),
         "--model-dir", str(model_dir), "--time-scale", "5", new_session=True,
     )  # fmt: skip
-    lines: list[str] = []
+    out = Output(proc)
     try:
-        curl = _read_until(proc, lines, "curl ", 90).strip()
+        curl = out.until("curl ", 90).strip()
         assert f"127.0.0.1:{port}" in curl
         result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
         assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
         # The printed `kairos top` line shows the cluster; the Prometheus targets file lists its dispatcher.
-        watch = shlex.split(_read_until(proc, lines, "kairos top --dispatcher", 30).split(":", 1)[1])
+        watch = shlex.split(out.until("kairos top --dispatcher", 30).split(":", 1)[1])
         assert watch[:2] == ["kairos", "top"]
         shown = subprocess.run(
             [sys.executable, "-m", "kairos", *watch[1:], "--iterations", "1", "--plain"],
@@ -103,7 +106,7 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
         ours = [a for a in _processes() if str(workdir) in a or str(model_dir) in a]
         assert ours, "the cluster's processes should be visible while it runs"
         # Redis requires a credential, and none is on any command line that ps shows.
-        redis_line = next(line for line in lines if line.startswith("Redis at "))
+        redis_line = next(line for line in out.lines if line.startswith("Redis at "))
         port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/0", redis_line).group(1))
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, socket_timeout=10).ping()
@@ -127,17 +130,36 @@ def test_kairos_up_serves_the_printed_curl_line_and_stops_cleanly(
     assert os.path.exists(workdir / "logs")
 
 
-def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, timeout_s: float) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if marker in line:
-            return line
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"no {marker!r} in:\n{''.join(lines)}")
+class Output:
+    """A process's stdout, read on a thread of its own: a wait for a line keeps its timeout even
+    while the process prints nothing (a blocking readline would wait for as long as it is silent)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.lines: list[str] = []  # what the waits have read so far
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, stdout: IO[str]) -> None:
+        for line in stdout:
+            self._queue.put(line)
+        self._queue.put(None)  # end of output
+
+    def until(self, marker: str, timeout_s: float) -> str:
+        """The first line from here on that holds ``marker``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self._queue.put(None)  # the end stays the end for the next wait
+                break
+            self.lines.append(line)
+            if marker in line:
+                return line
+        raise AssertionError(f"no {marker!r} within {timeout_s:g} s in:\n{''.join(self.lines)}")
 
 
 def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Path, model_dir: Path) -> None:
@@ -168,18 +190,18 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         "up", "--nodes", str(nodes_file), "--port", str(port), "--redis-port", str(redis_port),
         "--workdir", str(tmp_path / "up"), "--model-dir", str(model_dir),
     )  # fmt: skip
-    lines: list[str] = []
+    out = Output(proc)
     try:
-        _read_until(proc, lines, "waiting for heartbeats from p0, d0", 60)
-        printed = "".join(lines)
+        out.until("waiting for heartbeats from p0, d0", 60)
+        printed = "".join(out.lines)
         for node in elsewhere.nodes:  # each node's credentials file, named in the output
             env_file = tmp_path / "up" / "redis" / "credentials" / f"{node.node_id}.env"
             assert f"  {node.node_id}: {env_file}" in printed
             assert f"redis://kairos-node-{node.node_id}:" in env_file.read_text()
         elsewhere.redis_setup = RedisSetup.load(tmp_path / "up" / "redis")  # what those files hold
         elsewhere.start_nodes()
-        _read_until(proc, lines, "heartbeats from all 2 nodes", 60)
-        curl = _read_until(proc, lines, "curl ", 30).strip()
+        out.until("heartbeats from all 2 nodes", 60)
+        curl = out.until("curl ", 30).strip()
         result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=30, check=True)
         assert "HTTP/1.1 200" in result.stdout and '"completion_tokens":16' in result.stdout
         assert "x-kairos-decode-node: d0" in result.stdout.lower()
@@ -215,9 +237,9 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
         "up", "--port", str(port), "--workdir", str(workdir), "--model-dir", str(model_dir),
         "--time-scale", "5", new_session=True,
     )  # fmt: skip
-    lines: list[str] = []
+    out = Output(proc)
     try:
-        curl = shlex.split(_read_until(proc, lines, "curl ", 90).strip())
+        curl = shlex.split(out.until("curl ", 90).strip())
         _, dispatcher = _child(proc.pid, "kairos.extproc")
         metrics_port = int(dispatcher.split("--metrics-port ")[1].split()[0])
 
@@ -234,8 +256,8 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
         wait_until(lambda: fresh() == {"p0", "p1", "d0", "d1"}, timeout_s=60, what="d1 back in the view")
         restarted, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "--node-id d1 ")
         assert restarted != engine
-        _read_until(proc, lines, "d1-vllm restarted", 10)
-        assert any("d1-vllm exited with -9; restarting" in line for line in lines), lines
+        out.until("d1-vllm restarted", 10)
+        assert any("d1-vllm exited with -9; restarting" in line for line in out.lines), out.lines
         assert proc.poll() is None
 
         second = subprocess.run(
