@@ -45,6 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from kairos.common.aio import cancel_and_wait
 from kairos.common.config import check_hostport, load_config
@@ -67,10 +68,6 @@ from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
 
 log = logging.getLogger(__name__)
-
-# Compare-and-delete: remove the node's key only if it still holds this publisher's last beat
-# (a newer publisher for the same node id may already have taken it over).
-_DELETE_IF_OURS = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,6 +128,25 @@ class HttpStateSource:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _delete_if_holding(client: aioredis.Redis, key: str, payload: str) -> bool:
+    """Compare-and-delete: remove ``key`` only if it still holds ``payload`` (a newer publisher
+    for the same node id may have taken it over), as one WATCH / MULTI / EXEC transaction. Not a
+    script: a node's Redis user runs no EVAL, so a node's credential cannot stall Redis with one."""
+    async with client.pipeline(transaction=True) as pipe:
+        await pipe.watch(key)
+        held = await pipe.get(key)
+        if held is None or (held.decode() if isinstance(held, bytes) else held) != payload:
+            await pipe.unwatch()
+            return False
+        pipe.multi()
+        pipe.delete(key)
+        try:
+            await pipe.execute()
+        except WatchError:  # written between the GET and the DEL: not ours any more
+            return False
+        return True
 
 
 class SidecarProbe:
@@ -468,7 +484,7 @@ class HeartbeatPublisher:
         if self._last_payload is None:
             return
         try:
-            deleted = await client.eval(_DELETE_IF_OURS, 1, self.config.key, self._last_payload)
+            deleted = await _delete_if_holding(client, self.config.key, self._last_payload)
         except Exception as exc:  # best effort: the key expires anyway
             log.warning(
                 "node %s: could not delete %s on shutdown (%s); it expires within %.0f ms",

@@ -39,9 +39,11 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # connect may fail: it ignores that; Redis 7.0 does not even know the subcommand).
 _CONNECT = "+ping"
 
-# The heartbeat publisher: SET ... PX, PUBLISH, and on shutdown a compare-and-delete script
-# (EVAL runs its GET and DEL under the same rights). The sidecar: XADD ... MAXLEN ~.
-_NODE_COMMANDS = f"-@all {_CONNECT} +set +get +del +pexpire +publish +eval +evalsha"
+# The heartbeat publisher: SET ... PX, PUBLISH, and on shutdown a compare-and-delete as a
+# WATCH / GET / MULTI / DEL / EXEC transaction. No EVAL: a script runs as long as it likes, and
+# a node's credential must not be able to stall Redis for every other node. The sidecar: XADD
+# ... MAXLEN ~.
+_NODE_COMMANDS = f"-@all {_CONNECT} +set +get +del +pexpire +publish +watch +unwatch +multi +exec +discard"
 # The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, and the promise
 # script (EVALSHA, SCRIPT LOAD when Redis lacks it) with the commands it runs on a reservation
 # key under the same rights.

@@ -26,7 +26,7 @@ from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.reservations import PROMISE_SCRIPT
-from kairos.nodeagent.heartbeat import HeartbeatPublisher, PublisherConfig
+from kairos.nodeagent.heartbeat import HeartbeatPublisher, PublisherConfig, _delete_if_holding
 from kairos.nodeagent.sidecar import SidecarMetrics, TtftFeedbackPublisher
 from tests.builders import heartbeat_json
 from tests.component.test_heartbeat import STATE, FakeSource
@@ -105,6 +105,7 @@ def test_a_node_credential_writes_its_own_key_and_the_stream_only(server: Secure
         "reading the stream": lambda: p0.xrevrange(c.REDIS_TTFT_FEEDBACK_STREAM, count=1),
         "listing keys": lambda: p0.keys("*"),
         "a script on another key": lambda: p0.eval("return redis.call('DEL', KEYS[1])", 1, "kairos:node:d0"),
+        "a script that loops on its own key": lambda: p0.eval("while true do end", 1, "kairos:node:p0"),
         "flushing": lambda: p0.flushall(),
         "changing users": lambda: p0.acl_setuser(node_user("p0"), enabled=True, keys=["*"]),
     }
@@ -112,6 +113,24 @@ def test_a_node_credential_writes_its_own_key_and_the_stream_only(server: Secure
         with pytest.raises(NoPermissionError, match="no permissions"):
             attempt()
             pytest.fail(f"a node credential could do this: {what}")
+
+
+async def test_a_node_credential_deletes_its_key_on_shutdown_only_while_it_holds_its_beat(
+    server: SecuredRedisServer,
+) -> None:
+    """The publisher's compare-and-delete runs as a transaction under the node's own user (no
+    script rights): its beat still there is deleted, a newer one (another publisher's) is kept."""
+    key = c.REDIS_NODE_KEY.format(node_id="p0")
+    client = aioredis.Redis.from_url(server.setup.node_url("p0"), socket_timeout=10)
+    try:
+        await client.set(key, "newer beat", px=5_000)
+        assert not await _delete_if_holding(client, key, "my beat")
+        assert await client.get(key) == b"newer beat"
+        await client.set(key, "my beat", px=5_000)
+        assert await _delete_if_holding(client, key, "my beat")
+        assert await client.get(key) is None
+    finally:
+        await client.aclose()
 
 
 def test_the_dispatcher_credential_reads_and_reserves_but_writes_no_heartbeat(server: SecuredRedisServer) -> None:
@@ -159,7 +178,11 @@ async def test_publishers_sidecar_and_dispatcher_over_rediss_with_their_own_user
     try:
         async with view:
             await view.wait_ready(timeout=30)
-            assert sorted(view.addresses()) == ["d0", "p0"] and not view.degraded
+
+            async def beating() -> bool:  # before the first beats the view holds the static lists, degraded
+                return sorted(view.addresses()) == ["d0", "p0"] and not view.degraded
+
+            await eventually(beating, timeout_s=30, what="both publishers' beats in the view, over rediss")
             assert (await view.try_reserve("d0", "dispatcher0", 10)).granted
             refused = await view.try_reserve("d0", "dispatcher1", 10)  # had not counted dispatcher0's
             assert not refused.granted and [p.tokens for p in refused.foreign] == [10]
