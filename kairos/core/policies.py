@@ -461,37 +461,26 @@ class NoPrefillPoolPolicy:
 
 
 POLICY_NAMES = ("pd", "sq", "sl", "kairos", "oracle", "llmd", "dynamo", "aibrix")
+# Algorithm 1's parameters, the Kairos policy's and the Oracle's.
+_DECIDER_PARAMS = (
+    "alpha",
+    "beta",
+    "guard",
+    "overload",
+    "pressure",
+    "gate",
+    "error",
+    "calibrate",
+    "keep",
+    "prefix",
+    "chunks",
+)
 _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": ("prefix",),
     "sq": ("theta", "chunk"),
     "sl": ("l", "chunk"),
-    "kairos": (
-        "alpha",
-        "beta",
-        "pending",
-        "guard",
-        "overload",
-        "pressure",
-        "gate",
-        "error",
-        "calibrate",
-        "keep",
-        "prefix",
-        "chunks",
-    ),
-    "oracle": (
-        "alpha",
-        "beta",
-        "guard",
-        "overload",
-        "pressure",
-        "gate",
-        "error",
-        "calibrate",
-        "keep",
-        "prefix",
-        "chunks",
-    ),
+    "kairos": ("pending", *_DECIDER_PARAMS),
+    "oracle": _DECIDER_PARAMS,  # it sees the true backlog: no pending limit to set
     "llmd": ("threshold", "chunk"),
     "dynamo": ("mode", "isl", "ratio", "busy", "kv", "chunk"),
     "aibrix": ("high", "low", "chunk"),

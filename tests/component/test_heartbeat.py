@@ -4,6 +4,7 @@ aiohttp server. Periods are 20 ms so the whole file runs in a few seconds."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -262,13 +263,12 @@ class FakeSidecar:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await reader.readuntil(b"\r\n\r\n")
-            await self._released.wait()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            await writer.drain()
-            self.answered += 1
-        except (OSError, asyncio.IncompleteReadError):
-            pass  # the probe gave up first
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):  # the probe gave up first
+                await reader.readuntil(b"\r\n\r\n")
+                await self._released.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                self.answered += 1
         finally:
             writer.close()
 
