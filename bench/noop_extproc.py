@@ -16,13 +16,12 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kairos.common import contracts as c
-from kairos.extproc.dispatcher import Routed
+from kairos.extproc.dispatcher import RequestHead, Routed
 from kairos.extproc.server import start_grpc_server
 
 NOOP_ROUTE = "noop"  # the x-kairos-route this server sets, so the upstream can tell who routed
@@ -34,10 +33,10 @@ class FixedRoute:
     def __init__(self, destination: str, headers: tuple[tuple[str, str], ...] = ((c.H_ROUTE, NOOP_ROUTE),)) -> None:
         self.routed = Routed(destinations=(destination,), set_headers=headers, remove_headers=(), decision=None)
 
-    async def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> Routed:
+    async def route(self, head: RequestHead, body: bytes | None) -> Routed:
         return self.routed
 
-    def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> None:
+    def check_headers(self, head: RequestHead) -> None:
         """Refuses nothing at the headers: every request waits for its body and is routed."""
         return None
 

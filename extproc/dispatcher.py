@@ -1,6 +1,6 @@
 """The dispatcher's request handling, independent of the transport (Envoy ext_proc).
 
-``Dispatcher.route(method, path, headers, body)`` parses the OpenAI request, counts its prompt
+``Dispatcher.route(head, body)`` parses the OpenAI request, counts its prompt
 tokens, runs the routing policy on the live cluster view, reserves a decode node for a
 deflection, and returns a :class:`Routed` (upstream + header mutations) or a :class:`Rejected`
 (an HTTP error to answer directly). The gRPC server in :mod:`kairos.extproc.server` only translates.
@@ -100,6 +100,38 @@ class PrefixSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestHead:
+    """What the dispatcher reads of a request's head. The server builds it from Envoy's headers
+    message (:meth:`of`), or, on Envoy's one-message route, from the attributes that come with
+    the body (``kairos.common.contracts.HEAD_ATTRIBUTES``), where the route has already matched
+    an inference path, POST, a declared length, no Content-Encoding and no routing header."""
+
+    method: str
+    path: str  # with its query string
+    request_id: str = ""  # x-request-id; "" for none (the dispatcher makes one)
+    content_encoding: str = ""
+    content_length: str = ""  # as declared; "" for none
+    # Sizes as Envoy's header limits count them: names and values, the pseudo-headers included.
+    header_count: int = 0
+    header_bytes: int = 0
+    spoofed: tuple[str, ...] = ()  # the client's x-kairos-* headers, to remove
+
+    @classmethod
+    def of(cls, method: str, path: str, headers: Mapping[str, str]) -> RequestHead:
+        """From a request's whole header map (names lower-case, pseudo-headers included)."""
+        return cls(
+            method=method,
+            path=path,
+            request_id=headers.get(c.H_REQUEST_ID, ""),
+            content_encoding=headers.get("content-encoding", ""),
+            content_length=headers.get("content-length", ""),
+            header_count=len(headers),
+            header_bytes=sum(len(name) + len(value) for name, value in headers.items()),
+            spoofed=tuple(name for name in headers if name.lower().startswith(c.HEADER_PREFIX)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Routed:
     """Send the request on, to ``destinations[0]`` (later ones are Envoy's fallbacks)."""
 
@@ -196,37 +228,36 @@ class Dispatcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- entry point -----------------------------------------------------------------------
-    async def route(self, method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> Routed | Rejected:
+    async def route(self, head: RequestHead, body: bytes | None) -> Routed | Rejected:
+        """The answer to a whole request (``body`` None: one without a body)."""
         started = time.perf_counter()
         try:
-            spoofed = tuple(h for h in headers if h.lower().startswith(c.HEADER_PREFIX))
-            bare_path = path.split("?", 1)[0]
-            _check_public(method, bare_path, headers)
+            bare_path = head.path.split("?", 1)[0]
+            _check_public(head, bare_path)
             if bare_path in OPENAI_POST_PATHS:
-                if body is None:  # answered at the headers message: check_headers did not see it
-                    _check_head_room(headers)
-                return await self._route_inference(path, headers, body or b"", spoofed, started)
-            return self._pass_through(spoofed)
+                _check_head_room(head)
+                return await self._route_inference(head, body or b"", started)
+            return self._pass_through(head.spoofed)
         except KairosError as exc:
             return self._rejected(exc, exc.code)
         except Exception as exc:  # a bug, not the client's fault: a clean 500, and the traceback in the log
-            log.exception("internal error routing %s %s", method, path)
+            log.exception("internal error routing %s %s", head.method, head.path)
             return self._rejected(exc, "internal_error")
 
-    def check_headers(self, method: str, path: str, headers: Mapping[str, str]) -> Rejected | None:
+    def check_headers(self, head: RequestHead) -> Rejected | None:
         """The answer to a request whose body is still to come, when its headers alone refuse it
         (a path or method not served, a compressed body, a Content-Length over the body limit, an
         inference request's head with no room left for the routing headers):
         the client hears at once rather than after sending its body, or never, for a body that
         does not end (a CONNECT tunnel's). None: wait for the body and :meth:`route` it."""
         try:
-            bare_path = path.split("?", 1)[0]
-            _check_public(method, bare_path, headers)
+            bare_path = head.path.split("?", 1)[0]
+            _check_public(head, bare_path)
             if bare_path in OPENAI_POST_PATHS:
-                declared = headers.get("content-length", "")
+                declared = head.content_length
                 if declared.isascii() and declared.isdigit():  # Envoy refuses a malformed one before us
                     check_body_size(int(declared), self.settings.limits)
-                _check_head_room(headers)
+                _check_head_room(head)
         except KairosError as exc:
             return self._rejected(exc, exc.code)
         return None
@@ -236,19 +267,17 @@ class Dispatcher:
         return Rejected(error_status(exc), error_json(exc), code)
 
     # -- inference requests ----------------------------------------------------------------
-    async def _route_inference(
-        self, path: str, headers: Mapping[str, str], body: bytes, spoofed: tuple[str, ...], started: float
-    ) -> Routed:
+    async def _route_inference(self, head: RequestHead, body: bytes, started: float) -> Routed:
         policies = self.policies
         lookup = self.prefixes if prefix_aware(policies.policy) and self.prefixes is not None else None
         if lookup is not None and not lookup.indexing():
             lookup = None  # no node publishes events: the count-only path
-        request = await self._parse(path, body, token_ids=lookup is not None)
+        request = await self._parse(head.path, body, token_ids=lookup is not None)
         found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
         hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
         decision = await self._decide(request.prompt_tokens, policies, hits)
         addresses = self.cluster.addresses()
-        request_id = headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+        request_id = head.request_id or uuid.uuid4().hex
         set_headers: list[tuple[str, str]] = [
             (c.H_REQUEST_ID, request_id),
             (c.H_ROUTE, decision.route.value),
@@ -296,7 +325,7 @@ class Dispatcher:
         return Routed(
             destinations=destinations,
             set_headers=tuple(set_headers),
-            remove_headers=tuple(h for h in spoofed if h.lower() not in overwritten),
+            remove_headers=tuple(h for h in head.spoofed if h.lower() not in overwritten),
             decision=decision,
         )
 
@@ -430,28 +459,28 @@ class Dispatcher:
 # Room a request's head must leave for the routing headers _route_inference sets: at most ten, a
 # few hundred bytes but for a deflection's chunk schedule, which this allows about 1,400 steps
 # (a plan within the TTFT SLO has under a hundred).
-ROUTING_HEADERS = 10
-ROUTING_HEADER_BYTES = 8 * 1024
+HEAD_ROOM_HEADERS = 10
+HEAD_ROOM_BYTES = 8 * 1024
 
 
-def _check_head_room(headers: Mapping[str, str]) -> None:
+def _check_head_room(head: RequestHead) -> None:
     """431 for an inference request's head that would pass the gateway's header limits once the
-    routing headers are in: Envoy would fail that mutation with a 503 (a relayed GET gets none).
-    Sizes as Envoy counts them: names and values, the pseudo-headers included."""
-    size = sum(len(name) + len(value) for name, value in headers.items())
-    max_count = defaults.GATEWAY_MAX_REQUEST_HEADERS - ROUTING_HEADERS
-    max_size = defaults.GATEWAY_MAX_REQUEST_HEADERS_KB * 1024 - ROUTING_HEADER_BYTES
-    if len(headers) > max_count or size > max_size:
+    routing headers are in: Envoy would fail that mutation with a 503 (a relayed GET gets none)."""
+    max_count = defaults.GATEWAY_MAX_REQUEST_HEADERS - HEAD_ROOM_HEADERS
+    max_size = defaults.GATEWAY_MAX_REQUEST_HEADERS_KB * 1024 - HEAD_ROOM_BYTES
+    if head.header_count > max_count or head.header_bytes > max_size:
         raise RequestHeadersTooLargeError(
-            f"the request's head ({len(headers)} headers, {size} bytes) leaves no room for the gateway's "
-            f"routing headers: send at most {max_count} headers and {max_size} bytes"
+            f"the request's head ({head.header_count} headers, {head.header_bytes} bytes) leaves no room for "
+            f"the gateway's routing headers: send at most {max_count} headers and {max_size} bytes"
         )
 
 
-def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
+def _check_public(head: RequestHead, path: str) -> None:
     """The public API only (Envoy routes nothing else here; this holds behind any proxy), with
     bodies as sent: a compressed body would reach a node that cannot read it (vLLM does not
-    decode request bodies), so it is a 415 rather than a 400 or 500 further on."""
+    decode request bodies), so it is a 415 rather than a 400 or 500 further on. ``path``:
+    without its query."""
+    method = head.method
     methods = c.PUBLIC_ENDPOINTS.get(path)
     if methods is None:
         what = path or f"{method} without a path"  # CONNECT's authority-form target has no :path
@@ -461,7 +490,7 @@ def _check_public(method: str, path: str, headers: Mapping[str, str]) -> None:
         )
     if method not in methods:
         raise MethodNotAllowedError(f"{method} is not allowed on {path}; use {' or '.join(methods)}")
-    encoding = headers.get("content-encoding", "").strip().lower()
+    encoding = head.content_encoding.strip().lower()
     if encoding not in ("", "identity"):
         raise UnsupportedContentEncodingError(
             f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed"

@@ -70,7 +70,7 @@ class DispatcherConfig:
     chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES
     max_pending_deflections: int | None = defaults.MAX_PENDING_DEFLECTIONS
     node_step_guard: bool = True
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES
     max_model_len: int = defaults.MAX_MODEL_LEN
     dispatcher_id: str = ""  # reservation owner; a random id when empty
     # The cluster view (kairos.extproc.cluster and .membership say what each does).

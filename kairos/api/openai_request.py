@@ -55,7 +55,7 @@ class PayloadTooLargeError(RequestError):
 class RequestLimits:
     """What the gateway accepts; ``max_model_len`` must equal the served model's."""
 
-    max_body_bytes: int = 8 * 1024 * 1024  # larger bodies get 413 before JSON parsing
+    max_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES  # larger bodies get 413 before JSON parsing
     max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens, vLLM's --max-model-len
     default_max_tokens: int = 16  # completions without max_tokens (vLLM's default); chat uses the rest of the context
 

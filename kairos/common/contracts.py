@@ -112,8 +112,38 @@ ECHOED_RESPONSE_HEADERS = (
     H_PRED_TTFT_DECODE_MS,
 )
 
+# Every routing header: a client request carrying any of them is never on Envoy's one-message
+# route (below), so the dispatcher sees its headers and removes them.
+ROUTING_HEADERS = (
+    H_ROUTE,
+    H_REASON,
+    H_DECODE_NODE,
+    H_PREFILL_HOST,
+    H_CHUNK_SCHEDULE,
+    H_STEP_BUDGET_MS,
+    H_PRED_TTFT_PREFILL_MS,
+    H_PRED_TTFT_DECODE_MS,
+    H_PROMPT_TOKENS,
+    H_CACHED_TOKENS,
+)
+
+# Envoy's one-message route (envoy/envoy.yaml.j2): a plain inference request reaches the
+# dispatcher as its body alone, with these facts of its head as ext_proc attributes (Envoy's
+# attribute expressions, each the key of its own value, under the filter's name).
+EXT_PROC_ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+ATTR_METHOD = "request.method"
+ATTR_PATH = "request.path"  # with its query string, as :path
+ATTR_REQUEST_ID = "request.id"  # x-request-id, as the headers message would carry it
+ATTR_HEADER_COUNT = "size(request.headers)"  # pseudo-headers included, as Envoy's limits count
+ATTR_TOTAL_BYTES = "request.total_size"  # the head's names and values, plus the body
+ATTR_BODY_BYTES = "request.size"
+HEAD_ATTRIBUTES = (ATTR_METHOD, ATTR_PATH, ATTR_REQUEST_ID, ATTR_HEADER_COUNT, ATTR_TOTAL_BYTES, ATTR_BODY_BYTES)
+
 # Envoy's override_host load balancing reads the upstream from this dynamic metadata.
 ENVOY_LB_NAMESPACE = "envoy.lb"
+# The dispatcher's answer carries the headers it sets as dynamic metadata in this namespace, one
+# key per header name; the gateway's routes add each as a request header (envoy.yaml.j2).
+ROUTING_METADATA_NAMESPACE = "kairos.headers"
 ENVOY_DESTINATION_KEY = "x-gateway-destination-endpoint"  # value: "primary,fallback" host:port list
 # The grpc.health.v1 service name Envoy's health checks ask the dispatcher about: the ext_proc
 # service's full proto name (SERVING while it runs, NOT_SERVING once it stops).

@@ -84,6 +84,8 @@ GATEWAY_SIDECAR_IDLE_S = 60.0
 # them with a 503, so the dispatcher refuses (431) a head that leaves its headers no room.
 GATEWAY_MAX_REQUEST_HEADERS = 100
 GATEWAY_MAX_REQUEST_HEADERS_KB = 60
+# The largest request body the dispatcher reads (a longer one gets 413 before any parsing).
+MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 
 # The served model and the engines of the reference cluster (DeepSeek-V2-Lite on A100)
 PROFILE = "deepseek-v2-lite-a100"  # packaged latency profile

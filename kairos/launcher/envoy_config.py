@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,7 @@ class EnvoySettings:
     admin_port: int = 9901
     dispatchers: tuple[str, ...] = ("127.0.0.1:9000",)  # ext_proc gRPC endpoints (host:port)
     sidecars: tuple[str, ...] = field(default_factory=tuple)  # decode-node sidecars (host:port)
-    buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own body limit (8 MiB)
+    buffer_limit_bytes: int = 16 * 1024 * 1024  # above the dispatcher's own (defaults.MAX_REQUEST_BODY_BYTES)
     message_timeout: str = "2s"  # a slower dispatcher answer gives 504
     stream_idle_timeout: str = "300s"
     # An idle connection to a sidecar closes on Envoy's side first (defaults.GATEWAY_SIDECAR_IDLE_S).
@@ -106,16 +107,24 @@ LOCAL_REPLIES: tuple[LocalReply, ...] = (
 FALLBACK_REPLY_MESSAGE = f"the gateway could not serve the request {_DETAILS}"
 
 
-def public_path_regex() -> str:
-    """An RE2 regex matching exactly the public paths (Envoy matches it without the query)."""
-    return "|".join(re.escape(path) for path in c.PUBLIC_ENDPOINTS)
+def path_regex(paths: Iterable[str]) -> str:
+    """An RE2 regex matching exactly ``paths`` (Envoy matches it without the query)."""
+    return "|".join(re.escape(path) for path in paths)
 
 
 def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["json"] = json.dumps  # a YAML-safe quoted string (JSON is YAML)
     return env.from_string(template.read_text()).render(
-        public_path_regex=public_path_regex(),
+        public_path_regex=path_regex(c.PUBLIC_ENDPOINTS),
+        inference_path_regex=path_regex(c.INFERENCE_PATHS),
+        routing_headers=c.ROUTING_HEADERS,
+        routed_headers=(c.H_REQUEST_ID, *c.ROUTING_HEADERS),
+        routing_metadata=c.ROUTING_METADATA_NAMESPACE,
+        head_attributes=list(c.HEAD_ATTRIBUTES),
+        # A longer declared body takes the headers route, where the dispatcher refuses it (413)
+        # before it is sent.
+        one_message_body_bytes=min(settings.buffer_limit_bytes, defaults.MAX_REQUEST_BODY_BYTES),
         not_found_text=NOT_FOUND_TEXT,
         local_replies=LOCAL_REPLIES,
         fallback_reply_message=FALLBACK_REPLY_MESSAGE,

@@ -139,6 +139,29 @@ def request_body(body: bytes, *, end_of_stream: bool = True) -> pb.ProcessingReq
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
 
 
+def one_message(
+    body: bytes,
+    *,
+    path: str = COMPLETIONS,
+    header_count: int = 7,
+    header_bytes: int = 180,
+    attributes: Sequence[str] = c.HEAD_ATTRIBUTES,
+) -> pb.ProcessingRequest:
+    """The whole body alone, as Envoy sends it on its one-message route, with the head's facts
+    as the attributes it evaluates (only those named in ``attributes``)."""
+    values: dict[str, Any] = {
+        c.ATTR_METHOD: "POST",
+        c.ATTR_PATH: path,
+        c.ATTR_REQUEST_ID: "envoy-generated-id-1",
+        c.ATTR_HEADER_COUNT: header_count,
+        c.ATTR_TOTAL_BYTES: header_bytes + len(body),
+        c.ATTR_BODY_BYTES: len(body),
+    }
+    message = request_body(body)
+    message.attributes[c.EXT_PROC_ATTRIBUTES_NAMESPACE].update({k: values[k] for k in attributes})
+    return message
+
+
 async def exchange(stub: pb_grpc.ExternalProcessorStub, messages: Sequence[pb.ProcessingRequest]) -> list[Any]:
     """Send each message and read its answer, as Envoy does; the server must then end the stream
     by itself (the client never half-closes)."""
@@ -158,9 +181,9 @@ def metadata_of(answer: pb.ProcessingResponse) -> dict[str, Any]:
     return json_format.MessageToDict(answer.dynamic_metadata)
 
 
-def set_headers_of(mutation: pb.HeaderMutation) -> dict[str, str]:
-    """The set headers of a mutation, checking Envoy's wire rules on each: value in raw_value
-    (Envoy ignores ``value`` there) and overwrite-or-add."""
+def reply_headers_of(mutation: pb.HeaderMutation) -> dict[str, str]:
+    """The set headers of an immediate reply, checking Envoy's wire rules on each: value in
+    raw_value (Envoy ignores ``value`` there) and overwrite-or-add."""
     out: dict[str, str] = {}
     for option in mutation.set_headers:
         assert option.header.value == "", f"{option.header.key} carries its value in `value`, which Envoy ignores"
@@ -171,8 +194,28 @@ def set_headers_of(mutation: pb.HeaderMutation) -> dict[str, str]:
     return out
 
 
+# What the gateway's routes add from the answer's metadata (kairos.launcher.envoy_config).
+ADDED_BY_THE_ROUTES = {c.H_REQUEST_ID, *c.ROUTING_HEADERS}
+
+
+def set_headers_of(answer: pb.ProcessingResponse) -> dict[str, str]:
+    """The headers a routed answer sets: string values in its routing metadata, each one the
+    gateway's routes add (a name outside them would be silently dropped), none as a header
+    mutation (Envoy ignores those in a body answer on the one-message route)."""
+    phase = answer.WhichOneof("response")
+    assert not getattr(answer, phase).response.header_mutation.set_headers
+    headers = metadata_of(answer).get(c.ROUTING_METADATA_NAMESPACE, {})
+    assert set(headers) <= ADDED_BY_THE_ROUTES, set(headers) - ADDED_BY_THE_ROUTES
+    assert all(isinstance(v, str) for v in headers.values())
+    return headers
+
+
+def destination_of(answer: pb.ProcessingResponse) -> dict[str, Any]:
+    return metadata_of(answer)[c.ENVOY_LB_NAMESPACE]
+
+
 def destination(*nodes: str) -> dict[str, Any]:
-    return {c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: ",".join(SIDECAR[n] for n in nodes)}}
+    return {c.ENVOY_DESTINATION_KEY: ",".join(SIDECAR[n] for n in nodes)}
 
 
 def assert_empty_headers_answer(answer: pb.ProcessingResponse) -> None:
@@ -211,7 +254,7 @@ async def test_body_answer_carries_headers_and_destination(gateway: GatewayStart
     assert body_answer.WhichOneof("response") == "request_body"
     common = body_answer.request_body.response
     assert not common.HasField("body_mutation")
-    headers = set_headers_of(common.header_mutation)
+    headers = set_headers_of(body_answer)
     assert list(common.header_mutation.remove_headers) == []
     assert headers[c.H_ROUTE] == case.route
     assert headers[c.H_DECODE_NODE] == case.nodes[0]
@@ -225,7 +268,48 @@ async def test_body_answer_carries_headers_and_destination(gateway: GatewayStart
         assert sum(int(x) for x in headers[c.H_CHUNK_SCHEDULE].split(",")) == case.prompt_tokens
         assert c.H_STEP_BUDGET_MS in headers
         assert gw.cluster.reservations == [(case.nodes[0], OWNER)]
-    assert metadata_of(body_answer) == destination(*case.nodes)
+    assert destination_of(body_answer) == destination(*case.nodes)
+
+
+@pytest.mark.parametrize("case", ROUTED_CASES)
+async def test_a_body_alone_is_routed_in_one_answer_from_its_attributes(
+    gateway: GatewayStarter, case: RoutedCase
+) -> None:
+    """Envoy's one-message route: no headers message, the head's facts as the body's attributes,
+    and the same answer as after a headers message."""
+    gw = await gateway(make_cluster(prefill_queue=case.prefill_queue))
+    (answer,) = await exchange(gw.stub, [one_message(completion_body(case.prompt_tokens))])
+
+    assert answer.WhichOneof("response") == "request_body"
+    headers = set_headers_of(answer)
+    assert list(answer.request_body.response.header_mutation.remove_headers) == []
+    assert headers[c.H_ROUTE] == case.route
+    assert headers[c.H_PROMPT_TOKENS] == str(case.prompt_tokens)
+    assert headers[c.H_REQUEST_ID] == "envoy-generated-id-1"
+    assert destination_of(answer) == destination(*case.nodes)
+
+
+async def test_a_body_alone_whose_head_leaves_no_room_is_a_431(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())
+    for count, size in ((91, 200), (20, 60 * 1024 - 8 * 1024 + 1)):
+        (answer,) = await exchange(gw.stub, [one_message(completion_body(100), header_count=count, header_bytes=size)])
+        assert answer.immediate_response.status.code == 431, (count, size)
+    (answer,) = await exchange(gw.stub, [one_message(completion_body(100), header_count=90, header_bytes=52 * 1024)])
+    assert answer.WhichOneof("response") == "request_body"
+
+
+async def test_a_body_without_its_attributes_is_a_500_not_a_guess(
+    gateway: GatewayStarter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An Envoy config of another version (no attributes, or some missing): never routed on an
+    empty path or method."""
+    gw = await gateway(make_cluster())
+    for attributes in ((), c.HEAD_ATTRIBUTES[:-1]):
+        (answer,) = await exchange(gw.stub, [one_message(completion_body(100), attributes=attributes)])
+        assert answer.immediate_response.status.code == 500
+        assert json.loads(answer.immediate_response.body)["error"]["code"] == "internal_error"
+    assert "without its head's attributes" in caplog.text
+    assert gw.cluster.recorded == []
 
 
 async def test_streamed_body_chunks_are_acknowledged_and_joined(gateway: GatewayStarter) -> None:
@@ -246,9 +330,9 @@ async def test_streamed_body_chunks_are_acknowledged_and_joined(gateway: Gateway
     for partial in answers[1:3]:
         assert partial.WhichOneof("response") == "request_body"
         assert partial.request_body == pb.BodyResponse()
-    headers = set_headers_of(answers[3].request_body.response.header_mutation)
+    headers = set_headers_of(answers[3])
     assert headers[c.H_PROMPT_TOKENS] == "4000"
-    assert metadata_of(answers[3]) == destination("d0", "d1")
+    assert destination_of(answers[3]) == destination("d0", "d1")
 
 
 async def test_client_kairos_headers_are_removed_on_the_wire(gateway: GatewayStarter) -> None:
@@ -260,7 +344,7 @@ async def test_client_kairos_headers_are_removed_on_the_wire(gateway: GatewaySta
 
     mutation = body_answer.request_body.response.header_mutation
     assert sorted(mutation.remove_headers) == ["x-kairos-chunk-schedule", "x-kairos-debug"]
-    assert set_headers_of(mutation)[c.H_ROUTE] == "keep"
+    assert set_headers_of(body_answer)[c.H_ROUTE] == "keep"
 
 
 async def test_headers_sent_in_the_legacy_value_field_are_read(gateway: GatewayStarter) -> None:
@@ -268,7 +352,7 @@ async def test_headers_sent_in_the_legacy_value_field_are_read(gateway: GatewayS
     _, body_answer = await exchange(
         gw.stub, [request_headers("POST", COMPLETIONS, legacy_value=True), request_body(completion_body(4000))]
     )
-    headers = set_headers_of(body_answer.request_body.response.header_mutation)
+    headers = set_headers_of(body_answer)
     assert headers[c.H_ROUTE] == "keep"
     assert headers[c.H_REQUEST_ID] == "envoy-generated-id-1"
 
@@ -282,8 +366,8 @@ async def test_a_get_is_answered_at_the_headers_message(gateway: GatewayStarter)
     assert answer.WhichOneof("response") == "request_headers"
     mutation = answer.request_headers.response.header_mutation
     assert list(mutation.remove_headers) == ["x-kairos-route"]
-    assert set_headers_of(mutation) == {}
-    assert metadata_of(answer) == destination("d0", "d1")
+    assert set_headers_of(answer) == {}
+    assert destination_of(answer) == destination("d0", "d1")
     assert gw.cluster.recorded == []
 
 
@@ -295,7 +379,7 @@ async def test_a_get_with_nothing_to_change_is_still_a_headers_answer(gateway: G
 
     assert answer.WhichOneof("response") == "request_headers"
     assert answer.request_headers.response.HasField("header_mutation")
-    assert metadata_of(answer) == destination("d0", "d1")
+    assert destination_of(answer) == destination("d0", "d1")
 
 
 async def test_a_5_mb_body_is_accepted(gateway: GatewayStarter) -> None:
@@ -307,9 +391,9 @@ async def test_a_5_mb_body_is_accepted(gateway: GatewayStarter) -> None:
     )
 
     assert body_answer.WhichOneof("response") == "request_body"
-    headers = set_headers_of(body_answer.request_body.response.header_mutation)
+    headers = set_headers_of(body_answer)
     assert headers[c.H_PROMPT_TOKENS] == "4000"
-    assert metadata_of(body_answer) == destination("d0", "d1")
+    assert destination_of(body_answer) == destination("d0", "d1")
 
 
 async def test_concurrent_streams_are_each_answered(gateway: GatewayStarter) -> None:
@@ -318,7 +402,7 @@ async def test_concurrent_streams_are_each_answered(gateway: GatewayStarter) -> 
     results = await asyncio.gather(
         *(exchange(gw.stub, [request_headers("POST", COMPLETIONS), request_body(completion_body(n))]) for n in prompts)
     )
-    counted = [set_headers_of(body.request_body.response.header_mutation)[c.H_PROMPT_TOKENS] for _, body in results]
+    counted = [set_headers_of(body)[c.H_PROMPT_TOKENS] for _, body in results]
     assert counted == [str(n) for n in prompts]
     assert sorted(d.prompt_tokens for d, _ in gw.cluster.recorded) == prompts
 
@@ -396,7 +480,7 @@ async def test_rejections_are_immediate_json_responses(gateway: GatewayStarter, 
     assert answer.WhichOneof("response") == "immediate_response"
     reply = answer.immediate_response
     assert reply.status.code == case.status
-    assert set_headers_of(reply.headers) == {"content-type": "application/json"}
+    assert reply_headers_of(reply.headers) == {"content-type": "application/json"}
     error = json.loads(reply.body)["error"]
     assert error["code"] == case.code
     assert set(error) == {"message", "type", "param", "code"}
@@ -422,9 +506,8 @@ async def test_the_no_op_server_routes_every_request_to_its_fixed_upstream() -> 
     assert_empty_headers_answer(posted[0])
     for answer, phase in ((posted[1], "request_body"), (got[0], "request_headers")):
         assert answer.WhichOneof("response") == phase
-        mutation = getattr(answer, phase).response.header_mutation
-        assert set_headers_of(mutation) == {c.H_ROUTE: NOOP_ROUTE}
-        assert metadata_of(answer) == {c.ENVOY_LB_NAMESPACE: {c.ENVOY_DESTINATION_KEY: "127.0.0.1:9"}}
+        assert set_headers_of(answer) == {c.H_ROUTE: NOOP_ROUTE}
+        assert destination_of(answer) == {c.ENVOY_DESTINATION_KEY: "127.0.0.1:9"}
 
 
 # ---------------------------------------------------------------------------------------------

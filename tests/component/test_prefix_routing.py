@@ -30,7 +30,7 @@ from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy
 from kairos.core.prefix_index import PrefixIndex
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Routed
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, RequestHead, Routed
 from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import DispatcherMetrics, PrefixIndexCollector
@@ -109,7 +109,7 @@ class Gateway:
 
     async def route(self, prompt: list[int] = PROMPT) -> dict[str, str]:
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8}).encode()
-        routed = await self.dispatcher.route("POST", "/v1/completions", {}, body)
+        routed = await self.dispatcher.route(RequestHead.of("POST", "/v1/completions", {}), body)
         assert isinstance(routed, Routed), routed
         return dict(routed.set_headers)
 

@@ -469,6 +469,65 @@ def test_a_head_with_no_room_for_the_routing_headers_is_a_431(
     still_serving(cluster)
 
 
+def _ext_proc_messages(cluster: LocalCluster) -> int:
+    """Messages Envoy has sent on ext_proc streams (its admin stats)."""
+    _, _, raw = http("GET", f"http://127.0.0.1:{cluster.envoy_admin_port}/stats?filter=ext_proc.stream_msgs_sent")
+    return sum(int(line.rsplit(": ", 1)[1]) for line in raw.decode().splitlines() if line.strip())
+
+
+def _head_status(cluster: LocalCluster, extra_headers: dict[str, str], chunked: bool) -> int:
+    """The status of a small completion with ``extra_headers``, its body sent with a
+    Content-Length (Envoy's one-message route) or chunked (the headers route)."""
+    extra = "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items())
+    if chunked:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n{extra}"
+        raw = (head + "Transfer-Encoding: chunked\r\n\r\n").encode()
+        raw += f"{len(COMPLETION):x}\r\n".encode() + COMPLETION + b"\r\n0\r\n\r\n"
+    else:
+        raw = _request("/v1/completions", COMPLETION, extra)
+    with _connect(_port(cluster.gateway_url)) as sock:
+        sock.sendall(raw)
+        status, _, _ = _read_response(sock, bytearray())
+    return status
+
+
+def test_a_plain_request_takes_one_ext_proc_message_and_others_two(cluster: LocalCluster) -> None:
+    """The one-message route: a completion with a Content-Length reaches the dispatcher as its
+    body alone; a chunked one, or one carrying a routing header, as its headers then its body."""
+    for extra, chunked, messages in (({}, False, 1), ({}, True, 2), ({c.H_ROUTE: "deflect"}, False, 2)):
+        before = _ext_proc_messages(cluster)
+        assert _head_status(cluster, extra, chunked) == 200
+        assert _ext_proc_messages(cluster) - before == messages, (extra, chunked)
+
+
+def test_both_routes_measure_a_head_alike(cluster: LocalCluster) -> None:
+    """Where the headers route (the dispatcher reads the header map) draws the line for the
+    routing headers' room, the one-message route (Envoy's attributes) draws it too: the header
+    count and the head's bytes."""
+    statuses = {
+        count: (_head_status(cluster, headers, False), _head_status(cluster, headers, True))
+        for count in range(80, 96)
+        for headers in [{f"x-client-{i:03d}": "v" for i in range(count)}]
+    }
+    assert all(a == b for a, b in statuses.values()), statuses
+    assert {a for a, _ in statuses.values()} == {200, 431}, statuses  # the line is inside the range
+
+    def passes(size: int) -> tuple[bool, bool]:
+        headers = {"x-client-big": "v" * size}
+        one, two = _head_status(cluster, headers, False), _head_status(cluster, headers, True)
+        assert {one, two} <= {200, 431}
+        return one == 200, two == 200
+
+    low, high = 40_000, 60 * 1024  # passes at low, not at high, on the headers route
+    assert passes(low) == (True, True) and passes(high) == (False, False)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if passes(mid)[1] else (low, mid)
+    assert passes(low) == (True, True)
+    assert passes(high) == (False, False)
+    still_serving(cluster)
+
+
 def _engine_requests(cluster: LocalCluster) -> dict[str, float]:
     """Requests each node's engine holds (running + waiting), from its vLLM metrics."""
     held: dict[str, float] = {}

@@ -278,3 +278,43 @@ def test_a_step_overruns_its_budget_only_over_the_tightest_budget_with_decodes_r
     # A node calibrated at 1.25 was planned to 0.056 for a tau of 0.070: 0.065 is within tau.
     assert not c.overran_step_budget(3, [0.056], 0.065, 1.25)
     assert c.overran_step_budget(3, [0.056], 0.071, 1.25)
+
+
+def test_routing_headers_name_every_header_the_dispatcher_sets_under_the_prefix() -> None:
+    """Envoy's one-message route is for requests with none of them (a client's would reach the
+    sidecar unremoved otherwise), and its routes add each from the answer's metadata: a new
+    x-kairos-* header must be listed."""
+    prefixed = {v for k, v in vars(c).items() if k.startswith("H_") and v.startswith(c.HEADER_PREFIX)}
+    assert set(c.ROUTING_HEADERS) == prefixed
+    assert len(c.ROUTING_HEADERS) == len(prefixed)
+
+
+def test_the_one_message_route_matches_what_the_dispatcher_reads(tmp_path: Any) -> None:
+    """The rendered route: an inference POST with a Content-Length up to the dispatcher's body
+    limit, no Content-Encoding and no routing header; ext_proc sends its body alone; the head's
+    attributes are the ones the server reads; every route adds the routing headers from metadata."""
+    import yaml
+
+    from kairos.common import defaults
+    from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+
+    config = yaml.safe_load(render_envoy_config(EnvoySettings(sidecars=("127.0.0.1:8201",))))
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    one, public, rest = manager["route_config"]["virtual_hosts"][0]["routes"]
+    matchers = {m["name"]: m for m in one["match"]["headers"]}
+    assert matchers[":method"]["string_match"] == {"exact": "POST"}
+    assert matchers["content-length"]["range_match"] == {"start": 1, "end": defaults.MAX_REQUEST_BODY_BYTES + 1}
+    for name in ("content-encoding", *c.ROUTING_HEADERS):
+        assert matchers[name] == {"name": name, "present_match": True, "invert_match": True}
+    mode = one["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]["processing_mode"]
+    assert (mode["request_header_mode"], mode["request_body_mode"]) == ("SKIP", "BUFFERED")
+    names = [f["name"] for f in manager["http_filters"]]
+    assert names == ["envoy.filters.http.ext_proc", "envoy.filters.http.buffer", "envoy.filters.http.router"]
+    assert manager["http_filters"][0]["typed_config"]["request_attributes"] == list(c.HEAD_ATTRIBUTES)
+    for route in (one, public):
+        added = {h["header"]["key"]: h["header"]["value"] for h in route["request_headers_to_add"]}
+        assert added == {
+            name: f"%DYNAMIC_METADATA({c.ROUTING_METADATA_NAMESPACE}:{name})%"
+            for name in (c.H_REQUEST_ID, *c.ROUTING_HEADERS)
+        }
+    assert "request_headers_to_add" not in rest  # the catch-all 404

@@ -40,7 +40,7 @@ from kairos.core.policies import NoPrefillPoolPolicy, Policy, make_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import NodeAddress
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, Routed
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, Rejected, RequestHead, Routed
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.reservations import REFUSED, Promise, Reservation
 from kairos.launcher.tinymodel import build_tiny_model
@@ -324,7 +324,7 @@ ROUTE_CASES = [
 async def test_route_outcome(harness: HarnessFactory, case: RouteCase) -> None:
     h = harness(make_cluster(**case.cluster))
     routed = await h.dispatcher.route(
-        "POST", COMPLETIONS, {"content-type": "application/json"}, completion_body(case.prompt_tokens)
+        RequestHead.of("POST", COMPLETIONS, {"content-type": "application/json"}), completion_body(case.prompt_tokens)
     )
 
     assert isinstance(routed, Routed), routed
@@ -427,7 +427,7 @@ async def test_the_fields_deciders_route_through_the_gateway(
     """The gateway runs the field's deciders as it runs Kairos: a deflection wins its decode
     node's reservation and carries its fixed-budget schedule, with no step budget."""
     h = harness(make_cluster(**case.cluster), make_policy(case.policy, models))
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
 
     assert isinstance(routed, Routed), routed
     headers = headers_of(routed)
@@ -451,7 +451,7 @@ async def test_chat_request_is_counted_with_the_template_and_routed(
     ]
     h = harness(make_cluster())
     body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 8}).encode()
-    routed = await h.dispatcher.route("POST", CHAT + "?trace=1", {}, body)
+    routed = await h.dispatcher.route(RequestHead.of("POST", CHAT + "?trace=1", {}), body)
 
     assert isinstance(routed, Routed)
     expected = tokenizer.count_chat_prompt(messages, True)
@@ -461,8 +461,8 @@ async def test_chat_request_is_counted_with_the_template_and_routed(
 
 async def test_the_first_deflection_fills_d0_so_the_next_one_goes_to_d1(harness: HarnessFactory) -> None:
     h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
-    first = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
-    second = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(900))
+    first = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
+    second = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(900))
 
     assert isinstance(first, Routed) and isinstance(second, Routed)
     assert first.decision is not None and second.decision is not None
@@ -478,11 +478,13 @@ async def test_each_decision_is_logged_at_debug_and_only_then(
     none at INFO (the line's arguments are not even formatted then)."""
     h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
     with caplog.at_level("INFO", logger="kairos.extproc.dispatcher"):
-        await h.dispatcher.route("POST", COMPLETIONS, {c.H_REQUEST_ID: "quiet"}, completion_body(1000))
+        await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {c.H_REQUEST_ID: "quiet"}), completion_body(1000))
     assert not [r for r in caplog.records if "quiet" in r.getMessage()]
 
     with caplog.at_level("DEBUG", logger="kairos.extproc.dispatcher"):
-        routed = await h.dispatcher.route("POST", COMPLETIONS, {c.H_REQUEST_ID: "told"}, completion_body(900))
+        routed = await h.dispatcher.route(
+            RequestHead.of("POST", COMPLETIONS, {c.H_REQUEST_ID: "told"}), completion_body(900)
+        )
     assert isinstance(routed, Routed) and routed.decision is not None
     (line,) = [r.getMessage() for r in caplog.records if "told" in r.getMessage()]
     chunks = c.encode_chunk_schedule(routed.decision.chunk_sizes)
@@ -495,7 +497,7 @@ async def test_each_decision_is_logged_at_debug_and_only_then(
 async def test_a_keep_joins_the_chosen_prefill_queue_in_the_view(harness: HarnessFactory) -> None:
     h = harness(make_cluster())
     assert queue_load(h.cluster.view().prefill[0]) == (0, 0, 0)
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(4000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(4000))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     assert routed.decision.route is Route.KEEP and routed.decision.prefill_node == "p0"
@@ -507,7 +509,7 @@ async def test_a_keep_joins_the_chosen_prefill_queue_in_the_view(harness: Harnes
 
 async def test_a_deflection_joins_the_decode_node_backlog_in_the_view(harness: HarnessFactory) -> None:
     h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     assert routed.decision.route is Route.DEFLECT
@@ -564,7 +566,7 @@ SPOOF_CASES = [
 async def test_client_kairos_headers_are_overwritten_or_removed(harness: HarnessFactory, case: SpoofCase) -> None:
     h = harness(make_cluster(prefill_queue=case.prefill_queue))
     tokens = 4000 if not case.prefill_queue else 1000
-    routed = await h.dispatcher.route("POST", COMPLETIONS, case.client_headers, completion_body(tokens))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, case.client_headers), completion_body(tokens))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     headers = headers_of(routed)
@@ -583,7 +585,9 @@ async def test_client_kairos_headers_are_overwritten_or_removed(harness: Harness
 
 async def test_pass_through_removes_every_client_kairos_header(harness: HarnessFactory) -> None:
     h = harness(make_cluster())
-    routed = await h.dispatcher.route("GET", "/v1/models", {"x-kairos-route": "keep", "accept": "*/*"}, None)
+    routed = await h.dispatcher.route(
+        RequestHead.of("GET", "/v1/models", {"x-kairos-route": "keep", "accept": "*/*"}), None
+    )
     assert isinstance(routed, Routed)
     assert routed.remove_headers == ("x-kairos-route",)
     assert routed.set_headers == ()
@@ -768,7 +772,7 @@ REJECT_CASES = [
 @pytest.mark.parametrize("case", REJECT_CASES)
 async def test_bad_input_is_rejected(harness: HarnessFactory, case: RejectCase) -> None:
     h = harness(make_cluster())
-    rejected = await h.dispatcher.route(case.method, case.path, case.headers, case.body)
+    rejected = await h.dispatcher.route(RequestHead.of(case.method, case.path, case.headers), case.body)
 
     assert isinstance(rejected, Rejected), rejected
     assert (rejected.status, rejected.code) == (case.status, case.code)
@@ -783,8 +787,8 @@ async def test_bad_input_is_rejected(harness: HarnessFactory, case: RejectCase) 
 async def test_rejections_are_counted_per_code(harness: HarnessFactory) -> None:
     h = harness(make_cluster())
     for body in (b"nope", b"[]", b'{"prompt": ""}'):
-        assert isinstance(await h.dispatcher.route("POST", COMPLETIONS, {}, body), Rejected)
-    assert isinstance(await h.dispatcher.route("POST", "/v1/nothing", {}, b"{}"), Rejected)
+        assert isinstance(await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), body), Rejected)
+    assert isinstance(await h.dispatcher.route(RequestHead.of("POST", "/v1/nothing", {}), b"{}"), Rejected)
     assert h.sample("kairos_dispatcher_rejections_total", code="invalid_request") == 3
     assert h.sample("kairos_dispatcher_rejections_total", code="not_found") == 1
 
@@ -801,7 +805,7 @@ async def test_rejections_are_counted_per_code(harness: HarnessFactory) -> None:
 )
 async def test_no_decode_node_is_503(harness: HarnessFactory, method: str, path: str, body: bytes | None) -> None:
     h = harness(make_cluster(decode=False))
-    rejected = await h.dispatcher.route(method, path, {}, body)
+    rejected = await h.dispatcher.route(RequestHead.of(method, path, {}), body)
 
     assert isinstance(rejected, Rejected), rejected
     assert (rejected.status, rejected.code) == (503, "no_healthy_node")
@@ -828,7 +832,7 @@ async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
         make_policy(policy, models),
         no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
     )
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(3000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(3000))
 
     assert isinstance(routed, Routed), routed
     headers = dict(routed.set_headers)
@@ -872,7 +876,7 @@ async def test_a_redis_outage_is_not_mistaken_for_a_dead_prefill_pool(
         make_policy("kairos", models),
         no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig(stale_after_s=0.3)),
     )
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(3000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(3000))
 
     assert isinstance(routed, Routed), routed
     headers = dict(routed.set_headers)
@@ -880,7 +884,9 @@ async def test_a_redis_outage_is_not_mistaken_for_a_dead_prefill_pool(
 
 
 async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: HarnessFactory) -> None:
-    rejected = await harness(make_cluster(prefill=False)).dispatcher.route("POST", COMPLETIONS, {}, completion_body(50))
+    rejected = await harness(make_cluster(prefill=False)).dispatcher.route(
+        RequestHead.of("POST", COMPLETIONS, {}), completion_body(50)
+    )
     assert isinstance(rejected, Rejected) and rejected.status == 503
     assert "no prefill node" in error_of(rejected)["message"]
 
@@ -899,8 +905,8 @@ async def test_pass_through_goes_to_decode_sidecars_round_robin(
     harness: HarnessFactory, method: str, path: str
 ) -> None:
     h = harness(make_cluster())
-    first = await h.dispatcher.route(method, path, {}, None)
-    second = await h.dispatcher.route(method, path, {}, None)
+    first = await h.dispatcher.route(RequestHead.of(method, path, {}), None)
+    second = await h.dispatcher.route(RequestHead.of(method, path, {}), None)
 
     assert isinstance(first, Routed) and isinstance(second, Routed)
     assert first.decision is None and second.decision is None
@@ -914,7 +920,7 @@ async def test_pass_through_goes_to_decode_sidecars_round_robin(
 async def test_a_bug_in_the_policy_is_a_generic_500(harness: HarnessFactory, caplog: pytest.LogCaptureFixture) -> None:
     h = harness(make_cluster(), policy=ExplodingPolicy())
     with caplog.at_level("ERROR", logger="kairos.extproc.dispatcher"):
-        rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(100))
+        rejected = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(100))
 
     assert isinstance(rejected, Rejected), rejected
     assert (rejected.status, rejected.code) == (500, "internal_error")
@@ -981,7 +987,7 @@ async def test_where_a_body_is_parsed(
         body = body.replace(b"caf\\u00e9", "caf\u00e9    ".encode())  # the same 9 bytes, raw UTF-8
     assert len(body) == case.size and body.isascii() is (case.text != "utf8")
     loop_thread = threading.get_ident()
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, body)
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), body)
 
     assert isinstance(routed, Routed), routed
     assert routed.decision is not None and routed.decision.prompt_tokens == 50
@@ -1007,9 +1013,9 @@ async def test_the_loop_keeps_serving_while_a_long_body_is_parsed(
     monkeypatch.setattr(dispatcher_module, "parse_request", slow_for_long_bodies)
     h = harness(make_cluster())
     long_body = completion_body(50, size=300_000)  # over count_inline_bytes: parsed in the pool
-    long_task = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, long_body))
+    long_task = asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), long_body))
     await eventually(started.is_set, what="the long body's parse running in the pool")
-    small = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(60))
+    small = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(60))
     assert not long_task.done()
     release.set()
     long = await asyncio.wait_for(long_task, 30)
@@ -1034,7 +1040,7 @@ async def test_a_parse_that_outlasts_its_budget_is_a_413_before_envoys_timeout(
     monkeypatch.setattr(dispatcher_module, "parse_request", stuck)
     h = harness(make_cluster(), settings=DispatchSettings(parse_timeout_s=0.2))
     try:
-        rejected = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(50, size=300_000))
+        rejected = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(50, size=300_000))
     finally:
         release.set()
     assert isinstance(rejected, Rejected), rejected
@@ -1050,7 +1056,7 @@ async def test_a_node_with_another_dispatchers_deflection_takes_one_more_behind_
     cluster.tracker.remove("d1")
     del cluster.nodes["d1"]
     h = harness(cluster, settings=DispatchSettings(dispatcher_id=OWNER))
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     assert (routed.decision.route, routed.decision.decode_node) == (Route.DEFLECT, "d0")
@@ -1082,7 +1088,7 @@ async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(har
     base = make_cluster(prefill_queue=LOADED_QUEUE, refuse=("d0", "d1"))
     cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes, refuse=base.refuse)
     h = harness(cluster)
-    in_flight = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    in_flight = asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
     await asyncio.wait_for(cluster.waiting.wait(), 5)  # deflecting to d0, waiting for its reservation
     swapped = Policies(ExplodingPolicy(), ExplodingPolicy())
     h.dispatcher.policies = swapped  # a reload: one assignment
@@ -1095,7 +1101,7 @@ async def test_a_decision_in_flight_finishes_on_the_policies_it_started_with(har
     assert (routed.decision.route, routed.decision.reason) == (Route.KEEP, Reason.KEEP_POLICY)
     assert cluster.reservations == [("d0", OWNER), ("d1", OWNER)]
     # The next request reads the new policies.
-    after = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    after = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
     assert isinstance(after, Rejected) and after.status == 500
 
 
@@ -1108,10 +1114,10 @@ async def test_a_deflection_whose_promise_is_in_flight_is_in_the_view_of_concurr
     base = make_cluster(prefill_queue=LOADED_QUEUE)
     cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
     h = harness(cluster, settings=DispatchSettings(dispatcher_id=OWNER))
-    first = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    first = asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
     await asyncio.wait_for(cluster.waiting.wait(), 5)
-    second = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
-    third = asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000)))
+    second = asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
+    third = asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
     while cluster.entered < 3:  # each task reaches the gate within a few loop turns
         await asyncio.sleep(0)
     cluster.gate.set()
@@ -1124,12 +1130,12 @@ async def test_a_deflection_whose_promise_is_in_flight_is_in_the_view_of_concurr
 
 async def test_the_next_decision_uses_the_swapped_in_models(harness: HarnessFactory, models: LatencyModels) -> None:
     h = harness(make_cluster(prefill_queue=LOADED_QUEUE))
-    first = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    first = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
     assert isinstance(first, Routed) and first.decision is not None and first.decision.route is Route.DEFLECT
     # A profile whose decode steps cost 10 s each: no chunk schedule can meet the TBT SLO.
     slow = dataclasses.replace(models, decode=dataclasses.replace(models.decode, intercept=10.0))
     h.dispatcher.policies = Policies(make_policy("kairos", slow), make_policy("pd", slow))
-    second = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    second = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
     assert isinstance(second, Routed) and second.decision is not None
     assert second.decision.route is Route.KEEP
 
@@ -1140,7 +1146,7 @@ async def test_the_next_decision_uses_the_swapped_in_models(harness: HarnessFact
 async def test_one_reservation_attempt_keeps_after_the_first_conflict(harness: HarnessFactory) -> None:
     settings = DispatchSettings(reservation_attempts=1, dispatcher_id=OWNER)
     h = harness(make_cluster(prefill_queue=LOADED_QUEUE, refuse=("d0",)), settings=settings)
-    routed = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
 
     assert isinstance(routed, Routed) and routed.decision is not None
     assert (routed.decision.route, routed.decision.reason) == (Route.KEEP, Reason.KEEP_POLICY)
@@ -1152,15 +1158,15 @@ async def test_an_empty_dispatcher_id_gets_a_unique_owner(harness: HarnessFactor
     a = harness(make_cluster(prefill_queue=LOADED_QUEUE), settings=DispatchSettings())
     b = harness(make_cluster(prefill_queue=LOADED_QUEUE), settings=DispatchSettings())
     assert a.dispatcher.owner.startswith("dispatcher-") and a.dispatcher.owner != b.dispatcher.owner
-    await a.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))
+    await a.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
     assert a.cluster.reservations == [("d0", a.dispatcher.owner)]
 
 
 async def test_custom_limits_apply(harness: HarnessFactory) -> None:
     limits = RequestLimits(max_body_bytes=1024, max_model_len=2048, default_max_tokens=16)
     h = harness(make_cluster(), settings=DispatchSettings(limits=limits, dispatcher_id=OWNER))
-    too_big = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(10, size=1025))
-    too_long = await h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(300, max_tokens=2000))
+    too_big = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(10, size=1025))
+    too_long = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(300, max_tokens=2000))
 
     assert isinstance(too_big, Rejected) and too_big.status == 413
     assert isinstance(too_long, Rejected) and too_long.status == 400
@@ -1183,8 +1189,8 @@ async def test_a_bodiless_inference_request_needs_room_for_the_routing_headers_t
     it is routed with headers of the dispatcher's (a relayed GET gets none, so Envoy's limit is
     its only one)."""
     h = harness(make_cluster(), settings=DispatchSettings(dispatcher_id=OWNER))
-    refused = await h.dispatcher.route("POST", COMPLETIONS, _head(91), None)
-    relayed = await h.dispatcher.route("GET", "/v1/models", _head(99), None)
+    refused = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, _head(91)), None)
+    relayed = await h.dispatcher.route(RequestHead.of("GET", "/v1/models", _head(99)), None)
 
     assert isinstance(refused, Rejected) and (refused.status, refused.code) == (431, "request_headers_too_large")
     assert "at most 90 headers and 53248 bytes" in error_of(refused)["message"]
@@ -1214,7 +1220,7 @@ def test_the_headers_alone_refuse_what_no_body_can_mend(
 ) -> None:
     limits = RequestLimits(max_body_bytes=1024)
     h = harness(make_cluster(), settings=DispatchSettings(limits=limits, dispatcher_id=OWNER))
-    refused = h.dispatcher.check_headers(method, path, headers)
+    refused = h.dispatcher.check_headers(RequestHead.of(method, path, headers))
 
     if status is None:
         assert refused is None
@@ -1234,7 +1240,10 @@ async def test_under_the_papers_limit_concurrent_requests_never_deflect_twice_on
     base = make_cluster(prefill_queue=LOADED_QUEUE)
     cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
     h = harness(cluster, policy=make_policy("kairos:pending=1", models), settings=DispatchSettings(dispatcher_id=OWNER))
-    tasks = [asyncio.create_task(h.dispatcher.route("POST", COMPLETIONS, {}, completion_body(1000))) for _ in range(3)]
+    tasks = [
+        asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
+        for _ in range(3)
+    ]
     while cluster.entered < 2:  # two promises in flight, the third request decided without one
         await asyncio.sleep(0)
     cluster.gate.set()

@@ -25,7 +25,7 @@ from kairos.common.kv_events import BlockStored
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import make_policy
 from kairos.core.prefix_index import PrefixIndex
-from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, PrefixSource, Routed
+from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, PrefixSource, RequestHead, Routed
 from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.launcher.tinymodel import build_tiny_model
@@ -95,7 +95,7 @@ def build(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Build]:
 
 
 async def route(dispatcher: Dispatcher, prompt: Sequence[int] = PROMPT) -> dict[str, str]:
-    routed = await dispatcher.route("POST", "/v1/completions", {}, body(prompt))
+    routed = await dispatcher.route(RequestHead.of("POST", "/v1/completions", {}), body(prompt))
     assert isinstance(routed, Routed), routed
     return dict(routed.set_headers)
 
@@ -164,7 +164,7 @@ async def test_the_keep_path_picks_the_prefill_and_decode_nodes_holding_the_prom
     store(consumer.index, "p1", PROMPT[:4000])
     store(consumer.index, "d1", PROMPT)
     dispatcher, cluster, metrics = build(consumer, "pd")
-    routed = await dispatcher.route("POST", "/v1/completions", {}, body())
+    routed = await dispatcher.route(RequestHead.of("POST", "/v1/completions", {}), body())
     assert isinstance(routed, Routed)
     headers = dict(routed.set_headers)
     assert (headers[c.H_ROUTE], headers[c.H_DECODE_NODE], headers[c.H_PREFILL_HOST]) == (
