@@ -27,7 +27,9 @@ dependency). Paths, each a sequential keep-alive client sending non-streaming co
   nodes' own P/D cost, with no router;
 - ``envoy``: Envoy alone in front of the decode node;
 - ``envoy_noop_extproc``: the Kairos Envoy config + the no-op ext_proc, to the decode node: the
-  floor of Envoy's ext_proc filter and its round trips;
+  floor of Envoy's ext_proc filter and its round trips (the one-message route: the body alone);
+- ``envoy_noop_two_messages``: the same, each request carrying a routing header (which the no-op
+  ignores), so Envoy takes its headers route: headers, then body, two messages each way;
 - ``sidecar_pd`` / ``sidecar_deflect``: the decode node's sidecar called straight, with the
   routing headers the dispatcher would set (keep + prefill host; deflect + chunk schedule; both
   with a TTFT prediction, so the sidecar sends its TTFT feedback as behind the dispatcher);
@@ -42,6 +44,7 @@ Kairos's added time, by differences of p50 (and of p99) between paths of the sam
 
     envoy                   envoy - direct
     ext_proc round trips    envoy_noop_extproc - envoy
+      (on the headers route: envoy_noop_two_messages - envoy)
     gateway on longer path  (noop_gateway_pd - sidecar_pd) - (envoy_noop_extproc - direct)
     parse, ids, lookup,     kairos_pd - noop_gateway_pd
       decide
@@ -117,6 +120,7 @@ PATHS = (
     "client_pd",
     "envoy",
     "envoy_noop_extproc",
+    "envoy_noop_two_messages",
     "direct_deflect",
     "sidecar_pd",
     "sidecar_deflect",
@@ -375,6 +379,9 @@ async def open_paths(
         "client_pd": lambda: client_pd_path(targets["prefill"], targets["direct"], body),
         "envoy": lambda: plain_path("envoy", targets["envoy"], body),
         "envoy_noop_extproc": lambda: plain_path("envoy_noop_extproc", targets["envoy_noop_extproc"], body),
+        "envoy_noop_two_messages": lambda: plain_path(
+            "envoy_noop_two_messages", targets["envoy_noop_extproc"], body, ((c.H_REASON, "headers-route"),)
+        ),
         "direct_deflect": lambda: plain_path(
             "direct_deflect", targets["direct_deflect"], with_field(body, c.VLLM_XARGS, c.schedule_xargs(sizes))
         ),
@@ -563,6 +570,7 @@ def breakdown(stats: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[st
         "pd": {
             "envoy": d("envoy", "direct"),
             "ext_proc_round_trips": d("envoy_noop_extproc", "envoy"),
+            "ext_proc_two_messages": d("envoy_noop_two_messages", "envoy"),
             # The same Envoy + no-op in front of the sidecar's two hops, over that floor: what the
             # longer path behind the gateway costs it on this machine's shared cores.
             "gateway_on_longer_path": minus(d("noop_gateway_pd", "sidecar_pd"), noop_floor),
@@ -725,11 +733,11 @@ def print_latency(label: str, row: dict[str, Any]) -> None:
         f"\n{label} body ({row['body_bytes']} bytes, {row['prompt_tokens']} prompt tokens), "
         f"{row['requests_per_path']} sequential requests per path"
     )
-    print(f"  {'path':<20} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
+    print(f"  {'path':<24} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
     for p, s in row["paths"].items():
         a = row["added_over_direct"].get(p, {"p50_ms": 0.0, "p99_ms": 0.0})
         off = f"  ({s['off_route']} off route)" if s["off_route"] else ""
-        print(f"  {p:<20} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {a['p50_ms']:>+10.2f} {a['p99_ms']:>+10.2f}{off}")
+        print(f"  {p:<24} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {a['p50_ms']:>+10.2f} {a['p99_ms']:>+10.2f}{off}")
     for route, parts in row["breakdown"].items():
         print(f"  breakdown {route} (p50 / p99 ms):")
         for part, v in parts.items():
