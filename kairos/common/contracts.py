@@ -82,7 +82,10 @@ PUBLIC_ENDPOINTS: Mapping[str, tuple[str, ...]] = {
 # ---------------------------------------------------------------------------------------------
 # HTTP headers the dispatcher sets on a request it routes (read by the decode-node sidecar)
 # ---------------------------------------------------------------------------------------------
-HEADER_PREFIX = "x-kairos-"  # every client-sent header with this prefix is removed at the edge
+# A client's routing header (ROUTING_HEADERS, below) never reaches a sidecar: a request carrying
+# one takes the gateway's headers route, where the dispatcher removes every header with this
+# prefix that it does not set itself.
+HEADER_PREFIX = "x-kairos-"
 H_REQUEST_ID = "x-request-id"  # one id for the whole request, on both sidecar hops
 H_ROUTE = "x-kairos-route"  # "keep" or "deflect"
 H_REASON = "x-kairos-reason"  # the Decision's reason (kairos.core.decision.Reason value)
