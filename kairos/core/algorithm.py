@@ -11,7 +11,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -470,29 +470,29 @@ BOUNDED_SEARCH_MIN_NODES = 4
 PathRun = tuple[int, int, int | None, float, float, float, int]
 
 
-def _greedy_path(table: StepTable, step_budget_s: float, start_s: float) -> tuple[tuple[PathRun, ...], float]:
+def _greedy_path(table: StepTable, step_budget_s: float, start_s: float) -> Generator[PathRun, None, float]:
     """The greedy's runs (``_greedy_steps``') on one (B, K) while more than the largest chunk
-    remains, and the time at their end. There every candidate is smaller than what remains, so
-    the choice at each step depends on the cached tokens only, never on the prompt: every
-    prompt's schedule takes exactly these steps, with the same floats (the same tests and sums
-    from the same ``start_s``), until its last ``largest`` tokens. Ends where no candidate is
-    safe any more (there the schedule of a longer prompt is infeasible). Needs a monotone
-    profile (``mixed_monotone``: the candidate index only grows)."""
+    remains, one at a time, returning the time at their end. There every candidate is smaller
+    than what remains, so the choice at each step depends on the cached tokens only, never on
+    the prompt: every prompt's schedule takes exactly these steps, with the same floats (the
+    same tests and sums from the same ``start_s``), until its last ``largest`` tokens. Ends where
+    no candidate is safe any more (there the schedule of a longer prompt is infeasible). Needs a
+    monotone profile (``mixed_monotone``: the candidate index only grows). A generator: a
+    decision reads the path only as far as its prompt's tail (``_NodeFacts.extend``)."""
     full, base, slope = table[6:]
-    runs: list[PathRun] = []
     cached, t, idx = 0, start_s, 0
     while True:
         while idx < len(full) and full[idx] > 0 and base[idx] + slope[idx] * cached > step_budget_s:
             idx += 1
         if idx == len(full) or full[idx] <= 0:
-            return tuple(runs), t
+            return t
         p = full[idx]
         first = base[idx] + slope[idx] * cached
         inc = slope[idx] * p
         n = _safe_steps(first, inc, step_budget_s) if inc > 0 else None
-        runs.append((cached, p, n, first, inc, t, idx))
+        yield cached, p, n, first, inc, t, idx
         if n is None:
-            return tuple(runs), t
+            return t
         t += n * first + inc * n * (n - 1) / 2
         cached += p * n
 
@@ -503,6 +503,7 @@ class _NodeFacts:
     replaces the state, is what recomputes it, not every decision."""
 
     __slots__ = (
+        "_rest",
         "b",
         "bound_step_s",
         "budget_s",
@@ -519,7 +520,7 @@ class _NodeFacts:
     wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
     b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
     table: StepTable  # Eq. 4 for the request's own steps
-    end_s: float  # time at the end of the path
+    end_s: float  # time at the end of the path (once ``_rest`` is None: the whole path is read)
     bound_step_s: float  # the longest step ttft_lower_bound_s lets a schedule's last step take
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
@@ -527,12 +528,14 @@ class _NodeFacts:
         self.load_s = decode_load_s(models, node)
         self.budget_s = node_step_budget_s(config, node)  # Eq. 5's line on this node
         self.overload_s = node_overload_s(config, node)
-        self.runs: tuple[PathRun, ...] | None = None  # the rest is built on the first bound asked for
-        self.ends: tuple[float, ...] = ()  # cached tokens at each run's end (inf: unbounded)
+        self.runs: list[PathRun] | None = None  # the rest is built on the first bound asked for
+        self.ends: list[float] = []  # cached tokens at each run's end (inf: unbounded)
+        self._rest: Generator[PathRun, None, float] | None = None  # the path's runs not read yet
 
     def build_path(self, node: DecodeNodeState) -> None:
         """The time to run the node's backlog, then, for the request's own steps beside it:
-        Eq. 4's coefficients, the largest chunk's prefill tokens and the greedy's path."""
+        Eq. 4's coefficients, the largest chunk's prefill tokens and the start of the greedy's
+        path (its runs are read as far as a prompt needs them: ``extend``)."""
         models, config, budget = self.models, self.config, self.budget_s
         b, k, t = node.decode_tokens, node.kv_tokens, 0.0
         for backlog in node.prefill_backlog_tokens:
@@ -541,10 +544,24 @@ class _NodeFacts:
             b, k = b + 1, k + backlog
         self.wait_s, self.b = t, b
         self.table = _step_table(models, b, k, config.chunk_candidates)
-        runs, self.end_s = _greedy_path(self.table, budget, t)
-        self.ends = tuple(math.inf if n is None else c0 + p * n for c0, p, n, *_ in runs)
+        self._rest = _greedy_path(self.table, budget, t)
         self.bound_step_s = budget * (1 + _BOUND_SLACK)
-        self.runs = runs  # last: a set ``runs`` says the rest is there
+        self.runs = []  # last: a set ``runs`` says the rest is there
+
+    def extend(self, target: int) -> None:
+        """Read the path's runs until one ends at ``target`` cached tokens or later (at least
+        one run), or the path ends (then ``end_s`` is its end)."""
+        runs, ends, rest = self.runs, self.ends, self._rest
+        assert runs is not None
+        while rest is not None and (not ends or ends[-1] < target):
+            try:
+                run = next(rest)
+            except StopIteration as end:
+                self.end_s, self._rest = end.value, None
+                return
+            c0, p, n = run[:3]
+            runs.append(run)
+            ends.append(math.inf if n is None else c0 + p * n)
 
 
 def _facts(models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> _NodeFacts:
@@ -567,10 +584,12 @@ def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) ->
     if runs is None:
         facts.build_path(node)
         runs = facts.runs
+        assert runs is not None
     full = facts.table[6]
     if full[0] <= 0:  # no chunk carries a prefill token beside B decodes
         return None
     target = prompt_tokens - full[0]
+    facts.extend(target)  # the run the tail starts in, and the first one (the bound's chunk)
     if target <= 0:
         return 0, facts.wait_s, 0, 0
     r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
@@ -596,7 +615,7 @@ def _plan_on_path(
         return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s, cached_tokens)
     facts = _facts(models, config, node)
     tail = _tail_start(facts, node, prompt_tokens)
-    if tail is None:  # the greedy follows the whole path, then finds no safe candidate
+    if tail is None:  # the greedy follows the whole path (read to its end), then finds no safe candidate
         return _TOO_SLOW if facts.runs and facts.end_s > give_up_after_s else _INFEASIBLE
     cached, t, r, j = tail
     runs: list[Run] = []
