@@ -589,7 +589,9 @@ def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) ->
     if full[0] <= 0:  # no chunk carries a prefill token beside B decodes
         return None
     target = prompt_tokens - full[0]
-    facts.extend(target)  # the run the tail starts in, and the first one (the bound's chunk)
+    ends = facts.ends
+    if facts._rest is not None and (not ends or ends[-1] < target):
+        facts.extend(target)  # the run the tail starts in, and the first one (the bound's chunk)
     if target <= 0:
         return 0, facts.wait_s, 0, 0
     r = bisect.bisect_left(facts.ends, target)  # the run in which the schedule reaches its tail
