@@ -77,6 +77,11 @@ class DeciderConfig:
     # A running decode's mean remaining output tokens (memoryless): how fast a decode node frees
     # KV, for the keep path's admission wait when the node's KV cannot take the prompt now.
     mean_output_tokens: float = defaults.MEAN_OUTPUT_TOKENS
+    # Plan a deflection beside the decodes whose KV the node is pulling (pending_kv_pull_tokens:
+    # prefilled keeps, each joins its batch once pulled, within the link's time): the node's step
+    # guard shrinks each chunk to the batch it has then, so a plan on the heartbeat's B alone
+    # promised a first token they delayed. False plans on B alone (the paper).
+    plan_with_pulls: bool = True
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
@@ -427,6 +432,15 @@ def _greedy_steps(
     return runs, t
 
 
+def planning_batch(config: DeciderConfig, node: DecodeNodeState) -> tuple[int, int]:
+    """The decodes and KV tokens a deflection on ``node`` is planned beside, before its backlog:
+    the heartbeat's, with the KV pulls it reports joined (``DeciderConfig.plan_with_pulls``)."""
+    pulls = node.pending_kv_pull_tokens
+    if config.plan_with_pulls and pulls:
+        return node.decode_tokens + len(pulls), node.kv_tokens + sum(pulls)
+    return node.decode_tokens, node.kv_tokens
+
+
 def plan_on_decode_node(
     models: LatencyModels,
     config: DeciderConfig,
@@ -438,7 +452,7 @@ def plan_on_decode_node(
     """Schedule the request on one decode node, behind any deflected prefills already there
     (possible only when the pending-deflection limit is lifted), over the prompt's tokens the
     node does not have cached."""
-    b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+    (b, k), t = planning_batch(config, node), 0.0
     cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
     for backlog in node.prefill_backlog_tokens:
         done = greedy_schedule(models, backlog, b, k, cands, budget, give_up_after_s, t)
@@ -537,7 +551,7 @@ class _NodeFacts:
         Eq. 4's coefficients, the largest chunk's prefill tokens and the start of the greedy's
         path (its runs are read as far as a prompt needs them: ``extend``)."""
         models, config, budget = self.models, self.config, self.budget_s
-        b, k, t = node.decode_tokens, node.kv_tokens, 0.0
+        (b, k), t = planning_batch(config, node), 0.0
         for backlog in node.prefill_backlog_tokens:
             done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, budget, math.inf, t)
             t = math.inf if isinstance(done, str) else done[1]
@@ -966,7 +980,7 @@ def _memo_plan(
     """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state (and
     cached prefix) in a search. Bounds only tighten during a search, and a schedule too slow for
     a looser bound is too slow for a tighter one."""
-    key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration, cached_tokens)
+    key = (*planning_batch(config, node), node.prefill_backlog_tokens, node.step_calibration, cached_tokens)
     plan = memo.get(key)
     if plan is None:
         plan = memo[key] = planner(models, config, node, prompt_tokens, give_up, cached_tokens)

@@ -208,6 +208,7 @@ class KairosPolicy:
         overload = "" if self.config.decode_overload_guard else ",overload=off"
         error = f",error={self.config.model_error:g}" if self.config.model_error else ""
         calibrate = "" if self.config.calibrate else ",calibrate=off"
+        pulls = "" if self.config.plan_with_pulls else ",pulls=off"
         keep = "" if self.config.keep_estimate == defaults.KEEP_ESTIMATE else f",keep={self.config.keep_estimate}"
         limit = self.config.max_pending_deflections
         pending = "" if limit == defaults.MAX_PENDING_DEFLECTIONS or self.fresh_state else f",pending={limit or 'none'}"
@@ -218,7 +219,7 @@ class KairosPolicy:
         prefix = "" if self.prefix_aware else ",prefix=off"
         cands = self.config.chunk_candidates
         chunks = "" if cands == defaults.CHUNK_CANDIDATES else f",chunks={format_chunks(cands)}"
-        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{keep}{prefix}{chunks}"
+        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{pulls}{keep}{prefix}{chunks}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
@@ -474,6 +475,7 @@ _DECIDER_PARAMS = (
     "keep",
     "prefix",
     "chunks",
+    "pulls",
 )
 _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": ("prefix",),
@@ -597,7 +599,12 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
         "beta": number("beta", cfg.beta),
         "model_error": number("error", cfg.model_error),
     }
-    for key, field in (("guard", "node_step_guard"), ("overload", "decode_overload_guard"), ("calibrate", "calibrate")):
+    for key, field in (
+        ("guard", "node_step_guard"),
+        ("overload", "decode_overload_guard"),
+        ("calibrate", "calibrate"),
+        ("pulls", "plan_with_pulls"),
+    ):
         if key in params:
             if params[key].lower() not in ("on", "off"):
                 raise UnknownPolicyError(f"policy {name!r}: {key}={params[key]!r} must be 'on' or 'off'")

@@ -355,6 +355,23 @@ def test_greedy_start_time_and_give_up() -> None:
     assert not isinstance(greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.38), str)
 
 
+def test_a_deflection_is_planned_beside_the_decodes_whose_kv_the_node_pulls() -> None:
+    """Each reported pull joins the node's batch once its KV is in (within the link's time):
+    the plan runs beside them, as on a node with those decodes already in; pulls=off plans on
+    the heartbeat's B alone (the paper). Flat models, tau = 0.105: a 1000-token prompt on B=10
+    takes 0.250 s, on B=20 (ten pulls of 100 tokens) 0.280 s."""
+    config = DeciderConfig(chunk_candidates=(420, 220, 120), tbt_slo_s=0.105, decode_overload_guard=False)
+    models = flat_models()
+    pulling = dataclasses.replace(decode_node(b=10, k=1000), pending_kv_pull_tokens=(100,) * 10)
+    joined = decode_node(b=20, k=2000)
+    plan = alg.plan_on_decode_node(models, config, pulling, 1000, math.inf)
+    assert not isinstance(plan, str) and plan.decode_tokens == 20
+    assert plan == alg.plan_on_decode_node(models, config, joined, 1000, math.inf)
+    assert plan.ttft_s == pytest.approx(0.280)
+    alone = alg.plan_on_decode_node(models, dataclasses.replace(config, plan_with_pulls=False), pulling, 1000, math.inf)
+    assert not isinstance(alone, str) and alone.decode_tokens == 10 and alone.ttft_s == pytest.approx(0.250)
+
+
 # ---------------------------------------------------------------------------------------------
 # decide(): Algorithm 1
 # ---------------------------------------------------------------------------------------------

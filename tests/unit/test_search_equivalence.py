@@ -105,9 +105,11 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     bound = min(margin_s, config.ttft_slo_s)
     best = None
     any_too_slow = False
-    memo: dict[tuple[int, int, tuple[int, ...], float], object] = {}
+    memo: dict[tuple[object, ...], object] = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
         key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration)
+        if config.plan_with_pulls:  # plan_on_decode_node plans beside the pulls: they are part of the node's plan
+            key += (node.pending_kv_pull_tokens,)
         give_up = bound if best is None else min(bound, best[0])
         plan = memo.get(key)
         if plan is None:
@@ -156,6 +158,7 @@ configs = st.builds(
     deflect_gate_share=st.sampled_from([None, None, 0.25, 1.0]),
     # 0.3: a low line, so the rule refuses nodes the search would reach, or all of them
     decode_pressure_share=st.sampled_from([None, defaults.DECODE_PRESSURE_SHARE, 0.3]),
+    plan_with_pulls=st.booleans(),
 )
 shapes = st.tuples(st.integers(0, 80), st.integers(0, 400_000))  # (B, K)
 
