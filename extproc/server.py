@@ -7,9 +7,9 @@ coming with it as attributes (``contracts.HEAD_ATTRIBUTES``): one message each w
 route it sends the request headers, then (body mode BUFFERED) the whole body: we answer the
 headers message with an empty response, or at once for requests without a body (GETs) and for
 those the headers alone refuse (an unserved path or method, a body too large or compressed, a
-routing header too many): Envoy answers those before their body arrives. Every mutation goes in
-the last response: the upstream as ``envoy.lb`` dynamic metadata for the override_host load
-balancer, and the decision headers.
+head with no room left for the routing headers): Envoy answers those before their body arrives. Every mutation goes in
+the last response, as dynamic metadata: the upstream in ``envoy.lb`` for the override_host load
+balancer, and the decision headers in ``kairos.headers``, which Envoy's routes add.
 Response processing is skipped, so the stream is ended as soon as the last answer is sent
 (Envoy would otherwise hold it for the whole SSE response).
 
