@@ -33,7 +33,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
         "--policies",
         help="comma-separated specs: pd, sq:theta=N, sl:l=N, "
         "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,pressure=S|off][,gate=S|off]"
-        "[,error=E][,calibrate=off], "
+        "[,error=E][,calibrate=off][,pulls=off][,keep=eq1][,prefix=off][,chunks=2048/1024/...], "
         "oracle:alpha=A,beta=B, "
         "llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
         "aibrix[:high=S,low=S] (default pd,kairos)",
