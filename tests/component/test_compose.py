@@ -455,12 +455,15 @@ def test_envoys_own_replies_are_openai_errors_with_a_message_and_a_string_code(e
 
 def test_envoy_routes_the_public_api_and_answers_everything_else_itself(envoy: dict[str, Any]) -> None:
     (vhost,) = _hcm(envoy)["route_config"]["virtual_hosts"]
-    public, rest = vhost["routes"]
+    one_message, public, rest = vhost["routes"]
     pattern = re.compile(public["match"]["safe_regex"]["regex"])
     for path in c.PUBLIC_ENDPOINTS:
         assert pattern.fullmatch(path), path
     for path in ("/metrics", c.STATE_PATH, c.STEPS_PATH, "/kairos/metrics", "/kairos/kv/pull", "/v1/models/", "/"):
         assert not pattern.fullmatch(path), path
+    # The one-message route takes the inference paths only, a subset of the public ones.
+    inference = re.compile(one_message["match"]["safe_regex"]["regex"])
+    assert [p for p in c.PUBLIC_ENDPOINTS if inference.fullmatch(p)] == list(c.INFERENCE_PATHS)
     assert rest["match"] == {"prefix": "/"} and rest["direct_response"]["status"] == 404
     assert rest["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
 
