@@ -517,7 +517,6 @@ class _NodeFacts:
     replaces the state, is what recomputes it, not every decision."""
 
     __slots__ = (
-        "_rest",
         "b",
         "bound_step_s",
         "budget_s",
@@ -529,12 +528,13 @@ class _NodeFacts:
         "overload_s",
         "runs",
         "table",
+        "unread",
         "wait_s",
     )
     wait_s: float  # the backlog's schedules, run first (inf: one of them is infeasible)
     b: int  # decodes beside the request's own steps (the backlog's requests decode by then)
     table: StepTable  # Eq. 4 for the request's own steps
-    end_s: float  # time at the end of the path (once ``_rest`` is None: the whole path is read)
+    end_s: float  # time at the end of the path (once ``unread`` is None: the whole path is read)
     bound_step_s: float  # the longest step ttft_lower_bound_s lets a schedule's last step take
 
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
@@ -544,7 +544,7 @@ class _NodeFacts:
         self.overload_s = node_overload_s(config, node)
         self.runs: list[PathRun] | None = None  # the rest is built on the first bound asked for
         self.ends: list[float] = []  # cached tokens at each run's end (inf: unbounded)
-        self._rest: Generator[PathRun, None, float] | None = None  # the path's runs not read yet
+        self.unread: Generator[PathRun, None, float] | None = None  # the path's runs not read yet
 
     def build_path(self, node: DecodeNodeState) -> None:
         """The time to run the node's backlog, then, for the request's own steps beside it:
@@ -558,20 +558,20 @@ class _NodeFacts:
             b, k = b + 1, k + backlog
         self.wait_s, self.b = t, b
         self.table = _step_table(models, b, k, config.chunk_candidates)
-        self._rest = _greedy_path(self.table, budget, t)
+        self.unread = _greedy_path(self.table, budget, t)
         self.bound_step_s = budget * (1 + _BOUND_SLACK)
         self.runs = []  # last: a set ``runs`` says the rest is there
 
     def extend(self, target: int) -> None:
         """Read the path's runs until one ends at ``target`` cached tokens or later (at least
         one run), or the path ends (then ``end_s`` is its end)."""
-        runs, ends, rest = self.runs, self.ends, self._rest
+        runs, ends, rest = self.runs, self.ends, self.unread
         assert runs is not None
         while rest is not None and (not ends or ends[-1] < target):
             try:
                 run = next(rest)
             except StopIteration as end:
-                self.end_s, self._rest = end.value, None
+                self.end_s, self.unread = end.value, None
                 return
             c0, p, n = run[:3]
             runs.append(run)
@@ -604,7 +604,7 @@ def _tail_start(facts: _NodeFacts, node: DecodeNodeState, prompt_tokens: int) ->
         return None
     target = prompt_tokens - full[0]
     ends = facts.ends
-    if facts._rest is not None and (not ends or ends[-1] < target):
+    if facts.unread is not None and (not ends or ends[-1] < target):
         facts.extend(target)  # the run the tail starts in, and the first one (the bound's chunk)
     if target <= 0:
         return 0, facts.wait_s, 0, 0
