@@ -5,6 +5,7 @@
   connection, so the client costs tens of microseconds per request.
 - :func:`sequential`: per-request latencies (``perf_counter_ns``) over one connection.
 - :func:`closed_loop`: ``connections`` clients each sending back to back for ``seconds``.
+- :func:`paced`: a fixed offered rate, spread over ``connections`` clients on a time grid.
 - The upstream (``python bench/loadgen.py upstream --port P``) answers every request at once
   with a small fixed OpenAI-like completion JSON, after reading the whole request body. It
   echoes ``x-upstream-body-bytes`` (bytes it received) and ``x-upstream-saw-route`` (the
@@ -150,6 +151,7 @@ class LoadResult:
     completed: int  # requests answered with the expected status
     errors: int  # other statuses, resets, malformed responses
     latencies_ns: list[int] = field(default_factory=list)
+    late_sends: int = 0  # paced runs: requests sent after their slot (the client's connection was busy)
 
     @property
     def req_per_s(self) -> float:
@@ -194,6 +196,53 @@ async def closed_loop(
             await c.close()
     elapsed = (deadline - start) / 1e9
     return LoadResult(connections, elapsed, len(latencies), errors, latencies)
+
+
+async def paced(
+    host: str, port: int, request: bytes, rate_per_s: float, seconds: float, connections: int, expect_status: int = 200
+) -> LoadResult:
+    """An offered load of ``rate_per_s`` for ``seconds``, independent of how fast answers come:
+    client ``i`` of ``connections`` sends at ``rate_per_s / connections`` on a grid offset by
+    ``i / rate_per_s``, so the sends interleave evenly. A client whose last request is still
+    in flight at its next slot sends as soon as it is answered (``late_sends`` counts those):
+    with enough clients none is, and the rate holds."""
+    if rate_per_s <= 0 or connections < 1:
+        raise ValueError(f"need a positive rate and at least one connection, got {rate_per_s} and {connections}")
+    conns = [await HttpConnection.open(host, port) for _ in range(connections)]
+    latencies: list[int] = []
+    errors = late = 0
+    clock = time.perf_counter_ns
+    start = clock()
+    deadline = start + int(seconds * 1e9)
+    interval = int(connections / rate_per_s * 1e9)
+
+    async def worker(i: int, conn: HttpConnection) -> None:
+        nonlocal errors, late
+        due = start + int(i / rate_per_s * 1e9)
+        while due < deadline:
+            wait = due - clock()
+            if wait > 0:
+                await asyncio.sleep(wait / 1e9)
+            elif wait < -1_000_000:  # over a millisecond behind its slot
+                late += 1
+            t0 = clock()
+            try:
+                resp = await conn.send(request)
+            except (OSError, asyncio.IncompleteReadError, HttpError):
+                errors += 1
+                return
+            if resp.status == expect_status:
+                latencies.append(clock() - t0)
+            else:
+                errors += 1
+            due += interval
+
+    try:
+        await asyncio.gather(*(worker(i, c) for i, c in enumerate(conns)))
+    finally:
+        for c in conns:
+            await c.close()
+    return LoadResult(connections, seconds, len(latencies), errors, latencies, late)
 
 
 # ---------------------------------------------------------------------------------------------

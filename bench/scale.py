@@ -19,7 +19,10 @@ and Redis are what is measured. For each K, after every dispatcher's view holds 
    began (``kairos_dispatcher_view_poll_lateness_seconds``), and of a poll's time how much was
    Redis (``kairos_dispatcher_view_read_seconds``) and how much waiting for the dispatcher's
    event loop (``kairos_dispatcher_view_apply_wait_seconds``);
-2. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
+2. a steady window: 2 KB completions through Envoy at a fixed offered rate (``--steady-rps``,
+   the same for every K, below what K = 4 serves here): the same figures while the pool serves
+   a given load without being saturated, the question an operator sizing replicas asks;
+3. a load window: a closed loop of 2 KB completions through Envoy: requests/s, the dispatchers'
    decision time (``kairos_dispatcher_decision_seconds``, bucket-interpolated, body to answer:
    parse, Algorithm 1, the reservation's Redis round trip and every wait on a busy event loop)
    and the policy's own compute (``kairos_dispatcher_policy_seconds``), routes, reservation
@@ -47,7 +50,7 @@ Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartb
 
     python bench/scale.py [--nodes 1000] [--prefill-nodes 100] [--publishers 4]
                           [--dispatchers 1,2,4] [--gateway-nice 10,0] [--idle-s 10] [--load-s 15]
-                          [--connections 16] [--baseline-tree PATH] [--json PATH]
+                          [--connections 16] [--steady-rps 100] [--baseline-tree PATH] [--json PATH]
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ from bench._common import (  # noqa: E402
     write_result,
 )
 from bench.gateway_overhead import completion_body  # noqa: E402
-from bench.loadgen import build_request, closed_loop  # noqa: E402
+from bench.loadgen import LoadResult, build_request, closed_loop, paced  # noqa: E402
 from kairos.common.contracts import (  # noqa: E402
     HEARTBEAT_PERIOD_S,
     REDIS_HEARTBEAT_CHANNEL,
@@ -553,26 +556,36 @@ def measure_k(
             time.sleep(args.idle_s)  # the measurement window: refresh only
             idle = window.end()
             window.begin()
+            steady = asyncio.run(paced(HOST, port, request, args.steady_rps, args.load_s, args.connections))
+            steadied = window.end()
+            window.begin()
             load = asyncio.run(closed_loop(HOST, port, request, args.connections, args.load_s))
             loaded = window.end()
         finally:
             client.close()
             priorities.close_gap()
-        loaded.update(
-            {
-                "completed": load.completed,
-                "errors": load.errors,
-                "req_per_s": load.req_per_s,
-                "latency_ms": percentiles_ms([ns / 1e9 for ns in load.latencies_ns]),
-            }
-        )
         return {
             "dispatchers": k,
             "harness": harness_name(nice),
             "nice": {"stand_ins": stand_ins_nice, "gateway": gateway_nice},
             "idle": idle,
-            "load": loaded,
+            "steady": {
+                **steadied,
+                **served(steady),
+                "offered_req_per_s": args.steady_rps,
+                "late_sends": steady.late_sends,
+            },
+            "load": {**loaded, **served(load)},
         }
+
+
+def served(result: LoadResult) -> dict[str, Any]:
+    return {
+        "completed": result.completed,
+        "errors": result.errors,
+        "req_per_s": result.req_per_s,
+        "latency_ms": percentiles_ms([ns / 1e9 for ns in result.latencies_ns]),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -671,6 +684,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "idle_s": args.idle_s,
                 "load_s": args.load_s,
                 "connections": args.connections,
+                "steady_rps": args.steady_rps,
                 "gateway_nice": args.gateway_nice,
                 "policy": args.policy,
                 "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
@@ -704,7 +718,7 @@ def _quantile(summary: dict[str, Any], q: str, spec: str = ".1f") -> str:
 
 def print_row(row: dict[str, Any]) -> None:
     k = row["dispatchers"]
-    for phase in ("idle", "load"):
+    for phase in ("idle", "steady", "load"):
         w = row[phase]
         cores = w["cores"]
         d = w["dispatchers"]
@@ -715,7 +729,7 @@ def print_row(row: dict[str, Any]) -> None:
             return ", ".join(fn(x) for x in d)
 
         extra = ""
-        if phase == "load":
+        if phase != "idle":
             routes: dict[str, float] = {}
             for x in d:
                 for label, n in x["decisions"].items():
@@ -723,7 +737,7 @@ def print_row(row: dict[str, Any]) -> None:
                     routes[route] = routes.get(route, 0) + n
             conflicts = sum(x["reservation_conflicts"] for x in d)
             extra = (
-                f"\n    {w['req_per_s']:.0f} req/s, {w['errors']} errors;"
+                f"\n    {w['req_per_s']:.0f} req/s{offered(w)}, {w['errors']} errors;"
                 f" decision p50 {each(lambda x: _quantile(x['decision'], 'p50'))},"
                 f" p99 {each(lambda x: _quantile(x['decision'], 'p99'))} ms;"
                 f" policy compute p50 {each(lambda x: _quantile(x['policy'], 'p50', '.2f'))},"
@@ -743,6 +757,12 @@ def print_row(row: dict[str, Any]) -> None:
             f" (Redis read {each(lambda x: _quantile(x['redis_read'], 'p99'))},"
             f" waiting for the loop {each(lambda x: _quantile(x['apply_wait'], 'p99'))}){extra}"
         )
+
+
+def offered(window: dict[str, Any]) -> str:
+    if "offered_req_per_s" not in window:
+        return ""  # the closed loop: as fast as answers come
+    return f" of {window['offered_req_per_s']:g} offered ({window['late_sends']} sent late)"
 
 
 def print_in_process(got: dict[str, Any]) -> None:
@@ -775,6 +795,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--load-s", type=float, default=15.0)
     parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument(
+        "--steady-rps",
+        type=float,
+        default=100.0,
+        help="the steady window's offered load, the same for every K (below what K = 4 serves on 2 cores)",
+    )
     parser.add_argument(
         "--gateway-nice",
         default="10,0",
