@@ -107,6 +107,7 @@ TARGET_DECISION_P99_MS = 2.0
 TARGET_OLDEST_HEARTBEAT_S = 2 * HEARTBEAT_PERIOD_S
 POLL_METRIC = "kairos_dispatcher_view_poll_seconds"
 OLDEST_METRIC = "kairos_dispatcher_view_oldest_heartbeat_seconds"
+HEAR_PROMISES_ENV = "KAIROS_DISPATCHER_HEAR_PROMISES"  # set only when off: a baseline tree may not know it
 LATENESS_METRIC = "kairos_dispatcher_view_poll_lateness_seconds"
 READ_DELAY_METRIC = "kairos_dispatcher_view_read_delay_seconds"
 READ_METRIC = "kairos_dispatcher_view_read_seconds"
@@ -448,6 +449,7 @@ def start_dispatchers(
     nice: int,
     policy: str,
     baseline: Path | None = None,
+    hear_promises: bool = True,
 ) -> tuple[int, list[int], dict[str, int]]:
     """K dispatchers and one Envoy in front of them, ``nice`` steps below this process's CPU
     priority (:class:`Priorities`); (Envoy port, metrics ports, pids). With ``baseline`` (another
@@ -491,7 +493,7 @@ def start_dispatchers(
                 ],
                 logs / f"k{k}-dispatcher-{i}.log",
                 ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
-                env={"PYTHONPATH": str(tree)},
+                env={"PYTHONPATH": str(tree), **({} if hear_promises else {HEAR_PROMISES_ENV: "false"})},
                 cwd=tree,
             ),
             timeout_s=120,
@@ -542,6 +544,7 @@ def measure_k(
             nice,
             args.policy,
             args.baseline_tree,
+            args.hear_promises == "on",
         )
         gateway_nice = os.getpriority(os.PRIO_PROCESS, pids["dispatcher-0"])
         for mp in metrics_ports:
@@ -687,6 +690,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "steady_rps": args.steady_rps,
                 "gateway_nice": args.gateway_nice,
                 "policy": args.policy,
+                "hear_promises": args.hear_promises,
                 "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
                 "cores": os.cpu_count(),
             },
@@ -807,6 +811,13 @@ def main(argv: list[str] | None = None) -> int:
         help="measure each K with the publishers, Redis, the upstream and the load generator this many nice "
         "steps above Envoy and the dispatchers (10: 'fair', they stand for other machines; 0: 'shared', one "
         "priority for all, the earlier harness)",
+    )
+    parser.add_argument(
+        "--hear-promises",
+        choices=("on", "off"),
+        default="on",
+        help="the dispatchers hear each other's promises as they are made (on, the default) or learn of "
+        "them only from refused promises (off, as before 2026-12-06)",
     )
     parser.add_argument(
         "--baseline-tree",

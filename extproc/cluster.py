@@ -87,8 +87,13 @@ from kairos.extproc.membership import (
     RedisLost,
     RejectReason,
 )
-from kairos.extproc.metrics import heartbeats_rejected_counter, reservations_forged_counter, view_poll_metrics
-from kairos.extproc.reservations import REFUSED, Reservation, ReservationClient
+from kairos.extproc.metrics import (
+    heartbeats_rejected_counter,
+    promises_heard_counter,
+    reservations_forged_counter,
+    view_poll_metrics,
+)
+from kairos.extproc.reservations import REFUSED, HeardPromise, PromiseListener, Reservation, ReservationClient
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,9 @@ class ClusterViewConfig:
     # Long enough for the deflected request to reach its node and show in a heartbeat the
     # dispatchers have read (hop + one beat + one poll, with slack on a loaded host).
     reservation_ttl_s: float = 3 * HEARTBEAT_PERIOD_S
+    # Hear the other replicas' promises as they are made (``reservations.PromiseListener``); off,
+    # they reach the view only through refused promises.
+    hear_promises: bool = True
     membership: MembershipConfig = field(default_factory=MembershipConfig)
 
     def __post_init__(self) -> None:
@@ -190,6 +198,20 @@ class RedisClusterView:
             self._url,
             reservations_forged_counter(registry).inc,
         )
+        self._heard = promises_heard_counter(registry)
+        self._owners: set[str] = set()  # the owners this view promised as: its own promises come back
+        self._listener = (
+            PromiseListener(
+                self._redis_connection,
+                self._heard_promise,
+                self._url,
+                retry_s=self.config.poll_s,
+                on_malformed=self._heard.labels(outcome="malformed").inc,
+            )
+            if config.hear_promises
+            else None
+        )
+        self._listening: asyncio.Task[None] | None = None
         self._feedback = (
             FeedbackReader(feedback, self._errors.labels(operation="feedback").inc, self._url, self._decode_node_ids)
             if feedback is not None
@@ -248,6 +270,10 @@ class RedisClusterView:
         """node_id -> (role, url, sidecar, model) of every node in the view (read-only, live)."""
         return self.membership.addresses()
 
+    def decode_sidecars(self) -> tuple[str, ...]:
+        """The decode nodes' sidecars in the view, sorted (cached until an address changes)."""
+        return self.membership.decode_sidecars()
+
     def _decode_node_ids(self) -> set[str]:
         return {i for i, a in self.membership.addresses().items() if a.role is Role.DECODE}
 
@@ -273,6 +299,7 @@ class RedisClusterView:
         """Promise a deflection of ``tokens`` onto ``node_id`` (``kairos.extproc.reservations``).
         Refused while degraded (never on a guess). Refused because other dispatchers promised
         more than the view counted: their promises join the view, and the caller decides again."""
+        self._owners.add(owner)  # before the promise: the channel may tell it back before the answer
         reported_at = self.tracker.reported_at(node_id)
         if self.degraded or reported_at is None:
             return REFUSED
@@ -287,8 +314,19 @@ class RedisClusterView:
             since_s=now - reported_at + tracker.dispatch_grace_s,
         )
         if not reservation.granted and reservation.foreign:
-            tracker.set_foreign(node_id, [(now - p.age_s, p.tokens) for p in reservation.foreign])
+            tracker.set_foreign(node_id, [(now - p.age_s, p.tokens, p.member) for p in reservation.foreign])
         return reservation
+
+    def _heard_promise(self, heard: HeardPromise) -> None:
+        """Another dispatcher's promise, from the channel: into the view as it is made."""
+        added = heard.owner not in self._owners and self.tracker.add_foreign(
+            heard.node_id, self.now(), heard.tokens, heard.member
+        )
+        self._heard.labels(outcome="added" if added else "ignored").inc()
+
+    def _redis_connection(self) -> aioredis.Redis:
+        """A client of its own (the promise channel holds its connection), with the view's settings."""
+        return fail_fast_client(self.config.redis_url, self.config.redis_timeout_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -312,6 +350,8 @@ class RedisClusterView:
         await self.poll_once()
         self._stopping = threading.Event()
         self._task = asyncio.create_task(self._run(self._stopping), name="kairos-cluster-view")
+        if self._listener is not None:
+            self._listening = asyncio.create_task(self._listener.run(), name="kairos-promise-listener")
 
     async def stop(self) -> None:
         """Stop polling and close the Redis connections; the last view stays readable."""
@@ -322,6 +362,9 @@ class RedisClusterView:
         follow_up, self._follow_up = self._follow_up, None
         if follow_up is not None:
             await cancel_and_wait(follow_up)
+        listening, self._listening = self._listening, None
+        if listening is not None:
+            await cancel_and_wait(listening)
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

@@ -83,6 +83,10 @@ class ClusterSource(Protocol):
 
     def addresses(self) -> Mapping[str, NodeAddressLike]: ...
 
+    def decode_sidecars(self) -> tuple[str, ...]:
+        """The decode nodes' sidecars, sorted and distinct."""
+        ...
+
     async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation: ...
 
 
@@ -299,7 +303,7 @@ class Dispatcher:
             if decision.step_budget_s is not None:
                 set_headers.append((c.H_STEP_BUDGET_MS, c.encode_step_budget_ms(decision.step_budget_s * 1e3)))
         primary = addresses[decision.decode_node].sidecar
-        destinations = (primary, *self._fallbacks(primary, addresses))
+        destinations = (primary, *_fallback(primary, self.cluster.decode_sidecars()))
         overwritten = {name for name, _ in set_headers}
         elapsed = time.perf_counter() - started
         self.metrics.observe_decision(decision, elapsed)
@@ -442,18 +446,21 @@ class Dispatcher:
     def _pass_through(self, spoofed: tuple[str, ...]) -> Routed:
         """GET /v1/models, /health, /metrics, ...: any live decode sidecar proxies them to its
         vLLM unchanged."""
-        addresses = self.cluster.addresses()
-        sidecars = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar})
+        sidecars = self.cluster.decode_sidecars()
         if not sidecars:
             raise NoHealthyNodeError("no decode node is available")
         i = next(self._rr) % len(sidecars)
         ordered = (*sidecars[i:], *sidecars[:i])
         return Routed(destinations=ordered[:2], set_headers=(), remove_headers=spoofed, decision=None)
 
-    @staticmethod
-    def _fallbacks(primary: str, addresses: Mapping[str, NodeAddressLike]) -> tuple[str, ...]:
-        others = sorted({a.sidecar for a in addresses.values() if a.role == c.Role.DECODE and a.sidecar} - {primary})
-        return tuple(others[:1])
+
+def _fallback(primary: str, sidecars: tuple[str, ...]) -> tuple[str, ...]:
+    """Where Envoy retries a request ``primary`` could not take: the first other decode sidecar
+    in sorted order (none when there is no other)."""
+    for sidecar in sidecars[:2]:
+        if sidecar != primary:
+            return (sidecar,)
+    return ()
 
 
 # Room a request's head must leave for the routing headers _route_inference sets: at most ten, a

@@ -78,6 +78,7 @@ class DispatcherConfig:
     scan_every_polls: int = _VIEW.scan_every_polls
     redis_timeout_s: float = _VIEW.redis_timeout_s
     reservation_ttl_s: float = _VIEW.reservation_ttl_s
+    hear_promises: bool = _VIEW.hear_promises
     stale_after_s: float = _MEMBERSHIP.stale_after_s  # the decider gets the same value
     recovery_grace_s: float = _MEMBERSHIP.recovery_grace_s
     forget_malformed_after_s: float = _MEMBERSHIP.forget_malformed_after_s
@@ -121,6 +122,7 @@ class DispatcherConfig:
             scan_every_polls=self.scan_every_polls,
             redis_timeout_s=self.redis_timeout_s,
             reservation_ttl_s=self.reservation_ttl_s,
+            hear_promises=self.hear_promises,
             membership=MembershipConfig(
                 stale_after_s=self.stale_after_s,
                 recovery_grace_s=self.recovery_grace_s,

@@ -325,6 +325,7 @@ class Membership:
     static_fallback: bool = False  # the view is the static lists (Redis never answered)
     _nodes: dict[str, _Node] = field(default_factory=dict)
     _addresses: dict[str, NodeAddress] = field(default_factory=dict)
+    _decode_sidecars: tuple[str, ...] | None = None  # sorted; None: to be derived from _addresses again
     _malformed: set[str] = field(default_factory=set)  # nodes whose key holds a malformed or rejected value
     _rejected_raw: dict[str, bytes | str] = field(default_factory=dict)  # key's node id -> last rejected value
     _rejecting: dict[str, RejectReason] = field(default_factory=dict)  # key's node id -> why its value is ignored
@@ -353,6 +354,24 @@ class Membership:
     def addresses(self) -> Mapping[str, NodeAddress]:
         """node_id -> address of every node in the view (read-only, live)."""
         return MappingProxyType(self._addresses)
+
+    def decode_sidecars(self) -> tuple[str, ...]:
+        """The decode nodes' sidecars, sorted, without duplicates: derived again only after an
+        address changed, not on every request that names a fallback."""
+        if self._decode_sidecars is None:
+            self._decode_sidecars = tuple(
+                sorted({a.sidecar for a in self._addresses.values() if a.role == Role.DECODE and a.sidecar})
+            )
+        return self._decode_sidecars
+
+    def _set_address(self, node_id: str, address: NodeAddress | None) -> None:
+        if self._addresses.get(node_id) == address:
+            return
+        if address is None:
+            del self._addresses[node_id]
+        else:
+            self._addresses[node_id] = address
+        self._decode_sidecars = None
 
     def kv_event_endpoints(self) -> Mapping[str, KvEventEndpoints]:
         """node_id -> its KV event sockets, for every node in the view that advertises them
@@ -543,7 +562,7 @@ class Membership:
             self.new_beats += 1
             if self.oldest_new_sent_at is None or hb.sent_at < self.oldest_new_sent_at:
                 self.oldest_new_sent_at = hb.sent_at
-        self._addresses[hb.node_id] = NodeAddress(hb.role, hb.url, hb.sidecar, hb.model)
+        self._set_address(hb.node_id, NodeAddress(hb.role, hb.url, hb.sidecar, hb.model))
         self._set_kv_events(hb.node_id, advertised_kv_events(hb))
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
@@ -613,7 +632,7 @@ class Membership:
         node = self._nodes.pop(node_id)
         if node.from_redis:
             self._left[node_id] = (node.seq, node.sent_at, node.reported_at)
-        self._addresses.pop(node_id, None)
+        self._set_address(node_id, None)
         self._set_kv_events(node_id, None)
         self.tracker.remove(node_id)
         return NodeLeft(node_id, node.role, reason)
@@ -622,7 +641,7 @@ class Membership:
         """Static fallback (Redis never answered): zero load, fresh every poll, never deflectable."""
         for n in self.config.static_nodes():
             self._nodes[n.node_id] = _Node(n.role, -1, math.nan, now, from_redis=False)
-            self._addresses[n.node_id] = NodeAddress(n.role, n.url, n.sidecar, "")
+            self._set_address(n.node_id, NodeAddress(n.role, n.url, n.sidecar, ""))
             if n.role is Role.PREFILL:
                 # chunk_tokens is unknown; 1 token per step keeps the field valid and is never used
                 # to choose between static nodes, which all have the same (empty) queue.

@@ -184,6 +184,28 @@ def reservations_forged_counter(registry: CollectorRegistry = REGISTRY) -> Count
     return counter
 
 
+_HEARD: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+PROMISE_OUTCOMES = ("added", "ignored", "malformed")
+
+
+def promises_heard_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
+    """``kairos_dispatcher_promises_heard_total{outcome}``, registered once per registry: the
+    other dispatchers' promises heard on the channel and added to the view, ignored (its own,
+    one already known, a node not in the view) or malformed (no dispatcher published it)."""
+    counter = _HEARD.get(registry)
+    if counter is None:
+        counter = Counter(
+            "kairos_dispatcher_promises_heard",
+            "Deflection promises heard on the promise channel, by what became of them",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in PROMISE_OUTCOMES:
+            counter.labels(outcome=outcome)  # every series from the start, at 0
+        _HEARD[registry] = counter
+    return counter
+
+
 _VIEW_AGE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _POLL_BUCKETS = (0.5e-3, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3)
 _READ_DELAY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)

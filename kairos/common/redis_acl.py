@@ -3,7 +3,8 @@
 One user per node, named after its node id (:func:`node_user`): it may write only its own
 heartbeat key, publish on the heartbeat channel and append to the TTFT feedback stream (its
 publisher and its sidecar share it). The dispatchers' user reads every heartbeat key and the
-feedback stream and takes reservations; nodes cannot touch reservations. An admin user holds
+feedback stream, takes reservations and publishes and hears them on the promise channel; nodes
+can touch neither. An admin user holds
 every right (``kairos up`` and operators); the ``default`` user is off, so a client without a
 credential can do nothing.
 
@@ -22,6 +23,7 @@ from kairos.common.contracts import (
     REDIS_HEARTBEAT_CHANNEL,
     REDIS_NODE_KEY,
     REDIS_NODE_PATTERN,
+    REDIS_PROMISE_CHANNEL,
     REDIS_RESERVATION_KEY,
     REDIS_TTFT_FEEDBACK_STREAM,
 )
@@ -44,12 +46,12 @@ _CONNECT = "+ping"
 # a node's credential must not be able to stall Redis for every other node. The sidecar: XADD
 # ... MAXLEN ~.
 _NODE_COMMANDS = f"-@all {_CONNECT} +set +get +del +pexpire +publish +watch +unwatch +multi +exec +discard"
-# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, and the promise
+# The dispatcher: SCAN + MGET of heartbeats, XREVRANGE + XREAD of the stream, the promise
 # script (EVALSHA, SCRIPT LOAD when Redis lacks it) with the commands it runs on a reservation
-# key under the same rights.
+# key and the promise channel under the same rights, and SUBSCRIBE to that channel.
 _DISPATCHER_COMMANDS = (
     f"-@all {_CONNECT} +scan +mget +get +xread +xrevrange +evalsha +script|load "
-    "+time +type +del +pexpire +zadd +zrange +zrem +zremrangebyscore"
+    "+time +type +del +pexpire +zadd +zrange +zrem +zremrangebyscore +publish +subscribe +unsubscribe"
 )
 
 
@@ -78,11 +80,12 @@ def node_rules(node_id: str) -> str:
 
 
 def dispatcher_rules() -> str:
-    """ACL rules of the dispatchers' user: read heartbeats and the stream, write reservations."""
+    """ACL rules of the dispatchers' user: read heartbeats and the stream, write reservations,
+    publish and hear promises (nodes cannot: the channel is the dispatchers' alone)."""
     reservations = REDIS_RESERVATION_KEY.format(node_id="*")
     return (
         f"resetkeys resetchannels {_DISPATCHER_COMMANDS} %R~{REDIS_NODE_PATTERN} %RW~{reservations} "
-        f"%R~{REDIS_TTFT_FEEDBACK_STREAM}"
+        f"%R~{REDIS_TTFT_FEEDBACK_STREAM} &{REDIS_PROMISE_CHANNEL}"
     )
 
 

@@ -36,6 +36,7 @@ class _Dispatch:
     at: float  # when the node starts holding it: dispatch time, or a keep's predicted prefill end
     tokens: int  # prompt tokens sent
     foreign: bool = False  # another dispatcher's deflection, learnt from its promise
+    promise: str = ""  # a foreign one's promise member: heard twice, it is counted once
 
 
 @dataclass(slots=True)
@@ -133,13 +134,25 @@ class ClusterTracker:
             self._overlay[node_id] = [d for d in pending if d is not dispatch]
             self._changed(node_id)
 
-    def set_foreign(self, node_id: str, promises: list[tuple[float, int]]) -> None:
+    def set_foreign(self, node_id: str, promises: list[tuple[float, int, str]]) -> None:
         """Other dispatchers' deflections onto ``node_id`` that its heartbeat does not show yet,
-        as (when, prompt tokens): they replace the ones known before, and leave the view as
-        this dispatcher's own do, when a heartbeat shows them."""
+        as (when, prompt tokens, promise member): they replace the ones known before, and leave
+        the view as this dispatcher's own do, when a heartbeat shows them."""
         own = [d for d in self._overlay.get(node_id, ()) if not d.foreign]
-        self._overlay[node_id] = own + [_Dispatch(at, tokens, foreign=True) for at, tokens in promises]
+        self._overlay[node_id] = own + [_Dispatch(at, tokens, True, promise) for at, tokens, promise in promises]
         self._changed(node_id)
+
+    def add_foreign(self, node_id: str, at: float, tokens: int, promise: str) -> bool:
+        """One more deflection of another dispatcher onto decode node ``node_id``, heard of at
+        ``at``; False (and nothing added) for a node not in the view or a promise already known."""
+        if node_id not in self._decode:
+            return False
+        pending = self._overlay.setdefault(node_id, [])
+        if any(d.promise == promise for d in pending if d.foreign):
+            return False
+        pending.append(_Dispatch(at, tokens, True, promise))
+        self._changed(node_id)
+        return True
 
     def foreign_tokens(self, node_id: str) -> int:
         """Prompt tokens of the other dispatchers' deflections onto ``node_id`` in the view."""

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
+from kairos.common.contracts import REDIS_PROMISE_CHANNEL, REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
 from kairos.common.errors import NoHealthyNodeError
 from kairos.core.algorithm import DeciderConfig, can_take_deflection
 from kairos.core.decision import Decision, Reason, Route
@@ -761,6 +761,45 @@ async def test_the_view_adds_other_dispatchers_promises_and_decides_again_on_the
         await client.set("kairos:node:d0", beat("d0", seq=2))
         await view.poll_once()
         assert view.view().decode[0].prefill_backlog_tokens == ()
+    finally:
+        await view.stop()
+        await other.stop()
+
+
+async def subscribers(client: aioredis.Redis, n: int) -> bool:
+    counts = dict(await client.pubsub_numsub(REDIS_PROMISE_CHANNEL))
+    return counts.get(REDIS_PROMISE_CHANNEL.encode(), 0) >= n
+
+
+def heard(registry: CollectorRegistry, outcome: str) -> float:
+    return registry.get_sample_value("kairos_dispatcher_promises_heard_total", {"outcome": outcome}) or 0.0
+
+
+async def test_each_replica_hears_the_others_promises_as_they_are_made(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry
+) -> None:
+    """With both views running, a promise reaches the other replica's view before its next
+    decision: it reserves the node at its first try instead of after a refusal."""
+    config = view_config(redis, reservation_ttl_s=0.3, last_resort_s=0)
+    await client.set("kairos:node:d0", beat("d0", seq=1))
+    # A long grace: the polls' re-reads of d0's one beat never end a promise within the test.
+    view = RedisClusterView(config, ClusterTracker(dispatch_grace_s=5.0), registry=registry)
+    other = RedisClusterView(config, ClusterTracker(dispatch_grace_s=5.0), registry=CollectorRegistry())
+    await view.start()
+    await other.start()
+    try:
+        await eventually(lambda: subscribers(client, 2), what="both views subscribed to the promise channel")
+        assert (await other.try_reserve("d0", "dispatcher-b", 800)).granted
+        await eventually(lambda: view.tracker.foreign_tokens("d0") == 800, what="the promise heard")
+        assert (await view.try_reserve("d0", "dispatcher-a", 100)).granted  # counted already: no refusal
+        await eventually(lambda: other.tracker.foreign_tokens("d0") == 100, what="the answer heard")
+        assert view.tracker.foreign_tokens("d0") == 800  # its own promise came back and was not counted
+        assert view.view().decode[0].prefill_backlog_tokens == (800,)  # what its next decision schedules behind
+        # What no dispatcher published, and promises onto nodes not in the view, change nothing.
+        await client.publish(REDIS_PROMISE_CHANNEL, b"not a promise")
+        await client.publish(REDIS_PROMISE_CHANNEL, json.dumps({"node": "d9", "promise": "dispatcher-c|1|5"}))
+        await eventually(lambda: heard(registry, "malformed") == 1 and heard(registry, "ignored") == 2)
+        assert heard(registry, "added") == 1 and view.tracker.foreign_tokens("d0") == 800
     finally:
         await view.stop()
         await other.stop()

@@ -25,13 +25,13 @@ from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.reservations import PROMISE_SCRIPT
+from kairos.extproc.reservations import PROMISE_SCRIPT, HeardPromise, decode_promise_message
 from kairos.nodeagent.heartbeat import HeartbeatPublisher, PublisherConfig, _delete_if_holding
 from kairos.nodeagent.sidecar import SidecarMetrics, TtftFeedbackPublisher
 from tests.builders import heartbeat_json
 from tests.component.test_heartbeat import STATE, FakeSource
 from tests.redis_server import SecuredRedisServer
-from tests.waiting import eventually
+from tests.waiting import eventually, wait_until
 
 P0_URL, D0_URL, D0_SIDECAR = "127.0.0.1:8101", "127.0.0.1:8102", "127.0.0.1:8202"
 
@@ -90,6 +90,16 @@ def test_no_credential_or_no_tls_gets_nothing(server: SecuredRedisServer) -> Non
         sync(server.setup.admin_url.split("?")[0]).ping()
 
 
+def subscribed(client: redis.Redis, channel: str) -> object:
+    """SUBSCRIBE and read its answer (redis-py sends it without waiting for one)."""
+    pubsub = client.pubsub()
+    pubsub.subscribe(channel)
+    try:
+        return pubsub.get_message(timeout=5.0)
+    finally:
+        pubsub.close()
+
+
 def test_a_node_credential_writes_its_own_key_and_the_stream_only(server: SecuredRedisServer) -> None:
     p0 = sync(server.setup.node_url("p0"))
     p0.set(c.REDIS_NODE_KEY.format(node_id="p0"), heartbeat_json("p0"), px=500)
@@ -100,6 +110,8 @@ def test_a_node_credential_writes_its_own_key_and_the_stream_only(server: Secure
         "a new node's key": lambda: p0.set(c.REDIS_NODE_KEY.format(node_id="evil"), heartbeat_json("evil")),
         "deleting another node's key": lambda: p0.delete(c.REDIS_NODE_KEY.format(node_id="d0")),
         "a reservation": lambda: p0.set(c.REDIS_RESERVATION_KEY.format(node_id="d0"), "p0", nx=True, px=300),
+        "a promise on the dispatchers' channel": lambda: p0.publish(c.REDIS_PROMISE_CHANNEL, "x"),
+        "hearing the dispatchers' promises": lambda: subscribed(p0, c.REDIS_PROMISE_CHANNEL),
         "overwriting the stream": lambda: p0.set(c.REDIS_TTFT_FEEDBACK_STREAM, "junk"),
         "deleting the stream": lambda: p0.delete(c.REDIS_TTFT_FEEDBACK_STREAM),
         "reading the stream": lambda: p0.xrevrange(c.REDIS_TTFT_FEEDBACK_STREAM, count=1),
@@ -136,8 +148,14 @@ async def test_a_node_credential_deletes_its_key_on_shutdown_only_while_it_holds
 def test_the_dispatcher_credential_reads_and_reserves_but_writes_no_heartbeat(server: SecuredRedisServer) -> None:
     dispatcher = sync(server.setup.dispatcher_url)
     promise = dispatcher.register_script(PROMISE_SCRIPT)
-    args = ["dispatcher0", 1, 10, 0, 300, 300]  # owner, id, tokens, known, since_ms, ttl_ms
+    # owner, id, tokens, known, since_ms, ttl_ms, channel, node id
+    args = ["dispatcher0", 1, 10, 0, 300, 300, c.REDIS_PROMISE_CHANNEL, "d9"]
+    hear = dispatcher.pubsub(ignore_subscribe_messages=True)
+    hear.subscribe(c.REDIS_PROMISE_CHANNEL)
     assert promise(keys=[c.REDIS_RESERVATION_KEY.format(node_id="d9")], args=args)[0] == 1  # granted
+    heard = wait_until(lambda: hear.get_message(timeout=0.5), what="the granted promise on the channel")
+    assert decode_promise_message(heard["data"]) == HeardPromise("d9", "dispatcher0", 10, "dispatcher0|1|10")
+    hear.close()
     with pytest.raises(NoPermissionError):  # its scripts run with its rights: no heartbeat key
         promise(keys=[c.REDIS_NODE_KEY.format(node_id="p0")], args=args)
     dispatcher.mget([c.REDIS_NODE_KEY.format(node_id="p0")])

@@ -96,6 +96,9 @@ class FakeCluster:
     def addresses(self) -> Mapping[str, NodeAddress]:
         return self.nodes
 
+    def decode_sidecars(self) -> tuple[str, ...]:
+        return tuple(sorted({a.sidecar for a in self.nodes.values() if a.role == "decode" and a.sidecar}))
+
     async def try_reserve(self, node_id: str, owner: str, tokens: int) -> Reservation:
         """As the real one: refused while degraded or for a ``refuse`` node (Redis did not take
         it); refused with the promises of ``foreign`` until the view counts them."""
@@ -104,7 +107,7 @@ class FakeCluster:
             return REFUSED
         promised = self.foreign.get(node_id, ())
         if sum(promised) > self.tracker.foreign_tokens(node_id):
-            self.tracker.set_foreign(node_id, [(NOW, t) for t in promised])
+            self.tracker.set_foreign(node_id, [(NOW, t, f"other|{i}|{t}") for i, t in enumerate(promised)])
             return Reservation(False, tuple(Promise(0.0, t) for t in promised))
         return Reservation(True)
 

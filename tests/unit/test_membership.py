@@ -582,6 +582,8 @@ def test_membership_rules(case: Case) -> None:
         want = (dict(poll.nodes), poll.stale, poll.events, poll.degraded, poll.static)
         assert got == want, f"poll {i} at t={poll.t}"
         assert set(m.addresses()) == set(poll.nodes), f"poll {i}: addresses and view disagree"
+        sidecars = {a.sidecar for a in m.addresses().values() if a.role == Role.DECODE and a.sidecar}
+        assert m.decode_sidecars() == tuple(sorted(sidecars)), f"poll {i}: the sidecars were not derived again"
 
 
 def test_the_view_carries_each_heartbeats_load_and_address() -> None:

@@ -152,6 +152,28 @@ def test_remove_forgets_the_node_and_its_dispatches() -> None:
     assert tracker.node_ids == ("p1", "d1")
 
 
+def test_other_dispatchers_promises_join_the_overlay_once_each_and_leave_with_a_heartbeat() -> None:
+    tracker = ClusterTracker(dispatch_grace_s=0.1)
+    tracker.update_decode(decode_node("d1", reported_at=1.0))
+    tracker.update_prefill(prefill_node("p1", reported_at=1.0))
+    assert tracker.add_foreign("d1", 1.2, 500, "b|1|500")
+    assert not tracker.add_foreign("d1", 1.3, 500, "b|1|500")  # heard again (or told by a refusal)
+    assert not tracker.add_foreign("p1", 1.2, 500, "b|2|500")  # a prefill node takes no deflection
+    assert not tracker.add_foreign("d9", 1.2, 500, "b|3|500")  # a node not in the view
+    tracker.record(deflect_to("d1", 700), 1.25)  # this dispatcher's own
+    assert tracker.foreign_tokens("d1") == 500
+    assert sorted(tracker.view().decode[0].prefill_backlog_tokens) == [500, 700]
+    # A refusal's answer replaces what was heard: the same promise stays counted once.
+    tracker.set_foreign("d1", [(1.2, 500, "b|1|500"), (1.22, 300, "c|1|300")])
+    assert not tracker.add_foreign("d1", 1.3, 300, "c|1|300")
+    assert tracker.foreign_tokens("d1") == 800
+    # A heartbeat taken well after them shows them all; only later ones stay.
+    assert tracker.add_foreign("d1", 1.5, 200, "c|2|200")
+    tracker.update_decode(decode_node("d1", reported_at=1.45))
+    assert tracker.foreign_tokens("d1") == 200
+    assert tracker.view().decode[0].prefill_backlog_tokens == (200,)
+
+
 def test_view_is_cached_until_something_changes() -> None:
     tracker = ClusterTracker()
     tracker.update_prefill(prefill_node("p1", reported_at=1.0))
