@@ -31,6 +31,12 @@ from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 
 
+# Other dispatchers' promises one node holds in the view at most, until its next heartbeat: far
+# more than replicas deflect onto one node in a heartbeat period, and a bound on what a flood of
+# messages on the promise channel can make a view hold (each is also a linear check).
+MAX_FOREIGN_PROMISES = 256
+
+
 @dataclass(slots=True)
 class _Dispatch:
     at: float  # when the node starts holding it: dispatch time, or a keep's predicted prefill end
@@ -144,11 +150,13 @@ class ClusterTracker:
 
     def add_foreign(self, node_id: str, at: float, tokens: int, promise: str) -> bool:
         """One more deflection of another dispatcher onto decode node ``node_id``, heard of at
-        ``at``; False (and nothing added) for a node not in the view or a promise already known."""
+        ``at``; False (and nothing added) for a node not in the view, a promise already known, or
+        a node holding :data:`MAX_FOREIGN_PROMISES` already."""
         if node_id not in self._decode:
             return False
         pending = self._overlay.setdefault(node_id, [])
-        if any(d.promise == promise for d in pending if d.foreign):
+        heard = [d.promise for d in pending if d.foreign]
+        if promise in heard or len(heard) >= MAX_FOREIGN_PROMISES:
             return False
         pending.append(_Dispatch(at, tokens, True, promise))
         self._changed(node_id)

@@ -11,7 +11,7 @@ from kairos.core.algorithm import DeciderConfig, decide
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.policies import PDPolicy
 from kairos.core.state import ClusterView
-from kairos.core.view import ClusterTracker
+from kairos.core.view import MAX_FOREIGN_PROMISES, ClusterTracker
 from tests.builders import decode_node, flat_models, prefill_node, queue_load
 
 
@@ -172,6 +172,9 @@ def test_other_dispatchers_promises_join_the_overlay_once_each_and_leave_with_a_
     tracker.update_decode(decode_node("d1", reported_at=1.45))
     assert tracker.foreign_tokens("d1") == 200
     assert tracker.view().decode[0].prefill_backlog_tokens == (200,)
+    # However many are heard before the next heartbeat, a node holds a bounded number.
+    added = sum(tracker.add_foreign("d1", 1.6, 1, f"flood|{i}|1") for i in range(2 * MAX_FOREIGN_PROMISES))
+    assert added == MAX_FOREIGN_PROMISES - 1 and tracker.foreign_tokens("d1") == 200 + added
 
 
 def test_view_is_cached_until_something_changes() -> None:
