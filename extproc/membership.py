@@ -55,7 +55,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kairos.common import defaults
 from kairos.common.config import check_hostport
@@ -365,13 +365,8 @@ class Membership:
         return self._decode_sidecars
 
     def _set_address(self, node_id: str, address: NodeAddress | None) -> None:
-        if self._addresses.get(node_id) == address:
-            return
-        if address is None:
-            del self._addresses[node_id]
-        else:
-            self._addresses[node_id] = address
-        self._decode_sidecars = None
+        if _put(self._addresses, node_id, address):
+            self._decode_sidecars = None
 
     def kv_event_endpoints(self) -> Mapping[str, KvEventEndpoints]:
         """node_id -> its KV event sockets, for every node in the view that advertises them
@@ -379,13 +374,8 @@ class Membership:
         return MappingProxyType(self._kv_events)
 
     def _set_kv_events(self, node_id: str, endpoints: KvEventEndpoints | None) -> None:
-        if self._kv_events.get(node_id) == endpoints:
-            return
-        if endpoints is None:
-            del self._kv_events[node_id]
-        else:
-            self._kv_events[node_id] = endpoints
-        self.kv_events_version += 1
+        if _put(self._kv_events, node_id, endpoints):
+            self.kv_events_version += 1
 
     def recovering(self, now: float) -> bool:
         """Within the recovery grace: nodes missing from Redis are not removed yet."""
@@ -671,3 +661,17 @@ def _load_of(hb: Heartbeat) -> dict[str, Any]:
     }
     load.update({name: value for name, value in optional.items() if value is not None})
     return load
+
+
+V = TypeVar("V")
+
+
+def _put(mapping: dict[str, V], key: str, value: V | None) -> bool:
+    """``mapping[key] = value`` (None: no entry); whether that changed anything."""
+    if mapping.get(key) == value:
+        return False
+    if value is None:
+        del mapping[key]
+    else:
+        mapping[key] = value
+    return True

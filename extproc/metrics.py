@@ -147,63 +147,62 @@ class DispatcherMetrics:
             self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decision.cached_tokens)
 
 
-_REJECTED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+# The cluster view's counters, made once per registry (a test or a benchmark builds several
+# views; prometheus_client refuses a name registered twice in one registry).
+_COUNTERS: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter]] = weakref.WeakKeyDictionary()
+
+
+def _counter_once(
+    registry: CollectorRegistry, name: str, documentation: str, label: str | None = None, values: Iterable[str] = ()
+) -> Counter:
+    """The registry's counter ``name``, made on first use with every ``label`` value exported at 0."""
+    counters = _COUNTERS.setdefault(registry, {})
+    counter = counters.get(name)
+    if counter is None:
+        counter = Counter(name, documentation, [label] if label else [], registry=registry)
+        for value in values:
+            counter.labels(value)  # every series from the start, at 0
+        counters[name] = counter
+    return counter
 
 
 def heartbeats_rejected_counter(reasons: Iterable[str], registry: CollectorRegistry = REGISTRY) -> Counter:
-    """``kairos_dispatcher_heartbeats_rejected_total{reason}`` (reasons: the membership rules'),
-    registered once per registry: the cluster view counts every heartbeat value it ignores."""
-    counter = _REJECTED.get(registry)
-    if counter is None:
-        counter = Counter(
-            "kairos_dispatcher_heartbeats_rejected",
-            "Heartbeat values ignored, once per distinct value of a key: malformed, a node_id that is not its "
-            "key's, or (nodes listed) an unlisted node or one reporting another role or address than listed",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in reasons:
-            counter.labels(reason=reason)  # every series from the start, at 0
-        _REJECTED[registry] = counter
-    return counter
-
-
-_FORGED: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+    """``kairos_dispatcher_heartbeats_rejected_total{reason}`` (reasons: the membership rules'):
+    the cluster view counts every heartbeat value it ignores."""
+    return _counter_once(
+        registry,
+        "kairos_dispatcher_heartbeats_rejected",
+        "Heartbeat values ignored, once per distinct value of a key: malformed, a node_id that is not its "
+        "key's, or (nodes listed) an unlisted node or one reporting another role or address than listed",
+        "reason",
+        reasons,
+    )
 
 
 def reservations_forged_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
-    """``kairos_dispatcher_reservations_forged_total``, registered once per registry."""
-    counter = _FORGED.get(registry)
-    if counter is None:
-        counter = Counter(
-            "kairos_dispatcher_reservations_forged",
-            "Reservation keys found with no expiry or one longer than any dispatcher sets, taken over",
-            registry=registry,
-        )
-        _FORGED[registry] = counter
-    return counter
+    """``kairos_dispatcher_reservations_forged_total``."""
+    return _counter_once(
+        registry,
+        "kairos_dispatcher_reservations_forged",
+        "Promise sets cleaned of what no dispatcher writes (another type, an unparseable member, one dated "
+        "in Redis's future)",
+    )
 
 
-_HEARD: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
 PROMISE_OUTCOMES = ("added", "ignored", "malformed")
 
 
 def promises_heard_counter(registry: CollectorRegistry = REGISTRY) -> Counter:
-    """``kairos_dispatcher_promises_heard_total{outcome}``, registered once per registry: the
-    other dispatchers' promises heard on the channel and added to the view, ignored (its own,
-    one already known, a node not in the view) or malformed (no dispatcher published it)."""
-    counter = _HEARD.get(registry)
-    if counter is None:
-        counter = Counter(
-            "kairos_dispatcher_promises_heard",
-            "Deflection promises heard on the promise channel, by what became of them",
-            ["outcome"],
-            registry=registry,
-        )
-        for outcome in PROMISE_OUTCOMES:
-            counter.labels(outcome=outcome)  # every series from the start, at 0
-        _HEARD[registry] = counter
-    return counter
+    """``kairos_dispatcher_promises_heard_total{outcome}``: the other dispatchers' promises heard
+    on the channel and added to the view, ignored (its own, one already known, a node not in the
+    view, one past the node's bound) or malformed (no dispatcher published it)."""
+    return _counter_once(
+        registry,
+        "kairos_dispatcher_promises_heard",
+        "Deflection promises heard on the promise channel, by what became of them",
+        "outcome",
+        PROMISE_OUTCOMES,
+    )
 
 
 _VIEW_AGE_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
