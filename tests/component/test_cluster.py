@@ -805,6 +805,35 @@ async def test_each_replica_hears_the_others_promises_as_they_are_made(
         await other.stop()
 
 
+async def test_the_promise_listener_comes_back_with_redis(
+    redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await client.set("kairos:node:d0", beat("d0", seq=1))
+    config = view_config(redis, last_resort_s=0)
+    view = RedisClusterView(config, ClusterTracker(dispatch_grace_s=5.0), registry=registry)
+    await view.start()
+    try:
+        await eventually(lambda: subscribers(client, 1), what="the view subscribed")
+        first_beat_at = view.tracker.reported_at("d0")
+        redis.stop()
+        await eventually(lambda: messages(caplog, "not hearing other dispatchers' promises"), what="the outage logged")
+        redis.start()
+        async with aioredis.Redis.from_url(redis.url) as again:
+            await again.set("kairos:node:d0", beat("d0", seq=2))
+            await eventually(lambda: subscribers(again, 1), what="the view subscribed again")
+            await eventually(
+                lambda: view.tracker.reported_at("d0") not in (None, first_beat_at), what="d0's new beat in the view"
+            )
+            await again.publish(REDIS_PROMISE_CHANNEL, json.dumps({"node": "d0", "promise": "dispatcher-b|1|64"}))
+        await eventually(lambda: view.tracker.foreign_tokens("d0") == 64, what="a promise heard after the outage")
+        assert len(messages(caplog, "not hearing other dispatchers' promises")) == 1  # once per outage
+        back = [r for r in messages(caplog, "hearing other dispatchers' promises") if r.getMessage().endswith("again")]
+        assert len(back) == 1
+    finally:
+        await view.stop()
+
+
 async def test_a_promise_fails_closed_when_redis_is_down(
     redis: RedisServer, client: aioredis.Redis, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
