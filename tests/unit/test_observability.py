@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import Metric
 from kairos.common.contracts import STEP_BUDGET_OVERRUNS_HELP, STEP_BUDGET_OVERRUNS_METRIC, Role
 from kairos.core.state import ClusterView, DecodeNodeState
 from kairos.extproc.cluster import redis_error_counter
-from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
+from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics, promises_heard_counter
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
 from kairos.launcher.vllm_cluster import VllmCluster
 from kairos.nodeagent.sidecar import SidecarMetrics
@@ -40,6 +40,7 @@ def exported_names() -> set[str]:
     """Every series name the dispatcher, the sidecar and the nodes can export."""
     dispatcher = DispatcherMetrics(CollectorRegistry())
     redis_error_counter(dispatcher.registry)
+    promises_heard_counter(dispatcher.registry)  # the cluster view registers both on the dispatcher's
     dispatcher.registry.register(ClusterCollector(_OneNodeCluster()))
     registries = [dispatcher.registry, SidecarMetrics().registry, EmulatedNodeMetrics.create("m").registry]
     names = _series_names([f for r in registries for f in r.collect()])
