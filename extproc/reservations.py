@@ -11,7 +11,7 @@ overlay), but another replica's only once the node's next heartbeat does. So a d
 * sums the promises *other* dispatchers made since the node's last heartbeat the caller has read
   (``since_ms`` ago: the heartbeat's age plus the dispatch grace, the tracker's own rule);
 * grants the promise when that sum is no more than what the caller's decision already counted
-  (``known_tokens``), and refuses it otherwise, answering those promises (age and tokens) so the
+  (``known_tokens``), and refuses it otherwise, answering those promises (age, tokens, member) so the
   caller can add them to its view and decide again.
 
 A granted promise is also PUBLISHed on ``kairos:promises`` (by the script, so never one that was
