@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import ResponseError
 
 from kairos.common.contracts import REDIS_PROMISE_CHANNEL, REDIS_RESERVATION_KEY, RESERVATION_MAX_TTL_S
 from kairos.common.redis_client import REDIS_ERRORS, Outage, describe
@@ -203,11 +204,19 @@ class ReservationClient:
             )
         except REDIS_ERRORS as exc:
             self._on_error()
-            self._outage.fail(
-                "redis unreachable at %s for reservations: %s; not deflecting until it answers",
-                self._source,
-                describe(exc),
-            )
+            if isinstance(exc, ResponseError):  # Redis answered with a refusal: an ACL of an earlier version
+                self._outage.fail(
+                    "redis at %s refuses the promise script (%s): check the dispatchers' ACL user against "
+                    "kairos.common.redis_acl; not deflecting until it takes promises",
+                    self._source,
+                    describe(exc),
+                )
+            else:
+                self._outage.fail(
+                    "redis unreachable at %s for reservations: %s; not deflecting until it answers",
+                    self._source,
+                    describe(exc),
+                )
             return REFUSED
         self._outage.ok("redis at %(url)s takes reservations again", url=self._source)
         if forged:

@@ -8,6 +8,7 @@ client without a credential, or without TLS, gets nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +26,7 @@ from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.feedback import TtftFeedback
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.reservations import PROMISE_SCRIPT, HeardPromise, decode_promise_message
+from kairos.extproc.reservations import PROMISE_SCRIPT, REFUSED, HeardPromise, ReservationClient, decode_promise_message
 from kairos.nodeagent.heartbeat import HeartbeatPublisher, PublisherConfig, _delete_if_holding
 from kairos.nodeagent.sidecar import SidecarMetrics, TtftFeedbackPublisher
 from tests.builders import heartbeat_json
@@ -164,6 +165,27 @@ def test_the_dispatcher_credential_reads_and_reserves_but_writes_no_heartbeat(se
     with pytest.raises(NoPermissionError):
         dispatcher.xadd(c.REDIS_TTFT_FEEDBACK_STREAM, {"probe": "1"})
     assert DISPATCHER_USER in server.setup.passwords
+
+
+async def test_a_dispatcher_credential_without_the_promise_channel_refuses_promises_and_says_why(
+    server: SecuredRedisServer, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL file written for a version before the promise channel: the script cannot publish,
+    so no promise is granted (never a deflection on a guess) and the log names the ACL."""
+    caplog.set_level(logging.WARNING, logger="kairos.extproc")
+    await admin.execute_command("ACL", "SETUSER", DISPATCHER_USER, "-publish")
+    client = aioredis.Redis.from_url(server.setup.dispatcher_url)
+    errors: list[None] = []
+    promises = ReservationClient(300, lambda: errors.append(None), "secured")
+    try:
+        refused = await promises.try_reserve(client, "d9", "dispatcher0", 10, known_tokens=0, since_s=0.3)
+        again = await promises.try_reserve(client, "d9", "dispatcher0", 10, known_tokens=0, since_s=0.3)
+    finally:
+        await client.aclose()
+        await admin.execute_command("ACL", "SETUSER", DISPATCHER_USER, "+publish")  # the server is the module's
+    assert refused == again == REFUSED and len(errors) == 2
+    logged = [r.getMessage() for r in caplog.records if "refuses the promise script" in r.getMessage()]
+    assert len(logged) == 1 and "ACL" in logged[0]  # once per outage
 
 
 async def test_publishers_sidecar_and_dispatcher_over_rediss_with_their_own_users(
