@@ -12,12 +12,20 @@ simulator's prediction for the very same requests and policy.
    gateway's hops and of the processes' scheduling jitter counts ``time_scale`` model ms, and on
    the 2-core development machine a scale of 2 put Kairos's P95 TTFT 14-22% over the simulator
    against 3% at 1 (the same trace, one run each).
+   Under ``--harness fair`` the emulated nodes, their sidecars and heartbeat publishers and Redis
+   run SCHED_RR and this process (the client) 10 nice steps up (``bench._common.Priorities``,
+   root only): they stand for GPU machines, a Redis host and clients, which never wait for the
+   gateway's CPUs; on 2 shared cores an emulated node's step loop otherwise wakes late, its step
+   calibration learns it as a real node's would (1.03 here), and the dispatcher plans its
+   deflections to a node slower than a GPU node is. ``shared`` (the default, the committed
+   series): one priority for all.
 4. Print and write P50/P95/P99 TTFT, P95 TBT, SLO attainment, deflections, the Kairos/PD P95
    TTFT ratio, each policy's simulator prediction with the relative gap, and where the two part
    request by request (``fidelity``: how often the live dispatcher chose the simulator's route
    and decode node, and measured/simulated TTFT where it did).
 
     python bench/e2e_replay.py [--duration 240] [--time-scale 1] [--seed 1] [--rates 5,5.5,6,6.5,7]
+                               [--harness shared|fair]
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import write_result
+from bench._common import Priorities, write_result
 from kairos.common.contracts import HeartbeatField
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy, split_policy_list
@@ -50,6 +58,7 @@ TTFT_SLO_S = 4.0
 TBT_SLO_MS = 70.0
 GAP_TARGET = 0.15
 RESYNC_RE = re.compile(r"step loop fell .* \((\d+) times so far\)")
+FAIR_NICE_GAP = 10  # the fair harness's client above the gateway, as bench/scale.py's
 KEYS = ("p50_ttft_s", "p95_ttft_s", "p99_ttft_s", "p95_tbt_ms", "slo_attainment", "deflections")
 
 
@@ -163,6 +172,15 @@ def start(policy: str, model_dir: Path, scale: float, workdir: Path, dispatchers
     return cluster
 
 
+def stand_in_pids(cluster: LocalCluster) -> list[int]:
+    """The processes that stand for other machines: each node's engine, sidecar and heartbeat
+    publisher (a GPU host), and Redis."""
+    procs = [p for n in cluster.nodes for p in (n.engine, n.sidecar, n.publisher) if p is not None]
+    if cluster.redis is not None:
+        procs.append(cluster.redis)
+    return [p.pid for p in procs]
+
+
 def format_keep_parts(parts: dict[str, Any]) -> str:
     until, after = parts["mean_until_prefilled_s"], parts["mean_prefilled_to_first_token_s"]
     return (
@@ -251,6 +269,13 @@ def main() -> int:
     parser.add_argument("--rates", default="5,5.5,6,6.5,7", help="candidate rates, lowest first")
     parser.add_argument("--policies", default="kairos,pd", help="specs as kairos sim takes them; each vs pd")
     parser.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
+    parser.add_argument(
+        "--harness",
+        choices=("shared", "fair"),
+        default="shared",
+        help="fair: the emulated nodes, their agents and Redis SCHED_RR and the client 10 nice steps above "
+        "the gateway (they stand for other machines; root); shared: one priority for all",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     scale = float(args.time_scale)
@@ -284,6 +309,7 @@ def main() -> int:
         "rate_scan": scan,
         "time_scale": scale,
         "topology": "2P2D",
+        "harness": args.harness,
         "ttft_slo_s": TTFT_SLO_S,
         "tbt_slo_ms": TBT_SLO_MS,
         "policies": {},
@@ -297,6 +323,9 @@ def main() -> int:
         workdir = workroot / policy.replace(":", "_").replace("=", "-").replace(",", "_")
         print(f"\n{i + 2}. {policy}: fresh cluster, time scale {scale:g}", flush=True)
         cluster = start(policy, model_dir, scale, workdir, args.dispatchers)
+        priorities = Priorities(stand_in_pids(cluster), "emulated nodes, their sidecars and publishers, Redis")
+        priority = priorities.open_gap(FAIR_NICE_GAP if args.harness == "fair" else 0)
+        print(f"   harness {args.harness}: stand-ins at {priority}, the gateway as started", flush=True)
         try:
             cfg = dataclasses.replace(base, url=cluster.gateway_url)
             if i == 0 and policy != "pd":
@@ -339,6 +368,7 @@ def main() -> int:
             parts_after = scrape_keep_parts(sidecars)
             calibrations = decode_step_calibrations(fetch_nodes_report(cluster))
         finally:
+            priorities.close_gap()
             cluster.stop()
         summary = summarize(results, cfg)
         print(format_summary(summary), flush=True)
@@ -362,6 +392,7 @@ def main() -> int:
             "per_route": summary["per_route"],
             "wall_s": wall,
             "engine_resyncs": lag,
+            "stand_ins_priority": priority,
             "sim": {k: sim[k] for k in KEYS},
             "sim_heartbeat_s": twin_hb,
             "sim_default_heartbeat": {k: sim_default_hb[k] for k in KEYS},
@@ -446,6 +477,7 @@ def main() -> int:
             )
     print(
         f"({rps:g} rps, {len(trace)} requests, time scale {scale:g}, {args.dispatchers} dispatcher(s), "
+        f"harness {args.harness}, "
         f"{out['total_wall_s']:.0f} s wall)"
     )
     for note in notes:

@@ -78,6 +78,8 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 from bench._common import (  # noqa: E402
     CpuMeter,
+    Priorities,
+    harness_name,
     histogram_summary,
     percentiles_us,
     redis_server,
@@ -121,53 +123,6 @@ POLICY_METRIC = "kairos_dispatcher_policy_seconds"
 # with room (here always: the stand-in prefill nodes report no queue).
 FULL_SEARCH_POLICY = "kairos:gate=off"
 CONFLICTS_METRIC = "kairos_dispatcher_reservation_conflicts_total"
-
-
-def harness_name(gateway_nice: int) -> str:
-    return "fair" if gateway_nice > 0 else "shared"
-
-
-class Priorities:
-    """CPU priorities of the stand-ins for other machines: this process (the load generator) and
-    the publishers, Redis and the upstream it started, above the gateway. Nice steps alone do not
-    keep them from waiting for the gateway's CPUs on this kernel (6.18, EEVDF: a nice -10 process
-    woke 48-51 ms late at p99 beside six busy loops on 2 cores), so where allowed (root) they also
-    run SCHED_RR, which always runs before any normal process and is bounded by the kernel's
-    real-time throttling (95% of each second): they use a few percent of a core each. Not this
-    process: it starts the gateway, which must not inherit a real-time policy."""
-
-    def __init__(self, stand_ins: list[int]) -> None:
-        self.started = stand_ins  # the publishers, Redis and the upstream
-        self.stand_ins = [0, *stand_ins]  # 0: this process (its main thread, the load generator's)
-        self.base = os.getpriority(os.PRIO_PROCESS, 0)
-
-    def _set(self, nice: int) -> None:
-        for pid in self.stand_ins:
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
-
-    def _set_policy(self, policy: int, priority: int) -> None:
-        for pid in self.started:
-            os.sched_setscheduler(pid, policy, os.sched_param(priority))
-
-    def open_gap(self, gap: int) -> str:
-        """Raise the stand-ins ``gap`` nice steps, and to SCHED_RR, as far as allowed; what they
-        run at. Start the gateway with ``nice -n gap``: it inherits their nice value."""
-        try:
-            self._set(max(-20, self.base - gap))
-        except PermissionError:
-            self._set(self.base)
-        nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if gap <= 0:
-            return f"nice {nice}"
-        try:
-            self._set_policy(os.SCHED_RR | os.SCHED_RESET_ON_FORK, 1)
-        except PermissionError:
-            return f"nice {nice}"
-        return f"nice {nice}; publishers, Redis, upstream SCHED_RR"
-
-    def close_gap(self) -> None:
-        self._set_policy(os.SCHED_OTHER, 0)
-        self._set(self.base)
 
 
 def node_id(index: int, prefill_nodes: int) -> str:
@@ -682,7 +637,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model_dir": model_dir,
             "upstream": upstream,
             "batch_logs": batch_logs,
-            "priorities": Priorities([*base_pids.values(), upstream_proc.pid]),
+            "priorities": Priorities([*base_pids.values(), upstream_proc.pid], "publishers, Redis, upstream"),
         }
         body = completion_body(2048, seed=1)
         rows = []
