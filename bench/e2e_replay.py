@@ -12,20 +12,21 @@ simulator's prediction for the very same requests and policy.
    gateway's hops and of the processes' scheduling jitter counts ``time_scale`` model ms, and on
    the 2-core development machine a scale of 2 put Kairos's P95 TTFT 14-22% over the simulator
    against 3% at 1 (the same trace, one run each).
-   Under ``--harness fair`` the emulated nodes, their sidecars and heartbeat publishers and Redis
-   run SCHED_RR and this process (the client) 10 nice steps up (``bench._common.Priorities``,
-   root only): they stand for GPU machines, a Redis host and clients, which never wait for the
-   gateway's CPUs; on 2 shared cores an emulated node's step loop otherwise wakes late, its step
-   calibration learns it as a real node's would (1.03 here), and the dispatcher plans its
-   deflections to a node slower than a GPU node is. ``shared`` (the default, the committed
-   series): one priority for all.
+   Under ``--harness fair`` (the default) the emulated nodes, their sidecars and heartbeat
+   publishers and Redis run SCHED_RR and this process (the client) 10 nice steps up
+   (``bench._common.Priorities``, where allowed: root with CAP_SYS_NICE): they stand for GPU
+   machines, a Redis host and clients, which never wait for the gateway's CPUs. ``shared``: one
+   priority for all, the series before 2026-12-06 15:00. On 2 shared cores the deflect path's
+   hops wait for the gateway's processes, which the simulator does not model: Kairos's live P95
+   TTFT ran 1.4-7.8% over its simulation there (four runs) and -2.1 to +4.2% under the fair
+   harness (five), P/D's within 4.2% under both.
 4. Print and write P50/P95/P99 TTFT, P95 TBT, SLO attainment, deflections, the Kairos/PD P95
    TTFT ratio, each policy's simulator prediction with the relative gap, and where the two part
    request by request (``fidelity``: how often the live dispatcher chose the simulator's route
    and decode node, and measured/simulated TTFT where it did).
 
     python bench/e2e_replay.py [--duration 240] [--time-scale 1] [--seed 1] [--rates 5,5.5,6,6.5,7]
-                               [--harness shared|fair]
+                               [--harness fair|shared]
 """
 
 from __future__ import annotations
@@ -271,10 +272,10 @@ def main() -> int:
     parser.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
     parser.add_argument(
         "--harness",
-        choices=("shared", "fair"),
-        default="shared",
-        help="fair: the emulated nodes, their agents and Redis SCHED_RR and the client 10 nice steps above "
-        "the gateway (they stand for other machines; root); shared: one priority for all",
+        choices=("fair", "shared"),
+        default="fair",
+        help="fair (default): the emulated nodes, their agents and Redis SCHED_RR and the client 10 nice steps "
+        "above the gateway (they stand for other machines; needs root); shared: one priority for all",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
