@@ -51,6 +51,9 @@ def write_result(name: str, payload: dict[str, Any], out: Path | None = None) ->
 # ---------------------------------------------------------------------------------------------
 # Harnesses: stand-ins for other machines above the gateway on shared cores
 # ---------------------------------------------------------------------------------------------
+FAIR_NICE_GAP = 10  # nice steps between the stand-ins (and the load generator) and the gateway
+
+
 def harness_name(gateway_nice: int) -> str:
     return "fair" if gateway_nice > 0 else "shared"
 

@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import Priorities, write_result
+from bench._common import FAIR_NICE_GAP, Priorities, write_result
 from kairos.common.contracts import HeartbeatField
 from kairos.core.latency import load_profile
 from kairos.core.policies import make_policy, split_policy_list
@@ -59,7 +59,6 @@ TTFT_SLO_S = 4.0
 TBT_SLO_MS = 70.0
 GAP_TARGET = 0.15
 RESYNC_RE = re.compile(r"step loop fell .* \((\d+) times so far\)")
-FAIR_NICE_GAP = 10  # the fair harness's client above the gateway, as bench/scale.py's
 KEYS = ("p50_ttft_s", "p95_ttft_s", "p99_ttft_s", "p95_tbt_ms", "slo_attainment", "deflections")
 
 

@@ -77,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 import redis  # noqa: E402
 from bench._common import (  # noqa: E402
+    FAIR_NICE_GAP,
     CpuMeter,
     Priorities,
     harness_name,
@@ -782,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gateway-nice",
-        default="10,0",
+        default=f"{FAIR_NICE_GAP},0",
         help="measure each K with the publishers, Redis, the upstream and the load generator this many nice "
         "steps above Envoy and the dispatchers (10: 'fair', they stand for other machines; 0: 'shared', one "
         "priority for all, the earlier harness)",
