@@ -4,7 +4,8 @@ and P/D each prefix-aware and cache-blind, from low load up.
 
     python bench/e2e_prefix.py [--rates 4,8,12,16] [--duration 120] [--time-scale 1] [--seed 12]
                                [--policies kairos,kairos:prefix=off,pd,pd:prefix=off]
-                               [--trace FILE] [--dispatchers 1] [--json PATH] [--plots DIR]
+                               [--trace FILE] [--dispatchers 1] [--harness fair|shared]
+                               [--json PATH] [--plots DIR]
 
 Each (policy, rate) point gets a fresh cluster, so every run starts with cold caches. ``kairos
 replay`` sends the sessions as conversations: each first turn at its arrival time, each later
@@ -21,7 +22,9 @@ Kairos's turn >= 2 P95 TTFT over P/D's, and Kairos's attainment against P/D's at
 ``--plots DIR`` draws the simulator's figures for these records (:mod:`kairos.sim.plots`: P95
 TTFT and TBT, throughput, attainment and deflections, and later turns' P95 TTFT).
 
-Times are model seconds (wall x ``--time-scale``, the emulated nodes' speed-up).
+Times are model seconds (wall x ``--time-scale``, the emulated nodes' speed-up). ``--harness``
+as bench/e2e_replay.py's: fair (default) runs the stand-ins for GPU hosts, Redis and the client
+above the gateway.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS_DIR, write_result
-from bench.e2e_replay import resyncs, start
+from bench.e2e_replay import add_harness_argument, live_cluster, resyncs
 from kairos.common import defaults
 from kairos.core.policies import split_policy_list
 from kairos.launcher.replay import ReplayConfig, replay, summarize
@@ -88,8 +91,8 @@ def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path
     trace = traffic(rps, args)
     workdir = workroot / f"{policy.replace(':', '_').replace('=', '-').replace(',', '_')}-{rps:g}"
     print(f"\n{policy} @ {rps:g} turns/s: {len(trace)} turns, fresh cluster", flush=True)
-    cluster = start(policy, model_dir, args.time_scale, workdir, args.dispatchers)
-    try:
+    started = live_cluster(policy, model_dir, args.time_scale, workdir, args.dispatchers, args.harness)
+    with started as (cluster, priority):
         config = ReplayConfig(
             url=cluster.gateway_url,
             model_dir=str(model_dir),
@@ -101,8 +104,6 @@ def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path
         t0 = time.monotonic()
         results = replay(trace, config)
         wall = time.monotonic() - t0
-    finally:
-        cluster.stop()
     summary = summarize(results, config)
     per_route = summary["per_route"]
     return {
@@ -117,6 +118,7 @@ def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path
         "prefix_hit_rate_deflect": per_route.get("deflect", {}).get("prefix_hit_rate"),
         "per_route": per_route,
         "engine_resyncs": resyncs(workdir),
+        "stand_ins_priority": priority,
         "wall_s": wall,
     }
 
@@ -175,6 +177,7 @@ def main() -> int:
     ap.add_argument("--policies", default=POLICIES, help="policy specs as the dispatcher takes them")
     ap.add_argument("--trace", type=Path, help="replay this trace (rescaled to each rate) instead of multiturn")
     ap.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
+    add_harness_argument(ap)
     ap.add_argument("--json", type=Path, default=RESULTS_DIR / "e2e_prefix.json")
     ap.add_argument("--plots", type=Path, help="write the figures here")
     args = ap.parse_args()
@@ -218,6 +221,7 @@ def main() -> int:
             "time_scale": args.time_scale,
             "topology": "2P2D",
             "dispatchers": args.dispatchers,
+            "harness": args.harness,
             "slos": {"p95_ttft_s": TTFT_SLO_S, "tbt_ms": TBT_SLO_MS},
             "comparison": goals,
             "notes": notes,

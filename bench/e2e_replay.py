@@ -32,6 +32,7 @@ simulator's prediction for the very same requests and policy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ TTFT_SLO_S = 4.0
 TBT_SLO_MS = 70.0
 GAP_TARGET = 0.15
 RESYNC_RE = re.compile(r"step loop fell .* \((\d+) times so far\)")
+HARNESSES = ("fair", "shared")  # the default first
 KEYS = ("p50_ttft_s", "p95_ttft_s", "p99_ttft_s", "p95_tbt_ms", "slo_attainment", "deflections")
 
 
@@ -157,7 +160,36 @@ def resyncs(workdir: Path) -> int:
     return total
 
 
-def start(policy: str, model_dir: Path, scale: float, workdir: Path, dispatchers: int) -> LocalCluster:
+def stand_in_pids(cluster: LocalCluster) -> list[int]:
+    """The processes that stand for other machines: each node's engine, sidecar and heartbeat
+    publisher (a GPU host), and Redis."""
+    procs = [p for n in cluster.nodes for p in (n.engine, n.sidecar, n.publisher) if p is not None]
+    if cluster.redis is not None:
+        procs.append(cluster.redis)
+    return [p.pid for p in procs]
+
+
+def add_harness_argument(parser: argparse.ArgumentParser) -> None:
+    """``--harness``, the same for every live benchmark (this one, e2e_prefix.py, live_keep_estimate.py)."""
+    parser.add_argument(
+        "--harness",
+        choices=HARNESSES,
+        default=HARNESSES[0],
+        help="fair (default): the emulated nodes, their agents and Redis SCHED_RR and the client "
+        f"{FAIR_NICE_GAP} nice steps above the gateway (they stand for other machines; needs root); "
+        "shared: one priority for all",
+    )
+
+
+@contextlib.contextmanager
+def live_cluster(
+    policy: str, model_dir: Path, scale: float, workdir: Path, dispatchers: int = 1, harness: str = HARNESSES[0]
+) -> Iterator[tuple[LocalCluster, str]]:
+    """A fresh local 2P2D cluster under ``policy`` with its heartbeats in and its stand-ins at the
+    ``harness``'s priorities while it runs (``bench._common.Priorities``); yields it and what the
+    stand-ins run at, then puts the priorities back and stops every process."""
+    if harness not in HARNESSES:
+        raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
     config = LocalClusterConfig(
         gateway_port=0,
         model_dir=str(model_dir),
@@ -167,18 +199,17 @@ def start(policy: str, model_dir: Path, scale: float, workdir: Path, dispatchers
         log_level="WARNING",
     )
     cluster = LocalCluster(config, workdir)
-    cluster.start()
-    cluster.wait_for_heartbeats()
-    return cluster
-
-
-def stand_in_pids(cluster: LocalCluster) -> list[int]:
-    """The processes that stand for other machines: each node's engine, sidecar and heartbeat
-    publisher (a GPU host), and Redis."""
-    procs = [p for n in cluster.nodes for p in (n.engine, n.sidecar, n.publisher) if p is not None]
-    if cluster.redis is not None:
-        procs.append(cluster.redis)
-    return [p.pid for p in procs]
+    try:
+        cluster.start()
+        cluster.wait_for_heartbeats(timeout_s=60.0)  # a loaded host starts a dozen processes slowly
+        priorities = Priorities(stand_in_pids(cluster), "emulated nodes, their sidecars and publishers, Redis")
+        priority = priorities.open_gap(FAIR_NICE_GAP if harness == "fair" else 0)
+        try:
+            yield cluster, priority
+        finally:
+            priorities.close_gap()
+    finally:
+        cluster.stop()
 
 
 def format_keep_parts(parts: dict[str, Any]) -> str:
@@ -269,13 +300,7 @@ def main() -> int:
     parser.add_argument("--rates", default="5,5.5,6,6.5,7", help="candidate rates, lowest first")
     parser.add_argument("--policies", default="kairos,pd", help="specs as kairos sim takes them; each vs pd")
     parser.add_argument("--dispatchers", type=int, default=1, help="dispatcher replicas behind Envoy")
-    parser.add_argument(
-        "--harness",
-        choices=("fair", "shared"),
-        default="fair",
-        help="fair (default): the emulated nodes, their agents and Redis SCHED_RR and the client 10 nice steps "
-        "above the gateway (they stand for other machines; needs root); shared: one priority for all",
-    )
+    add_harness_argument(parser)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     scale = float(args.time_scale)
@@ -322,11 +347,8 @@ def main() -> int:
     for i, policy in enumerate(policies):
         workdir = workroot / policy.replace(":", "_").replace("=", "-").replace(",", "_")
         print(f"\n{i + 2}. {policy}: fresh cluster, time scale {scale:g}", flush=True)
-        cluster = start(policy, model_dir, scale, workdir, args.dispatchers)
-        priorities = Priorities(stand_in_pids(cluster), "emulated nodes, their sidecars and publishers, Redis")
-        priority = priorities.open_gap(FAIR_NICE_GAP if args.harness == "fair" else 0)
-        print(f"   harness {args.harness}: stand-ins at {priority}, the gateway as started", flush=True)
-        try:
+        with live_cluster(policy, model_dir, scale, workdir, args.dispatchers, args.harness) as (cluster, priority):
+            print(f"   harness {args.harness}: stand-ins at {priority}, the gateway as started", flush=True)
             cfg = dataclasses.replace(base, url=cluster.gateway_url)
             if i == 0 and policy != "pd":
                 low = make_workload("bursty", rps=0.5, num_requests=8, seed=args.seed + 100, cv=1.0)
@@ -367,9 +389,6 @@ def main() -> int:
             wall = time.monotonic() - t0
             parts_after = scrape_keep_parts(sidecars)
             calibrations = decode_step_calibrations(fetch_nodes_report(cluster))
-        finally:
-            priorities.close_gap()
-            cluster.stop()
         summary = summarize(results, cfg)
         print(format_summary(summary), flush=True)
         sim, outcomes = simulate(trace, policy, twin_hb)

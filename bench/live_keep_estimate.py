@@ -5,13 +5,14 @@ reading every request's predicted and observed TTFT from the sidecars' feedback 
 sidecar's arrival-to-first-byte), per path.
 
     python bench/live_keep_estimate.py [--policies 'kairos:keep=eq1;kairos'] [--rps 3]
-                                       [--duration 90] [--seed 1] [--json PATH]
+                                       [--duration 90] [--seed 1] [--harness fair|shared] [--json PATH]
 
 Per policy: the keep path's and the deflect path's MAPE and signed bias over the run's stream
 entries (all of them, not the dispatcher's rolling window), with the replay's P95 TTFT,
 attainment and deflections. ``kairos:keep=eq1`` decides and predicts as the paper's Eq. 1 (what
 ``kairos`` did before the full keep estimate). Real time on a shared 2-core machine: the
-gateway's own hops and CPU contention count, so compare the two rows of one run.
+gateway's own hops and CPU contention count, so compare the two rows of one run. ``--harness``
+as bench/e2e_replay.py's (fair, the default: the stand-ins for other machines above the gateway).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import redis
 from bench._common import write_result
-from bench.e2e_replay import start
+from bench.e2e_replay import add_harness_argument, live_cluster
 from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM
 from kairos.extproc.feedback import MalformedFeedback, parse_entry
 from kairos.launcher.replay import ReplayConfig, replay, summarize
@@ -64,6 +65,7 @@ def main() -> int:
     ap.add_argument("--rps", type=float, default=3.0)
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals (real time)")
     ap.add_argument("--seed", type=int, default=1)
+    add_harness_argument(ap)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     trace = make_workload("bursty", rps=args.rps, duration_s=args.duration, seed=args.seed)
@@ -75,8 +77,7 @@ def main() -> int:
     for spec in [p.strip() for p in args.policies.split(";") if p.strip()]:
         workdir = workroot / spec.replace(":", "_").replace("=", "-").replace(",", "_")
         workdir.mkdir()
-        cluster = start(spec, model_dir, 1.0, workdir)
-        try:
+        with live_cluster(spec, model_dir, 1.0, workdir, harness=args.harness) as (cluster, priority):
             run_cfg = dataclasses.replace(cfg, url=cluster.gateway_url)
             t0 = time.monotonic()
             results = replay(trace, run_cfg, stream=None)
@@ -86,12 +87,10 @@ def main() -> int:
                 entries = client.xrange(REDIS_TTFT_FEEDBACK_STREAM)
             finally:
                 client.close()
-        finally:
-            cluster.stop()
         summary = summarize(results, run_cfg)
         paths = per_path(entries)
         overall = summary
-        run = {"policy": spec, "wall_s": wall, "feedback": paths, "replay": summary}
+        run = {"policy": spec, "stand_ins_priority": priority, "wall_s": wall, "feedback": paths, "replay": summary}
         runs.append(run)
 
         def fmt(x: float | None, f: str) -> str:
@@ -108,6 +107,7 @@ def main() -> int:
     payload = {
         "trace": {"workload": "bursty", "cv": 2.0, "seed": args.seed, "rps": args.rps, "duration_s": args.duration},
         "topology": "2P2D emulated, real time",
+        "harness": args.harness,
         "runs": runs,
     }
     write_result("live_keep_estimate", payload, args.json)
