@@ -91,8 +91,8 @@ def run_point(policy: str, rps: float, args: argparse.Namespace, model_dir: Path
     trace = traffic(rps, args)
     workdir = workroot / f"{policy.replace(':', '_').replace('=', '-').replace(',', '_')}-{rps:g}"
     print(f"\n{policy} @ {rps:g} turns/s: {len(trace)} turns, fresh cluster", flush=True)
-    started = live_cluster(policy, model_dir, args.time_scale, workdir, args.dispatchers, args.harness)
-    with started as (cluster, priority):
+    live = live_cluster(policy, model_dir, args.time_scale, workdir, args.dispatchers, args.harness)
+    with live as (cluster, priority):
         config = ReplayConfig(
             url=cluster.gateway_url,
             model_dir=str(model_dir),
