@@ -547,11 +547,15 @@ class EmulatedNode:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: out.rid})
         try:
             await resp.prepare(request)
-            if out.parsed.kind == "chat":
-                await resp.write(_sse(out.role_chunk()))
+            # A chat stream's role chunk goes with the first token, as vLLM sends it with the
+            # engine's first output: a stream's first event is its first token.
+            role = out.parsed.kind == "chat"
             async for event in stream:
                 self._observe(event, out, arrival)
-                await resp.write(_sse(out.token_chunk(event)))
+                chunk = _sse(out.token_chunk(event))
+                if role:
+                    chunk, role = _sse(out.role_chunk()) + chunk, False
+                await resp.write(chunk)
             if out.parsed.include_usage:
                 await resp.write(_sse(out.usage_chunk()))
             await resp.write(b"data: [DONE]\n\n")
