@@ -377,6 +377,31 @@ async def test_two_hop_chat_streams_from_the_decode_node(
     assert [p["choices"][0]["delta"].get("content") for p in payloads] == ["", *decode.node.words[:3]]
 
 
+@pytest.mark.parametrize("api", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_streams_first_event_comes_with_its_first_token(
+    decode: Node, http: aiohttp.ClientSession, api: str
+) -> None:
+    """vLLM writes a stream's first event (a chat stream's role chunk too) with the engine's first
+    output: a proxy that times the first event times the first token. When the first event
+    arrives, the node has counted its first token; a role chunk sent before the prefill would
+    arrive while the prompt of 3,000 tokens is still being computed, with no TTFT counted yet."""
+    prompt: Any = ids(3000)
+    body = {"model": MODEL, "max_tokens": 2, "stream": True}
+    body |= {"messages": [{"role": "user", "content": "word " * 3000}]} if "chat" in api else {"prompt": prompt}
+    async with http.post(f"{decode.url}{api}", json=body) as resp:
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        ttft_counted = sample(await metrics(http, decode.url), "vllm:time_to_first_token_seconds_count")
+        rest = await resp.read()
+    assert ttft_counted == 1
+    choice = json.loads(first.removeprefix(b"data: "))["choices"][0]
+    if "chat" in api:
+        assert choice["delta"] == {"role": "assistant", "content": ""}
+        assert json.loads(rest.split(b"\n\n")[0].removeprefix(b"data: "))["choices"][0]["delta"]["content"]
+    else:
+        assert choice["text"] == decode.node.words[0]
+
+
 async def test_each_streamed_chunk_is_one_token_of_the_models_tokenizer(
     decode: Node, http: aiohttp.ClientSession, tokenizer: PromptTokenizer
 ) -> None:
