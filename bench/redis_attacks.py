@@ -234,6 +234,7 @@ def attack_feedback(client: redis.Redis, args: argparse.Namespace) -> dict[str, 
             f.NODE: "d0",
             f.PREDICTED_MS: "10000000",
             f.OBSERVED_MS: "1",
+            f.MEASURED: c.TTFT_FEEDBACK_FIRST_TOKEN,  # well-formed but for its bounds
         }
         try:
             client.xadd(c.REDIS_TTFT_FEEDBACK_STREAM, junk)

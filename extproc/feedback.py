@@ -1,8 +1,8 @@
 """The dispatcher's live check of its TTFT predictions, from the decode sidecars' measurements.
 
 The dispatcher never sees responses (Envoy skips response processing on purpose: it would cost an
-ext_proc round trip per response). The sidecars do: after each request's first token a sidecar
-given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to the capped stream
+ext_proc round trip per response). The sidecars do: after a streamed request's first token a
+sidecar given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to the capped stream
 :data:`~kairos.common.contracts.REDIS_TTFT_FEEDBACK_STREAM`. The cluster view's poller
 (:class:`kairos.extproc.cluster.RedisClusterView`) XREADs the new entries and hands them to
 :class:`TtftFeedback`, which exports per path (keep, deflect):
@@ -13,6 +13,11 @@ given a Redis URL XADDs (request id, path, node, predicted ms, observed ms) to t
 
 A MAPE that drifts up means the latency profile no longer matches the cluster: re-profile, and
 the dispatcher picks the new file up without a restart (:mod:`kairos.extproc.profile_watch`).
+
+Only first-token times count: a non-streamed request has no sample (its first token is not
+visible outside the node; :mod:`kairos.nodeagent.sidecar` counts those requests), and an entry
+that does not say it timed a first token (``measured``) is refused like any malformed one: older
+sidecars also sent non-streamed responses' first byte, which comes after the whole generation.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import redis.asyncio as aioredis
 
 from kairos.common.contracts import (
     REDIS_TTFT_FEEDBACK_STREAM,
+    TTFT_FEEDBACK_FIRST_TOKEN,
     TTFT_FEEDBACK_MAX_ID_CHARS,
     TTFT_FEEDBACK_MAX_MS,
     TTFT_FEEDBACK_MAX_RATIO,
@@ -79,7 +85,10 @@ def parse_entry(fields: Mapping[bytes | str, bytes | str], decode_nodes: Collect
     data = {_text(k): _text(v) for k, v in fields.items()}
     missing = [name for name in f.ALL if name not in data]
     if missing:
-        raise MalformedFeedback(f"missing fields {missing}")
+        hint = " (a sidecar older than the first-token contract: upgrade it)" if missing == [f.MEASURED] else ""
+        raise MalformedFeedback(f"missing fields {missing}{hint}")
+    if data[f.MEASURED] != TTFT_FEEDBACK_FIRST_TOKEN:
+        raise MalformedFeedback(f"{f.MEASURED} must be {TTFT_FEEDBACK_FIRST_TOKEN!r}, got {data[f.MEASURED][:40]!r}")
     path = data[f.PATH]
     if path not in FEEDBACK_PATHS:
         raise MalformedFeedback(f"path must be one of {list(FEEDBACK_PATHS)}, got {path[:40]!r}")

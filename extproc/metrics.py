@@ -101,7 +101,8 @@ class DispatcherMetrics:
         # Live model error from the sidecars' TTFT samples (kairos.extproc.feedback, via Redis).
         self.ttft_observed_over_predicted = Histogram(
             "kairos_dispatcher_ttft_observed_over_predicted",
-            "Observed TTFT at the decode sidecar divided by this path's predicted TTFT (samples from every sidecar)",
+            "Observed TTFT (first token of a streamed response) at the decode sidecars divided by this path's "
+            "predicted TTFT; non-streamed requests have no sample",
             ["path"],
             buckets=_RATIO_BUCKETS,
             registry=r,
@@ -110,8 +111,8 @@ class DispatcherMetrics:
             self.ttft_observed_over_predicted.labels(path=path)
         self.ttft_prediction_mape = Gauge(
             "kairos_dispatcher_ttft_prediction_mape",
-            "Mean of |predicted - observed| / observed TTFT over the last samples of each path "
-            "(a fraction: 0.1 = 10%); absent until the first sample",
+            "Mean of |predicted - observed| / observed TTFT over the last samples of each path (streamed "
+            "requests' first tokens; a fraction: 0.1 = 10%); absent until the first sample",
             ["path"],
             registry=r,
         )

@@ -16,6 +16,19 @@ stream ``kairos:ttft-feedback``, which the dispatchers read into their live mode
 It is fire-and-forget: a bounded queue and one writer task, so Redis being slow or gone never
 delays or fails a request (samples are dropped and counted instead). Without a URL, no Redis.
 
+TTFT is what the sidecar sees of the first token: the first event of a streamed response, which
+vLLM writes once the first token is out (a chat stream's role chunk comes with it). A
+non-streamed response is one JSON body that vLLM writes after the last token: its first byte
+times the whole generation, so such a request has no TTFT here (no ``kairos_sidecar_ttft_seconds``
+sample, no feedback) and is counted in ``kairos_sidecar_ttft_unobserved_total{reason="not_streamed"}``
+instead, as are requests with no first token at all (``error``, ``aborted``). The sidecar does not
+stream from vLLM and rebuild the JSON body: vLLM's non-streamed body is not its stream put
+together (``prompt_logprobs``, ``kv_transfer_params`` and ``service_tier`` are only in the body,
+``usage`` is in a stream only when asked for, and each vLLM version adds fields), so a rebuilt
+body would in time differ from the one vLLM sends, a wrong answer to the client; and it would
+cost a JSON parse per token on the sidecar's one core. A missing sample only makes the live
+check smaller: the streamed requests still carry it, and the counter shows the gap.
+
 Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLLM unchanged.
 Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
 calls hosts on its allowlist (static hosts plus those the live cluster view knows).
@@ -70,6 +83,13 @@ ROUTE_KEEP = "keep"
 ROUTE_DEFLECT = "deflect"
 PATH_LOCAL = "local"  # metrics label of requests served without a routing decision
 PATHS = (ROUTE_KEEP, ROUTE_DEFLECT, PATH_LOCAL)
+# Why a completion request has no TTFT sample (kairos_sidecar_ttft_unobserved_total's reasons).
+NOT_STREAMED = "not_streamed"  # one JSON body after the last token: no first token to see
+UNOBSERVED_ERROR = "error"  # an error status, a failed hop, or an error event first in the stream
+ABORTED = "aborted"  # the client left before the first token
+UNOBSERVED = (NOT_STREAMED, UNOBSERVED_ERROR, ABORTED)
+# An SSE event that carries vLLM's error object ({"error": {...}}) rather than a token.
+_ERROR_EVENT = re.compile(rb'data: ?\{\s*"error"')
 
 # What hop 1 asks of the prefill node (vLLM's NixlConnector convention): keep the KV blocks for
 # a remote decoder to pull, and say where they are in the reply's kv_transfer_params.
@@ -198,14 +218,15 @@ class SidecarMetrics:
         )
         self.ttfb_seconds = Histogram(
             "kairos_sidecar_ttfb_seconds",
-            "Time to the first body byte of the local vLLM hop (keep: KV transfer + decode queue)",
+            "Local vLLM hop sent to its first token (keep: KV transfer + decode queue); streamed responses only",
             ["path"],
             buckets=_BUCKETS,
             registry=self.registry,
         )
         self.ttft_seconds = Histogram(
             "kairos_sidecar_ttft_seconds",
-            "Request arrival to the first body byte relayed: the TTFT the sidecar accounts for",
+            "Request arrival to its first token relayed (a stream's first event): the TTFT the sidecar "
+            "accounts for; kairos_sidecar_ttft_unobserved_total counts the requests without one",
             ["path"],
             buckets=_BUCKETS,
             registry=self.registry,
@@ -215,9 +236,17 @@ class SidecarMetrics:
         # the profile needs re-fitting.
         self.ttft_vs_predicted = Histogram(
             "kairos_sidecar_ttft_observed_over_predicted",
-            "Observed TTFT at the sidecar divided by the dispatcher's predicted TTFT",
+            "Observed TTFT at the sidecar (streamed responses) divided by the dispatcher's predicted TTFT",
             ["path"],
             buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0),
+            registry=self.registry,
+        )
+        self.ttft_unobserved = Counter(
+            "kairos_sidecar_ttft_unobserved",
+            "Completion requests without a TTFT sample, by reason: not_streamed (one JSON body, sent after "
+            "the last token: the first token is not visible here), error (an error status or event instead "
+            "of a first token), aborted (the client left before it)",
+            ["path", "reason"],
             registry=self.registry,
         )
         self.hop_errors = Counter(
@@ -245,6 +274,9 @@ class SidecarMetrics:
         self.ttft = {path: self.ttft_seconds.labels(path) for path in PATHS}
         self.hop1 = self.hop1_seconds.labels(ROUTE_KEEP)  # only the keep path has a hop 1
         self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (ROUTE_KEEP, ROUTE_DEFLECT)}
+        self.unobserved = {
+            (path, reason): self.ttft_unobserved.labels(path, reason) for path in PATHS for reason in UNOBSERVED
+        }
         for outcome in ("sent", "error", "dropped"):
             self.ttft_feedback.labels(outcome)
 
@@ -292,6 +324,7 @@ class TtftFeedbackPublisher:
             f.NODE: node,
             f.PREDICTED_MS: f"{predicted_s * 1e3:.3f}",
             f.OBSERVED_MS: f"{observed_s * 1e3:.3f}",
+            f.MEASURED: c.TTFT_FEEDBACK_FIRST_TOKEN,
         }
         try:
             self._queue.put_nowait(sample)
@@ -413,6 +446,7 @@ class _Timing:
     hop1_s: float | None = None
     ttfb_s: float | None = None
     ttft_s: float | None = None
+    unobserved: str | None = None  # why ttft_s is None (one of UNOBSERVED), once known
     predicted_s: float | None = None  # the dispatcher's TTFT prediction for the path it chose
     node: str = ""  # the decode node the dispatcher named (the feedback sample's node)
 
@@ -874,29 +908,11 @@ async def _relay(
             if name in request.headers:
                 out_headers[name] = request.headers[name]
 
-        feedback = state.feedback
-
-        def offer() -> None:
-            assert feedback is not None and timing is not None and timing.predicted_s and timing.ttft_s
-            feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
-
-        sample = False  # a feedback sample to offer
-
-        def first_byte() -> None:
-            nonlocal sample
-            if timing is not None and ok:
-                now = time.perf_counter()
-                timing.ttfb_s = now - started
-                timing.ttft_s = now - timing.started
-                sample = bool(feedback and timing.predicted_s and timing.path in (ROUTE_KEEP, ROUTE_DEFLECT))
-
         if head.content_type == "application/json" or request.method == "HEAD":
             # Small and complete by nature: relay as one response with its Content-Length.
             parts = []
             try:
                 while chunk := await resp.read(t):
-                    if not parts:
-                        first_byte()
                     parts.append(chunk)
             except TimeoutError:
                 _count(state, "2", "timeout")
@@ -904,19 +920,29 @@ async def _relay(
             except Http1Error as exc:
                 _count(state, "2", "broken")
                 raise UpstreamError(f"the local vLLM broke off its response: {type(exc).__name__}") from None
-            if sample:
-                # Offered once the response is written: call_soon runs after this task's step,
-                # which ends past aiohttp's write, so the writer's XADD (a Redis round trip on this
-                # loop, and Redis's CPU) never delays the client's bytes.
-                asyncio.get_running_loop().call_soon(offer)
+            if timing is not None:
+                # A completion's body is written after its last token: its first byte is no TTFT
+                # (the module docstring says why the sidecar does not rebuild it from a stream).
+                timing.unobserved = NOT_STREAMED if ok else UNOBSERVED_ERROR
             return web.Response(status=head.status, body=b"".join(parts), headers=out_headers)
 
-        def stream_first_byte() -> None:
-            first_byte()
-            if sample:
-                offer()  # a stream: now; the writer runs at its next wait, after this chunk is written
+        feedback = state.feedback
 
-        return await _stream(request, state, resp, out_headers, stream_first_byte, rid)
+        def first_event(chunk: bytes) -> None:
+            """The stream's first bytes: its first token, unless the node answered an error."""
+            if timing is None:
+                return
+            if not ok or _ERROR_EVENT.match(chunk):
+                timing.unobserved = UNOBSERVED_ERROR
+                return
+            now = time.perf_counter()
+            timing.ttfb_s = now - started
+            timing.ttft_s = now - timing.started
+            if feedback and timing.predicted_s and timing.path in (ROUTE_KEEP, ROUTE_DEFLECT):
+                # Queued now; the writer runs at its next wait, after this chunk is written.
+                feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
+
+        return await _stream(request, state, resp, out_headers, first_event, rid)
     finally:
         resp.close()  # before the body's end this drops the connection, so vLLM aborts the request
 
@@ -926,7 +952,7 @@ async def _stream(
     state: _State,
     resp: Response,
     out_headers: CIMultiDict[str],
-    first_byte: Callable[[], None],
+    first_event: Callable[[bytes], None],
     rid: str,
 ) -> web.StreamResponse:
     """Relay a streaming body (SSE) chunk by chunk: each chunk is written to the client's socket as
@@ -940,7 +966,7 @@ async def _stream(
     try:
         while chunk := await resp.read(t):
             if first:
-                first_byte()
+                first_event(chunk)
                 first = False
             await out.write(chunk)
             last = chunk
@@ -1045,6 +1071,10 @@ def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
         ratio = m.ttft_ratio.get(path)  # a prediction comes with the keep and deflect routes only
         if timing.predicted_s and ratio is not None:
             ratio.observe(timing.ttft_s / timing.predicted_s)
+    else:
+        # No status: the handler never returned a response (cancelled: its client left).
+        reason = timing.unobserved or (UNOBSERVED_ERROR if status else ABORTED)
+        m.unobserved[path, reason].inc()
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",

@@ -184,8 +184,10 @@ REDIS_PROMISE_CHANNEL = "kairos:promises"
 # one, was not set by a dispatcher, and the next dispatcher that wants the node takes it over.
 RESERVATION_MAX_TTL_S = 10.0
 
-# After a request's first token the decode-node sidecar (when given a Redis URL) XADDs one entry
-# here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error metrics.
+# After a streamed request's first token the decode-node sidecar (when given a Redis URL) XADDs one
+# entry here, fields in TtftFeedbackField; every dispatcher XREADs it into its live model-error
+# metrics. A non-streamed request gets no entry: its one JSON body leaves the node after the last
+# token, so no one outside the node sees its first token (kairos.nodeagent.sidecar says more).
 REDIS_TTFT_FEEDBACK_STREAM = "kairos:ttft-feedback"
 TTFT_FEEDBACK_MAXLEN = 10_000  # XADD MAXLEN ~ this: the stream is a recent window, not a log
 # A reader ignores (and counts) entries outside these bounds: TTFTs above 10 minutes, or an
@@ -269,9 +271,16 @@ class TtftFeedbackField:
     PATH = "path"  # "keep" or "deflect": the path the dispatcher chose
     NODE = "node"  # the decode node that served it
     PREDICTED_MS = "predicted_ms"  # the dispatcher's TTFT prediction for that path, ms
-    OBSERVED_MS = "observed_ms"  # arrival at the sidecar to the first body byte relayed, ms
+    OBSERVED_MS = "observed_ms"  # arrival at the sidecar to the first token relayed, ms
+    # What observed_ms timed: always TTFT_FEEDBACK_FIRST_TOKEN. Readers refuse an entry without it:
+    # sidecars before it also sent the first body byte of non-streamed responses, which comes
+    # after the whole generation, and nothing else in such an entry tells it from a TTFT.
+    MEASURED = "measured"
 
-    ALL = (REQUEST_ID, PATH, NODE, PREDICTED_MS, OBSERVED_MS)
+    ALL = (REQUEST_ID, PATH, NODE, PREDICTED_MS, OBSERVED_MS, MEASURED)
+
+
+TTFT_FEEDBACK_FIRST_TOKEN = "first_token"  # TtftFeedbackField.MEASURED: the first event of a stream
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.contracts import REDIS_PROMISE_CHANNEL, REDIS_TTFT_FEEDBACK_STREAM, TtftFeedbackField
+from kairos.common.contracts import (
+    REDIS_PROMISE_CHANNEL,
+    REDIS_TTFT_FEEDBACK_STREAM,
+    TTFT_FEEDBACK_FIRST_TOKEN,
+    TtftFeedbackField,
+)
 from kairos.common.errors import NoHealthyNodeError
 from kairos.core.algorithm import DeciderConfig, can_take_deflection
 from kairos.core.decision import Decision, Reason, Route
@@ -493,6 +498,7 @@ def feedback_fields(path: str, predicted_ms: float, observed_ms: float, rid: str
         f.NODE: "d0",
         f.PREDICTED_MS: str(predicted_ms),
         f.OBSERVED_MS: str(observed_ms),
+        f.MEASURED: TTFT_FEEDBACK_FIRST_TOKEN,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from aiohttp import web
 import kairos.nodeagent.sidecar as sidecar_module
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
+from kairos.launcher.tinymodel import build_tiny_model
 from kairos.nodeagent.heartbeat import SidecarProbe
 from kairos.nodeagent.sidecar import (
     HOP1_KV_TRANSFER_PARAMS,
@@ -33,7 +35,8 @@ from kairos.nodeagent.sidecar import (
     TtftFeedbackPublisher,
     app_runner,
 )
-from kairos.sim.emulated_vllm import VLLM_MAX_HEAD_BYTES, VLLM_MAX_HEADERS
+from kairos.sim.emulated_vllm import VLLM_MAX_HEAD_BYTES, VLLM_MAX_HEADERS, EmulatedNodeConfig
+from kairos.sim.emulated_vllm import app_runner as emulated_node
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
@@ -58,6 +61,7 @@ CHAT = {
     "stream_options": {"include_usage": True},
 }
 COMPLETION = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
+STREAMED = {**COMPLETION, "stream": True}  # a TTFT sample needs a stream: its first event is the first token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +92,7 @@ class FakeVLLM:
     use_gate: bool = False
     sent_last: bool = False
     break_stream: bool = False  # decode: drop the connection after the first chunk
+    error_event: bool = False  # decode: a stream that carries an error event, as vLLM's in-engine refusals
     reader_gone: asyncio.Event = field(default_factory=asyncio.Event)  # decode: a stream write failed
     health_status: int = 200
     release: asyncio.Event = field(default_factory=asyncio.Event)  # set at teardown: ends hangs
@@ -148,6 +153,10 @@ class FakeVLLM:
             return web.json_response({"id": "cmpl-d", "choices": [{"index": 0, "text": "hi there"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        if self.error_event:
+            error = {"message": "fake in-engine refusal", "type": "BadRequestError", "param": None, "code": 400}
+            await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+            return out
         await out.write(b'data: {"n": 1}\n\n')
         if self.break_stream:
             assert request.transport is not None
@@ -343,6 +352,12 @@ async def test_client_disconnect_before_a_json_reply_aborts_the_upstream_request
     with contextlib.suppress(asyncio.CancelledError):
         await request
     await asyncio.wait_for(rig.decode.reader_gone.wait(), 20)
+
+    async def counted() -> bool:  # the cancelled handler's last step, just after it dropped the hop
+        text = await _sidecar_metrics(rig, url)
+        return _metric(text, "kairos_sidecar_ttft_unobserved_total", path=route, reason="aborted") == 1
+
+    await eventually(counted, what="the request counted as aborted")
 
 
 @pytest.mark.parametrize("route", ["keep", "deflect"])
@@ -574,6 +589,21 @@ async def test_stream_broken_mid_way_ends_with_an_error_event(rig: Rig) -> None:
     assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "upstream_error"
 
 
+async def test_an_error_event_in_place_of_the_first_token_is_no_ttft(rig: Rig) -> None:
+    """vLLM refuses some streamed requests in its engine, after the 200: the stream's first event
+    is then an error, not a token, and must not become a TTFT sample."""
+    url = await rig.start_sidecar()
+    rig.decode.error_event = True
+    headers = {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_PRED_TTFT_DECODE_MS: "100"}
+    async with rig.http.post(f"{url}/v1/completions", json=STREAMED, headers=headers) as resp:
+        assert resp.status == 200
+        assert b'"error"' in await resp.read()
+    text = await _sidecar_metrics(rig, url)
+    assert _metric(text, "kairos_sidecar_ttft_seconds_count", path="deflect") == 0
+    assert _metric(text, "kairos_sidecar_ttft_observed_over_predicted_count", path="deflect") == 0
+    assert _metric(text, "kairos_sidecar_ttft_unobserved_total", path="deflect", reason="error") == 1
+
+
 async def test_too_large_and_malformed_bodies_get_openai_errors(rig: Rig) -> None:
     url = await rig.start_sidecar(max_body_bytes=1000)
     big = {**COMPLETION, "prompt": "x" * 2000}
@@ -616,12 +646,17 @@ async def test_metrics_count_each_path(rig: Rig) -> None:
         assert resp.status == 200
         text = await resp.text()
     assert _metric(text, "kairos_sidecar_hop1_seconds_count", path="keep") == 1
-    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="keep") == 1
-    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="deflect") == 2
-    assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path="local") == 1
-    assert _metric(text, "kairos_sidecar_ttft_seconds_count", path="keep") == 1
     assert _metric(text, "kairos_sidecar_hop1_seconds_sum", path="keep") > 0
     assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind="bad_routing_headers") == 1
+    # A TTFT (and its local hop's TTFB) for the streams only; every other request is counted without.
+    for path, streams in (("keep", 0), ("deflect", 2), ("local", 0)):
+        assert _metric(text, "kairos_sidecar_ttfb_seconds_count", path=path) == streams
+        assert _metric(text, "kairos_sidecar_ttft_seconds_count", path=path) == streams
+    unobserved = "kairos_sidecar_ttft_unobserved_total"
+    assert _metric(text, unobserved, path="keep", reason="not_streamed") == 1
+    assert _metric(text, unobserved, path="keep", reason="error") == 1  # the 502
+    assert _metric(text, unobserved, path="local", reason="not_streamed") == 1
+    assert _metric(text, unobserved, path="deflect", reason="not_streamed") == 0
 
 
 async def test_the_node_agents_probe_is_answered_by_the_sidecar_alone(rig: Rig) -> None:
@@ -638,12 +673,17 @@ async def test_observed_ttft_over_the_dispatchers_prediction(rig: Rig) -> None:
     url = await rig.start_sidecar()
     # A prediction of 1 µs: whatever the fake takes is far more, so the ratio lands in +Inf.
     headers = {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_PRED_TTFT_DECODE_MS: "0.001"}
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+    stream = {**COMPLETION, "stream": True}
+    async with rig.http.post(f"{url}/v1/completions", json=stream, headers=headers) as resp:
         assert resp.status == 200
+        await resp.read()
     async with rig.http.post(
-        f"{url}/v1/completions", json=COMPLETION, headers={**headers, c.H_PRED_TTFT_DECODE_MS: "not a number"}
+        f"{url}/v1/completions", json=stream, headers={**headers, c.H_PRED_TTFT_DECODE_MS: "not a number"}
     ) as resp:
         assert resp.status == 200
+        await resp.read()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=headers) as resp:
+        assert resp.status == 200  # not streamed: no TTFT, so no ratio
     async with rig.http.get(f"{url}/kairos/metrics") as resp:
         text = await resp.text()
     name = "kairos_sidecar_ttft_observed_over_predicted"
@@ -796,29 +836,38 @@ async def test_ttft_feedback_is_one_xadd_per_routed_request_after_its_first_toke
         rig.decode.gate.set()
         await resp.read()
     assert set(entry) == set(c.TtftFeedbackField.ALL)
-    assert {k: entry[k] for k in ("request_id", "path", "node", "predicted_ms")} == {
+    assert {k: entry[k] for k in ("request_id", "path", "node", "predicted_ms", "measured")} == {
         "request_id": "req-deflect",
         "path": "deflect",
         "node": "d7",
         "predicted_ms": "250.000",
+        "measured": "first_token",
     }
     assert float(entry["observed_ms"]) > 0
 
     keep = _keep(rig, **{c.H_PRED_TTFT_PREFILL_MS: "120.5", c.H_REQUEST_ID: "req-keep"})
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=keep) as resp:
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=keep) as resp:
         assert resp.status == 200
-    # No sample without a prediction, nor for a request that did not come through the gateway.
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        await resp.read()
+    # No sample without a prediction, nor for a request that did not come through the gateway,
+    # nor for a non-streamed one (its first token is not visible here).
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_keep(rig)) as resp:
         assert resp.status == 200
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION) as resp:
+        await resp.read()
+    async with rig.http.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.read()
+    plain = {**DEFLECT_PREDICTED, c.H_REQUEST_ID: "req-plain"}
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=plain) as resp:
         assert resp.status == 200
 
     # A marker with a prediction, after them: the one writer XADDs in offer order, and a sample is
-    # offered before its response is sent, so once the marker is in the stream a wrong sample for
-    # the two requests above would be there too.
+    # offered before its first token is relayed, so once the marker is in the stream a wrong sample
+    # for the requests above would be there too.
     marker = {**DEFLECT_PREDICTED, c.H_REQUEST_ID: "req-marker"}
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=marker) as resp:
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=marker) as resp:
         assert resp.status == 200
+        await resp.read()
 
     async def up_to_the_marker() -> list[dict[str, str]] | None:
         entries = await _feedback_entries(redis.url)
@@ -841,11 +890,94 @@ async def test_ttft_feedback_is_one_xadd_per_routed_request_after_its_first_toke
     assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="error") == 0
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "kairos-tinymodel")
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    """One request as the node timed it (wall seconds from its arrival there)."""
+
+    first_token_s: float
+    last_token_s: float
+
+
+async def _node_timing(http: aiohttp.ClientSession, url: str, scale: float) -> NodeTiming:
+    """The node's own TTFT and TTFT + decode span, summed over every request so far: the emulated
+    vLLM's vllm:time_to_first_token_seconds and vllm:inter_token_latency_seconds (model seconds)."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    sums = {
+        line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:time_to_first_token_seconds_sum{", "vllm:inter_token_latency_seconds_sum{"))
+    }
+    ttft = sums["vllm:time_to_first_token_seconds_sum"] / scale
+    span = sums["vllm:inter_token_latency_seconds_sum"] / scale
+    return NodeTiming(ttft, ttft + span)
+
+
+async def test_a_ttft_sample_is_the_nodes_first_token_never_the_whole_response(
+    rig: Rig, redis: RedisServer, model_dir: Path
+) -> None:
+    """Every TTFT the sidecar reports (feedback sample and histogram) lands at the node's own first
+    token: after it (the sidecar saw the request first), and nearer to it than to the last token.
+    A non-streamed response's first byte comes after the last token: that request has no sample
+    and is counted as not streamed instead."""
+    # Model seconds per wall second: the 80 decode steps take about 1.8 s of wall time, so the
+    # midway bound leaves the sidecar's hops some 0.9 s on a starved machine.
+    scale = 2.0
+    node_config = EmulatedNodeConfig(node_id="d0", role=c.Role.DECODE, model_dir=str(model_dir), model="tiny")
+    runner, node = await _serve(emulated_node(dataclasses.replace(node_config, time_scale=scale)))
+    try:
+        url = await rig.start_sidecar(local_vllm=node, redis_url=redis.url)
+        prompt = [10 + i for i in range(1000)]
+        headers = {**DEFLECT_PREDICTED, c.H_CHUNK_SCHEDULE: "1000", c.H_DECODE_NODE: "d0"}
+        timings: dict[str, NodeTiming] = {}
+        seen = NodeTiming(0.0, 0.0)
+        for rid, stream in (("plain", False), ("streamed", True)):  # one at a time: the node's sums are theirs
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 80, "stream": stream}
+            async with rig.http.post(
+                f"{url}/v1/completions", json=body, headers={**headers, c.H_REQUEST_ID: rid}
+            ) as resp:
+                assert resp.status == 200
+                await resp.read()
+            total = await _node_timing(rig.http, f"http://{node}", scale)
+            timings[rid] = NodeTiming(total.first_token_s - seen.first_token_s, total.last_token_s - seen.last_token_s)
+            seen = total
+
+        async def up_to_the_stream() -> list[dict[str, str]] | None:  # the writer sends in offer order
+            entries = await _feedback_entries(redis.url)
+            return entries if entries and entries[-1]["request_id"] == "streamed" else None
+
+        entries = {e["request_id"]: e for e in await eventually(up_to_the_stream, what="the streamed sample")}
+        for rid, entry in entries.items():
+            observed, node_timing = float(entry["observed_ms"]) / 1e3, timings[rid]
+            midway = (node_timing.first_token_s + node_timing.last_token_s) / 2
+            assert node_timing.first_token_s - 0.001 <= observed < midway, (
+                f"{rid}: the sidecar reported {observed:.3f} s as its TTFT; the node's first token came at "
+                f"{node_timing.first_token_s:.3f} s, its last at {node_timing.last_token_s:.3f} s"
+            )
+            assert entry[c.TtftFeedbackField.MEASURED] == c.TTFT_FEEDBACK_FIRST_TOKEN
+        assert list(entries) == ["streamed"]
+
+        text = await _sidecar_metrics(rig, url)
+        assert _metric(text, "kairos_sidecar_ttft_seconds_count", path="deflect") == 1
+        ttft = _metric(text, "kairos_sidecar_ttft_seconds_sum", path="deflect")
+        streamed = timings["streamed"]
+        assert streamed.first_token_s - 0.001 <= ttft < (streamed.first_token_s + streamed.last_token_s) / 2
+        assert _metric(text, "kairos_sidecar_ttft_unobserved_total", path="deflect", reason="not_streamed") == 1
+    finally:
+        await runner.cleanup()
+
+
 async def test_ttft_feedback_without_a_redis_url_uses_no_redis(rig: Rig, redis: RedisServer) -> None:
     url = await rig.start_sidecar()
-    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+    async with rig.http.post(f"{url}/v1/completions", json=STREAMED, headers=DEFLECT_PREDICTED) as resp:
         assert resp.status == 200
-    # No wait: a sample is offered at the response's first byte, so the sidecar had its chance.
+        await resp.read()
+    # No wait: a sample is offered at the stream's first event, so the sidecar had its chance.
     assert await _feedback_entries(redis.url) == []
     assert _metric(await _sidecar_metrics(rig, url), "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
 
@@ -865,7 +997,7 @@ async def test_a_redis_that_never_answers_never_delays_a_request(rig: Rig, monke
         url = await rig.start_sidecar(redis_url=f"redis://127.0.0.1:{port}/0")
         for _ in range(3):
             async with asyncio.timeout(2.0):
-                async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as r:
+                async with rig.http.post(f"{url}/v1/completions", json=STREAMED, headers=DEFLECT_PREDICTED) as r:
                     assert r.status == 200
                     await r.read()
         # The writer did try (it lets samples gather for _FEEDBACK_LINGER_S first).
@@ -889,8 +1021,9 @@ async def test_redis_down_is_counted_logged_once_and_recovers(
     try:
         url = await rig.start_sidecar(redis_url=server.url)
         for _ in range(4):
-            async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+            async with rig.http.post(f"{url}/v1/completions", json=STREAMED, headers=DEFLECT_PREDICTED) as resp:
                 assert resp.status == 200
+                await resp.read()
         text = await eventually(lambda: _errors_seen(rig, url))
         assert _metric(text, "kairos_sidecar_ttft_feedback_total", outcome="sent") == 0
         down = [r for r in caplog.records if "TTFT feedback: redis at" in r.getMessage() and "failed" in r.getMessage()]
@@ -902,8 +1035,9 @@ async def test_redis_down_is_counted_logged_once_and_recovers(
         # all 4 samples counted; a sleep lasts at least its 0.25 s of loop time, so this is a
         # deadline the sleep cannot miss, however slow the machine (slower only sleeps longer).
         await asyncio.sleep(0.25)
-        async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=DEFLECT_PREDICTED) as resp:
+        async with rig.http.post(f"{url}/v1/completions", json=STREAMED, headers=DEFLECT_PREDICTED) as resp:
             assert resp.status == 200
+            await resp.read()
 
         async def sent() -> str | None:  # counted and logged ("answers again") once XADD's reply is back
             text = await _sidecar_metrics(rig, url)

@@ -51,11 +51,13 @@ def test_every_part_talks_rediss_with_its_own_user_and_no_secret_is_on_a_command
 ) -> None:
     setup = cluster.redis_setup
     assert setup is not None and setup.tls and cluster.redis_url.startswith("rediss://kairos-admin:")
-    status, _, body = post_json(
-        f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": text_of(tokenizer, 6000), "max_tokens": 4}
+    body = {"model": MODEL, "prompt": text_of(tokenizer, 6000), "max_tokens": 4, "stream": True}
+    status, _, raw = http(
+        "POST", f"{cluster.gateway_url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
     )
-    assert status == 200, body
-    # the sidecar's TTFT sample went over TLS with the decode node's user; the dispatcher read it
+    assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
+    # the sidecar's TTFT sample (a stream's: its first token) went over TLS with the decode node's
+    # user; the dispatcher read it
     wait_until(
         lambda: metric(cluster, "kairos_dispatcher_ttft_observed_over_predicted_count", 'path="keep"') >= 1,
         what="the dispatcher reading the sidecar's TTFT sample",

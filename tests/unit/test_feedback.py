@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kairos.common.contracts import TTFT_FEEDBACK_FIRST_TOKEN
 from kairos.common.contracts import TtftFeedbackField as F
 from kairos.extproc.feedback import MalformedFeedback, TtftFeedback, parse_entry
 from kairos.extproc.metrics import DispatcherMetrics
@@ -20,6 +21,7 @@ MALFORMED = "kairos_dispatcher_ttft_feedback_malformed_total"
 
 def entry(path: str = "keep", predicted_ms: Any = 100, observed_ms: Any = 100, **extra: Any) -> dict[bytes, bytes]:
     fields = {F.REQUEST_ID: "r1", F.PATH: path, F.NODE: "d0", F.PREDICTED_MS: predicted_ms, F.OBSERVED_MS: observed_ms}
+    fields[F.MEASURED] = TTFT_FEEDBACK_FIRST_TOKEN
     fields.update(extra)
     return {k.encode(): str(v).encode() for k, v in fields.items() if v is not None}
 
@@ -51,6 +53,9 @@ def test_an_entry_parses_into_a_sample() -> None:
         (entry(observed_ms="inf"), "must be finite and > 0"),
         (entry(observed_ms="nan"), "must be finite and > 0"),
         (entry(**{F.NODE: None}), "missing fields ['node']"),
+        # what an older sidecar sent: its non-streamed samples timed the whole generation
+        (entry(**{F.MEASURED: None}), "missing fields ['measured'] (a sidecar older than the first-token contract"),
+        (entry(**{F.MEASURED: "first_byte"}), "measured must be 'first_token', got 'first_byte'"),
         (None, "expected a field map, got NoneType"),
         # junk an attacker who may XADD writes: bounded, so it never reaches the MAPE
         (entry(predicted_ms=10_000_000, observed_ms=1), "must be <= 600000"),
