@@ -569,6 +569,7 @@ class Membership:
                     hb.kv_capacity_tokens,
                     reported_at=reported_at,
                     prefill_backlog_tokens=hb.scheduled_prefill_tokens,
+                    prefill_backlog_computed_tokens=hb.scheduled_prefill_computed_tokens or (),
                     # Not reported (a node older than the field): 1.0, the model taken as it is.
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
                     pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),

@@ -854,6 +854,7 @@ class EmulatedNode:
             model=self.config.model,
             step_calibration=snap.step_calibration,
             pending_kv_pull_tokens=tuple(self._pulls) if self.config.role is Role.DECODE else None,
+            scheduled_prefill_computed_tokens=snap.scheduled_prefill_computed_tokens,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

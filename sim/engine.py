@@ -169,6 +169,8 @@ class EngineSnapshot:
     scheduled_prefill_tokens: tuple[int, ...]  # remaining prefill tokens of deflected prefills, FIFO
     max_step_tokens: int
     step_calibration: float | None = None  # the engine's, when it measures its steps
+    # Per scheduled_prefill_tokens entry: its prompt tokens computed already (chunks run, or a prefix hit)
+    scheduled_prefill_computed_tokens: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -178,6 +180,7 @@ class _PrefillQueue:
     order, which is what a heartbeat reports."""
 
     tokens: list[int] = field(default_factory=list)  # a list: a heartbeat copies it with one memcpy
+    computed: list[int] = field(default_factory=list)  # each one's prompt tokens computed already, as tokens
     admitted: list[Sequence] = field(default_factory=list)  # the first len(admitted) of tokens
     total: int = 0  # sum(tokens)
     squared: int = 0  # sum(n * n for n in tokens): Eq. 2's, kept so that a heartbeat never loops
@@ -185,6 +188,7 @@ class _PrefillQueue:
     def add(self, seq: Sequence) -> None:
         n = seq.prefill_remaining
         self.tokens.append(n)
+        self.computed.append(seq.computed)
         self.total += n
         self.squared += n * n
 
@@ -197,8 +201,10 @@ class _PrefillQueue:
         if seq.prefill_remaining == 0:
             del self.admitted[i]
             del self.tokens[i]
+            del self.computed[i]
         else:
             self.tokens[i] -= tokens
+            self.computed[i] += tokens
 
 
 @dataclass
@@ -533,4 +539,5 @@ class Engine:
             scheduled_prefill_tokens=tuple(self._scheduled.tokens),
             max_step_tokens=self.config.max_step_tokens,
             step_calibration=None if self.calibration is None else self.calibration.value,
+            scheduled_prefill_computed_tokens=tuple(self._scheduled.computed),
         )

@@ -477,6 +477,7 @@ def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeSt
         kv_capacity_tokens=snap.kv_capacity_tokens,
         reported_at=now,
         prefill_backlog_tokens=snap.scheduled_prefill_tokens,
+        prefill_backlog_computed_tokens=snap.scheduled_prefill_computed_tokens,
         step_calibration=1.0 if snap.step_calibration is None else snap.step_calibration,
         pending_kv_pull_tokens=link.pending_tokens(),
     )

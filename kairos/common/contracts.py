@@ -237,6 +237,11 @@ class HeartbeatField:
     # finish pulling (queued on or running over its inbound link), FIFO; the keep path's TTFT
     # estimate queues a new transfer behind them. Absent: none reported.
     PENDING_KV_PULL_TOKENS = "pending_kv_pull_tokens"
+    # Optional, decode nodes: list[int], one per SCHEDULED_PREFILL_TOKENS entry, in the same order:
+    # the prompt tokens that deflected prefill has computed already (the chunks run, or a prefix
+    # cache hit), which its remaining chunks attend to. A started prefill holds them in kv_tokens.
+    # Absent: none reported (each planned from nothing, as before the field).
+    SCHEDULED_PREFILL_COMPUTED_TOKENS = "scheduled_prefill_computed_tokens"
     # Optional: where the node publishes vLLM's KV cache events (--kv-events-config), as ZMQ
     # endpoints a dispatcher connects to (KV_EVENTS_ENDPOINT_PATTERN), and their topic. Absent:
     # no events, the dispatcher reads the node's prefix hits as zero.
@@ -245,7 +250,15 @@ class HeartbeatField:
     KV_EVENTS_TOPIC = "kv_events_topic"  # absent: "" (vLLM's default, every topic)
     # From the publisher's config, not the engine's state.
     KV_EVENTS = (KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY_ENDPOINT, KV_EVENTS_TOPIC)
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS, *KV_EVENTS)
+    OPTIONAL = (
+        RUNNING_REQUESTS,
+        WAITING_REQUESTS,
+        KV_USAGE,
+        STEP_CALIBRATION,
+        PENDING_KV_PULL_TOKENS,
+        SCHEDULED_PREFILL_COMPUTED_TOKENS,
+        *KV_EVENTS,
+    )
 
     ALL = (
         NODE_ID,
@@ -327,6 +340,7 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False):
     kv_usage: _Amount | None = None
     step_calibration: _Calibration | None = None  # None: not reported (the dispatcher reads 1.0)
     pending_kv_pull_tokens: tuple[_Count, ...] | None = None
+    scheduled_prefill_computed_tokens: tuple[_Count, ...] | None = None
     kv_events_endpoint: _Endpoint | None = None
     kv_events_replay_endpoint: _Endpoint | None = None
     kv_events_topic: str | None = None
@@ -356,12 +370,25 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.KV_USAGE: hb.kv_usage,
         f.STEP_CALIBRATION: hb.step_calibration,
         f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
+        f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(hb.scheduled_prefill_computed_tokens),
         f.KV_EVENTS_ENDPOINT: hb.kv_events_endpoint,
         f.KV_EVENTS_REPLAY_ENDPOINT: hb.kv_events_replay_endpoint,
         f.KV_EVENTS_TOPIC: hb.kv_events_topic,
     }
     beat |= {k: v for k, v in optional.items() if v is not None}
     return json.dumps(beat, separators=(",", ":"))
+
+
+def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
+    return None if values is None else list(values)
+
+
+def _check_computed(
+    name: str, computed: tuple[int, ...] | None, scheduled: tuple[int, ...], error: type[Exception]
+) -> None:
+    """The computed prefixes, when reported, are one per scheduled prefill."""
+    if computed is not None and len(computed) != len(scheduled):
+        raise error(f"{name} has {len(computed)} entries for {len(scheduled)} scheduled prefills")
 
 
 def _hb_int(data: Mapping[str, Any], name: str, minimum: int = 0) -> int:
@@ -445,6 +472,13 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
     else:
         if not math.isfinite(hb.sent_at) or (hb.kv_usage is not None and not math.isfinite(hb.kv_usage)):
             hb = _parse_heartbeat_checked(raw)
+        else:  # a check across fields, which the checked decoder makes too
+            _check_computed(
+                HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS,
+                hb.scheduled_prefill_computed_tokens,
+                hb.scheduled_prefill_tokens,
+                MalformedHeartbeat,
+            )
     if node_id is not None and hb.node_id != node_id:
         raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
     if not hb.url:
@@ -468,7 +502,7 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
     role = _hb_str(data, f.ROLE)
     if role not in tuple(Role):
         raise MalformedHeartbeat(f"role must be 'prefill' or 'decode', got {role!r}")
-    return Heartbeat(
+    hb = Heartbeat(
         node_id=_hb_str(data, f.NODE_ID),
         role=Role(role),
         url=_hb_str(data, f.URL),
@@ -489,10 +523,22 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
         pending_kv_pull_tokens=(
             _hb_ints(data, f.PENDING_KV_PULL_TOKENS) if data.get(f.PENDING_KV_PULL_TOKENS) is not None else None
         ),
+        scheduled_prefill_computed_tokens=(
+            _hb_ints(data, f.SCHEDULED_PREFILL_COMPUTED_TOKENS)
+            if data.get(f.SCHEDULED_PREFILL_COMPUTED_TOKENS) is not None
+            else None
+        ),
         kv_events_endpoint=_hb_endpoint(data, f.KV_EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_hb_endpoint(data, f.KV_EVENTS_REPLAY_ENDPOINT),
         kv_events_topic=_hb_str(data, f.KV_EVENTS_TOPIC) if data.get(f.KV_EVENTS_TOPIC) is not None else None,
     )
+    _check_computed(
+        f.SCHEDULED_PREFILL_COMPUTED_TOKENS,
+        hb.scheduled_prefill_computed_tokens,
+        hb.scheduled_prefill_tokens,
+        MalformedHeartbeat,
+    )
+    return hb
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +692,8 @@ class EngineStateField:
     KV_USAGE = HeartbeatField.KV_USAGE
     STEP_CALIBRATION = HeartbeatField.STEP_CALIBRATION  # the node's, when it measures its steps
     PENDING_KV_PULL_TOKENS = HeartbeatField.PENDING_KV_PULL_TOKENS  # list[int], decode nodes' KV pulls
+    # list[int], one per scheduled prefill: its prompt tokens computed already
+    SCHEDULED_PREFILL_COMPUTED_TOKENS = HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -657,7 +705,15 @@ class EngineStateField:
         MAX_STEP_TOKENS,
         MODEL,
     )
-    OPTIONAL = (RUNNING_REQUESTS, WAITING_REQUESTS, KV_USAGE, STEP_CALIBRATION, PENDING_KV_PULL_TOKENS, AS_OF)
+    OPTIONAL = (
+        RUNNING_REQUESTS,
+        WAITING_REQUESTS,
+        KV_USAGE,
+        STEP_CALIBRATION,
+        PENDING_KV_PULL_TOKENS,
+        SCHEDULED_PREFILL_COMPUTED_TOKENS,
+        AS_OF,
+    )
 
 
 class EngineStateError(KairosError):
@@ -682,6 +738,8 @@ class EngineState:
     kv_usage: float | None = None
     step_calibration: float | None = None  # actual / predicted step time, its upper quantile
     pending_kv_pull_tokens: tuple[int, ...] | None = None  # KV transfers the node has yet to finish, FIFO
+    # Per scheduled prefill, in the same order: its prompt tokens computed already (None: not reported)
+    scheduled_prefill_computed_tokens: tuple[int, ...] | None = None
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -701,9 +759,16 @@ class EngineState:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
-        pulls = self.pending_kv_pull_tokens
-        if pulls is not None and (not isinstance(pulls, tuple) or not all(_is_int(x) and x >= 0 for x in pulls)):
-            raise EngineStateError(f"engine state: pending_kv_pull_tokens must be a tuple of ints >= 0, got {pulls!r}")
+        for name in ("pending_kv_pull_tokens", "scheduled_prefill_computed_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, tuple) or not all(_is_int(x) and x >= 0 for x in value)):
+                raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
+        _check_computed(
+            "engine state: scheduled_prefill_computed_tokens",
+            self.scheduled_prefill_computed_tokens,
+            self.scheduled_prefill_tokens,
+            EngineStateError,
+        )
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
@@ -733,6 +798,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.KV_USAGE: state.kv_usage,
         f.STEP_CALIBRATION: state.step_calibration,
         f.PENDING_KV_PULL_TOKENS: None if state.pending_kv_pull_tokens is None else list(state.pending_kv_pull_tokens),
+        f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(state.scheduled_prefill_computed_tokens),
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}
@@ -752,11 +818,12 @@ def parse_engine_state(raw: bytes | str) -> EngineState:
             raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
         values[name] = tuple(values[name])
     values |= {n: data[n] for n in f.OPTIONAL if data.get(n) is not None}
-    pulls = values.get(f.PENDING_KV_PULL_TOKENS)
-    if pulls is not None:
-        if not isinstance(pulls, list):
-            raise EngineStateError(f"engine state: {f.PENDING_KV_PULL_TOKENS} must be a list, got {pulls!r}")
-        values[f.PENDING_KV_PULL_TOKENS] = tuple(pulls)
+    for name in (f.PENDING_KV_PULL_TOKENS, f.SCHEDULED_PREFILL_COMPUTED_TOKENS):
+        listed = values.get(name)
+        if listed is not None:
+            if not isinstance(listed, list):
+                raise EngineStateError(f"engine state: {name} must be a list, got {listed!r}")
+            values[name] = tuple(listed)
     return EngineState(**values)
 
 

@@ -441,6 +441,35 @@ def planning_batch(config: DeciderConfig, node: DecodeNodeState) -> tuple[int, i
     return node.decode_tokens, node.kv_tokens
 
 
+def _backlog_schedule(
+    models: LatencyModels,
+    node: DecodeNodeState,
+    i: int,
+    remaining: int,
+    b: int,
+    k: int,
+    candidates: tuple[int, ...],
+    step_budget_s: float,
+    give_up_after_s: float,
+    start_s: float,
+) -> tuple[list[Run], float] | str:
+    """The schedule of the node's backlog entry ``i`` (``remaining`` tokens left), run first:
+    over its computed prefix, which its chunks attend to. K holds that prefix already, and the
+    greedy adds a request's cached tokens to K, so it plans on K without it."""
+    computed = node.backlog_computed(i)
+    return greedy_schedule(
+        models,
+        computed + remaining,
+        b,
+        max(0, k - computed),
+        candidates,
+        step_budget_s,
+        give_up_after_s,
+        start_s,
+        computed,
+    )
+
+
 def plan_on_decode_node(
     models: LatencyModels,
     config: DeciderConfig,
@@ -454,8 +483,8 @@ def plan_on_decode_node(
     node does not have cached."""
     (b, k), t = planning_batch(config, node), 0.0
     cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
-    for backlog in node.prefill_backlog_tokens:
-        done = greedy_schedule(models, backlog, b, k, cands, budget, give_up_after_s, t)
+    for i, backlog in enumerate(node.prefill_backlog_tokens):
+        done = _backlog_schedule(models, node, i, backlog, b, k, cands, budget, give_up_after_s, t)
         if isinstance(done, str):
             return done
         t = done[1]
@@ -552,8 +581,8 @@ class _NodeFacts:
         path (its runs are read as far as a prompt needs them: ``extend``)."""
         models, config, budget = self.models, self.config, self.budget_s
         (b, k), t = planning_batch(config, node), 0.0
-        for backlog in node.prefill_backlog_tokens:
-            done = greedy_schedule(models, backlog, b, k, config.chunk_candidates, budget, math.inf, t)
+        for i, backlog in enumerate(node.prefill_backlog_tokens):
+            done = _backlog_schedule(models, node, i, backlog, b, k, config.chunk_candidates, budget, math.inf, t)
             t = math.inf if isinstance(done, str) else done[1]
             b, k = b + 1, k + backlog
         self.wait_s, self.b = t, b
@@ -958,7 +987,7 @@ def _deflect(
 # the lowest node id on a tie (then the first in the view), and whether any node's schedule
 # was abandoned for running past the bound (rather than finding no TBT-safe chunk).
 _Best = tuple[float, str, _Plan]
-_PlanMemo = dict[tuple[int, int, tuple[int, ...], float, int], "_Plan | str"]
+_PlanMemo = dict[tuple[int, int, tuple[int, ...], tuple[int, ...], float, int], "_Plan | str"]
 
 
 def _cutoff(limit_s: float) -> float:
@@ -980,7 +1009,13 @@ def _memo_plan(
     """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state (and
     cached prefix) in a search. Bounds only tighten during a search, and a schedule too slow for
     a looser bound is too slow for a tighter one."""
-    key = (*planning_batch(config, node), node.prefill_backlog_tokens, node.step_calibration, cached_tokens)
+    key = (
+        *planning_batch(config, node),
+        node.prefill_backlog_tokens,
+        node.prefill_backlog_computed_tokens,
+        node.step_calibration,
+        cached_tokens,
+    )
     plan = memo.get(key)
     if plan is None:
         plan = memo[key] = planner(models, config, node, prompt_tokens, give_up, cached_tokens)

@@ -69,6 +69,11 @@ class DecodeNodeState:
     # (prefilled keep-path requests whose KV the node has yet to pull), FIFO, as its heartbeat
     # reports them. The keep path's TTFT estimate queues a new transfer behind them.
     pending_kv_pull_tokens: tuple[int, ...] = ()
+    # Per prefill_backlog_tokens entry, in the same order: the prompt tokens that deflected prefill
+    # has computed already (its chunks run, or its prefix cache hit), which its remaining chunks
+    # attend to; taken to be held in kv_tokens. Shorter than the backlog (a node that does not
+    # report them): the rest computed nothing.
+    prefill_backlog_computed_tokens: tuple[int, ...] = ()
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
@@ -85,6 +90,17 @@ class DecodeNodeState:
             )
         if not (0 < self.step_calibration < float("inf")):
             raise ValueError(f"decode node {self.node_id}: step_calibration must be > 0, got {self.step_calibration}")
+        computed = self.prefill_backlog_computed_tokens
+        if len(computed) > len(self.prefill_backlog_tokens) or any(c < 0 for c in computed):
+            raise ValueError(
+                f"decode node {self.node_id}: prefill_backlog_computed_tokens={computed} must be >= 0, at most one "
+                f"per backlog entry ({len(self.prefill_backlog_tokens)})"
+            )
+
+    def backlog_computed(self, i: int) -> int:
+        """The prompt tokens backlog entry ``i`` has computed already (0 when not reported)."""
+        computed = self.prefill_backlog_computed_tokens
+        return computed[i] if i < len(computed) else 0
 
     @property
     def free_kv_tokens(self) -> int:

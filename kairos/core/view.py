@@ -43,6 +43,7 @@ class _Dispatch:
     tokens: int  # prompt tokens sent
     foreign: bool = False  # another dispatcher's deflection, learnt from its promise
     promise: str = ""  # a foreign one's promise member: heard twice, it is counted once
+    cached: int = 0  # a deflection's prompt tokens the node has cached: computed already, held in its KV
 
 
 @dataclass(slots=True)
@@ -124,7 +125,7 @@ class ClusterTracker:
             incoming.add(arrival, tokens)
             self._changed(decision.prefill_node, decision.decode_node)
         else:
-            dispatch = _Dispatch(now, work)
+            dispatch = _Dispatch(now, work, cached=decision.cached_tokens)
             self._overlay.setdefault(decision.decode_node, []).append(dispatch)
             self._changed(decision.decode_node)
             return decision.decode_node, dispatch
@@ -218,9 +219,18 @@ class ClusterTracker:
         keeps, keep_tokens = (len(incoming.heap), incoming.tokens) if incoming is not None else (0, 0)
         if not extra and not keeps:
             return s
+        extra = extra or []
+        computed = s.prefill_backlog_computed_tokens
+        prefixes = sum(d.cached for d in extra)
+        if prefixes:  # a dispatched deflection's cached prefix: computed already, its KV held from now on
+            computed = (
+                computed + (0,) * (len(s.prefill_backlog_tokens) - len(computed)) + tuple(d.cached for d in extra)
+            )
         return replace(
             s,
-            prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra or ()),
+            kv_tokens=s.kv_tokens + prefixes,
+            prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra),
+            prefill_backlog_computed_tokens=computed,
             incoming_keeps=s.incoming_keeps + keeps,
             incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,
         )

@@ -21,6 +21,7 @@ class PendingPrefill:
 
     remaining: int  # prompt tokens not yet computed
     scheduled: bool  # a deflected prefill with a chunk schedule
+    computed: int = 0  # prompt tokens computed already (chunks run, or the prefix hit it will start from)
 
 
 def build_state(
@@ -38,9 +39,12 @@ def build_state(
 ) -> EngineState:
     queued: list[int] = []
     scheduled: list[int] = []
+    scheduled_computed: list[int] = []
     for p in prefills:
         if p.remaining > 0:
             (scheduled if p.scheduled else queued).append(p.remaining)
+            if p.scheduled:
+                scheduled_computed.append(p.computed)
     return EngineState(
         decode_tokens=decode_tokens,
         kv_tokens=kv_tokens,
@@ -53,5 +57,6 @@ def build_state(
         waiting_requests=waiting_requests,
         kv_usage=round(kv_usage, 6),
         step_calibration=step_calibration,
+        scheduled_prefill_computed_tokens=tuple(scheduled_computed),
         as_of=time.time(),
     )

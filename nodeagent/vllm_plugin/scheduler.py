@@ -341,7 +341,7 @@ class KairosScheduler(Scheduler):
 
     def _pending(self, r: Request, computed: int | None = None) -> PendingPrefill:
         done = r.num_computed_tokens if computed is None else computed
-        return PendingPrefill(r.num_prompt_tokens - done, r.request_id in self._plans)
+        return PendingPrefill(r.num_prompt_tokens - done, r.request_id in self._plans, done)
 
 
 def _stamp(path: Path | None) -> tuple[int, int, int] | None:

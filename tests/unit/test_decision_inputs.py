@@ -1,0 +1,175 @@
+"""The inputs of a decision are the ones Algorithm 1 needs (issue 32's audit of the decision core):
+each case here failed on the code before its fix, with the numbers the audit gave.
+
+1. A queued or half-done deflection is planned over its own computed prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from kairos.common.contracts import (
+    HeartbeatField,
+    MalformedHeartbeat,
+    Role,
+    encode_engine_state,
+    encode_heartbeat,
+    parse_engine_state,
+    parse_heartbeat,
+)
+from kairos.core import algorithm as alg
+from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
+from kairos.core.decision import Decision, Reason, Route
+from kairos.core.latency import load_profile
+from kairos.core.state import DecodeNodeState
+from kairos.core.view import ClusterTracker
+from kairos.extproc.membership import Membership, MembershipConfig
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
+from kairos.sim.engine import Engine, EngineConfig, Sequence, model_step_time
+from kairos.sim.simulator import _decode_state, _Link
+from tests.builders import BIG_KV, decode_node
+from tests.builders import heartbeat_json as beat
+
+PACKAGED = load_profile()
+UNLIMITED = DeciderConfig(max_pending_deflections=None)  # deflections queue behind a node's backlog
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. A queued deflection's computed prefix
+# ---------------------------------------------------------------------------------------------
+def _half_done_node(**changes: object) -> DecodeNodeState:
+    """The audit's node: B = 15, K = 60K, with a 12K-token deflection half prefilled (its 6K
+    computed tokens are part of K)."""
+    fields: dict[str, object] = {
+        "decode_tokens": 15,
+        "kv_tokens": 60_000,
+        "kv_capacity_tokens": BIG_KV,
+        "reported_at": 0.0,
+        "prefill_backlog_tokens": (6000,),
+        "prefill_backlog_computed_tokens": (6000,),
+        **changes,
+    }
+    return DecodeNodeState("d1", **fields)  # type: ignore[arg-type]
+
+
+def test_a_half_done_deflection_is_planned_over_its_computed_prefix() -> None:
+    """Its remaining 6K tokens attend to the 6K already computed: the backlog takes the greedy
+    over cached 6K..12K (K without its own prefix, which the greedy adds back), not over 0..6K,
+    and a 2K request queued behind it starts that much later."""
+    node = _half_done_node()
+    cands, budget = UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s
+    with_prefix = greedy_schedule(PACKAGED, 12_000, 15, 54_000, cands, budget, cached_tokens=6000)
+    from_nothing = greedy_schedule(PACKAGED, 6000, 15, 60_000, cands, budget)
+    assert not isinstance(with_prefix, str) and not isinstance(from_nothing, str)
+    backlog_s = with_prefix[1]
+    assert (round(from_nothing[1], 2), round(backlog_s, 2)) == (1.30, 2.65)  # the audit's figures
+    own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog_s)
+    assert not isinstance(own, str)
+    plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 2000, math.inf)
+    assert isinstance(plan, alg._Plan)
+    assert plan.ttft_s == pytest.approx(own[1], rel=1e-12)
+    assert plan.ttft_s - own[1] + backlog_s - from_nothing[1] > 1.3  # 1.35 s the old plan left out
+    # The bounded search's path for the node starts after the same backlog.
+    assert alg._plan_on_path(PACKAGED, UNLIMITED, node, 2000, math.inf) == plan
+
+
+def test_a_backlog_without_computed_prefixes_is_planned_as_before() -> None:
+    """A node (or heartbeat) that reports no computed prefix: every backlog prefill from nothing."""
+    reported = _half_done_node(prefill_backlog_computed_tokens=())
+    zero = _half_done_node(prefill_backlog_computed_tokens=(0,))
+    a = plan_on_decode_node(PACKAGED, UNLIMITED, reported, 2000, math.inf)
+    b = plan_on_decode_node(PACKAGED, UNLIMITED, zero, 2000, math.inf)
+    assert isinstance(a, alg._Plan) and a == b
+
+
+def test_a_state_with_more_computed_prefixes_than_backlog_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_backlog_computed_tokens"):
+        _half_done_node(prefill_backlog_computed_tokens=(6000, 0))
+
+
+def test_the_engine_reports_each_deflections_computed_prefix_and_the_simulator_passes_it_on() -> None:
+    models = PACKAGED
+    engine = Engine(EngineConfig("d1", Role.DECODE), model_step_time(models), models)
+    running = Sequence("r1", 3000, 2, schedule=(1000,))
+    queued = Sequence("r2", 500, 2, schedule=(500,))
+    engine.submit(running)
+    engine.submit(queued)
+    plan = engine.plan_step(0.0)
+    assert plan is not None
+    engine.finish_step(plan, 0.1, 0.1)  # r1's first 1000 tokens; r2 waits (one deflection at a time)
+    snap = engine.snapshot()
+    assert (snap.scheduled_prefill_tokens, snap.scheduled_prefill_computed_tokens) == ((2000, 500), (1000, 0))
+    state = _decode_state(snap, 0.1, _Link())
+    assert (state.prefill_backlog_tokens, state.prefill_backlog_computed_tokens) == ((2000, 500), (1000, 0))
+
+
+def test_the_heartbeat_carries_each_deflections_computed_prefix_into_the_view() -> None:
+    raw = beat("d0", decode_tokens=15, kv_tokens=60_000, scheduled_prefill_tokens=[6000, 300])
+    assert parse_heartbeat(raw, "d0").scheduled_prefill_computed_tokens is None  # an older node's beat
+    with_prefix = json.loads(raw) | {HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS: [6000, 0]}
+    hb = parse_heartbeat(json.dumps(with_prefix), "d0")
+    assert hb.scheduled_prefill_computed_tokens == (6000, 0)
+    assert parse_heartbeat(encode_heartbeat(hb), "d0") == hb
+    m = Membership(MembershipConfig())
+    older = beat("d1", decode_tokens=15, kv_tokens=60_000, scheduled_prefill_tokens=[6000, 300])
+    m.poll_succeeded([("d0", json.dumps(with_prefix)), ("d1", older)], 5.0)
+    by_id = {n.node_id: n for n in m.tracker.view().decode}
+    assert by_id["d0"].prefill_backlog_computed_tokens == (6000, 0)
+    assert by_id["d1"].prefill_backlog_computed_tokens == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([6000], "scheduled_prefill_computed_tokens has 1 entries for 2 scheduled prefills"),
+        ([6000, -1], "scheduled_prefill_computed_tokens must be a list of ints >= 0"),
+        (7, "scheduled_prefill_computed_tokens must be a list of ints >= 0"),
+    ],
+)
+def test_a_heartbeat_with_malformed_computed_prefixes_is_refused(value: object, message: str) -> None:
+    raw = json.loads(beat("d0", scheduled_prefill_tokens=[6000, 300]))
+    raw[HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS] = value
+    with pytest.raises(MalformedHeartbeat, match=message):
+        parse_heartbeat(json.dumps(raw), "d0")
+
+
+def test_a_deflection_dispatched_since_the_heartbeat_shows_its_cached_prefix() -> None:
+    """The overlay holds a deflection's uncached work as its backlog entry and its cached prefix
+    as computed, held in K from then on (the node pins those blocks for it)."""
+    tracker = ClusterTracker()
+    tracker.update_decode(decode_node("d1", b=3, k=9000, backlog=(200,)))
+    sent = Decision(Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, "d1", None, (700,), 1.0, 0.5, 1000, cached_tokens=300)
+    tracker.record(sent, 0.05)
+    (d1,) = tracker.view().decode
+    assert (d1.prefill_backlog_tokens, d1.prefill_backlog_computed_tokens) == ((200, 700), (0, 300))
+    assert d1.kv_tokens == 9300
+
+
+def test_replace_keeps_the_computed_prefixes() -> None:
+    node = _half_done_node()
+    assert dataclasses.replace(node, decode_tokens=3).prefill_backlog_computed_tokens == (6000,)
+
+
+def test_the_vllm_plugins_state_carries_each_deflections_computed_prefix() -> None:
+    state = build_state(
+        decode_tokens=15,
+        kv_tokens=60_000,
+        kv_capacity_tokens=BIG_KV,
+        prefills=[
+            PendingPrefill(6000, True, 6000),  # running, half done
+            PendingPrefill(900, False, 100),  # an unscheduled prefill: not a deflection
+            PendingPrefill(1200, True, 800),  # waiting, from its prefix hit
+            PendingPrefill(0, True, 500),  # done: not pending
+        ],
+        max_step_tokens=4096,
+        model="m",
+        running_requests=17,
+        waiting_requests=1,
+        kv_usage=0.05,
+    )
+    assert (state.scheduled_prefill_tokens, state.scheduled_prefill_computed_tokens) == ((6000, 1200), (6000, 800))
+    assert parse_engine_state(encode_engine_state(state)) == state
