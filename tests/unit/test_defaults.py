@@ -33,9 +33,9 @@ PAPER = {
 }
 
 
-# Where the defaults leave the paper, each measured (README, "Never worse than P/D" and "Chunk
-# sizes"): alpha 1.3 -> 1 (kairos:alpha=1.3 is the paper's), one deflection in flight per node ->
-# no limit, the deflection gate the paper does not have, and four step sizes per octave.
+# Where the defaults leave the paper, each measured (docs/design/never-worse.md, replicas.md and
+# chunk-sizes.md): alpha 1.3 -> 1 (kairos:alpha=1.3 is the paper's), one deflection in flight per
+# node -> no limit, the deflection gate the paper does not have, and four step sizes per octave.
 DEPARTURES = {
     "ALPHA": 1.0,
     "MAX_PENDING_DEFLECTIONS": None,
