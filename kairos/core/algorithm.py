@@ -228,15 +228,9 @@ def keep_handoff_s(
     t = models.transfer
     per_token = t.bytes_per_token / t.bandwidth_bytes_per_s
     pulls = node.pending_kv_pull_tokens
-    pull_tokens = sum(pulls)
-    backlog = node.prefill_backlog_tokens
-    backlog_tokens = sum(backlog)
-    ahead_n = len(pulls) + node.incoming_keeps
-    ahead_tokens = pull_tokens + node.incoming_keep_tokens
-    link_wait = max(0.0, len(pulls) * t.latency_s + pull_tokens * per_token - prefill_s)
+    link_wait = max(0.0, len(pulls) * t.latency_s + sum(pulls) * per_token - prefill_s)
     transfer = t.latency_s + (prompt_tokens - cached_tokens) * per_token
-    b = node.decode_tokens + len(backlog) + ahead_n
-    k = node.kv_tokens + backlog_tokens + ahead_tokens
+    b, k = committed_batch(node)
     t0 = models.decode_step_s(b, k)
     admission = 0.0
     deficit = prompt_tokens - (node.kv_capacity_tokens - k)
@@ -733,25 +727,30 @@ def can_take_deflection(node: DecodeNodeState, now: float, config: DeciderConfig
     return limit is None or len(node.prefill_backlog_tokens) < limit
 
 
-def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
-    """The keep path's least-load measure: the predicted decode-only step time T0(B, K) with
-    the node's backlog and its incoming keeps included. It is the TBT a newly arriving decode
-    would see, so it weighs batch size and KV occupancy the way the hardware does, in one number."""
-    backlog = node.prefill_backlog_tokens
-    return models.decode_step_s(
-        node.decode_tokens + len(backlog) + node.incoming_keeps,
-        node.kv_tokens + sum(backlog) + node.incoming_keep_tokens,
+def committed_batch(node: DecodeNodeState) -> tuple[int, int]:
+    """The decodes and KV tokens ``node`` holds once what is on its way has joined: its running
+    decodes, its deflected backlog, the keeps whose KV it is pulling (each joins the batch once
+    pulled, within a link's time) and the keeps incoming from a prefill node."""
+    backlog, pulls = node.prefill_backlog_tokens, node.pending_kv_pull_tokens
+    return (
+        node.decode_tokens + len(backlog) + len(pulls) + node.incoming_keeps,
+        node.kv_tokens + sum(backlog) + sum(pulls) + node.incoming_keep_tokens,
     )
+
+
+def decode_load_s(models: LatencyModels, node: DecodeNodeState) -> float:
+    """The keep path's least-load measure, and the overload rule's: the predicted decode-only
+    step time T0(B, K) of the node's committed batch (``committed_batch``). It is the TBT a newly
+    arriving decode would see, so it weighs batch size and KV occupancy the way the hardware
+    does, in one number."""
+    return models.decode_step_s(*committed_batch(node))
 
 
 def decode_load_after_s(models: LatencyModels, node: DecodeNodeState, prompt_tokens: int) -> float:
     """``decode_load_s`` with the request joined: the decode-only step the node runs once the
     request decodes there, on either path (the decode pressure rule's measure)."""
-    backlog = node.prefill_backlog_tokens
-    return models.decode_step_s(
-        node.decode_tokens + len(backlog) + node.incoming_keeps + 1,
-        node.kv_tokens + sum(backlog) + node.incoming_keep_tokens + prompt_tokens,
-    )
+    b, k = committed_batch(node)
+    return models.decode_step_s(b + 1, k + prompt_tokens)
 
 
 def decode_pressure_refusal(

@@ -104,10 +104,10 @@ class DecodeNodeState:
 
     @property
     def free_kv_tokens(self) -> int:
-        """KV-cache tokens left once the backlog and the incoming keeps hold theirs."""
+        """KV-cache tokens left once the backlog, the KV being pulled and the incoming keeps hold theirs."""
         free = self._free_kv
         if free < 0:
-            promised = sum(self.prefill_backlog_tokens) + self.incoming_keep_tokens
+            promised = sum(self.prefill_backlog_tokens) + sum(self.pending_kv_pull_tokens) + self.incoming_keep_tokens
             free = max(0, self.kv_capacity_tokens - self.kv_tokens - promised)
             object.__setattr__(self, "_free_kv", free)
         return free

@@ -36,7 +36,10 @@ def build_state(
     waiting_requests: int,
     kv_usage: float,
     step_calibration: float | None = None,
+    kv_pulls: Iterable[int] | None = None,
 ) -> EngineState:
+    """The snapshot; ``kv_pulls``: on a decode node, the prompt tokens of each request whose KV it
+    has yet to receive from a prefill node, in queue order (None on a prefill node)."""
     queued: list[int] = []
     scheduled: list[int] = []
     scheduled_computed: list[int] = []
@@ -58,5 +61,6 @@ def build_state(
         kv_usage=round(kv_usage, 6),
         step_calibration=step_calibration,
         scheduled_prefill_computed_tokens=tuple(scheduled_computed),
+        pending_kv_pull_tokens=None if kv_pulls is None else tuple(kv_pulls),
         as_of=time.time(),
     )

@@ -317,9 +317,12 @@ class KairosScheduler(Scheduler):
             else:
                 prefills.append(self._pending(r))
         hits: dict[str, int] = {}
+        pulls: list[int] = []  # KV on its way from a prefill node: loading, then queued to load
         for queue in (self.kv_holding_waiting, self.waiting):
             for r in queue:
-                if not _kv_arrives_by_transfer(r):
+                if _kv_arrives_by_transfer(r):
+                    pulls.append(r.num_prompt_tokens)
+                else:
                     # Its uncached work, as the dispatcher plans it: the hit looked up once,
                     # when the snapshot first sees it waiting (vLLM takes the hit on admission).
                     hit = self._waiting_hits.get(r.request_id)
@@ -337,6 +340,7 @@ class KairosScheduler(Scheduler):
             waiting_requests=counts[1],
             kv_usage=self.kv_cache_manager.usage,
             step_calibration=None if self._calibration is None else self._calibration.value,
+            kv_pulls=None if self.kairos.role == Role.PREFILL else pulls,
         )
 
     def _pending(self, r: Request, computed: int | None = None) -> PendingPrefill:

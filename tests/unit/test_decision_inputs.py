@@ -2,6 +2,7 @@
 each case here failed on the code before its fix, with the numbers the audit gave.
 
 1. A queued or half-done deflection is planned over its own computed prefix.
+2. KV transfers in flight count in the load measures (keep-path pick, overload, pressure, KV room).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from kairos.sim.engine import Engine, EngineConfig, Sequence, model_step_time
 from kairos.sim.simulator import _decode_state, _Link
-from tests.builders import BIG_KV, decode_node
+from tests.builders import BIG_KV, decode_node, make_models, prefill_node, view
 from tests.builders import heartbeat_json as beat
 
 PACKAGED = load_profile()
@@ -173,3 +174,64 @@ def test_the_vllm_plugins_state_carries_each_deflections_computed_prefix() -> No
     )
     assert (state.scheduled_prefill_tokens, state.scheduled_prefill_computed_tokens) == ((6000, 1200), (6000, 800))
     assert parse_engine_state(encode_engine_state(state)) == state
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. KV transfers in flight
+# ---------------------------------------------------------------------------------------------
+ROUND = make_models()  # T0(B, K) = 0.040 + 0.001 B: the overload line (70 ms) is at B = 30
+
+
+def _pulling(node_id: str, b: int, pulls: tuple[int, ...], **changes: object) -> DecodeNodeState:
+    return dataclasses.replace(decode_node(node_id, b=b, k=b * 1000), pending_kv_pull_tokens=pulls, **changes)
+
+
+def test_the_keep_path_does_not_pick_a_node_about_to_hold_fifty_decodes() -> None:
+    """d0 runs 20 decodes with 30 transfers landing, d1 runs 21: d0's next steps hold 50."""
+    d0, d1 = _pulling("d0", 20, (1000,) * 30), decode_node("d1", b=21, k=21_000)
+    assert alg.decode_load_s(ROUND, d0) == pytest.approx(0.040 + 0.001 * 50)
+    assert alg.decode_load_after_s(ROUND, d0, 500) == pytest.approx(0.040 + 0.001 * 51)
+    keep = alg.pick_keep_decode_node(ROUND, view((prefill_node(),), (d0, d1)), 0.0, DeciderConfig(), 500)
+    assert keep.node_id == "d1"
+
+
+def test_the_overload_line_sees_the_decodes_a_node_is_pulling() -> None:
+    """B = 20 is under the line, B = 20 + 30 landing is over it: no deflection to d0."""
+    prefill = prefill_node("p1", queue=(20_000,), chunk=1000)  # 2.2 s of queue: the gate is open
+    d = alg.decide(500, view((prefill,), (_pulling("d0", 20, (1000,) * 30),)), 0.0, ROUND, DeciderConfig())
+    assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_DECODE_OVERLOADED)
+
+
+def test_the_pressure_rule_sees_the_decodes_a_node_is_pulling() -> None:
+    """Its line is 0.85 x 70 ms = 59.5 ms: B = 11 with the request (51 ms) is under it, B = 23 with
+    12 transfers landing (63 ms) over it."""
+    cfg = DeciderConfig()
+    refuses = alg.decode_pressure_refusal(ROUND, cfg, 500, ttft_pf=2.0)
+    assert refuses is not None
+    assert not refuses(decode_node("d0", b=10, k=10_000))
+    assert refuses(_pulling("d0", 10, (1000,) * 12))
+
+
+def test_a_nodes_free_kv_leaves_room_for_the_transfers_it_is_pulling() -> None:
+    node = _pulling("d0", 10, (30_000, 15_000), kv_tokens=50_000, kv_capacity_tokens=100_000)
+    assert node.free_kv_tokens == 5000
+    assert not alg.can_take_deflection(node, 0.0, DeciderConfig(), 6000)
+
+
+def test_the_vllm_plugin_reports_the_kv_it_is_pulling() -> None:
+    """Requests whose KV arrives from a prefill node (waiting for remote KVs, or queued to be):
+    one entry per transfer, their prompt tokens, in queue order."""
+    state = build_state(
+        decode_tokens=4,
+        kv_tokens=4000,
+        kv_capacity_tokens=BIG_KV,
+        prefills=[],
+        max_step_tokens=4096,
+        model="m",
+        running_requests=4,
+        waiting_requests=2,
+        kv_usage=0.01,
+        kv_pulls=(3000, 1200),
+    )
+    assert state.pending_kv_pull_tokens == (3000, 1200)
+    assert parse_engine_state(encode_engine_state(state)).pending_kv_pull_tokens == (3000, 1200)
