@@ -44,7 +44,7 @@ POLICIES = (
     # The paper's Algorithm 1: alpha 1.3, one deflection in flight per decode node, Eq. 1 as the
     # keep path's TTFT, no overload line, no step calibration, no deflection gate, its powers-of-two
     # step sizes. Its Eq. 2 is every policy's here (per prompt: the paper's grew with the square of
-    # the queue, README "The keep path's TTFT"), so this row differs from the paper in its queue
+    # the queue, docs/design/keep-path.md), so this row differs from the paper in its queue
     # estimate only.
     PAPER := "kairos:alpha=1.3,pending=1,overload=off,calibrate=off,keep=eq1,gate=off,chunks="
     + format_chunks(defaults.PAPER_CHUNK_CANDIDATES),

@@ -3,7 +3,7 @@
 Times are in seconds and sizes in tokens. A setting that a command line or YAML file takes in
 another unit (``--tbt-slo-ms``, ``heartbeat_ms``) converts at that boundary from the value here.
 The paper's values (§6.1) are marked; ``tests/unit/test_defaults.py`` checks that the configs,
-the compose files and the README agree with this module.
+the compose files and docs/design agree with this module.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ TTFT_SLO_S = 4.0  # P95 time to first token
 # chunk), strictly decreasing: four per octave. The paper's powers of two leave a step up to half
 # its tokens short of the budget; on Bursty a decode node's deflected steps then ran 63.6 ms on
 # average under a 70 ms budget (chunks of ~235 tokens where ~330 fit), and a finer grid fills it
-# (2P2D simulator, seed 90417: Bursty's knee 6 -> 6.5 RPS, HPLD's 1.5 -> 1.75; README "Chunk
-# sizes"). ``kairos:chunks=2048/1024/512/256/128`` plans with the paper's.
+# (2P2D simulator, seed 90417: Bursty's knee 6 -> 6.5 RPS, HPLD's 1.5 -> 1.75;
+# docs/design/chunk-sizes.md). ``kairos:chunks=2048/1024/512/256/128`` plans with the paper's.
 CHUNK_CANDIDATES = (2048, 1792, 1536, 1280, 1024, 896, 768, 640, 512, 448, 384, 320, 256, 224, 192, 160, 128)
 PAPER_CHUNK_CANDIDATES = (2048, 1024, 512, 256, 128)  # the paper's §6.1
 # Deflected prefills a decode node may hold in flight for it to take another. The paper's §5.3
@@ -49,7 +49,7 @@ DECODE_PRESSURE_SHARE: float | None = 0.85
 # that the decodes beside its chunks pay in TBT (live, a multi-turn replay at low load: 404
 # deflections, TBT violations 0.57% against P/D's 0.01%, attainment 99.0% against 100%). None:
 # Eq. 7 decides alone (the paper). With it, Kairos meets the never-worse limits at all 15 points of
-# bench/sim_never_worse.py (one miss without), and keeps every knee (README, "Never worse than P/D").
+# bench/sim_never_worse.py (one miss without), and keeps every knee (docs/design/never-worse.md).
 DEFLECT_GATE_SHARE: float | None = 0.25
 
 # The keep path's TTFT estimate (Eq. 1 plus what the paper leaves out; kairos.core.algorithm).
@@ -86,6 +86,15 @@ GATEWAY_MAX_REQUEST_HEADERS = 100
 GATEWAY_MAX_REQUEST_HEADERS_KB = 60
 # The largest request body the dispatcher reads (a longer one gets 413 before any parsing).
 MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+# A request the dispatcher refuses from its head while its body is still coming (a Content-Length
+# over the limit, a compressed body, an unserved method) is answered once Envoy has read and
+# dropped that body, if it declares at most this many bytes: Envoy stops reading a connection it
+# has answered before the request ended, and closes it a moment later, so a client still writing
+# would get a reset instead of the answer. A longer declared body is answered at once (no upload
+# of tens of MB to refuse). Twice the body limit: as much as Envoy's default buffer limit
+# (EnvoySettings.buffer_limit_bytes), so the gateway reads up to 16 MiB of any request before
+# it answers, buffered or dropped. Time is bounded by Envoy's request_timeout, as for any body.
+REFUSED_BODY_DRAIN_BYTES = 2 * MAX_REQUEST_BODY_BYTES
 
 # The served model and the engines of the reference cluster (DeepSeek-V2-Lite on A100)
 PROFILE = "deepseek-v2-lite-a100"  # packaged latency profile
