@@ -1,4 +1,4 @@
-"""Renders the Envoy configuration (``envoy/envoy.yaml.j2``) for a topology."""
+"""Renders the Envoy configuration (``envoy/envoy.yaml.j2``, packaged as ``kairos.envoy``) for a topology."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from importlib import resources
+from importlib.resources.abc import Traversable
 
 import jinja2
 
@@ -15,7 +16,8 @@ from kairos.common import defaults
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "envoy" / "envoy.yaml.j2"
+# Package data wherever kairos-gateway is installed (pyproject.toml maps envoy/ to kairos.envoy).
+TEMPLATE = resources.files("kairos.envoy") / "envoy.yaml.j2"
 # How Envoy finds its upstreams: STATIC takes IP addresses as they are (kairos up, loopback);
 # STRICT_DNS resolves host names and keeps re-resolving them (docker compose service names).
 CLUSTER_TYPES = ("STATIC", "STRICT_DNS")
@@ -112,10 +114,10 @@ def path_regex(paths: Iterable[str]) -> str:
     return "|".join(re.escape(path) for path in paths)
 
 
-def render_envoy_config(settings: EnvoySettings, template: Path = TEMPLATE) -> str:
+def render_envoy_config(settings: EnvoySettings, template: Traversable = TEMPLATE) -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["json"] = json.dumps  # a YAML-safe quoted string (JSON is YAML)
-    return env.from_string(template.read_text()).render(
+    return env.from_string(template.read_text(encoding="utf-8")).render(
         public_path_regex=path_regex(c.PUBLIC_ENDPOINTS),
         inference_path_regex=path_regex(c.INFERENCE_PATHS),
         routing_headers=c.ROUTING_HEADERS,

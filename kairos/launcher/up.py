@@ -14,6 +14,7 @@ from typing import Any
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.observability import DASHBOARD, write_observability
 from kairos.launcher.processes import ProcessError, Supervisor
 from kairos.launcher.remote_nodes import RemoteNodesCluster, load_nodes
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
@@ -171,8 +172,11 @@ def run_up(args: argparse.Namespace) -> int:
             f'-d \'{{"model": "{config.model_name}", "prompt": "Hello, Kairos", "max_tokens": 16}}\' -i'
         )
         targets = cluster.write_prometheus_targets(workdir / "prometheus-targets.json")
+        prometheus = write_observability(workdir / "observability", targets)
         print(f"watch it: kairos top --dispatcher http://127.0.0.1:{cluster.dispatcher_metrics_ports[0]}")
         print(f"Prometheus targets (file_sd): {targets}")
+        print(f"Prometheus with the alert rules: prometheus --config.file={prometheus}")
+        print(f"Grafana dashboard: {prometheus.parent / DASHBOARD}")
         print("Ctrl-C stops everything.", flush=True)
         # A child that exits is restarted (a crash loop gives up on that child only); the rest
         # of the cluster keeps serving meanwhile, as it does for any node fault.
