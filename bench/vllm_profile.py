@@ -111,7 +111,9 @@ def main() -> int:
         prefill_step_tokens=2048,
         decode_step_tokens=2048,
     )
-    cluster = VllmCluster(config, workdir, backend=VllmBackend(python=default_vllm_python()))
+    cluster = VllmCluster(
+        config, workdir, backend=VllmBackend(python=default_vllm_python(Path(__file__).resolve().parents[1]))
+    )
     result: dict[str, Any] = {"workdir": str(workdir)}
     try:
         cluster.start(timeout_s=60)

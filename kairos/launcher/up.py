@@ -65,7 +65,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="emulated",
         help="emulated nodes (default) or real vLLM servers with the Kairos plugins (CPU: the tiny model)",
     )
-    p.add_argument("--vllm-python", help="python of the vLLM environment (default: $KAIROS_VLLM_PYTHON or .venv-vllm)")
+    p.add_argument(
+        "--vllm-python",
+        help="python of the vLLM environment (default: $KAIROS_VLLM_PYTHON, else ./.venv-vllm, else this python "
+        "if it has vLLM)",
+    )
     p.set_defaults(handler=run_up)
 
 

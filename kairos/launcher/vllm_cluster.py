@@ -8,8 +8,10 @@ vLLM takes tens of seconds to start, so every engine is launched before the firs
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +47,17 @@ class VllmBackend:
 
 
 def default_vllm_python(repo: Path | None = None) -> str:
-    """``$KAIROS_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` of the repository."""
+    """``$KAIROS_VLLM_PYTHON``; else ``.venv-vllm/bin/python`` under ``repo`` (default: the
+    current directory, a checkout's root, where scripts/vllm_env.sh builds it) when there is one;
+    else this interpreter when it has vLLM (``pip install kairos-gateway[vllm]``: one environment).
+    Never a path found from where this module is installed."""
     env = os.environ.get("KAIROS_VLLM_PYTHON")
     if env:
         return env
-    root = repo or Path(__file__).resolve().parents[2]
-    return str(root / DEFAULT_VLLM_VENV / "bin" / "python")
+    venv = (repo or Path.cwd()) / DEFAULT_VLLM_VENV / "bin" / "python"
+    if not venv.is_file() and importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return str(venv)  # absent: VllmBackend says how to build it
 
 
 @dataclass

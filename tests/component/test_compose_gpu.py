@@ -683,7 +683,7 @@ print("KAIROS-RESULT " + json.dumps(out))
 @pytest.mark.vllm
 def test_vllms_own_parser_reads_every_engine_command(merged: dict[str, dict[str, Any]]) -> None:
     # The CPU build of the same vLLM release (.venv-vllm) has the same command line.
-    python = default_vllm_python()
+    python = default_vllm_python(ROOT)
     if not Path(python).is_file():
         message = f"no vLLM environment at {python} (bash scripts/vllm_env.sh builds it)"
         if os.environ.get("KAIROS_REQUIRE_VLLM") == "1":

@@ -25,10 +25,11 @@ from tests import timings
 from tests.e2e.conftest import post_json
 
 MODEL_NAME = "kairos-tiny-llama"
+ROOT = Path(__file__).resolve().parents[2]  # where scripts/vllm_env.sh builds .venv-vllm
 
 
 def _vllm_python() -> str:
-    python = default_vllm_python()
+    python = default_vllm_python(ROOT)
     if not Path(python).is_file():
         message = f"no vLLM environment at {python} (bash scripts/vllm_env.sh builds it)"
         if os.environ.get("KAIROS_REQUIRE_VLLM") == "1":
