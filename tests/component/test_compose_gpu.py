@@ -475,9 +475,10 @@ def test_readme_sends_the_served_model_name() -> None:
 
 # -- the image --------------------------------------------------------------------------------
 def _copy_sources(dockerfile: Path) -> list[str]:
+    """What the Dockerfile copies from the build context (not from another stage)."""
     out: list[str] = []
     for line in dockerfile.read_text().splitlines():
-        if line.startswith("COPY "):
+        if line.startswith("COPY ") and not line.startswith("COPY --from="):
             out += line.split()[1:-1]
     return out
 
@@ -504,7 +505,14 @@ def test_vllm_image_installs_the_repository_like_the_kairos_image() -> None:
     dest = {line.split()[-1].rstrip("/") for line in text.splitlines() if line.startswith("COPY ")}
     src_dir = "/opt/kairos-src"  # pyproject.toml and README.md go to the source root
     assert src_dir in dest
-    assert re.search(rf"python3 -m pip install --no-cache-dir \$offline {re.escape(src_dir)}(\s|$)", text)
+    # A first stage builds the wheel from the source; the image installs the wheel alone.
+    builder, _, image = text.partition("\nFROM ${BASE_IMAGE}\n")
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS wheel$", builder, re.M)
+    build = rf"pip wheel --no-deps \$offline --wheel-dir /opt/kairos-dist {re.escape(src_dir)}$"
+    assert re.search(build, builder, re.M)
+    assert "COPY --from=wheel /opt/kairos-dist /opt/kairos-dist" in image
+    assert src_dir not in image
+    assert re.search(r"python3 -m pip install --no-cache-dir \$offline /opt/kairos-dist/kairos_gateway-\*\.whl", image)
     allowed = _dockerignore_allowed(COMPOSE_DIR / "Dockerfile.vllm.dockerignore")
     assert allowed == _dockerignore_allowed(COMPOSE_DIR / "Dockerfile.dockerignore")
     assert set(_copy_sources(VLLM_DOCKERFILE)) == set(allowed)  # nothing copied is ignored, nothing else sent
