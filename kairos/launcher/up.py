@@ -4,6 +4,7 @@ their sidecars and heartbeat publishers) until Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo-s", type=float)
     p.add_argument("--time-scale", type=float, help="emulated nodes run this many times faster than real time")
     p.add_argument("--model-dir", help="served model's tokenizer dir (a tiny Llama is built when omitted)")
-    p.add_argument("--workdir", type=Path, help="logs and generated files (default: a temporary folder)")
+    p.add_argument(
+        "--workdir", type=Path, help="logs and generated files (default: a temporary folder, removed on exit)"
+    )
     p.add_argument(
         "--nodes", type=Path, help="YAML file of nodes running elsewhere: start only Redis, the dispatcher and Envoy"
     )
@@ -149,10 +152,23 @@ def run_up(args: argparse.Namespace) -> int:
     config = load_config(
         LocalClusterConfig, args.config, section="cluster", env_prefix="KAIROS_CLUSTER_", overrides=overrides
     )
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kairos-up-"))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Before the temporary folder exists, so that no signal can leave it behind. SIGHUP: the
+    # terminal went away, which stops the cluster as Ctrl-C does.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    if args.workdir is not None:
+        return _serve(args, config, args.workdir, stop)
+    workdir = Path(tempfile.mkdtemp(prefix="kairos-up-"))
+    try:
+        return _serve(args, config, workdir, stop)
+    finally:  # after every child has stopped: nothing writes there any more
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"removed {workdir} (--workdir keeps the logs and generated files)", flush=True)
+
+
+def _serve(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path, stop: threading.Event) -> int:
+    """Start the cluster in ``workdir``, keep it up until ``stop``, then stop it: the exit status."""
     try:
         cluster = _cluster(args, config, workdir)
     except KairosError as exc:
