@@ -78,7 +78,11 @@ class Descendants:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def processes(self) -> list[Process]:
+        """Every descendant seen so far."""
+        with self._lock:
+            return sorted(self.seen, key=lambda p: p.pid)
+
     def left(self) -> list[Process]:
         """Those seen that still run."""
-        with self._lock:
-            return sorted((p for p in self.seen if alive(p)), key=lambda p: p.pid)
+        return [p for p in self.processes() if alive(p)]
