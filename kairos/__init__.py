@@ -8,7 +8,8 @@ only; ``tests/unit/test_layers.py`` checks it):
 - :mod:`kairos.core`      the pure decision core: node state, latency models, the TTFT
                           estimator and chunk-schedule search (Algorithm 1), policies, the
                           dispatch overlay; no clock, no I/O
-- :mod:`kairos.api`       the OpenAI request surface: parsing, limits, exact token counting
+- :mod:`kairos.api`       the OpenAI surface: request parsing, limits, exact token counting,
+                          batches split and merged as vLLM answers them
 - :mod:`kairos.extproc`   the gateway (folder ``extproc/``): Envoy ext_proc server, dispatcher,
                           cluster membership and its Redis poller, reservations, feedback
 - :mod:`kairos.nodeagent` what runs on a vLLM node (folder ``nodeagent/``): heartbeat publisher,

@@ -51,6 +51,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kairos.api import batch
 from kairos.api.openai_request import (
     NotFoundError,
     ParsedRequest,
@@ -389,71 +390,94 @@ class EmulatedNode:
 
     # -- inference ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/completions and /v1/chat/completions, in all four modes (see ``_plan``)."""
+        """POST /v1/completions and /v1/chat/completions, in all four modes (see ``_plan``). As in
+        vLLM, a batch runs as one engine request per prompt and ``n`` > 1 as n sequences (vLLM's
+        child requests) per prompt, answered together (:mod:`kairos.api.batch`)."""
         rt = self.engine
         arrival = rt.now()
         body = await request.read()
         parsed = await self._parse(request.path, body)
         self._check_model(parsed.body)
-        n = parsed.body.get("n")
-        if n is not None and n != 1:
-            raise RequestError(f"n must be 1 on this emulated node (one choice per request), got {_dumps(n)}", "n")
         rid = request.headers.get(c.H_REQUEST_ID) or uuid.uuid4().hex
+        prompts = parsed.parts or (parsed,)
         try:
-            plan = self._plan(parsed)
+            plans = [self._plan(p) for p in prompts]
         except _VllmValidationError as exc:
             log.debug("request %s: %s", rid, exc.message)
             return await _vllm_rejection(request, parsed.stream and exc.in_engine, rid, exc)
         log.debug(
-            "request %s: %s %s prompt=%d max_tokens=%d",
+            "request %s: %s %s prompt=%d max_tokens=%d prompts=%d n=%d",
             rid,
             parsed.kind,
-            plan.mode,
+            plans[0].mode,
             parsed.prompt_tokens,
             parsed.max_tokens,
+            len(prompts),
+            parsed.n,
         )
 
+        created = int(time.time())
+        outs: list[_Output] = []
+        try:
+            for i, (part, plan) in enumerate(zip(prompts, plans, strict=True)):
+                outs.append(_Output(part, rid, self.config.model, created, self.words))
+                # vLLM's engine request ids: "<id>-<prompt>" for a batch's prompts (one prompt keeps
+                # the request's id here: the step logs name it), "<choice>_<id>" for n > 1.
+                await self._start(outs[-1], plan, rid if len(prompts) == 1 else f"{rid}-{i}")
+            if parsed.stream:
+                return await self._stream(request, outs, arrival)
+            await self._drain(outs, arrival)
+        finally:
+            for out in outs:
+                for seq in out.seqs:
+                    if seq.finished_at is None:
+                        rt.abort(seq)  # the client went away (or the handler was cancelled)
+        answers = [
+            out.response(self._hold(out, request) if plan.mode == "remote_decode" else None)
+            for out, plan in zip(outs, plans, strict=True)
+        ]
+        log.debug("request %s: done, %d tokens", rid, sum(sum(out.tokens) for out in outs))
+        answer = answers[0] if len(answers) == 1 else batch.merge_responses(answers, outs[0].id, created)
+        return web.json_response(answer, headers={c.H_REQUEST_ID: rid}, dumps=_dumps)
+
+    async def _start(self, out: _Output, plan: _Plan, seq_id: str) -> None:
+        """Put one prompt's ``n`` sequences on the engine (into ``out``, which the caller aborts
+        should a later one fail)."""
+        rt, parsed = self.engine, out.parsed
         ids = self._token_ids(parsed)
         hashes = await self._block_hashes(ids)
-        if plan.mode == "remote_prefill":
-            seq = EngineSeq(rid, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
-            stream = await self._pull_kv(seq, plan.kv_params or {}, rid)
-            self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
-            own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
-            # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
-            remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
-            cached = remote if _is_int(remote) else own
-        else:
-            seq = EngineSeq(
-                rid,
-                parsed.prompt_tokens,
-                parsed.max_tokens,
-                schedule=plan.schedule,
-                step_budget_s=plan.step_budget_s,
-                hold_kv=plan.mode == "remote_decode",
-                block_hashes=hashes,
-                token_ids=ids,
-            )
-            stream = rt.submit(seq)
-            own = cached = seq.cached_hit
-            self.metrics.add_prompt(parsed.prompt_tokens - cached, cached)
-
-        out = _Output(parsed, rid, self.config.model, int(time.time()), self.words)
-        if self.config.enable_prompt_tokens_details:
-            out.cached_tokens = cached
+        block = self.config.block_size
+        written = parsed.prompt_tokens // block * block  # the prompt's full blocks: what it caches
+        seq_ids = [seq_id] if parsed.n == 1 else [f"{j}_{seq_id}" for j in range(parsed.n)]
+        for j, child_id in enumerate(seq_ids):
+            if plan.mode == "remote_prefill":
+                seq = EngineSeq(child_id, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
+                # With n > 1 each of vLLM's child requests reads the one prefill's blocks; the
+                # prefill node frees them at the first read's notification (claimed once here).
+                stream = await self._pull_kv(seq, plan.kv_params or {}, seq_id, claim=j == 0)
+                self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
+                own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
+                # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
+                remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
+                cached = remote if _is_int(remote) else own
+            else:
+                seq = EngineSeq(
+                    child_id,
+                    parsed.prompt_tokens,
+                    parsed.max_tokens,
+                    schedule=plan.schedule,
+                    step_budget_s=plan.step_budget_s,
+                    hold_kv=plan.mode == "remote_decode",
+                    block_hashes=hashes,
+                    token_ids=ids,
+                )
+                stream = rt.submit(seq)
+                own = cached = seq.cached_hit
+                self.metrics.add_prompt(parsed.prompt_tokens - cached, cached)
             # vLLM's created_cache_tokens: the prompt's full blocks this request wrote to the cache.
-            written = parsed.prompt_tokens // self.config.block_size * self.config.block_size
-            out.created_cache_tokens = max(0, written - own) if self.config.prefix_caching else 0
-        try:
-            if parsed.stream:
-                return await self._stream(request, out, stream, arrival)
-            await self._drain(out, stream, arrival)
-        finally:
-            if seq.finished_at is None:
-                rt.abort(seq)  # the client went away (or the handler was cancelled)
-        kv_params = self._hold(seq, request) if plan.mode == "remote_decode" else None
-        log.debug("request %s: done, %d tokens", rid, out.tokens)
-        return web.json_response(out.response(kv_params), headers={c.H_REQUEST_ID: rid}, dumps=_dumps)
+            created = max(0, written - own) if self.config.prefix_caching else 0
+            out.add(seq, stream, cached, created)
+        out.details = self.config.enable_prompt_tokens_details
 
     async def _parse(self, path: str, body: bytes) -> ParsedRequest:
         ids = self.config.prefix_caching  # the prefix cache hashes the prompt's token ids
@@ -537,57 +561,79 @@ class EmulatedNode:
             return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s)
         return _Plan("plain")
 
-    async def _drain(self, out: _Output, stream: TokenStream, arrival: float) -> None:
-        async for event in stream:
-            self._observe(event, out, arrival)
+    async def _drain(self, outs: list[_Output], arrival: float) -> None:
+        async for i, j, event in _token_events(outs):
+            self._observe(event, outs[i], j, arrival)
 
-    async def _stream(
-        self, request: web.Request, out: _Output, stream: TokenStream, arrival: float
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: out.rid})
+    async def _stream(self, request: web.Request, outs: list[_Output], arrival: float) -> web.StreamResponse:
+        first = outs[0]
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: first.rid})
+        merge = batch.StreamMerge(len(outs), first.parsed.n, first.id, first.created) if len(outs) > 1 else None
+
+        async def send(prompt: int, chunk: dict[str, Any]) -> None:
+            merged = chunk if merge is None else merge.chunk(prompt, chunk)
+            if merged is not None:
+                await resp.write(_sse(merged))
+
         try:
             await resp.prepare(request)
-            # A chat stream's role chunk goes with the first token, as vLLM sends it with the
-            # engine's first output: a stream's first event is its first token.
-            role = out.parsed.kind == "chat"
-            async for event in stream:
-                self._observe(event, out, arrival)
-                chunk = _sse(out.token_chunk(event))
+            # A chat stream's role chunks (one per choice; chat has no batches) go with the first
+            # token, as vLLM sends them with the engine's first output: a stream's first event is
+            # its first token.
+            role = first.chat
+            async for i, j, event in _token_events(outs):
+                self._observe(event, outs[i], j, arrival)
                 if role:
-                    chunk, role = _sse(out.role_chunk()) + chunk, False
-                await resp.write(chunk)
-            if out.parsed.include_usage:
-                await resp.write(_sse(out.usage_chunk()))
+                    role = False
+                    await resp.write(b"".join(_sse(first.role_chunk(k)) for k in range(first.parsed.n)))
+                await send(i, outs[i].token_chunk(event, j))
+            if first.parsed.include_usage:
+                for i, out in enumerate(outs):
+                    await send(i, out.usage_chunk())
+                if merge is not None and (usage := merge.usage_chunk()) is not None:
+                    await resp.write(_sse(usage))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except EngineStoppedError as exc:
             # Headers are gone: end the stream the way vLLM does, with an error event.
-            log.warning("request %s: engine stopped mid-stream: %s", out.rid, exc)
+            log.warning("request %s: engine stopped mid-stream: %s", first.rid, exc)
             with contextlib.suppress(ConnectionError):
                 err = NoHealthyNodeError(f"node {self.config.node_id}: {exc}")
                 await resp.write(_sse(error_body(err)) + b"data: [DONE]\n\n")
                 await resp.write_eof()
         except ConnectionError:
             log.info(
-                "request %s: client disconnected after %d of %d tokens", out.rid, out.tokens, out.parsed.max_tokens
+                "request %s: client disconnected after %d of %d tokens",
+                first.rid,
+                sum(sum(out.tokens) for out in outs),
+                sum(out.parsed.max_tokens * out.parsed.n for out in outs),
             )
         return resp
 
-    def _observe(self, event: TokenEvent, out: _Output, arrival: float) -> None:
+    def _observe(self, event: TokenEvent, out: _Output, choice: int, arrival: float) -> None:
         labels = self.metrics.labels
-        if out.last_at is None:
+        if out.last_at[choice] is None:
             self.metrics.ttft.labels(**labels).observe(max(0.0, event.at - arrival))
+            if out.first is None:
+                out.first = choice
         else:
-            self.metrics.itl.labels(**labels).observe(event.at - out.last_at)
+            self.metrics.itl.labels(**labels).observe(event.at - out.last_at[choice])
         self.metrics.generation_tokens.labels(**labels).inc()
         if event.last:
             self.metrics.request_success.labels(**labels, finished_reason="length").inc()
-        out.tokens = event.index
-        out.last_at = event.at
+            out.finished.append(choice)
+        out.tokens[choice] = event.index
+        out.last_at[choice] = event.at
 
     # -- P/D: prefill side -------------------------------------------------------------------
-    def _hold(self, seq: EngineSeq, request: web.Request) -> dict[str, Any]:
-        """Keep a finished prefill hop's KV for the decode node and say where it is."""
+    def _hold(self, out: _Output, request: web.Request) -> dict[str, Any]:
+        """Keep a finished prefill hop's KV for the decode node and say where it is. With n > 1
+        each of vLLM's child requests holds its own and the answer names the one that finished
+        last: the others' KV waits, unread, for the hold to time out (vLLM's lease)."""
+        held = {choice: self._hold_kv(seq, request) for choice, seq in enumerate(out.seqs)}
+        return held[out.finished[-1] if out.finished else len(out.seqs) - 1]
+
+    def _hold_kv(self, seq: EngineSeq, request: web.Request) -> dict[str, Any]:
         n_blocks = max(1, -(-seq.prompt_tokens // self.config.block_size))
         block_ids = [next(self._block_ids) for _ in range(n_blocks)]
         held = _HeldKV(seq, block_ids)
@@ -667,10 +713,11 @@ class EmulatedNode:
         return web.json_response({"prompt_tokens": tokens, "request_id": held.seq.request_id})
 
     # -- P/D: decode side --------------------------------------------------------------------
-    async def _pull_kv(self, seq: EngineSeq, params: dict[str, Any], rid: str) -> TokenStream:
+    async def _pull_kv(self, seq: EngineSeq, params: dict[str, Any], rid: str, claim: bool = True) -> TokenStream:
         """Reserve room, claim the KV from the prefill node, wait the transfer, join the batch.
         The prompt's prefix this node caches is taken from its cache (vLLM's NixlConnector asks
-        the connector only for the tokens past the local hit): only the rest crosses the link."""
+        the connector only for the tokens past the local hit): only the rest crosses the link.
+        ``claim`` False: read KV another sequence of the request claimed (n > 1)."""
         rt = self.engine
         tokens = seq.prompt_tokens
         host = params["remote_host"]
@@ -688,7 +735,8 @@ class EmulatedNode:
             self._transferring += 1
             try:
                 async with self._link:
-                    await self._claim(prefill, params, tokens, missing, rid)
+                    if claim:
+                        await self._claim(prefill, params, tokens, missing, rid)
                     await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(missing)))
             except BaseException:
                 rt.unreserve_transfer(seq, missing)
@@ -873,15 +921,30 @@ class EmulatedNode:
 # ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Output:
+    """One prompt's answer: its ``n`` sequences (vLLM's child requests), by choice index."""
+
     parsed: ParsedRequest
     rid: str
     model: str
     created: int
     words: tuple[str, ...]  # the text of output token i is words[(i - 1) % len(words)]
-    tokens: int = 0  # output tokens produced so far
-    last_at: float | None = None  # model time of the latest token
-    cached_tokens: int | None = None  # set with --enable-prompt-tokens-details: the request's hit
-    created_cache_tokens: int = 0  # the prompt tokens it wrote to the cache (chat reports them)
+    seqs: list[EngineSeq] = field(default_factory=list)
+    streams: list[TokenStream] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # output tokens produced so far
+    last_at: list[float | None] = field(default_factory=list)  # model time of the latest token
+    cached: list[int] = field(default_factory=list)  # prompt tokens found cached (or transferred)
+    created_cache: list[int] = field(default_factory=list)  # prompt tokens written to the cache
+    details: bool = False  # --enable-prompt-tokens-details: usage says what was cached
+    first: int | None = None  # the sequence whose first token came first
+    finished: list[int] = field(default_factory=list)  # the sequences in the order they finished
+
+    def add(self, seq: EngineSeq, stream: TokenStream, cached: int, created_cache: int) -> None:
+        self.seqs.append(seq)
+        self.streams.append(stream)
+        self.tokens.append(0)
+        self.last_at.append(None)
+        self.cached.append(cached)
+        self.created_cache.append(created_cache)
 
     @property
     def chat(self) -> bool:
@@ -895,90 +958,140 @@ class _Output:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def usage(self, streamed: bool = False) -> dict[str, Any]:
-        p = self.parsed.prompt_tokens
+        p, generated = self.parsed.prompt_tokens, sum(self.tokens)  # the prompt once, every choice's tokens
         return {
             "prompt_tokens": p,
-            "total_tokens": p + self.tokens,
-            "completion_tokens": self.tokens,
+            "total_tokens": p + generated,
+            "completion_tokens": generated,
             "prompt_tokens_details": self._details(streamed),
         }
 
     def _details(self, streamed: bool) -> dict[str, Any] | None:
         """vLLM 0.32's ``PromptTokenUsageInfo`` as its handlers fill and dump it: chat sets the
         cached and the created tokens, completions only the cached ones; a response is dumped
-        whole, a stream's chunk with its unset fields left out."""
-        if self.cached_tokens is None:
+        whole, a stream's chunk with its unset fields left out. With n > 1 they are one child
+        request's: a stream's first output's, a response's last to finish (its final output)."""
+        if not self.details or not self.seqs:
             return None
+        if streamed:
+            reporter = 0 if self.first is None else self.first
+        else:
+            reporter = self.finished[-1] if self.finished else len(self.seqs) - 1
+        cached = self.cached[reporter]
         if self.chat:
-            return {"cached_tokens": self.cached_tokens, "created_cache_tokens": self.created_cache_tokens,
+            return {"cached_tokens": cached, "created_cache_tokens": self.created_cache[reporter],
                     "multimodal_tokens": None}  # fmt: skip
         if streamed:
-            return {"cached_tokens": self.cached_tokens}
-        return {"cached_tokens": self.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+            return {"cached_tokens": cached}
+        return {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
 
     def word(self, index: int) -> str:
         return self.words[(index - 1) % len(self.words)]
 
-    def _finish(self) -> str:
-        return "length" if self.tokens >= self.parsed.max_tokens else "abort"
+    def _finish(self, choice: int) -> str:
+        return "length" if self.tokens[choice] >= self.parsed.max_tokens else "abort"
 
     def response(self, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-        text = "".join(self.word(i) for i in range(1, self.tokens + 1))
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
-                "logprobs": None,
-                "finish_reason": self._finish(),
-                "stop_reason": None,
-            }
-            head = self._head("chat.completion")
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": self._finish(),
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-            head = self._head("text_completion")
+        choices: list[dict[str, Any]] = []
+        for j, tokens in enumerate(self.tokens):
+            text = "".join(self.word(i) for i in range(1, tokens + 1))
+            if self.chat:
+                message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []}
+                choices.append(
+                    {
+                        "index": j,
+                        "message": message,
+                        "logprobs": None,
+                        "finish_reason": self._finish(j),
+                        "stop_reason": None,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": j,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": self._finish(j),
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                )
         return {
-            **head,
-            "choices": [choice],
+            **self._head("chat.completion" if self.chat else "text_completion"),
+            "choices": choices,
             "usage": self.usage(),
             "prompt_logprobs": None,
             c.KV_TRANSFER_PARAMS: kv_params,
         }
 
-    def role_chunk(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+    def role_chunk(self, choice: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        return {
+            **self._head("chat.completion.chunk"),
+            "choices": [{"index": choice, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
 
-    def token_chunk(self, event: TokenEvent) -> dict[str, Any]:
+    def token_chunk(self, event: TokenEvent, choice: int) -> dict[str, Any]:
         finish = "length" if event.last else None
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
+            delta: dict[str, Any] = {
+                "index": choice,
                 "delta": {"content": self.word(event.index)},
                 "logprobs": None,
                 "finish_reason": finish,
             }
             if finish:
-                choice["stop_reason"] = None
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {
-            "index": 0,
+                delta["stop_reason"] = None
+            return {**self._head("chat.completion.chunk"), "choices": [delta]}
+        text = {
+            "index": choice,
             "text": self.word(event.index),
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
         }
-        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+        return {**self._head("text_completion"), "choices": [text], "usage": None}
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage(streamed=True)}
+
+
+async def _token_events(outs: Sequence[_Output]) -> AsyncIterator[tuple[int, int, TokenEvent]]:
+    """Every sequence's tokens as the engine produces them: (prompt, choice, event). One
+    sequence (no batch, n 1) is read directly; several through one queue, in the order they come."""
+    streams = [(i, j, stream) for i, out in enumerate(outs) for j, stream in enumerate(out.streams)]
+    if len(streams) == 1:
+        i, j, stream = streams[0]
+        async for event in stream:
+            yield i, j, event
+        return
+    queue: asyncio.Queue[tuple[int, int, TokenEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, j: int, stream: TokenStream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((i, j, event))
+        except Exception as exc:  # EngineStoppedError: the reader raises it
+            queue.put_nowait((i, j, exc))
+        else:
+            queue.put_nowait((i, j, None))
+
+    pumps = [asyncio.create_task(pump(i, j, stream)) for i, j, stream in streams]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                i, j, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, j, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def one_token_words(tokenizer: PromptTokenizer) -> tuple[str, ...]:

@@ -10,19 +10,25 @@ routed request reserves capacity in the cluster view). Semantics follow vLLM's O
   ``max_model_len - prompt_tokens``; ``add_generation_prompt``, ``continue_final_message``,
   ``add_special_tokens``, ``chat_template_kwargs`` and ``tools`` shape the rendered prompt.
 - ``prompt_tokens + max_tokens`` must fit in ``max_model_len``.
+- ``n`` (choices per prompt) is an integer from 1 to vLLM's ``VLLM_MAX_N_SEQUENCES``, and 1
+  under greedy sampling (``temperature`` 0).
 
-One prompt per request: batch prompts (several strings or token lists) are rejected, because
-one routing decision places one prefill.
+A batch (a completions ``prompt`` holding several strings or token-id lists) is parsed as one
+request per prompt (:attr:`ParsedRequest.parts`), each checked as vLLM checks it, in order: one
+routing decision places one prefill, so the gateway fans a batch out (:mod:`kairos.api.batch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kairos.api import batch
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.common import defaults
 from kairos.common.errors import (  # NotFoundError: re-exported, callers know it from here
@@ -35,6 +41,11 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 RequestKind = Literal["completion", "chat"]
 _ROUTES: dict[str, RequestKind] = {COMPLETIONS_PATH: "completion", CHAT_COMPLETIONS_PATH: "chat"}
+# vLLM's bounds (its VLLM_MAX_COMPLETION_PROMPTS and VLLM_MAX_N_SEQUENCES defaults), and the
+# temperature under which it samples greedily (its _SAMPLING_EPS).
+MAX_BATCH_PROMPTS = 1024
+MAX_N = 16384
+GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestError(InvalidRequestError):
@@ -83,8 +94,13 @@ class ParsedRequest:
     include_usage: bool  # stream_options.include_usage (only meaningful when streaming)
     body: dict[str, Any]  # the parsed JSON object, unchanged
     # The prompt's token ids, when asked for (parse_request's token_ids): what a prefix-cache
-    # lookup hashes. None on the count-only path, which never builds them.
+    # lookup hashes. None on the count-only path, which never builds them (and for a batch).
     prompt_token_ids: list[int] | None = None
+    n: int = 1  # choices per prompt (the body's n, as vLLM reads it)
+    # A batch's prompts, each parsed as its own request (its body the batch's with that one
+    # prompt), in order; empty for one prompt. A batch's prompt_tokens and max_tokens are the
+    # sums of its parts' (vLLM's usage.prompt_tokens of the batch, its output cap).
+    parts: tuple[ParsedRequest, ...] = ()
 
 
 # A UTF-8-encoded surrogate (U+D800..U+DFFF: 0xED then 0xA0..0xBF) is not valid UTF-8, but
@@ -158,34 +174,42 @@ def parse_request(
 
     # Cheap field checks first: a bad max_tokens should not cost a tokenization.
     count_limit = limits.max_model_len if stop_over_context else None
+    prompts: list[str | list[int]] = []
     if kind == "completion":
         field, requested = _max_tokens_field(data, ("max_tokens",))
         if field is None and "max_tokens" not in data:
             requested = limits.default_max_tokens  # absent (not null): vLLM's default of 16
-        prompt_tokens, ids = _completion_prompt_tokens(data, tokenizer, count_limit, token_ids)
+        prompts = _completion_prompts(data)
         input_param = "prompt"
     else:
         field, requested = _max_tokens_field(data, ("max_completion_tokens", "max_tokens"))
-        prompt_tokens, ids = _chat_prompt_tokens(data, tokenizer, count_limit, token_ids)
         input_param = "messages"
-    if count_limit is not None and prompt_tokens > count_limit:
-        raise RequestError(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, your request has more "
-            f"than {count_limit} input tokens. Please reduce the length of the input.",
-            input_param,
-        )
 
-    max_tokens = _resolve_max_tokens(prompt_tokens, requested, field or "max_tokens", input_param, limits)
-    return ParsedRequest(
-        kind=kind,
-        model=model,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        body=data,
-        prompt_token_ids=ids,
-    )
+    def count(prompt: str | list[int] | None) -> tuple[int, int, list[int] | None]:
+        """One prompt's tokens, output cap and ids (the chat's messages when ``prompt`` is None)."""
+        if prompt is None:
+            tokens, ids = _chat_prompt_tokens(data, tokenizer, count_limit, token_ids)
+        else:
+            tokens, ids = _count_completion_prompt(prompt, len(prompts) > 1, tokenizer, count_limit, token_ids)
+        if count_limit is not None and tokens > count_limit:
+            raise RequestError(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, your request has "
+                f"more than {count_limit} input tokens. Please reduce the length of the input.",
+                input_param,
+            )
+        return tokens, _resolve_max_tokens(tokens, requested, field or "max_tokens", input_param, limits), ids
+
+    counted = [count(p) for p in prompts] if prompts else [count(None)]  # in order: vLLM's first refusal
+    n = choices_per_prompt(data)
+
+    def parsed(body: dict[str, Any], tokens: int, cap: int, ids: list[int] | None) -> ParsedRequest:
+        return ParsedRequest(kind, model, tokens, cap, stream, include_usage, body, ids, n)
+
+    if len(counted) == 1:
+        return parsed(data, *counted[0])
+    parts = tuple(parsed(body, *each) for body, each in zip(batch.split(data, prompts), counted, strict=True))
+    whole = parsed(data, sum(p.prompt_tokens for p in parts), sum(p.max_tokens for p in parts), None)
+    return dataclasses.replace(whole, parts=parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +237,37 @@ def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
     if not stream:
         raise RequestError("stream_options can only be set when stream is true", "stream_options")
     return _optional_bool(options, "include_usage", False, "stream_options.")
+
+
+def _lax_int(value: Any) -> int | None:
+    """``value`` as pydantic's lax mode reads an integer field (vLLM's request schema): an
+    integer, a boolean, a float with no fraction, or a string of one; None for anything else."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        return int(text) if text.lstrip("+-").isdecimal() and text.isascii() else None
+    return None
+
+
+def choices_per_prompt(data: Mapping[str, Any]) -> int:
+    """The request's ``n``, checked as vLLM checks it (its SamplingParams, after the prompt)."""
+    if "n" not in data:
+        return 1
+    n = _lax_int(data["n"])
+    if n is None:
+        raise RequestError(f"n must be an integer, got {json_type(data['n'])}", "n")
+    if n < 1:
+        raise RequestError(f"n must be at least 1, got {n}.", "n")
+    if n > MAX_N:
+        raise RequestError(f"n must be at most {MAX_N}, got {n}.", "n")
+    temperature = data.get("temperature")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool)
+    if n > 1 and greedy and temperature < GREEDY_TEMPERATURE:
+        raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", "n")
+    return n
 
 
 def _max_tokens_field(data: Mapping[str, Any], names: tuple[str, ...]) -> tuple[str | None, int | None]:
@@ -254,50 +309,58 @@ def _resolve_max_tokens(
 # ---------------------------------------------------------------------------------------------
 # /v1/completions
 # ---------------------------------------------------------------------------------------------
-_PROMPT_FORMS = "a string, an array of token ids, or an array holding one string or one token-id array"
+_PROMPT_FORMS = "a string, an array of token ids, an array of strings or an array of token-id arrays"
 
 
-def _completion_prompt_tokens(
-    data: Mapping[str, Any], tokenizer: PromptTokenizer, limit: int | None, want_ids: bool
-) -> tuple[int, list[int] | None]:
+def _completion_prompts(data: Mapping[str, Any]) -> list[str | list[int]]:
+    """The body's prompts, in order: one, or a batch's several (each form checked, not counted)."""
     if data.get("prompt_embeds") is not None:
         raise RequestError("prompt_embeds is not supported by the gateway; send prompt", "prompt_embeds")
     if "prompt" not in data or data["prompt"] is None:
         raise RequestError("prompt is required", "prompt")
     prompt = data["prompt"]
-    single: str | list[int]
     if isinstance(prompt, str):
-        single = prompt
-    elif isinstance(prompt, list):
-        if all(_is_int(t) for t in prompt):  # one prompt as token ids ([] included)
-            single = prompt
-        elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            if len(prompt) > 1:
-                raise RequestError(
-                    f"prompt holds {len(prompt)} prompts; the gateway supports one prompt per request "
-                    "(send each prompt as its own request)",
-                    "prompt",
-                )
-            single = prompt[0]
-            if isinstance(single, list) and not all(_is_int(t) for t in single):
-                raise RequestError(f"prompt must be {_PROMPT_FORMS}", "prompt")
-        else:
-            raise RequestError(f"prompt must be {_PROMPT_FORMS}", "prompt")
-    else:
+        if not prompt:  # vLLM's schema refuses an empty string prompt, not an empty one in a list
+            raise RequestError("prompt is empty", "prompt")
+        return [prompt]
+    if not isinstance(prompt, list):
         raise RequestError(f"prompt must be {_PROMPT_FORMS}, got {json_type(prompt)}", "prompt")
+    if all(_is_int(t) for t in prompt):  # one prompt as token ids ([] included)
+        return [prompt]
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise RequestError(f"prompt must be {_PROMPT_FORMS}", "prompt")
+    if any(isinstance(p, list) and not all(_is_int(t) for t in p) for p in prompt):
+        raise RequestError(f"prompt must be {_PROMPT_FORMS}", "prompt")
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise RequestError(
+            f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_BATCH_PROMPTS}", "prompt"
+        )
+    return list(prompt)
 
-    if len(single) == 0:
-        raise RequestError("prompt is empty", "prompt")
-    if isinstance(single, list):
-        bad = next((t for t in single if not 0 <= t < tokenizer.vocab_size), None)
+
+def _count_completion_prompt(
+    prompt: str | list[int], in_list: bool, tokenizer: PromptTokenizer, limit: int | None, want_ids: bool
+) -> tuple[int, list[int] | None]:
+    """One prompt's token count (and ids, when wanted). ``in_list``: it came in an array, where
+    an empty string is a prompt of its special tokens alone (vLLM serves it if it has any)."""
+    if isinstance(prompt, list):
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
             raise RequestError(
                 f"token id {bad} is out of vocabulary (valid ids are 0 to {tokenizer.vocab_size - 1})", "prompt"
             )
+    elif not prompt and not in_list:
+        raise RequestError("prompt is empty", "prompt")
     if not want_ids:
-        return tokenizer.count_completion_prompt(single, limit), None
-    ids = tokenizer.completion_prompt_ids(single, limit)
-    return len(ids), (None if limit is not None and len(ids) > limit else ids)
+        count, ids = tokenizer.count_completion_prompt(prompt, limit), None
+    else:
+        ids = tokenizer.completion_prompt_ids(prompt, limit)
+        count, ids = len(ids), (None if limit is not None and len(ids) > limit else ids)
+    if count == 0:
+        raise RequestError("prompt is empty", "prompt")
+    return count, ids
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,6 +100,46 @@ def test_completion_max_tokens_explicit_null_and_exact_fit(tok: PromptTokenizer)
     assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 5}, tight).max_tokens == 5
 
 
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        pytest.param(["the quick brown fox", "a lazy dog sleeps", "x"], id="strings"),
+        pytest.param([[5, 6, 7], [8, 9, 10, 11]], id="token-id lists"),
+    ],
+)
+def test_a_batch_is_one_request_per_prompt_in_order(tok: PromptTokenizer, prompts: list) -> None:
+    payload = {"model": "tiny", "prompt": prompts, "max_tokens": 3, "stream": True, "n": 2, "temperature": 0.7}
+    batch = parse(tok, COMPLETIONS, payload)
+    singles = [parse(tok, COMPLETIONS, {**payload, "prompt": p}) for p in prompts]
+    assert batch.parts == tuple(singles)  # each part is exactly the request of its prompt alone
+    assert [p.body["prompt"] for p in batch.parts] == prompts
+    assert batch.body == payload and batch.prompt_token_ids is None
+    assert batch.prompt_tokens == sum(s.prompt_tokens for s in singles)  # vLLM's usage.prompt_tokens
+    assert (batch.max_tokens, batch.n, batch.stream) == (3 * len(prompts), 2, True)
+    assert parse(tok, COMPLETIONS, {"prompt": prompts[:1]}).parts == ()  # one prompt in a list is no batch
+
+
+def test_a_batch_takes_an_empty_string_with_tokens_and_checks_prompts_in_order(tok: PromptTokenizer) -> None:
+    # vLLM serves "" inside a batch (its BOS is a prompt) though it refuses a bare "" prompt.
+    batch = parse(tok, COMPLETIONS, {"prompt": ["ab", ""]})
+    assert [p.prompt_tokens for p in batch.parts] == [tok.count_completion_prompt("ab"), 1]
+    short = RequestLimits(max_model_len=20, default_max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="you requested 25 tokens") as info:  # the first too long
+        parse(tok, COMPLETIONS, {"prompt": [[5] * 3, [6] * 21, [7] * 30], "max_tokens": 4}, short)
+    assert info.value.param == "prompt"
+    # max_tokens null: each prompt's own rest of the context
+    batch = parse(tok, COMPLETIONS, {"prompt": [[5] * 3, [6] * 10], "max_tokens": None}, short)
+    assert [p.max_tokens for p in batch.parts] == [17, 10]
+
+
+@pytest.mark.parametrize(("n", "value"), [(2, 2), ("3", 3), (2.0, 2), (True, 1), (" 4 ", 4)])
+def test_n_is_read_as_vllm_reads_it(tok: PromptTokenizer, n: Any, value: int) -> None:
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "n": n}).n == value
+    assert parse(tok, CHAT, {"messages": MESSAGES, "n": n, "temperature": 1}).n == value
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT}).n == 1
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "n": 1, "temperature": 0}).n == 1  # greedy takes n 1
+
+
 def test_stream_and_usage(tok: PromptTokenizer) -> None:
     streamed = parse(tok, COMPLETIONS, {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}})
     assert (streamed.stream, streamed.include_usage) == (True, True)
@@ -264,8 +304,42 @@ BAD = [
     Bad("empty list", C, {"prompt": []}, InvalidRequestError, 400, "prompt", "prompt is empty"),
     Bad("list of empty string", C, {"prompt": [""]}, InvalidRequestError, 400, "prompt", "prompt is empty"),
     Bad("list of empty ids", C, {"prompt": [[]]}, InvalidRequestError, 400, "prompt", "prompt is empty"),
-    Bad("batch of strings", C, {"prompt": ["a", "b"]}, InvalidRequestError, 400, "prompt", "one prompt per request"),
-    Bad("batch of ids", C, {"prompt": [[1], [2]]}, InvalidRequestError, 400, "prompt", "one prompt per request"),
+    Bad(
+        "batch over vLLM's count",
+        C,
+        {"prompt": [[1]] * 1025},
+        InvalidRequestError,
+        400,
+        "prompt",
+        "prompt list length 1025 exceeds the maximum allowed count of 1024",
+    ),
+    Bad("batch with an empty part", C, {"prompt": [[1], []]}, InvalidRequestError, 400, "prompt", "prompt is empty"),
+    Bad("batch with a bad id", C, {"prompt": [[1], [9999]]}, InvalidRequestError, 400, "prompt", "token id 9999"),
+    Bad("batch mixing forms", C, {"prompt": ["a", [1]]}, InvalidRequestError, 400, "prompt", "prompt must be"),
+    Bad("n 0", C, {"prompt": "x", "n": 0}, InvalidRequestError, 400, "n", "n must be at least 1, got 0."),
+    Bad("n false", C, {"prompt": "x", "n": False}, InvalidRequestError, 400, "n", "n must be at least 1, got 0."),
+    Bad("n null", C, {"prompt": "x", "n": None}, InvalidRequestError, 400, "n", "n must be an integer, got null"),
+    Bad("n fraction", C, {"prompt": "x", "n": 1.5}, InvalidRequestError, 400, "n", "n must be an integer"),
+    Bad("n word", C, {"prompt": "x", "n": "two"}, InvalidRequestError, 400, "n", "n must be an integer"),
+    Bad("n past vLLM's", C, {"prompt": "x", "n": 16385}, InvalidRequestError, 400, "n", "at most 16384, got 16385."),
+    Bad(
+        "n greedy",
+        C,
+        {"prompt": "x", "n": 2, "temperature": 0},
+        InvalidRequestError,
+        400,
+        "n",
+        "n must be 1 when using greedy sampling, got 2.",
+    ),
+    Bad(
+        "chat n greedy",
+        M,
+        {"messages": MESSAGES, "n": 3, "temperature": 0.0},
+        InvalidRequestError,
+        400,
+        "n",
+        "n must be 1 when using greedy sampling, got 3.",
+    ),
     Bad("mixed list", C, {"prompt": ["a", 1]}, InvalidRequestError, 400, "prompt", "prompt must be"),
     Bad("bad inner ids", C, {"prompt": [[1, "a"]]}, InvalidRequestError, 400, "prompt", "prompt must be"),
     Bad("booleans", C, {"prompt": [True]}, InvalidRequestError, 400, "prompt", "prompt must be"),
