@@ -142,7 +142,7 @@ class Routed:
     destinations: tuple[str, ...]  # host:port of decode-node sidecars
     set_headers: tuple[tuple[str, str], ...]
     remove_headers: tuple[str, ...]
-    decision: Decision | None  # None for pass-through paths (/v1/models, /health, ...)
+    decision: Decision | None  # None for pass-through paths (/v1/models, /health, ...) and batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +277,8 @@ class Dispatcher:
         if lookup is not None and not lookup.indexing():
             lookup = None  # no node publishes events: the count-only path
         request = await self._parse(head.path, body, token_ids=lookup is not None)
+        if request.parts:
+            return self._fan_out(head, request)
         found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
         hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
         decision = await self._decide(request.prompt_tokens, policies, hits)
@@ -441,6 +443,30 @@ class Dispatcher:
         decision = policy.decide(prompt_tokens, view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
+
+    def _fan_out(self, head: RequestHead, request: ParsedRequest) -> Routed:
+        """A batch, every prompt valid: to a decode sidecar (in turn, as pass-through), which sends
+        each prompt back through the gateway, where each is decided on its own, and merges their
+        answers (``kairos.nodeagent.fanout``). Nothing is recorded or reserved for the batch itself:
+        each prompt is, when it comes back."""
+        sidecars = self.cluster.decode_sidecars()
+        if not sidecars:
+            raise NoHealthyNodeError("no decode node is available")
+        primary = sidecars[next(self._rr) % len(sidecars)]
+        set_headers = (
+            (c.H_REQUEST_ID, head.request_id or uuid.uuid4().hex),
+            (c.H_ROUTE, c.ROUTE_FANOUT),
+            (c.H_PROMPT_TOKENS, str(request.prompt_tokens)),
+        )
+        self.metrics.batches.inc()
+        self.metrics.batch_prompts.inc(len(request.parts))
+        overwritten = {name for name, _ in set_headers}
+        return Routed(
+            destinations=(primary, *_fallback(primary, sidecars)),
+            set_headers=set_headers,
+            remove_headers=tuple(h for h in head.spoofed if h.lower() not in overwritten),
+            decision=None,
+        )
 
     # -- everything else -------------------------------------------------------------------
     def _pass_through(self, spoofed: tuple[str, ...]) -> Routed:

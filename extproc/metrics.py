@@ -76,6 +76,16 @@ class DispatcherMetrics:
         for route, role in (("keep", Role.PREFILL), ("keep", Role.DECODE), ("deflect", Role.DECODE)):
             self.prefix_hit_tokens.labels(route=route, role=role)
             self.prefix_lookup_prompt_tokens.labels(route=route)
+        # Batches (several prompts in one completions body) go to a decode sidecar whole; each of
+        # their prompts comes back through the gateway and is decided (and counted above) alone.
+        self.batches = Counter(
+            "kairos_dispatcher_batches",
+            "Batch requests sent to a decode sidecar to fan out, one request per prompt back through the gateway",
+            registry=r,
+        )
+        self.batch_prompts = Counter(
+            "kairos_dispatcher_batch_prompts", "Prompts of the batch requests fanned out", registry=r
+        )
         self.reservation_conflicts = Counter(
             "kairos_dispatcher_reservation_conflicts_total",
             "Deflection promises refused (other dispatchers promised the node more than the decision "

@@ -74,6 +74,7 @@ from kairos.common.errors import (
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
 from kairos.common.runtime import freeze_startup_heap, run, stop_on_signals
+from kairos.nodeagent import fanout
 from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Response
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,9 @@ class SidecarConfig:
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are answered 413
     # Redis for the TTFT feedback stream (redis://host:port/db); empty: no feedback, no Redis.
     redis_url: str = ""
+    # host:port of the gateway (Envoy's listener) a batch's prompts are sent back through, one
+    # request each (kairos.nodeagent.fanout); empty: a batch routed here is answered 502.
+    gateway: str = ""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -202,6 +206,11 @@ class SidecarConfig:
             )
         if self.max_body_bytes < 1:
             raise ConfigError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.gateway:
+            gateway = normalize_hostport(self.gateway)
+            if gateway is None:
+                raise ConfigError(f"gateway must be host:port, got {self.gateway!r}")
+            object.__setattr__(self, "gateway", gateway)
 
 
 class SidecarMetrics:
@@ -529,6 +538,10 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         scrubbed = _scrub_client_fields(body, rid)
         clean = body if scrubbed is None else scrubbed
         headers = _forward_headers(request.headers, rid)
+        if timing.path == c.ROUTE_FANOUT:  # a batch: each prompt back through the gateway
+            cfg, client = state.config, state.hop1_client  # hop 1's client: the short connect timeout
+            assert client is not None, "the client is created on app startup"
+            return await fanout.serve(request, cfg.gateway, client, clean, headers, rid, cfg.hop2_timeout_s)
         if route is None:
             if not state.logged_unrouted:
                 state.logged_unrouted = True
@@ -786,6 +799,12 @@ def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
+    # One prefill whatever the client's n. With n > 1 vLLM runs n child requests: on a prefill
+    # node each would hold its own copy of the KV while the reply names one child's (the last to
+    # finish); the rest stay pinned until NixlConnector's lease (kv_lease_duration, 30 s) expires.
+    # Hop 2 keeps the client's n: the decode node's n children all read this one prefill's blocks.
+    if "n" in out:
+        out["n"] = 1
     # min_tokens > 1 would make vLLM reject max_tokens=1 (a 400 that is not the client's fault).
     out.pop("min_tokens", None)
     out[c.KV_TRANSFER_PARAMS] = dict(HOP1_KV_TRANSFER_PARAMS)
@@ -1107,6 +1126,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hop2-timeout-s", type=float)
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--redis", help="redis://host:port/db for the TTFT feedback stream (default: off)")
+    p.add_argument("--gateway", help="host:port of the gateway (Envoy) a batch's prompts are sent back through")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -1125,6 +1145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hop2_timeout_s": args.hop2_timeout_s,
         "max_body_bytes": args.max_body_bytes,
         "redis_url": args.redis,
+        "gateway": args.gateway,
     }
     try:
         config = load_config(

@@ -177,13 +177,13 @@ class LocalCluster:
             self.model_dir = Path(cfg.model_dir) if cfg.model_dir else self._build_model()
             self.redis_port = cfg.redis_port or free_port()
             self.nodes = self.plan_nodes()  # the node ids name the Redis users
+            self.gateway_port = cfg.gateway_port or free_port()  # the sidecars send a batch's prompts there
             self.start_redis(timeout_s)
             self.start_nodes(timeout_s)
             self.dispatcher_ports = [free_port() for _ in range(cfg.dispatchers)]
             self.dispatcher_metrics_ports = [free_port() for _ in range(cfg.dispatchers)]
             for i in range(cfg.dispatchers):
                 self.dispatcher_procs.append(self.start_dispatcher(i, timeout_s))
-            self.gateway_port = cfg.gateway_port or free_port()
             self.envoy = self.start_envoy(timeout_s)
         except BaseException:
             self.stop()
@@ -301,6 +301,8 @@ class LocalCluster:
                         node.url,
                         "--allow-prefill",
                         ",".join(n.url for n in self.nodes if n.role == Role.PREFILL),
+                        "--gateway",
+                        self.gateway_url.removeprefix("http://"),
                         "--log-level",
                         self.config.log_level,
                     ),

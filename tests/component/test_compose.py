@@ -271,6 +271,14 @@ def test_sidecars_call_their_own_engine_and_only_the_prefill_engines(services: d
         assert services[SIDECARS[node]]["depends_on"][node] == {"condition": "service_healthy"}
 
 
+def test_sidecars_send_a_batchs_prompts_back_through_envoys_listener(
+    services: dict[str, dict[str, Any]], envoy: dict[str, Any]
+) -> None:
+    listener = envoy["static_resources"]["listeners"][0]["address"]["socket_address"]
+    for node in DECODE:
+        assert flags(services[SIDECARS[node]])["--gateway"] == f"{LOOPBACK}:{listener['port_value']}"
+
+
 def test_engines_serve_their_node_and_role(services: dict[str, dict[str, Any]]) -> None:
     for node in ENGINES:
         f = flags(services[node])

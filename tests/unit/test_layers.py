@@ -17,7 +17,7 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
     "kairos.core": ("kairos/core", frozenset({"kairos.common"})),
     "kairos.api": ("kairos/api", frozenset({"kairos.common"})),
     "kairos.extproc": ("extproc", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
-    "kairos.nodeagent": ("nodeagent", frozenset({"kairos.common", "kairos.core"})),
+    "kairos.nodeagent": ("nodeagent", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
     "kairos.sim": ("sim", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
     "kairos.profiling": ("profiling", frozenset({"kairos.common", "kairos.core", "kairos.sim"})),
     "kairos.launcher": (
