@@ -8,6 +8,8 @@ Envoy sends every request for this decode node here, with the decision in ``x-ka
            This is the two-hop protocol of vLLM's ``toy_proxy_server.py`` and llm-d's sidecar.
   deflect  one hop to the local vLLM, the chunk schedule in ``vllm_xargs`` (read by the Kairos
            scheduler plugin).
+  fanout   a batch (several prompts): each prompt is sent back through the gateway (``--gateway``)
+           for a decision of its own, and the answers merged as vLLM's (kairos.nodeagent.fanout).
   (none)   the request reached the sidecar directly: plain aggregated serving on the local vLLM.
 
 With a Redis URL (``--redis``), the sidecar also reports each routed request's observed TTFT
@@ -33,7 +35,8 @@ Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLL
 Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
 calls hosts on its allowlist (static hosts plus those the live cluster view knows).
 
-Run: ``python -m kairos.nodeagent.sidecar --port 8201 --local-vllm 127.0.0.1:8101 --allow-prefill 127.0.0.1:8001``
+Run: ``python -m kairos.nodeagent.sidecar --port 8201 --local-vllm 127.0.0.1:8101 --allow-prefill 127.0.0.1:8001
+--gateway 127.0.0.1:8000``
 """
 
 from __future__ import annotations
