@@ -102,6 +102,19 @@ MAX_MODEL_LEN = 32768  # tokens of context
 PREFILL_STEP_TOKENS = 2048  # max_num_batched_tokens on prefill nodes (chi_p)
 DECODE_STEP_TOKENS = 4096  # max_num_batched_tokens on decode nodes
 KV_CAPACITY_TOKENS = 1_300_000  # KV-cache tokens per emulated node
+MAX_RUNNING_REQUESTS = 256  # sequences an engine holds at once (vLLM's max_num_seqs)
+
+# Admission control at the dispatcher (kairos.core.admission). The cluster holds at most its decode
+# seats (MAX_RUNNING_REQUESTS per decode node) and a queue as deep again: a request past that
+# would start only after a whole batch turned over. Its prompts' KV must fit the decode nodes' KV
+# with the same allowance. Past the budget a request waits at the dispatcher for at most
+# ADMISSION_MAX_WAIT_S, in a line of at most ADMISSION_WAITING_PER_SEAT per decode seat, else gets
+# a 429 with Retry-After. The wait stays under Envoy's ext_proc message timeout
+# (EnvoySettings.message_timeout, 2 s), which would answer a bare 504 instead; a line longer than
+# one batch per node would not drain within that second at any rate a node sustains.
+ADMISSION_QUEUE_PER_SEAT = 1.0
+ADMISSION_MAX_WAIT_S = 1.0
+ADMISSION_WAITING_PER_SEAT = 1.0
 
 # The decode nodes' step-time calibration (kairos.core.calibration): the upper quantile of
 # actual / predicted step time each node reports, and the dispatcher divides its step budget by.

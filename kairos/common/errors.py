@@ -60,6 +60,16 @@ class UnsupportedContentEncodingError(KairosError):
     code = "unsupported_content_encoding"
 
 
+class OverloadedError(KairosError):
+    """The cluster holds as many requests as its admission budget allows (429, with Retry-After)."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NoHealthyNodeError(KairosError):
     """No prefill or decode node is eligible to serve the request right now."""
 

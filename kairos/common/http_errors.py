@@ -51,6 +51,7 @@ ERROR_TABLE: Mapping[str, ErrorMapping] = MappingProxyType(
         "unsupported_content_encoding": ErrorMapping(415, "invalid_request_error"),
         "request_timeout": ErrorMapping(408, "invalid_request_error"),
         "no_healthy_node": ErrorMapping(503, "service_unavailable"),
+        "overloaded": ErrorMapping(429, "rate_limit_error"),  # admission control (kairos.core.admission)
         "upstream_error": ErrorMapping(502, "upstream_error"),
         "upstream_timeout": ErrorMapping(504, "upstream_error"),
     }

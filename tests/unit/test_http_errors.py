@@ -119,6 +119,7 @@ def test_table_covers_every_client_facing_code() -> None:
         "request_timeout": 408,
         "unsupported_content_encoding": 415,
         "no_healthy_node": 503,
+        "overloaded": 429,
         "upstream_error": 502,
         "upstream_timeout": 504,
     }
