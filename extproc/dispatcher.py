@@ -16,6 +16,7 @@ path runs, as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -51,6 +52,7 @@ from kairos.core.algorithm import cached_prefix
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
 from kairos.core.state import ClusterView
+from kairos.extproc.admission import AdmissionGate
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.reservations import Reservation
 
@@ -152,6 +154,7 @@ class Rejected:
     status: int
     body: bytes  # OpenAI-style error JSON
     code: str
+    retry_after_s: int | None = None  # a Retry-After header (an overloaded gateway's 429)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +208,10 @@ class Dispatcher:
         settings: DispatchSettings = DispatchSettings(),
         no_prefill_policy: NoPrefillPoolPolicy | None = None,
         prefixes: PrefixSource | None = None,
+        admission: AdmissionGate | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.admission = admission  # None: every request is decided (no in-flight budget)
         self.prefixes = prefixes
         # Read once per decision: assigning a new Policies swaps the models for the next one.
         self.policies = Policies(policy, keep_policy, no_prefill_policy)
@@ -230,6 +235,8 @@ class Dispatcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.admission is not None:
+            self.admission.close()
 
     # -- entry point -----------------------------------------------------------------------
     async def route(self, head: RequestHead, body: bytes | None) -> Routed | Rejected:
@@ -268,7 +275,7 @@ class Dispatcher:
 
     def _rejected(self, exc: Exception, code: str) -> Rejected:
         self.metrics.rejections.labels(code=code).inc()
-        return Rejected(error_status(exc), error_json(exc), code)
+        return Rejected(error_status(exc), error_json(exc), code, getattr(exc, "retry_after_s", None))
 
     # -- inference requests ----------------------------------------------------------------
     async def _route_inference(self, head: RequestHead, body: bytes, started: float) -> Routed:
@@ -281,7 +288,9 @@ class Dispatcher:
             return self._fan_out(head, request)
         found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
         hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
-        decision = await self._decide(request.prompt_tokens, policies, hits)
+        gate = self.admission
+        async with gate.slot(request.prompt_tokens) if gate is not None else contextlib.nullcontext():
+            decision = await self._decide(request.prompt_tokens, policies, hits)
         addresses = self.cluster.addresses()
         request_id = head.request_id or uuid.uuid4().hex
         set_headers: list[tuple[str, str]] = [

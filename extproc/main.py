@@ -28,11 +28,13 @@ from kairos.common.config import load_config
 from kairos.common.errors import ConfigError, ProfileError
 from kairos.common.redis_client import redact_url
 from kairos.common.runtime import freeze_startup_heap, stop_on_signals
+from kairos.core.admission import AdmissionLimits
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
 from kairos.core.policies import NoPrefillPoolPolicy, make_policy, validate_gateway_policy
 from kairos.core.prefix_index import PrefixIndex
 from kairos.core.view import ClusterTracker
+from kairos.extproc.admission import AdmissionGate
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Policies, prefix_aware
 from kairos.extproc.feedback import DEFAULT_WINDOW, TtftFeedback
@@ -98,6 +100,10 @@ class DispatcherConfig:
     # long a replay may take before the node's index resets instead.
     prefix_index_capacity_blocks: int = defaults.PREFIX_INDEX_CAPACITY_BLOCKS
     kv_events_replay_timeout_s: float = defaults.KV_EVENTS_REPLAY_TIMEOUT_S
+    # Admission control (kairos.core.admission): off decides every request, however many are in
+    # flight (the gateway then holds what Envoy's limits let in).
+    admission: bool = True
+    admission_max_wait_s: float = defaults.ADMISSION_MAX_WAIT_S
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -114,6 +120,10 @@ class DispatcherConfig:
         if not self.kv_events_replay_timeout_s > 0:
             raise ConfigError(f"kv_events_replay_timeout_s must be > 0, got {self.kv_events_replay_timeout_s}")
         self.cluster_view()  # its own cross-field checks, at start-up
+        self.admission_limits()
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(max_wait_s=self.admission_max_wait_s)
 
     def cluster_view(self) -> ClusterViewConfig:
         return ClusterViewConfig(
@@ -195,6 +205,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
             dispatcher_id=config.dispatcher_id,
         ),
         prefixes=kv_events,
+        admission=AdmissionGate(cluster.view, metrics, config.admission_limits()) if config.admission else None,
     )
 
     def use(loaded: LoadedProfile) -> None:
@@ -314,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("any", "listed"),
         help="listed: only the fallback lists' nodes join, with their listed role and addresses (default any)",
     )
+    p.add_argument(
+        "--admission",
+        choices=("on", "off"),
+        help="on (default): a bounded in-flight budget, 429 past it; off: decide every request",
+    )
+    p.add_argument("--admission-max-wait-s", type=float, help="longest wait for a seat before a 429 (default 1)")
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -86,6 +86,34 @@ class DispatcherMetrics:
         self.batch_prompts = Counter(
             "kairos_dispatcher_batch_prompts", "Prompts of the batch requests fanned out", registry=r
         )
+        # Admission control (kairos.core.admission, kairos.extproc.admission).
+        self.shed = Counter(
+            "kairos_dispatcher_shed_total",
+            "Requests refused by admission control with a 429 (the cluster at its in-flight budget): "
+            "queue_full = the waiting line was full, wait_timeout = no seat within the bounded wait",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("queue_full", "wait_timeout"):
+            self.shed.labels(reason=reason)
+        self.admission_waited = Counter(
+            "kairos_dispatcher_admission_waited_total",
+            "Requests that waited at the dispatcher for a seat and got one",
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "kairos_dispatcher_admission_waiting", "Requests waiting at the dispatcher for a seat now", registry=r
+        )
+        self.admission_in_flight = Gauge(
+            "kairos_dispatcher_admission_in_flight",
+            "Requests the cluster holds as the view counts them, at the last admission check",
+            registry=r,
+        )
+        self.admission_budget = Gauge(
+            "kairos_dispatcher_admission_budget",
+            "Requests the cluster may hold at once (decode seats and a queue as deep), at the last admission check",
+            registry=r,
+        )
         self.reservation_conflicts = Counter(
             "kairos_dispatcher_reservation_conflicts_total",
             "Deflection promises refused (other dispatchers promised the node more than the decision "

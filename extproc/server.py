@@ -95,12 +95,13 @@ def _routed_response(routed: Routed, phase: str) -> pb.ProcessingResponse:
 
 
 def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
+    set_headers = [("content-type", b"application/json")]
+    if rejected.retry_after_s is not None:
+        set_headers.append(("retry-after", str(rejected.retry_after_s).encode()))
     headers = pb.HeaderMutation(
         set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
-                append_action=_OVERWRITE,
-            )
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
+            for key, value in set_headers
         ]
     )
     marker = struct_pb2.Struct()

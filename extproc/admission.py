@@ -1,0 +1,113 @@
+"""The dispatcher's admission gate: the budget of :mod:`kairos.core.admission` applied to
+requests as they come, with a bounded line for those that find the cluster full.
+
+A request that fits goes on at once (and counts as in flight until its decision is in the view:
+:meth:`AdmissionGate.slot`). One that does not joins a FIFO line if it has room, and is let in as
+seats free up: the line is checked every ``poll_s`` (half a heartbeat: seats free only when a
+heartbeat says so). Past ``max_wait_s`` in line, or with the line full, it is refused with
+:class:`~kairos.common.errors.OverloadedError` (a 429 with Retry-After), counted in
+``kairos_dispatcher_shed_total`` by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from kairos.common.contracts import HEARTBEAT_PERIOD_S
+from kairos.common.errors import OverloadedError
+from kairos.core.admission import AdmissionLimits, Verdict, admission, in_flight, max_waiting, request_budget
+from kairos.core.state import ClusterView
+from kairos.extproc.metrics import DispatcherMetrics
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        view: Callable[[], ClusterView],
+        metrics: DispatcherMetrics,
+        limits: AdmissionLimits | None = None,
+        poll_s: float = HEARTBEAT_PERIOD_S / 2,
+    ) -> None:
+        self._view = view
+        self._metrics = metrics
+        self.limits = limits or AdmissionLimits()
+        self._poll_s = poll_s
+        self._line: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._unseen = 0  # admitted, their decision not yet in the view
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, fut in self._line if not fut.done())
+
+    @contextlib.asynccontextmanager
+    async def slot(self, prompt_tokens: int) -> AsyncIterator[None]:
+        """Hold a seat while the request is decided (the decision puts it in the view)."""
+        await self._admit(prompt_tokens)
+        try:
+            yield
+        finally:
+            self._unseen -= 1
+
+    async def _admit(self, prompt_tokens: int) -> None:
+        view = self._view()
+        verdict = self._check(view, prompt_tokens)
+        if verdict is Verdict.ADMIT and not self._line:  # nobody ahead in line
+            self._unseen += 1
+            return
+        if self.limits.max_wait_s <= 0 or self.waiting >= max_waiting(view, self.limits):
+            self._shed("queue_full", verdict)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._line.append((prompt_tokens, fut))
+        self._metrics.admission_waiting.set(self.waiting)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._let_in())
+        try:
+            await asyncio.wait_for(fut, self.limits.max_wait_s)
+        except TimeoutError:
+            if not fut.done() or fut.cancelled():  # else let in as the time ran out: its seat is counted
+                self._shed("wait_timeout", verdict)
+        except asyncio.CancelledError:  # its client left (Envoy closed the stream)
+            if fut.done() and not fut.cancelled():
+                self._unseen -= 1  # let in just before: give the seat back
+            raise
+        finally:
+            self._metrics.admission_waiting.set(self.waiting)
+        self._metrics.admission_waited.inc()  # its seat was counted by _let_in
+
+    def _check(self, view: ClusterView, prompt_tokens: int) -> Verdict:
+        self._metrics.admission_in_flight.set(in_flight(view) + self._unseen)
+        self._metrics.admission_budget.set(request_budget(view, self.limits))
+        return admission(view, prompt_tokens, self.limits, self._unseen)
+
+    async def _let_in(self) -> None:
+        """Let waiters in, first come first, while the budget has room; until the line is empty."""
+        while self._line:
+            await asyncio.sleep(self._poll_s)
+            view = self._view()
+            while self._line:
+                prompt_tokens, fut = self._line[0]
+                if fut.done():  # timed out, or its client left
+                    self._line.popleft()
+                    continue
+                if self._check(view, prompt_tokens) is not Verdict.ADMIT:
+                    break
+                self._line.popleft()
+                self._unseen += 1
+                fut.set_result(None)
+            self._metrics.admission_waiting.set(self.waiting)
+
+    def _shed(self, reason: str, verdict: Verdict) -> None:
+        self._metrics.shed.labels(reason=reason).inc()
+        over = "KV tokens in flight" if verdict is Verdict.OVER_KV else "requests in flight"
+        raise OverloadedError(
+            f"the gateway is at capacity ({over}); retry after {self.limits.retry_after_s} s",
+            self.limits.retry_after_s,
+        )
+
+    def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
