@@ -54,6 +54,21 @@ class EnvoySettings:
     # Retries in flight per cluster (Envoy's default is 3): one per request that a dead
     # dispatcher replica or decode node makes Envoy retry.
     max_retries: int = 1024
+    # Client connections Envoy holds at once (its overload manager; past it, it stops accepting
+    # and the kernel's backlog waits). Each request in flight holds one, and an HTTP/1 connection
+    # to a sidecar: two open files, 16,384 with Envoy's own under a 20,000 open-file limit. Also
+    # the ext_proc and sidecar clusters' circuit breakers: one stream and one upstream request per
+    # client connection, so no breaker trips before this limit does (HTTP/2 clients, many streams
+    # on one connection, can still meet the breakers: Envoy then answers a JSON 503).
+    max_downstream_connections: int = 8192
+    # Connections the kernel queues before Envoy accepts them (its default, 128, drops the SYNs of
+    # a burst, which clients resend only after 1 s, 3 s, ...); the kernel caps it at somaxconn.
+    listen_backlog: int = 4096
+    # Envoy's heap: past 90% it returns freed memory to the system, past 95% it answers new
+    # requests 503 itself. Envoy peaked at 285 MB with 5,000 streams opened at once
+    # (bench/results/spike.json); each connection may buffer a body up to buffer_limit_bytes, so
+    # this is what bounds a flood of large bodies.
+    max_heap_bytes: int = 1024 * 1024 * 1024
     # Until the whole request (headers and body) is in: a client that stalls mid-body gets a
     # 408 instead of holding a buffer and a connection for stream_idle_timeout. It stops at the
     # last request byte, so it never cuts a long SSE response.
@@ -146,6 +161,10 @@ def render_envoy_config(settings: EnvoySettings, template: Traversable = TEMPLAT
         health_check_timeout=settings.health_check_timeout,
         ext_proc_service=c.EXT_PROC_HEALTH_SERVICE,
         max_retries=settings.max_retries,
+        max_downstream_connections=settings.max_downstream_connections,
+        max_in_flight=settings.max_downstream_connections,
+        listen_backlog=settings.listen_backlog,
+        max_heap_bytes=settings.max_heap_bytes,
         # An ext_proc stream that cannot open is retried on each other replica.
         dispatcher_retries=max(1, len(settings.dispatchers) - 1),
         cluster_type=settings.cluster_type,
