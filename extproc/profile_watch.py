@@ -70,28 +70,9 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:DIGEST_CHARS]
 
 
-def check_finite(models: LatencyModels, source: str) -> None:
-    """Reject NaN or infinite numbers (JSON parsers accept ``NaN``): every decision would be
-    garbage, and silently so."""
-    numbers: list[tuple[str, float]] = []
-    for m in (models.prefill, models.decode, models.mixed):
-        numbers += [(f"{m.name}.intercept", m.intercept), (f"{m.name}.knee_tokens", m.knee_tokens)]
-        numbers += [(f"{m.name}.{f}", v) for f, v in zip(m.features, m.coefficients, strict=True)]
-    t = models.transfer
-    numbers += [
-        ("kv_transfer.bytes_per_token", t.bytes_per_token),
-        ("kv_transfer.bandwidth_bytes_per_s", t.bandwidth_bytes_per_s),
-        ("kv_transfer.latency_s", t.latency_s),
-    ]
-    bad = [name for name, value in numbers if not math.isfinite(value)]
-    if bad:
-        raise ProfileError(f"{source}: non-finite numbers in {bad}")
-
-
 def parse_version(data: bytes, source: str) -> LoadedProfile:
     """Parse and validate one version of a profile file's bytes."""
-    models = parse_profile(data, source)
-    check_finite(models, source)
+    models = parse_profile(data, source)  # checks its numbers (kairos.core.latency.check_operating_range)
     return LoadedProfile(models, digest_of(data), source)
 
 

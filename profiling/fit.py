@@ -35,7 +35,7 @@ from sklearn.model_selection import GroupKFold
 
 from kairos.common import contracts as c
 from kairos.common.errors import ProfileError
-from kairos.core.latency import LatencyModels, LinearModel, TransferModel
+from kairos.core.latency import LatencyModels, LinearModel, TransferModel, check_operating_range
 from kairos.profiling import features
 from kairos.profiling.dataset import STEP_MODELS, Floats, Steps, mape, profile_predictions, split_by_model
 from kairos.profiling.records import MANIFEST_FILE, RunFile, TransferRecord, load_runs, load_transfers
@@ -438,6 +438,15 @@ def fit_profile(
         mixed=model_of(c.MIXED_INCREMENT, base.mixed),
         transfer=transfer,
     )
+    try:
+        check_operating_range(profile, f"the fitted profile {meta.name!r}")
+    except ProfileError as exc:
+        hint = (
+            " (fitted with --allow-negative: plain least squares; without it every coefficient is >= 0)"
+            if not cfg.positive
+            else ""
+        )
+        raise ProfileError(exc.message + hint) from None
     return FitResult(profile, fitted, scores, data, copied)
 
 

@@ -46,7 +46,7 @@ class EngineConfig:
     role: Role
     max_step_tokens: int = 2048  # token budget per step (vLLM's max_num_batched_tokens)
     kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV-cache size in tokens (A100 80 GB, DeepSeek-V2-Lite)
-    max_running: int = 256  # most sequences resident at once (vLLM's max_num_seqs)
+    max_running: int = defaults.MAX_RUNNING_REQUESTS  # most sequences resident at once (vLLM's max_num_seqs)
     block_tokens: int = defaults.KV_BLOCK_TOKENS  # KV block size (vLLM's --block-size)
     prefix_caching: bool = True  # vLLM's default; False: no request ever hits
 

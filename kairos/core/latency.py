@@ -9,6 +9,8 @@ fits exactly these features.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -250,6 +252,280 @@ class LatencyModels:
             raise ProfileError(f"{source}: malformed profile ({type(exc).__name__}: {exc})") from exc
 
 
+# ---------------------------------------------------------------------------------------------
+# The operating range: where a profile must predict steps that take time and never get faster
+# as they carry more work
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class OperatingRange:
+    """The inputs Kairos evaluates a profile at: the reference cluster's engine limits."""
+
+    decode_tokens: int = defaults.MAX_RUNNING_REQUESTS  # B: decodes in one step
+    kv_tokens: int = defaults.KV_CAPACITY_TOKENS  # K: KV tokens a node holds
+    step_tokens: int = max(defaults.PREFILL_STEP_TOKENS, defaults.DECODE_STEP_TOKENS)  # tokens in one step
+    context_tokens: int = defaults.MAX_MODEL_LEN  # a prefilling request's cached tokens
+
+    def describe(self) -> str:
+        return (
+            f"B <= {self.decode_tokens} decodes, K <= {self.kv_tokens:,} KV tokens, steps of <= "
+            f"{self.step_tokens:,} tokens, prefixes of <= {self.context_tokens:,} cached tokens"
+        )
+
+
+OPERATING_RANGE = OperatingRange()
+
+
+# A step may get faster with more work by less than this over an input's whole range: rounding
+# in a fit (plain least squares leaves a coefficient of 1e-23 where the truth is 0), not a model.
+MONOTONE_TOLERANCE_S = 1e-6
+
+
+def _terms(pairs: list[tuple[str, float]]) -> str:
+    """The coefficients behind a failed check: the negative ones (a sum of coefficients times
+    non-negative inputs falls below zero only through them), or all of them when none is."""
+    negative = [(name, v) for name, v in pairs if v < 0]
+    return ", ".join(f"{name} = {v:g}" for name, v in negative or pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slope:
+    """One input of a model and its slope as a function of a point of the range."""
+
+    model: str
+    what: str  # what the step does as the input grows, for the message
+    span: float  # the input's range: a slope times it is what the step can lose over it
+    unit: str
+    at: Callable[[float, float, float, float, bool], float]  # (B, p, K_o, c, past the knee) -> slope
+    terms: Callable[[bool], list[tuple[str, float]]]  # the coefficients in it
+
+
+def check_finite(models: LatencyModels, source: str) -> None:
+    """Reject NaN or infinite numbers (JSON parsers accept ``NaN``): every decision would be
+    garbage, and silently so."""
+    numbers: list[tuple[str, float]] = []
+    for m in (models.prefill, models.decode, models.mixed):
+        numbers += [(f"{m.name}.intercept", m.intercept), (f"{m.name}.knee_tokens", m.knee_tokens)]
+        numbers += [(f"{m.name}.{f}", v) for f, v in zip(m.features, m.coefficients, strict=True)]
+    t = models.transfer
+    numbers += [
+        ("kv_transfer.bytes_per_token", t.bytes_per_token),
+        ("kv_transfer.bandwidth_bytes_per_s", t.bandwidth_bytes_per_s),
+        ("kv_transfer.latency_s", t.latency_s),
+    ]
+    bad = [name for name, value in numbers if not math.isfinite(value)]
+    if bad:
+        raise ProfileError(f"{source}: non-finite numbers in {bad}")
+
+
+def check_operating_range(models: LatencyModels, source: str, op: OperatingRange = OPERATING_RANGE) -> None:
+    """Refuse (:class:`ProfileError`) a profile that predicts a step of zero or negative time, or
+    a step that gets faster as it carries more of any input (tokens, decodes, KV, cached prefix),
+    anywhere in ``op``; the message names the model, the input, the point and the coefficients.
+
+    Every model is linear in each input once the others are fixed (past a knee its slope moves by
+    a constant), so each slope is checked at the corners of the range of the other inputs, on
+    each side of a knee the range reaches, and a model whose slopes are all >= 0 is fastest at
+    the range's lowest point, where its time is checked. A mixed step is checked as the engine and
+    the decider evaluate it: a chunk of p tokens over its prompt's cached prefix c, whose KV is
+    part of K (K = c + the other requests' KV K_o)."""
+    check_finite(models, source)
+    nb, nk, ns, nc = op.decode_tokens, op.kv_tokens, op.step_tokens, op.context_tokens
+    d, p, x = models.decode, models.prefill, models.mixed
+    d0, d_b, d_k = d.intercept, *d.coefficients
+    p0, p_n, p_knee, p_c = p.intercept, *p.coefficients
+    m0, m_p, m_pb, m_pk, m_pc, m_knee = x.intercept, *x.coefficients
+    fd_b, fd_k = d.features
+    fp_n, fp_knee, fp_c = p.features
+    f_p, f_pb, f_pk, f_pc, f_knee = x.features
+
+    def refuse(model: str, what: str, value: str, terms: list[tuple[str, float]]) -> None:
+        raise ProfileError(
+            f"{source}: {model}: {what} ({value}): {_terms(terms)}. A profile must predict steps that take time "
+            f"and never get faster with more work, over {op.describe()}"
+        )
+
+    def mixed_at(b: float, q: float, k_other: float, cached: float, past: bool = False) -> str:
+        kv = k_other + cached
+        return f"B = {b:g} decodes, K = {kv:,.0f} KV tokens, a {q:g}-token chunk over {cached:g} cached tokens"
+
+    def prefill_at(b: float, q: float, k_other: float, cached: float, past: bool = False) -> str:
+        return f"a {q:g}-token step over {cached:g} cached tokens"
+
+    def decode_at(b: float, q: float, k_other: float, cached: float, past: bool = False) -> str:
+        return f"B = {b:g} decodes, K = {k_other:,.0f} KV tokens"
+
+    # The points each model is checked at: (B, p, K_o, c, past its knee), the corners of its
+    # range on each side of the knee (for the mixed step, the knee is on B + p).
+    decode_points = [(b, 0.0, k, 0.0, False) for b in (1, nb) for k in (0, nk)]
+    prefill_points = [(0.0, q, 0.0, cc, q > p.knee_tokens) for q in (1, ns) for cc in (0, nc)]
+    knee = x.knee_tokens
+    corners = [(b, q) for b in (0, nb) for q in (1, ns)]
+    cuts = [(knee - q, q) for q in (1, ns) if 0 <= knee - q <= nb] + [
+        (b, knee - b) for b in (0, nb) if 1 <= knee - b <= ns
+    ]
+    mixed_points = [
+        (b, q, ko, cc, past)
+        for past in (False, True)
+        for b, q in corners + cuts
+        if (b + q >= knee if past else b + q <= knee)
+        for ko in (0, nk)
+        for cc in (0, nc)
+    ]
+    checks: list[tuple[_Slope, list[tuple[float, float, float, float, bool]], Callable[..., str]]] = [
+        (
+            _Slope(
+                c.DECODE_STEP,
+                "the step time falls as the decodes grow",
+                nb,
+                "s per decode",
+                lambda *_: d_b,
+                lambda _: [(fd_b, d_b)],
+            ),
+            decode_points,
+            decode_at,
+        ),
+        (
+            _Slope(
+                c.DECODE_STEP,
+                "the step time falls as the KV tokens grow",
+                nk,
+                "s per token",
+                lambda *_: d_k,
+                lambda _: [(fd_k, d_k)],
+            ),
+            decode_points,
+            decode_at,
+        ),
+        (
+            _Slope(
+                c.PREFILL_STEP,
+                "the step time falls as the cached tokens grow",
+                nc,
+                "s per token",
+                lambda b, q, *_: p_c * q,
+                lambda _: [(fp_c, p_c)],
+            ),
+            prefill_points,
+            prefill_at,
+        ),
+        (
+            _Slope(
+                c.PREFILL_STEP,
+                "the step time falls as the step's tokens grow",
+                ns,
+                "s per token",
+                lambda b, q, ko, cc, past: p_n + p_c * cc + (p_knee if past else 0.0),
+                lambda past: [(fp_n, p_n), (fp_c, p_c), *([(fp_knee, p_knee)] if past else [])],
+            ),
+            prefill_points,
+            prefill_at,
+        ),
+        (
+            _Slope(
+                c.MIXED_INCREMENT,
+                "the step time falls as the chunk's prefill tokens grow",
+                ns,
+                "s per token",
+                lambda b, q, ko, cc, past: m_p + m_pb * b + m_pk * (ko + cc) + m_pc * cc + (m_knee if past else 0.0),
+                lambda past: [
+                    (f_p, m_p),
+                    (f_pb, m_pb),
+                    (f_pk, m_pk),
+                    (f_pc, m_pc),
+                    *([(f_knee, m_knee)] if past else []),
+                ],
+            ),
+            mixed_points,
+            mixed_at,
+        ),
+        (
+            _Slope(
+                c.MIXED_INCREMENT,
+                "the step time falls as the decodes grow",
+                nb,
+                "s per decode",
+                lambda b, q, ko, cc, past: d_b + m_pb * q + (m_knee if past else 0.0),
+                lambda past: [(fd_b, d_b), (f_pb, m_pb), *([(f_knee, m_knee)] if past else [])],
+            ),
+            mixed_points,
+            mixed_at,
+        ),
+        (
+            _Slope(
+                c.MIXED_INCREMENT,
+                "the step time falls as the other requests' KV tokens grow",
+                nk,
+                "s per token",
+                lambda b, q, *_: d_k + m_pk * q,
+                lambda _: [(fd_k, d_k), (f_pk, m_pk)],
+            ),
+            mixed_points,
+            mixed_at,
+        ),
+        (
+            _Slope(
+                c.MIXED_INCREMENT,
+                "the step time falls as the chunk's cached prefix (its KV part of K) grows",
+                nc,
+                "s per token",
+                lambda b, q, *_: d_k + q * (m_pk + m_pc),
+                lambda _: [(fd_k, d_k), (f_pk, m_pk), (f_pc, m_pc)],
+            ),
+            mixed_points,
+            mixed_at,
+        ),
+        (
+            # From no chunk to a 1-token chunk: Eq. 4's increment at p = 1 (its slope times one token)
+            _Slope(
+                c.MIXED_INCREMENT,
+                "a 1-token chunk makes the step faster than its decodes alone",
+                1,
+                "s",
+                lambda b, q, ko, cc, past: (
+                    m0 + m_p + m_pb * b + m_pk * (ko + cc) + m_pc * cc + (m_knee * max(0.0, b + 1 - knee))
+                ),
+                lambda _: [("intercept", m0), (f_p, m_p), (f_pb, m_pb), (f_pk, m_pk), (f_pc, m_pc), (f_knee, m_knee)],
+            ),
+            [(b, 1.0, ko, cc, False) for b in (0, nb) for ko in (0, nk) for cc in (0, nc)]
+            + ([(knee - 1, 1.0, ko, cc, False) for ko in (0, nk) for cc in (0, nc)] if 1 <= knee <= nb else []),
+            mixed_at,
+        ),
+    ]
+    for slope, points, where in checks:
+        worst = min(points, key=lambda pt: slope.at(*pt))
+        value = slope.at(*worst)
+        if value * slope.span < -MONOTONE_TOLERANCE_S:
+            refuse(
+                slope.model,
+                f"{slope.what} at {where(*worst)}",
+                f"{value:.3g} {slope.unit}",
+                slope.terms(worst[4]),
+            )
+    for model, seconds, at, terms in (
+        # A decode holds its own token at least: the smallest decode-only step has B = K = 1.
+        (
+            c.DECODE_STEP,
+            models.decode_step_s(1, 1),
+            "B = 1 decodes, K = 1 KV tokens",
+            [("intercept", d0), (fd_b, d_b), (fd_k, d_k)],
+        ),
+        (
+            c.PREFILL_STEP,
+            models.prefill_step_s(1, 0),
+            "a 1-token step over 0 cached tokens",
+            [("intercept", p0), (fp_n, p_n)],
+        ),
+        (
+            c.MIXED_INCREMENT,
+            models.mixed_step_s(1, 0, 0, 0),
+            mixed_at(0, 1, 0, 0),
+            [("decode_step intercept", d0), ("intercept", m0), (f_p, m_p)],
+        ),
+    ):
+        if not seconds > 0:
+            refuse(model, f"a step with {at} is predicted to take {seconds:.3g} s", "must be > 0", terms)
+
+
 def profile_path(name_or_path: str | Path) -> Path | None:
     """The file ``name_or_path`` names when it is a path (ends in ``.json`` or exists), or None
     for a packaged profile name (the same rule :func:`load_profile` applies)."""
@@ -265,7 +541,9 @@ def parse_profile(text: str | bytes, source: str) -> LatencyModels:
         raise ProfileError(f"{source}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: a profile is a JSON object, got {type(data).__name__}")
-    return LatencyModels.from_dict(data, source)
+    models = LatencyModels.from_dict(data, source)
+    check_operating_range(models, source)
+    return models
 
 
 def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModels:

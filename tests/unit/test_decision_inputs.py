@@ -3,6 +3,7 @@ each case here failed on the code before its fix, with the numbers the audit gav
 
 1. A queued or half-done deflection is planned over its own computed prefix.
 2. KV transfers in flight count in the load measures (keep-path pick, overload, pressure, KV room).
+3. A profile predicting a non-positive or non-monotone step time over the operating range is refused.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,17 +25,19 @@ from kairos.common.contracts import (
     parse_engine_state,
     parse_heartbeat,
 )
+from kairos.common.errors import ProfileError
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
 from kairos.core.decision import Decision, Reason, Route
-from kairos.core.latency import load_profile
+from kairos.core.latency import load_profile, parse_profile
 from kairos.core.state import DecodeNodeState
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
+from kairos.profiling.__main__ import main as profile_main
 from kairos.sim.engine import Engine, EngineConfig, Sequence, model_step_time
 from kairos.sim.simulator import _decode_state, _Link
-from tests.builders import BIG_KV, decode_node, make_models, prefill_node, view
+from tests.builders import BIG_KV, decode_node, make_models, models_dict, prefill_node, view
 from tests.builders import heartbeat_json as beat
 
 PACKAGED = load_profile()
@@ -235,3 +240,117 @@ def test_the_vllm_plugin_reports_the_kv_it_is_pulling() -> None:
     )
     assert state.pending_kv_pull_tokens == (3000, 1200)
     assert parse_engine_state(encode_engine_state(state)).pending_kv_pull_tokens == (3000, 1200)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Profiles that predict impossible steps
+# ---------------------------------------------------------------------------------------------
+def _profile_text(**overrides: float) -> str:
+    return json.dumps(models_dict(**overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        pytest.param(
+            {"mixed_b0": -0.2},
+            [
+                "mixed_increment",
+                "a 1-token chunk makes the step faster than its decodes alone",
+                "B = 0 decodes, K = 0 KV tokens, a 1-token chunk over 0 cached tokens",
+                "(-0.2 s)",
+                "intercept = -0.2",
+            ],
+            id="the audit's negative mixed intercept",
+        ),
+        pytest.param(
+            {"mixed_p_x_b": -1e-6},
+            [
+                "mixed_increment",
+                "falls as the chunk's prefill tokens grow",
+                "B = 256 decodes",
+                "prefill_tokens_x_decode_tokens = -1e-06",
+            ],
+            id="chunks cheaper beside many decodes",
+        ),
+        pytest.param(
+            {"decode_per_k": -1e-7},
+            ["decode_step", "falls as the KV tokens grow", "kv_tokens = -1e-07"],
+            id="a decode step cheaper with more KV",
+        ),
+        pytest.param(
+            {"prefill_x_cached": -1e-8},
+            ["prefill_step", "falls as the cached tokens grow", "tokens_x_cached = -1e-08"],
+            id="prefill cheaper over a longer prefix",
+        ),
+        pytest.param(
+            {"mixed_over_knee": -1e-3, "mixed_knee": 2000.0},
+            ["mixed_increment", "falls as the chunk's prefill tokens grow", "step_tokens_over_knee = -0.001"],
+            id="a negative slope past the knee",
+        ),
+        pytest.param(
+            {"decode_b0": 0.0, "decode_per_b": 0.0},
+            ["decode_step", "a step with B = 1 decodes, K = 1 KV tokens is predicted to take 0 s", "must be > 0"],
+            id="a free decode step",
+        ),
+        pytest.param(
+            {"decode_b0": -0.0005},
+            ["mixed_increment", "B = 0 decodes", "is predicted to take -0.0004 s", "decode_step intercept = -0.0005"],
+            id="a prefill on an idle decode node that takes no time",
+        ),
+    ],
+)
+def test_a_profile_predicting_an_impossible_step_is_refused(overrides: dict[str, float], expected: list[str]) -> None:
+    with pytest.raises(ProfileError) as info:
+        parse_profile(_profile_text(**overrides), "bad.json")
+    for text in ["bad.json", *expected]:
+        assert text in info.value.message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="the builders' round profile"),
+        pytest.param({"mixed_p_x_b": -1e-8}, id="a negative interaction the chunk term outweighs up to B = 256"),
+    ],
+)
+def test_a_profile_positive_and_monotone_over_the_range_is_taken(overrides: dict[str, float]) -> None:
+    parse_profile(_profile_text(**overrides), "ok.json")
+
+
+def test_the_packaged_profiles_pass() -> None:
+    profiles = Path(alg.__file__).parent / "profiles"
+    names = sorted(p.stem for p in profiles.glob("*.json"))
+    assert names
+    for name in names:
+        load_profile(name)
+
+
+def _collection(root: Path, truth: Any) -> list[str]:
+    from kairos.profiling.plan import PlanConfig, plan_phases
+    from tests.synthetic_runs import write_runs
+
+    write_runs(root / "p0", plan_phases(PlanConfig(role="prefill", rates=(1.0, 4.0), duration_s=20)), "prefill", truth)
+    decode = PlanConfig(role="decode", rates=(1.0, 4.0), duration_s=20, batch_sizes=(4, 16, 32))
+    write_runs(root / "d0", plan_phases(decode), "decode", truth)
+    return [str(root / "p0"), str(root / "d0")]
+
+
+def test_fit_allow_negative_writes_a_profile_valid_over_the_range(tmp_path: Path) -> None:
+    truth = make_models(mixed_p_x_b=-1e-8, mixed_per_p=1e-4)
+    out = tmp_path / "neg.json"
+    assert profile_main(["fit", *_collection(tmp_path, truth), "--out", str(out), "--allow-negative"]) == 0
+    assert load_profile(out).mixed.coef("prefill_tokens_x_decode_tokens") < 0
+
+
+def test_fit_allow_negative_refuses_to_write_a_profile_invalid_over_the_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Records whose chunks get cheaper with the batch (fine up to B = 32, where they were
+    measured; negative steps by B = 256): the fit says which coefficient and where, and writes nothing."""
+    truth = make_models(mixed_p_x_b=-1e-6, mixed_per_p=1e-4)
+    out = tmp_path / "neg.json"
+    assert profile_main(["fit", *_collection(tmp_path, truth), "--out", str(out), "--allow-negative"]) == 2
+    err = capsys.readouterr().err
+    assert "prefill_tokens_x_decode_tokens" in err and "B = 256 decodes" in err and "--allow-negative" in err
+    assert not out.exists()
