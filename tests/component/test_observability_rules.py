@@ -23,7 +23,7 @@ def promtool(*args: str) -> str:
 
 
 def test_promtool_checks_the_rules() -> None:
-    assert "SUCCESS: 12 rules found" in promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 13 rules found" in promtool("check", "rules", str(RULES))
 
 
 def test_promtool_runs_the_alert_unit_tests() -> None:
