@@ -5,11 +5,14 @@ Per HTTP request Envoy opens one ``Process`` stream. On its one-message route (a
 request, ``envoy/envoy.yaml.j2``) it sends the whole body alone, the facts of the head we read
 coming with it as attributes (``contracts.HEAD_ATTRIBUTES``): one message each way. On any other
 route it sends the request headers, then (body mode BUFFERED) the whole body: we answer the
-headers message with an empty response, or at once for requests without a body (GETs) and for
-those the headers alone refuse (an unserved path or method, a body too large or compressed, a
-head with no room left for the routing headers): Envoy answers those before their body arrives. Every mutation goes in
-the last response, as dynamic metadata: the upstream in ``envoy.lb`` for the override_host load
-balancer, and the decision headers in ``kairos.headers``, which Envoy's routes add.
+headers message with an empty response, or at once for requests without a body (GETs). Those the
+headers alone refuse (an unserved path or method, a body too large or compressed, a head with no
+room left for the routing headers) are refused in the answer to the headers when no body follows
+or it is longer than we would drop, else at the body's end, once Envoy has streamed it to us and
+dropped it (:data:`DRAIN_MODE`): an HTTP/1 client still writing would otherwise get a reset
+instead of the answer. Every mutation goes in the last response, as dynamic metadata: the
+upstream in ``envoy.lb`` for the override_host load balancer, and the decision headers in
+``kairos.headers``, which Envoy's routes add.
 Response processing is skipped, so the stream is ended as soon as the last answer is sent
 (Envoy would otherwise hold it for the whole SSE response).
 
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -34,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.http_errors import INTERNAL_CODE, error_json
 from kairos.extproc.dispatcher import Dispatcher, Rejected, RequestHead, Routed
 
@@ -44,6 +49,24 @@ _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_O
 # "Go on" answers to a message that is not the last one (the same every time: built once).
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+# A request refused from its head with a body to come (see the module doc): the answer to its
+# headers switches the body to STREAMED (mode_override; the gateway's ext_proc config allows this
+# mode and no other), each chunk is answered with an order to drop it, the last with the refusal.
+# Trailers are sent too: the refusal must come before the buffer filter could pass the emptied
+# request on.
+_MODE = processing_mode_pb2.ProcessingMode
+DRAIN_MODE = _MODE(
+    request_header_mode=_MODE.SEND,
+    request_body_mode=_MODE.STREAMED,
+    request_trailer_mode=_MODE.SEND,
+    response_header_mode=_MODE.SKIP,
+    response_body_mode=_MODE.NONE,
+    response_trailer_mode=_MODE.SKIP,
+)
+_DRAIN_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=DRAIN_MODE)
+_DROP_CHUNK = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
+)
 # A body without its head's attributes: the gateway's own misconfiguration, not the client's.
 _NO_HEAD = Rejected(
     500,
@@ -117,6 +140,31 @@ def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
     )
 
 
+def _drains(head: RequestHead) -> bool:
+    """Whether a refused request's body is read (and dropped) before its answer: one of a declared
+    length within defaults.REFUSED_BODY_DRAIN_BYTES. A longer one, or one of no declared length (a
+    chunked upload, a CONNECT's tunnel that never ends), is answered at once."""
+    declared = head.content_length
+    return declared.isascii() and declared.isdigit() and int(declared) <= defaults.REFUSED_BODY_DRAIN_BYTES
+
+
+async def _drain(context: grpc.aio.ServicerContext) -> bool:
+    """Drop a refused request's streamed body chunk by chunk (see DRAIN_MODE). True at its end,
+    the message the refusal answers; False when Envoy closed the stream first (the client left,
+    or its body stalled past Envoy's request_timeout)."""
+    while True:
+        msg = await context.read()
+        if msg is grpc.aio.EOF:
+            return False
+        kind = msg.WhichOneof("request")
+        if kind == "request_trailers" or (kind == "request_body" and msg.request_body.end_of_stream):
+            return True
+        if kind != "request_body":  # nothing else is subscribed: answer with the refusal now
+            log.warning("unexpected ext_proc message %s while dropping a refused body", kind)
+            return True
+        await context.write(_DROP_CHUNK)
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -142,6 +190,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     return
                 refused = self.dispatcher.check_headers(head)
                 if refused is not None:
+                    if _drains(head):
+                        await context.write(_DRAIN_HEADERS)
+                        if not await _drain(context):
+                            return
                     await context.write(_rejected_response(refused))
                     return
                 await context.write(_CONTINUE_HEADERS)

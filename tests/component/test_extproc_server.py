@@ -25,11 +25,12 @@ from prometheus_client import CollectorRegistry
 from bench.noop_extproc import NOOP_ROUTE, FixedRoute
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import Policy, make_policy
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
 from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.server import start_grpc_server
+from kairos.extproc.server import DRAIN_MODE, start_grpc_server
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.unit.test_dispatcher import (
     ADDRESSES,
@@ -444,11 +445,15 @@ REJECT_CASES = [
         RejectCase(
             {},
             False,
-            (request_headers("POST", COMPLETIONS, extra=[("content-length", str(9 * 1024 * 1024))]),),
+            (
+                request_headers(
+                    "POST", COMPLETIONS, extra=[("content-length", str(defaults.REFUSED_BODY_DRAIN_BYTES + 1))]
+                ),
+            ),
             413,
             "payload_too_large",
         ),
-        id="a Content-Length over the body limit is a 413 at the headers message",
+        id="a Content-Length past the drain bound is a 413 at the headers message",
     ),
     pytest.param(
         RejectCase(
@@ -487,6 +492,140 @@ async def test_rejections_are_immediate_json_responses(gateway: GatewayStarter, 
     assert reply.details == f"kairos_{case.code}"
     assert metadata_of(answer) == {"kairos": {"own_reply": True}}
     assert gw.cluster.recorded == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A request refused from its head while its body is coming: the body is dropped, then answered
+# ---------------------------------------------------------------------------------------------
+OVER_LIMIT = str(defaults.MAX_REQUEST_BODY_BYTES + 1)
+
+
+def assert_refusal(answer: pb.ProcessingResponse, status: int, code: str) -> None:
+    assert answer.WhichOneof("response") == "immediate_response", answer
+    assert answer.immediate_response.status.code == status
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == code
+    assert metadata_of(answer) == {"kairos": {"own_reply": True}}
+
+
+@pytest.mark.parametrize(
+    ("method", "extra", "status", "code"),
+    [
+        pytest.param("POST", [("content-length", OVER_LIMIT)], 413, "payload_too_large", id="Content-Length over"),
+        pytest.param(
+            "POST",
+            [("content-length", str(defaults.REFUSED_BODY_DRAIN_BYTES))],
+            413,
+            "payload_too_large",
+            id="Content-Length at the drain bound",
+        ),
+        pytest.param(
+            "POST",
+            [("content-length", "100"), ("content-encoding", "gzip")],
+            415,
+            "unsupported_content_encoding",
+            id="compressed body",
+        ),
+        pytest.param("PUT", [("content-length", "100")], 405, "method_not_allowed", id="unserved method"),
+    ],
+)
+async def test_a_body_refused_from_its_head_is_dropped_chunk_by_chunk_and_answered_at_its_end(
+    gateway: GatewayStarter, method: str, extra: list[tuple[str, str]], status: int, code: str
+) -> None:
+    """Envoy would close the connection under a client still writing if answered before the
+    body's end: the headers answer switches the body to streamed (exactly the mode the gateway's
+    config allows), every chunk is answered with an order to drop it, the last with the refusal."""
+    gw = await gateway(make_cluster())
+    answers = await exchange(
+        gw.stub,
+        [
+            request_headers(method, COMPLETIONS, extra=extra),
+            request_body(b"x" * 65536, end_of_stream=False),
+            request_body(b"x" * 65536, end_of_stream=False),
+            request_body(b"", end_of_stream=True),
+        ],
+    )
+    headers_answer = answers[0]
+    assert headers_answer.WhichOneof("response") == "request_headers"
+    assert headers_answer.request_headers == pb.HeadersResponse()
+    assert headers_answer.mode_override == DRAIN_MODE
+    for dropped in answers[1:3]:
+        assert dropped.WhichOneof("response") == "request_body"
+        assert dropped.request_body.response.body_mutation.clear_body
+    assert_refusal(answers[3], status, code)
+    assert gw.cluster.recorded == []
+
+
+async def test_a_dropped_body_that_ends_in_trailers_is_answered_at_them(gateway: GatewayStarter) -> None:
+    """Trailers are the request's end too: answered there, never left for the buffer filter to
+    pass the emptied request on."""
+    gw = await gateway(make_cluster())
+    answers = await exchange(
+        gw.stub,
+        [
+            request_headers("POST", COMPLETIONS, extra=[("content-length", OVER_LIMIT)]),
+            request_body(b"x" * 1024, end_of_stream=False),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+        ],
+    )
+    assert answers[0].mode_override == DRAIN_MODE
+    assert_refusal(answers[2], 413, "payload_too_large")
+
+
+async def test_a_client_that_leaves_mid_drop_ends_the_stream_quietly(
+    gateway: GatewayStarter, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw = await gateway(make_cluster())
+    call = gw.stub.Process()
+    await call.write(request_headers("POST", COMPLETIONS, extra=[("content-length", OVER_LIMIT)]))
+    assert (await asyncio.wait_for(call.read(), 5)).mode_override == DRAIN_MODE
+    await call.write(request_body(b"x" * 1024, end_of_stream=False))
+    assert (await asyncio.wait_for(call.read(), 5)).request_body.response.body_mutation.clear_body
+    await call.done_writing()  # Envoy closes its side: the client is gone
+    assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "code"),
+    [
+        pytest.param(
+            [("content-length", str(defaults.REFUSED_BODY_DRAIN_BYTES + 1))],
+            413,
+            "payload_too_large",
+            id="past the drain bound",
+        ),
+        pytest.param(
+            [("transfer-encoding", "chunked"), ("content-encoding", "gzip")],
+            415,
+            "unsupported_content_encoding",
+            id="no declared length",
+        ),
+    ],
+)
+async def test_a_refused_body_not_known_to_be_within_the_bound_is_answered_at_once(
+    gateway: GatewayStarter, extra: list[tuple[str, str]], status: int, code: str
+) -> None:
+    gw = await gateway(make_cluster())
+    (answer,) = await exchange(gw.stub, [request_headers("POST", COMPLETIONS, extra=extra)])
+    assert not answer.HasField("mode_override")
+    assert_refusal(answer, status, code)
+
+
+def test_the_gateway_allows_the_dispatcher_exactly_its_drop_mode() -> None:
+    """The mode override the server sends is the one the rendered ext_proc filter allows (an
+    override outside allowed_override_modes is ignored by Envoy: the body would be buffered and
+    the refusal would never come)."""
+    import yaml
+
+    from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+
+    config = yaml.safe_load(render_envoy_config(EnvoySettings(sidecars=("127.0.0.1:8201",))))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = (f["typed_config"] for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["allow_mode_override"] is True
+    allowed = [json_format.ParseDict(mode, type(DRAIN_MODE)()) for mode in ext_proc["allowed_override_modes"]]
+    assert allowed == [DRAIN_MODE]
 
 
 # ---------------------------------------------------------------------------------------------
