@@ -13,7 +13,9 @@ import socket
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.contracts import Role
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalCluster
@@ -265,9 +268,10 @@ def test_a_body_over_envoys_buffer_is_a_json_413(cluster: LocalCluster) -> None:
     still_serving(cluster)
 
 
-def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_sent(cluster: LocalCluster) -> None:
-    """The dispatcher refuses at the request's headers: the client hears at once, without
-    uploading (or Envoy buffering) the 20 MB it announced."""
+def test_a_content_length_past_the_drain_bound_is_a_413_before_the_body_is_sent(cluster: LocalCluster) -> None:
+    """The dispatcher refuses at the request's headers a body it would not drop whole: the
+    client hears at once, without uploading (or Envoy buffering) the 20 MB it announced."""
+    assert defaults.REFUSED_BODY_DRAIN_BYTES < 20_000_000
     head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
     with _connect(_port(cluster.gateway_url)) as sock:
         sock.settimeout(10)  # waiting for the body would take Envoy's 60 s request timeout
@@ -276,6 +280,53 @@ def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_sent(cluste
     error = assert_openai_error(status, raw, 413, "payload_too_large")
     assert "20000000 bytes" in error["message"]
     assert headers["content-type"].startswith("application/json")
+    still_serving(cluster)
+
+
+# A client that writes its whole over-limit body before it reads: the dispatcher refuses it from
+# its head, and has Envoy read and drop the body before the answer (kairos.extproc.server.DRAIN_MODE).
+# Answered mid-body, Envoy would stop reading and close the connection a moment later (1 s), and a
+# client still writing would get a reset, not the 413: a fast writer sometimes, a slow one always.
+OVER_LIMIT_BODY = json.dumps({"model": MODEL, "prompt": "x" * (9 * 1024 * 1024)}).encode()
+OVER_LIMIT_WRITE = 256 * 1024
+
+
+def _write_whole_then_read(port: int, pause_s: float) -> int | str:
+    """One client: the head, then the whole body, in one sendall (``pause_s`` 0, as http.client
+    sends a request) or in 256 KiB writes ``pause_s`` apart (a slow client's pace, not a wait for
+    anything), and only then the answer. Its status, once checked to be the JSON 413; or the
+    error that kept the client from it."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n" % len(OVER_LIMIT_BODY)
+    try:
+        with _connect(port) as sock:
+            sock.sendall(head)
+            if pause_s == 0:
+                sock.sendall(OVER_LIMIT_BODY)
+            else:
+                for start in range(0, len(OVER_LIMIT_BODY), OVER_LIMIT_WRITE):
+                    sock.sendall(OVER_LIMIT_BODY[start : start + OVER_LIMIT_WRITE])
+                    time.sleep(pause_s)
+            status, headers, raw = _read_response(sock, bytearray())
+    except OSError as exc:  # the reset this is about (ECONNRESET, EPIPE)
+        return repr(exc)
+    assert_openai_error(status, raw, 413, "payload_too_large")
+    assert headers["content-type"].startswith("application/json")
+    return status
+
+
+def test_an_over_limit_body_written_whole_at_full_speed_gets_its_json_413_every_time(cluster: LocalCluster) -> None:
+    assert defaults.MAX_REQUEST_BODY_BYTES < len(OVER_LIMIT_BODY) <= defaults.REFUSED_BODY_DRAIN_BYTES
+    outcomes = Counter(_write_whole_then_read(_port(cluster.gateway_url), 0) for _ in range(100))
+    assert outcomes == {413: 100}
+    still_serving(cluster)
+
+
+def test_an_over_limit_body_written_whole_slowly_gets_its_json_413_every_time(cluster: LocalCluster) -> None:
+    """256 KiB writes 0.04 s apart: each body takes about 1.5 s to send, longer than Envoy
+    waits (1 s) before closing a connection it answered mid-body; 20 clients, 10 at a time."""
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = Counter(pool.map(lambda _: _write_whole_then_read(_port(cluster.gateway_url), 0.04), range(20)))
+    assert outcomes == {413: 20}
     still_serving(cluster)
 
 
@@ -411,6 +462,22 @@ def test_a_stalled_body_gets_a_408_and_others_are_served_meanwhile(
             b"Content-Length: 1000\r\n\r\n" + b'{"prompt":'
         )
         still_serving(cluster, short_timeout_gateway)  # the stalled client holds up no one
+        started = time.monotonic()
+        status, _, raw = _read_response(stalled, bytearray())
+    assert_openai_error(status, raw, 408, "request_timeout")
+    assert time.monotonic() - started < 55  # the 2 s timeout fired, not the 60 s socket timeout
+    still_serving(cluster, short_timeout_gateway)
+
+
+def test_a_refused_body_that_stalls_gets_a_408_in_the_request_timeout(
+    cluster: LocalCluster, short_timeout_gateway: str
+) -> None:
+    """Dropping a refused body is bounded in time as reading any body is: a client that stops
+    sending gets Envoy's 408 at its request_timeout (2 s here), not a wait without end."""
+    declared = defaults.MAX_REQUEST_BODY_BYTES + 1
+    assert declared <= defaults.REFUSED_BODY_DRAIN_BYTES  # refused from its head, its body dropped
+    with _connect(_port(short_timeout_gateway)) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n{" % declared)
         started = time.monotonic()
         status, _, raw = _read_response(stalled, bytearray())
     assert_openai_error(status, raw, 408, "request_timeout")
