@@ -72,7 +72,9 @@ class DeciderConfig:
     calibrate: bool = True
     # The keep path's TTFT estimate that Eq. 7 compares with: "full" (keep_ttft_s: Eq. 1 + the
     # KV transfer behind the decode node's link queue + its admission wait + its first decode
-    # step) or "eq1" (the paper's Eq. 1 alone, for comparison).
+    # step, after the half step the node is running then) or "eq1" (the paper's Eq. 1 alone, for
+    # comparison). The deflection's estimate is built alike: with "full" it starts at the decode
+    # node's next step (backlog_end), with "eq1" at once (the paper's Eq. 6).
     keep_estimate: str = defaults.KEEP_ESTIMATE
     # A running decode's mean remaining output tokens (memoryless): how fast a decode node frees
     # KV, for the keep path's admission wait when the node's KV cannot take the prompt now.
@@ -464,6 +466,43 @@ def _backlog_schedule(
     )
 
 
+def backlog_end(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, give_up_after_s: float = math.inf
+) -> tuple[int, int, float | str]:
+    """Where a new request's own steps start on ``node``: the decodes and KV tokens beside them
+    (the planning batch, with the node's backlog decoding by then), and when, from now; or, for
+    the time, why the backlog has no schedule (``_INFEASIBLE``, or ``_TOO_SLOW`` past
+    ``give_up_after_s``).
+
+    The engine takes a request in at a step boundary: the node's running step ends half a step
+    from now on average, as the keep path's full estimate counts at its join (``keep_handoff_s``;
+    with ``keep_estimate="eq1"``, whose Eq. 1 has no join, both start at once, as in the paper).
+    Without a backlog, the running step is the node's decodes' (none on an idle node: it starts
+    at once); with one, it is the backlog head's chunk, which its schedule counts whole, so the
+    backlog ends half of that first step earlier. Then each backlog prefill runs in turn (only
+    with the pending-deflection limit lifted), over its computed prefix."""
+    b, k = planning_batch(config, node)
+    backlog = node.prefill_backlog_tokens
+    half = 0.0 if config.keep_estimate == "eq1" else 0.5
+    if not backlog:
+        return b, k, half * models.decode_step_s(node.decode_tokens, node.kv_tokens) if node.decode_tokens else 0.0
+    cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
+    t: float | str = 0.0
+    for i, tokens in enumerate(backlog):
+        if not isinstance(t, str):
+            done = _backlog_schedule(
+                models, node, i, tokens, b, k, cands, budget, math.inf if i == 0 else give_up_after_s, t
+            )
+            if isinstance(done, str):
+                t = done
+            else:
+                t = done[1] - (half * done[0][0][2] if i == 0 else 0.0)
+                if t > give_up_after_s:
+                    t = _TOO_SLOW
+        b, k = b + 1, k + tokens  # the backlog request decodes on the node from then on
+    return b, k, t
+
+
 def plan_on_decode_node(
     models: LatencyModels,
     config: DeciderConfig,
@@ -472,17 +511,12 @@ def plan_on_decode_node(
     give_up_after_s: float,
     cached_tokens: int = 0,
 ) -> _Plan | str:
-    """Schedule the request on one decode node, behind any deflected prefills already there
-    (possible only when the pending-deflection limit is lifted), over the prompt's tokens the
-    node does not have cached."""
-    (b, k), t = planning_batch(config, node), 0.0
+    """Schedule the request on one decode node from its next step (``backlog_end``), behind any
+    deflected prefills already there, over the prompt's tokens the node does not have cached."""
+    b, k, t = backlog_end(models, config, node, give_up_after_s)
+    if isinstance(t, str):
+        return t
     cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
-    for i, backlog in enumerate(node.prefill_backlog_tokens):
-        done = _backlog_schedule(models, node, i, backlog, b, k, cands, budget, give_up_after_s, t)
-        if isinstance(done, str):
-            return done
-        t = done[1]
-        b, k = b + 1, k + backlog  # the backlog request decodes on the node from then on
     done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t, cached_tokens)
     if isinstance(done, str):
         return done
@@ -574,11 +608,8 @@ class _NodeFacts:
         Eq. 4's coefficients, the largest chunk's prefill tokens and the start of the greedy's
         path (its runs are read as far as a prompt needs them: ``extend``)."""
         models, config, budget = self.models, self.config, self.budget_s
-        (b, k), t = planning_batch(config, node), 0.0
-        for i, backlog in enumerate(node.prefill_backlog_tokens):
-            done = _backlog_schedule(models, node, i, backlog, b, k, config.chunk_candidates, budget, math.inf, t)
-            t = math.inf if isinstance(done, str) else done[1]
-            b, k = b + 1, k + backlog
+        b, k, end = backlog_end(models, config, node)
+        t = math.inf if isinstance(end, str) else end
         self.wait_s, self.b = t, b
         self.table = _step_table(models, b, k, config.chunk_candidates)
         self.unread = _greedy_path(self.table, budget, t)

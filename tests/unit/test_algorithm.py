@@ -359,17 +359,19 @@ def test_a_deflection_is_planned_beside_the_decodes_whose_kv_the_node_pulls() ->
     """Each reported pull joins the node's batch once its KV is in (within the link's time):
     the plan runs beside them, as on a node with those decodes already in; pulls=off plans on
     the heartbeat's B alone (the paper). Flat models, tau = 0.105: a 1000-token prompt on B=10
-    takes 0.250 s, on B=20 (ten pulls of 100 tokens) 0.280 s."""
+    takes 0.250 s, on B=20 (ten pulls of 100 tokens) 0.280 s; either starts after half the step
+    the node runs now, with its 10 decodes (0.025)."""
     config = DeciderConfig(chunk_candidates=(420, 220, 120), tbt_slo_s=0.105, decode_overload_guard=False)
     models = flat_models()
     pulling = dataclasses.replace(decode_node(b=10, k=1000), pending_kv_pull_tokens=(100,) * 10)
     joined = decode_node(b=20, k=2000)
     plan = alg.plan_on_decode_node(models, config, pulling, 1000, math.inf)
     assert not isinstance(plan, str) and plan.decode_tokens == 20
-    assert plan == alg.plan_on_decode_node(models, config, joined, 1000, math.inf)
-    assert plan.ttft_s == pytest.approx(0.280)
+    in_already = alg.plan_on_decode_node(models, config, joined, 1000, math.inf)
+    assert not isinstance(in_already, str) and plan.runs == in_already.runs
+    assert plan.ttft_s == pytest.approx(0.025 + 0.280) and in_already.ttft_s == pytest.approx(0.030 + 0.280)
     alone = alg.plan_on_decode_node(models, dataclasses.replace(config, plan_with_pulls=False), pulling, 1000, math.inf)
-    assert not isinstance(alone, str) and alone.decode_tokens == 10 and alone.ttft_s == pytest.approx(0.250)
+    assert not isinstance(alone, str) and alone.decode_tokens == 10 and alone.ttft_s == pytest.approx(0.025 + 0.250)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1196,17 +1198,18 @@ def test_admission_wait_scales_with_the_mean_output() -> None:
 
 
 # Eq. 7 against the full keep estimate. A 100 MB/s link: T_xfer(1000) = 0.011; on B20 the
-# hand-off is 0.011 + T0(21) + T0(20) / 2 = 0.011 + 0.061 + 0.030 = 0.102, and the B20 deflection
-# takes 0.280: deflect when 1.3 x (Eq. 1 + 0.102) >= 0.280, Eq. 1 >= 0.113385, Q >= 31.
+# hand-off is 0.011 + T0(21) + T0(20) / 2 = 0.011 + 0.061 + 0.030 = 0.102, and the B20 deflection,
+# built alike, starts after half the running step too: 0.030 + 0.280 = 0.310. Deflect when
+# 1.3 x (Eq. 1 + 0.102) >= 0.310, Eq. 1 >= 0.136462, Q >= 241.
 FAST_LINK = flat_models(bandwidth_bytes_per_s=1e8)
 
 
 @pytest.mark.parametrize(
     ("q", "models", "route", "reason", "ttft_pf"),
     [
-        pytest.param(31, FAST_LINK, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.11341 + 0.102, id="Q31: deflects"),
-        pytest.param(30, FAST_LINK, Route.KEEP, Reason.KEEP_DECODE_SLOWER, 0.1133 + 0.102, id="Q30: keeps"),
-        # the 1 MB/s link: a second of transfer; 1.3 x (0.2145 + 1.092) >= 0.280, where Eq. 1
+        pytest.param(241, FAST_LINK, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.13651 + 0.102, id="Q241: deflects"),
+        pytest.param(240, FAST_LINK, Route.KEEP, Reason.KEEP_DECODE_SLOWER, 0.1364 + 0.102, id="Q240: keeps"),
+        # the 1 MB/s link: a second of transfer; 1.3 x (0.2145 + 1.092) >= 0.310, where Eq. 1
         # alone keeps ("0.280 just outside 1.3 x 0.2145" above)
         pytest.param(950, FLAT, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.2145 + 1.092, id="slow link deflects"),
     ],
@@ -1222,7 +1225,7 @@ def test_eq7_compares_with_the_full_keep_estimate(
         assert d.predicted_prefill_end_s == pytest.approx(q / 1000 * 0.110 + 0.110)
         assert decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, CFG).route is Route.KEEP  # type: ignore[arg-type]
     else:
-        assert d.predicted_ttft_decode_s == pytest.approx(0.280)
+        assert d.predicted_ttft_decode_s == pytest.approx(0.030 + 0.280)
 
 
 def test_keep_estimate_is_checked() -> None:

@@ -4,6 +4,7 @@ each case here failed on the code before its fix, with the numbers the audit gav
 1. A queued or half-done deflection is planned over its own computed prefix.
 2. KV transfers in flight count in the load measures (keep-path pick, overload, pressure, KV room).
 3. A profile predicting a non-positive or non-monotone step time over the operating range is refused.
+4. Eq. 7 compares estimates built alike: a deflection starts at the decode node's next step.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def test_a_half_done_deflection_is_planned_over_its_computed_prefix() -> None:
     assert not isinstance(with_prefix, str) and not isinstance(from_nothing, str)
     backlog_s = with_prefix[1]
     assert (round(from_nothing[1], 2), round(backlog_s, 2)) == (1.30, 2.65)  # the audit's figures
-    own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog_s)
+    # (from the middle of the head's running step: finding 4)
+    own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog_s - 0.5 * with_prefix[0][0][2])
     assert not isinstance(own, str)
     plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 2000, math.inf)
     assert isinstance(plan, alg._Plan)
@@ -354,3 +356,65 @@ def test_fit_allow_negative_refuses_to_write_a_profile_invalid_over_the_range(
     err = capsys.readouterr().err
     assert "prefill_tokens_x_decode_tokens" in err and "B = 256 decodes" in err and "--allow-negative" in err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. A deflected request starts at the decode node's next step
+# ---------------------------------------------------------------------------------------------
+def test_a_deflection_waits_for_the_step_the_node_is_running() -> None:
+    """The engine admits a request at its next step: half of the running decode-only step on
+    average, as the keep path's estimate already counts at its join (about 24 ms at B = 20)."""
+    node = decode_node("d1", b=20, k=20 * 3569)
+    running = PACKAGED.decode_step_s(20, 20 * 3569)
+    own = greedy_schedule(PACKAGED, 3000, 20, 20 * 3569, UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s)
+    assert not isinstance(own, str)
+    plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 3000, math.inf)
+    assert isinstance(plan, alg._Plan)
+    assert round(0.5 * running, 4) == 0.0251
+    assert plan.ttft_s == pytest.approx(0.5 * running + own[1], rel=1e-12)
+    assert alg._plan_on_path(PACKAGED, UNLIMITED, node, 3000, math.inf) == plan
+    assert alg.ttft_lower_bound_s(PACKAGED, UNLIMITED, node, 3000) <= plan.ttft_s * (1 + 1e-9)
+
+
+def test_a_deflection_on_an_idle_node_starts_at_once() -> None:
+    plan = plan_on_decode_node(PACKAGED, UNLIMITED, decode_node("d1"), 3000, math.inf)
+    own = greedy_schedule(PACKAGED, 3000, 0, 0, UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s)
+    assert isinstance(plan, alg._Plan) and not isinstance(own, str)
+    assert plan.ttft_s == own[1]
+
+
+def test_a_backlog_runs_from_the_middle_of_its_running_step() -> None:
+    """The backlog's head is the prefill the node runs now: its remaining tokens include the
+    running chunk, half done on average."""
+    node = _half_done_node()
+    cands, budget = UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s
+    backlog = greedy_schedule(PACKAGED, 12_000, 15, 54_000, cands, budget, cached_tokens=6000)
+    assert not isinstance(backlog, str)
+    first_step = backlog[0][0][2]
+    own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog[1] - 0.5 * first_step)
+    assert not isinstance(own, str)
+    plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 2000, math.inf)
+    assert isinstance(plan, alg._Plan) and plan.ttft_s == pytest.approx(own[1], rel=1e-12)
+
+
+def test_eq7_no_longer_deflects_on_the_half_step_it_left_out() -> None:
+    """A keep path whose estimate lies between the deflection's TTFT from t = 0 and from the
+    node's next step: alpha = 1 kept it only once both estimates start where the engine does."""
+    cfg = DeciderConfig(deflect_gate_share=None, decode_pressure_share=None)
+    node = decode_node("d1", b=20, k=20 * 3569)
+    own = greedy_schedule(PACKAGED, 3000, 20, 20 * 3569, cfg.chunk_candidates, cfg.step_budget_s)
+    assert not isinstance(own, str)
+    half = 0.5 * PACKAGED.decode_step_s(20, 20 * 3569)
+
+    def keep_ttft(queue: int) -> float:
+        p = prefill_node("p1", queue=(queue,) if queue else (), chunk=2048)
+        _, prefill_s = alg.best_prefill_node(PACKAGED, view((p,), (node,)), 0.0, cfg, 3000)
+        return alg.keep_ttft_s(PACKAGED, cfg, prefill_s, node, 3000)
+
+    lo, hi = 0, 200_000  # the queue whose keep estimate lands halfway through the half step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if keep_ttft(mid) < own[1] + half / 2 else (lo, mid)
+    assert own[1] < keep_ttft(hi) < own[1] + half
+    d = alg.decide(3000, view((prefill_node("p1", queue=(hi,), chunk=2048),), (node,)), 0.0, PACKAGED, cfg)
+    assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_DECODE_SLOWER)
