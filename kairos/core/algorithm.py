@@ -944,41 +944,50 @@ def decide_without_prefill_pool(
     prompt_tokens: int, view: ClusterView, now: float, models: LatencyModels, config: DeciderConfig
 ) -> Decision:
     """Degraded routing while no fresh prefill node is registered (all dead, or their heartbeats
-    lost on a starved host): a decode node prefills the request itself rather than the request failing.
-    The node with the fastest TBT-safe schedule wins (no alpha margin: the prefill path is gone);
-    if none has one, the least-loaded node runs the smallest chunk candidate and its own step
-    guard holds the budget."""
+    lost on a starved host): a decode node prefills the request itself rather than the request
+    failing, within the bounds a deflection has on the normal path. A candidate is fresh, has KV
+    room for the prompt, is under the pending-deflection limit and under its overload line
+    (``_scan_decode_nodes``); its schedule keeps every step within the node's step budget (Eq. 5)
+    and finishes within the TTFT SLO (Eq. 7's second clause: with no prefill path there is no
+    alpha clause, nor a keep path for the gate or the pressure rule to weigh). The fastest such
+    node wins. When none qualifies: :class:`NoHealthyNodeError` (a 503) that says which bound held
+    the nodes back, rather than a schedule no bound holds."""
     validate_prompt(prompt_tokens)
     if not view.decode:
         raise NoHealthyNodeError("no prefill or decode node is registered")
-    plans = []
-    fresh = [n for n in view.decode if is_fresh(n.reported_at, now, config)] or list(view.decode)
-    for node in sorted(fresh, key=lambda n: n.node_id):
-        plan = plan_on_decode_node(models, config, node, prompt_tokens, math.inf)
-        if isinstance(plan, _Plan):
-            plans.append((plan.ttft_s, node.node_id, plan))
-    if plans:
-        ttft_dec, node_id, plan = min(plans, key=lambda x: (x[0], x[1]))
-        sizes, times = expand_runs(plan.runs)
-        decode_tokens = plan.decode_tokens
-        budget = plan.step_budget_s
+    _, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens)
+    bound = config.ttft_slo_s
+    if models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES:
+        best, any_too_slow = _search_bounded(models, config, eligible, prompt_tokens, bound, facts)
     else:
-        node = pick_keep_decode_node(models, view, now, config, prompt_tokens)
-        node_id, smallest = node.node_id, config.chunk_candidates[-1]
-        whole, rest = divmod(prompt_tokens, smallest)
-        sizes, times, ttft_dec, decode_tokens = [smallest] * whole + [rest] * bool(rest), [], None, node.decode_tokens
-        budget = node_step_budget_s(config, node)
+        best, any_too_slow = _search_in_id_order(models, config, eligible, prompt_tokens, bound)
+    if best is None:
+        if not any(is_fresh(n.reported_at, now, config) for n in view.decode):
+            why = "no decode node is fresh either"
+        elif any_can_take and not eligible:
+            why = "every decode node with room for it is over its overload line (its decode-only step)"
+        elif not eligible:
+            why = "no fresh decode node has room for it (its KV, and a deflection slot under the pending limit)"
+        elif any_too_slow:
+            why = f"no decode node can prefill it within the TTFT SLO ({config.ttft_slo_s:g} s)"
+        else:
+            why = "no decode node has a TBT-safe schedule for it (every step within its step budget)"
+        raise NoHealthyNodeError(
+            f"no prefill node is available to prefill this {prompt_tokens}-token prompt, and {why}"
+        )
+    ttft_dec, node_id, plan = best
+    sizes, times = expand_runs(plan.runs)
     return _deflect(
         Reason.DEFLECT_NO_PREFILL_NODE,
         node_id,
         sizes,
         times,
-        decode_tokens,
+        plan.decode_tokens,
         None,
         ttft_dec,
         prompt_tokens,
         config,
-        budget,
+        plan.step_budget_s,
     )
 
 

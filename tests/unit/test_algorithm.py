@@ -960,12 +960,11 @@ def test_without_a_prefill_pool_the_fastest_safe_decode_node_prefills() -> None:
     assert all(t <= CFG.step_budget_s + 1e-12 for t in d.predicted_step_s)
 
 
-def test_without_a_prefill_pool_and_no_safe_schedule_the_smallest_chunk_runs_under_the_node_guard() -> None:
-    tight = dataclasses.replace(CFG, tbt_slo_s=0.001)  # no chunk fits beside any decode
-    d = decide_without_prefill_pool(500, view((), (decode_node("d0"), decode_node("d1"))), 0.0, FLAT, tight)
-    smallest = tight.chunk_candidates[-1]
-    assert d.route is Route.DEFLECT and d.chunk_sizes == (smallest,) * (500 // smallest) + (500 % smallest,)
-    assert d.step_budget_s == tight.step_budget_s  # the node shrinks or defers what does not fit
+def test_without_a_prefill_pool_and_no_safe_schedule_the_request_is_refused() -> None:
+    """The normal path's bounds hold in degraded mode too (tests/unit/test_decision_inputs.py)."""
+    tight = dataclasses.replace(CFG, tbt_slo_s=0.001)  # every decode-only step is over tau already
+    with pytest.raises(NoHealthyNodeError, match="over its overload line"):
+        decide_without_prefill_pool(500, view((), (decode_node("d0"), decode_node("d1"))), 0.0, FLAT, tight)
 
 
 def test_without_any_node_there_is_nothing_to_route_to() -> None:

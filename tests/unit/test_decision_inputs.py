@@ -5,6 +5,7 @@ each case here failed on the code before its fix, with the numbers the audit gav
 2. KV transfers in flight count in the load measures (keep-path pick, overload, pressure, KV room).
 3. A profile predicting a non-positive or non-monotone step time over the operating range is refused.
 4. Eq. 7 compares estimates built alike: a deflection starts at the decode node's next step.
+5. Degraded mode (no prefill node) deflects within the normal path's bounds, else a clear 503.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kairos.common.contracts import (
     parse_engine_state,
     parse_heartbeat,
 )
-from kairos.common.errors import ProfileError
+from kairos.common.errors import NoHealthyNodeError, ProfileError
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
 from kairos.core.decision import Decision, Reason, Route
@@ -38,7 +39,7 @@ from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_stat
 from kairos.profiling.__main__ import main as profile_main
 from kairos.sim.engine import Engine, EngineConfig, Sequence, model_step_time
 from kairos.sim.simulator import _decode_state, _Link
-from tests.builders import BIG_KV, decode_node, make_models, models_dict, prefill_node, view
+from tests.builders import BIG_KV, decode_node, flat_models, make_models, models_dict, prefill_node, view
 from tests.builders import heartbeat_json as beat
 
 PACKAGED = load_profile()
@@ -418,3 +419,73 @@ def test_eq7_no_longer_deflects_on_the_half_step_it_left_out() -> None:
     assert own[1] < keep_ttft(hi) < own[1] + half
     d = alg.decide(3000, view((prefill_node("p1", queue=(hi,), chunk=2048),), (node,)), 0.0, PACKAGED, cfg)
     assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_DECODE_SLOWER)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Degraded mode: the normal path's bounds
+# ---------------------------------------------------------------------------------------------
+# Flat models, tau = 0.105, candidates (420, 220, 120), as test_algorithm's tables: a 1000-token
+# prompt takes 0.250 s on B = 10, 0.280 s on B = 20, each after half the node's running step
+# (0.025, 0.030); B = 70's decode-only step (0.110 s) is over the line.
+FLAT = flat_models()
+TABLE = DeciderConfig(chunk_candidates=(420, 220, 120), tbt_slo_s=0.105)
+
+
+def test_degraded_mode_refuses_a_prompt_no_node_can_prefill_in_time() -> None:
+    """An idle node and a 32K prompt on the packaged profile: its chunks shrink with the prefix
+    (past about 17K cached tokens not even a 128-token step fits the budget) and the schedule
+    runs past the SLO. Before: 250 steps of 128 tokens, about 21 s."""
+    with pytest.raises(NoHealthyNodeError, match=r"32000-token prompt.*within the TTFT SLO \(4 s\)"):
+        alg.decide_without_prefill_pool(32_000, view((), (decode_node("d1"),)), 0.0, PACKAGED, DeciderConfig())
+
+
+def test_degraded_mode_refuses_a_node_with_no_tbt_safe_schedule() -> None:
+    """B = 64: T0 0.104 is under tau, but the smallest candidate's 56 prefill tokens make 0.1096."""
+    with pytest.raises(NoHealthyNodeError, match="no decode node has a TBT-safe schedule for it"):
+        alg.decide_without_prefill_pool(1000, view((), (decode_node("d1", b=64),)), 0.0, FLAT, TABLE)
+
+
+def test_degraded_mode_refuses_a_schedule_past_the_ttft_slo() -> None:
+    """The B20 node's schedule (0.310 s) is TBT-safe but over a 0.3 s SLO: Eq. 7's second
+    clause, as on the normal path. Before: deflected with no time bound."""
+    node = (decode_node("d1", b=20),)
+    with pytest.raises(NoHealthyNodeError, match=r"within the TTFT SLO \(0.3 s\)"):
+        alg.decide_without_prefill_pool(1000, view((), node), 0.0, FLAT, dataclasses.replace(TABLE, ttft_slo_s=0.3))
+    d = alg.decide_without_prefill_pool(1000, view((), node), 0.0, FLAT, dataclasses.replace(TABLE, ttft_slo_s=0.32))
+    assert (d.route, d.reason, d.chunk_sizes) == (Route.DEFLECT, Reason.DEFLECT_NO_PREFILL_NODE, (400, 400, 200))
+    assert d.predicted_ttft_decode_s == pytest.approx(0.310)
+
+
+def test_degraded_mode_leaves_an_overloaded_node_alone() -> None:
+    """B = 70: its decode-only step is over the line. Before: the smallest candidate (120
+    tokens, as prompt tokens beside 70 decodes) went there anyway, unbounded."""
+    with pytest.raises(NoHealthyNodeError, match="over its overload line"):
+        alg.decide_without_prefill_pool(500, view((), (decode_node("d1", b=70),)), 0.0, FLAT, TABLE)
+
+
+def test_degraded_mode_needs_kv_room_and_a_fresh_node() -> None:
+    full = decode_node("d1", b=4, k=9800, capacity=10_000)
+    stale = decode_node("d2", b=4, reported_at=-1.0)
+    with pytest.raises(NoHealthyNodeError, match="no fresh decode node has room"):
+        alg.decide_without_prefill_pool(500, view((), (full, stale)), 0.0, FLAT, TABLE)
+    d = alg.decide_without_prefill_pool(500, view((), (full, stale, decode_node("d3", b=30))), 0.0, FLAT, TABLE)
+    assert d.decode_node == "d3"
+    with pytest.raises(NoHealthyNodeError, match="no decode node is fresh either"):
+        alg.decide_without_prefill_pool(500, view((), (stale,)), 0.0, FLAT, TABLE)
+
+
+def test_degraded_mode_honours_the_pending_deflection_limit() -> None:
+    busy = decode_node("d1", b=4, backlog=(300,))
+    one_at_a_time = dataclasses.replace(TABLE, max_pending_deflections=1)
+    with pytest.raises(NoHealthyNodeError, match="no fresh decode node has room"):
+        alg.decide_without_prefill_pool(500, view((), (busy,)), 0.0, FLAT, one_at_a_time)
+    d = alg.decide_without_prefill_pool(500, view((), (busy, decode_node("d2", b=30))), 0.0, FLAT, one_at_a_time)
+    assert d.decode_node == "d2"
+
+
+def test_degraded_mode_takes_the_fastest_node_within_the_bounds() -> None:
+    nodes = (decode_node("d0", b=20), decode_node("d1", b=10), decode_node("d2", b=70))
+    d = alg.decide_without_prefill_pool(1000, view((), nodes), 0.0, FLAT, TABLE)
+    assert (d.route, d.reason, d.decode_node) == (Route.DEFLECT, Reason.DEFLECT_NO_PREFILL_NODE, "d1")
+    assert d.predicted_ttft_decode_s == pytest.approx(0.025 + 0.250) and d.chunk_sizes == (410, 410, 180)
+    assert d.step_budget_s == TABLE.step_budget_s and all(t <= TABLE.step_budget_s for t in d.predicted_step_s)
