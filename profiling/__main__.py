@@ -1,4 +1,4 @@
-"""``python -m kairos.profiling collect|fit|check ...``: the same subcommands as ``kairos profile``."""
+"""``python -m kairos.profiling collect|fit|show|check ...``: the same subcommands as ``kairos profile``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kairos.profiling.cli import add_subcommands, run
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kairos.profiling", description="Kairos profiling: collect | fit | check"
+        prog="python -m kairos.profiling", description="Kairos profiling: collect | fit | show | check"
     )
     add_subcommands(parser)
     try:

@@ -1,11 +1,12 @@
-"""``kairos profile collect | fit | check``: the profiling pipeline's command line.
+"""``kairos profile collect | fit | show | check``: the profiling pipeline's command line.
 
     kairos profile collect --node URL --role decode --out runs/d0 [--rates 1,2,4] [--budget-s 1800]
     kairos profile fit runs/p0 runs/d0 --out my-profile.json [--plots plots/]
+    kairos profile show my-profile.json
     kairos profile check my-profile.json fresh-runs/ [--threshold 0.05] [--json]
 
 ``add_profile_parser(subparsers)`` registers the ``profile`` command on the ``kairos`` parser;
-``python -m profiling collect|fit|check ...`` runs the same subcommands. Heavy imports (aiohttp,
+``python -m profiling collect|fit|show|check ...`` runs the same subcommands. Heavy imports (aiohttp,
 scikit-learn, matplotlib) happen when a subcommand runs, never at import.
 
 Exit codes: 0 done; 1 collect ran out of budget before every phase completed, or check found
@@ -24,7 +25,7 @@ from kairos.common.errors import KairosError
 
 
 def add_subcommands(parser: argparse.ArgumentParser) -> None:
-    """The three subcommands, on ``parser`` (the ``profile`` command, or ``python -m profiling``)."""
+    """The subcommands, on ``parser`` (the ``profile`` command, or ``python -m profiling``)."""
     from kairos.profiling import plan as p  # constants only: cheap
 
     sub = parser.add_subparsers(dest="profile_command", required=True)
@@ -79,6 +80,14 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     fit.add_argument("--allow-negative", action="store_true", help="plain least squares, coefficients of any sign")
     fit.add_argument("--kv-bytes-per-token", type=float, help="KV bytes per token, for transfers without bytes")
 
+    show = sub.add_parser(
+        "show",
+        help="what a profile is of, where it came from, and each model's held-out MAPE",
+        description="Print a profile's model, hardware and provenance, and the held-out MAPE each model was "
+        "fitted with (kairos profile check measures it again on fresh records).",
+    )
+    show.add_argument("profile", help="profile JSON path or packaged name")
+
     chk = sub.add_parser(
         "check",
         help="measure a profile on fresh step records and flag drift",
@@ -97,7 +106,7 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:  # type:
     parser = subparsers.add_parser(
         "profile",
         help="profile a model/hardware pair: collect step records, fit a profile, check it",
-        description="The one-time profiling of paper section 5.1: collect | fit | check.",
+        description="The one-time profiling of paper section 5.1: collect | fit | show | check.",
     )
     add_subcommands(parser)
     parser.set_defaults(handler=run)
@@ -166,6 +175,14 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from kairos.core.latency import load_profile
+    from kairos.profiling.fit import format_profile
+
+    print(format_profile(load_profile(args.profile)))
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from kairos.core.latency import load_profile
     from kairos.profiling.check import CheckConfig, check_profile, format_report, report_json
@@ -175,7 +192,7 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if report.drifted else 0
 
 
-_COMMANDS = {"collect": _collect, "fit": _fit, "check": _check}
+_COMMANDS = {"collect": _collect, "fit": _fit, "show": _show, "check": _check}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -505,6 +505,27 @@ def format_table(result: FitResult) -> str:
     )
 
 
+def format_profile(p: LatencyModels) -> str:
+    """What a profile is of, where it came from, and each model's held-out MAPE (``kairos profile
+    show``): the error it was measured with, not one measured now (``kairos profile check``)."""
+    prov = p.provenance
+    base = prov.get("copied_from_base", {})
+    copied = set(base.get("models", ()))
+    source = "measured" if prov.get("measured") else f"not measured ({prov.get('kind', 'unknown')})"
+    lines = [p.name, f"  model     {p.model}", f"  hardware  {p.hardware}", f"  source    {source}"]
+    if prov.get("fitted_at"):
+        lines.append(f"  fitted    {prov['fitted_at']}")
+    rows = [("model", "samples", "held-out MAPE", "")]
+    for name, m in ((c.DECODE_STEP, p.decode), (c.PREFILL_STEP, p.prefill), (c.MIXED_INCREMENT, p.mixed)):
+        rows.append((name, "-" if m.samples is None else str(m.samples), _pct(m.mape), ""))
+    rows.append((c.KV_TRANSFER, "-", _pct(p.transfer.mape), ""))
+    rows = [(*r[:3], f"copied from {base.get('profile')}" if r[0] in copied else r[3]) for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def write_plots(result: FitResult, out_dir: Path) -> list[Path]:
     """Predicted vs measured step time per fitted model (held-out predictions where the records
     have several runs, in-sample ones otherwise)."""

@@ -287,3 +287,22 @@ def test_a_negative_fixed_cost_is_refitted_through_the_origin() -> None:
     fitted = fit_model(c.DECODE_STEP, steps, steps.duration, FitConfig())
     assert fitted.intercept == 0.0
     assert all(x >= 0 for x in fitted.coefficients) and fitted.coefficients[-1] > 0
+
+
+def test_show_prints_what_a_profile_is_of_and_each_models_held_out_mape(
+    fitted: FitResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "p.json"
+    write_profile(fitted.profile, path)
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    p = fitted.profile
+    assert shown[:4] == ["fitted", f"  model     {p.model}", f"  hardware  {p.hardware}", "  source    measured"]
+    rows = {line.split()[0]: line.split()[1:] for line in shown[6:]}
+    for name, model in ((c.DECODE_STEP, p.decode), (c.PREFILL_STEP, p.prefill), (c.MIXED_INCREMENT, p.mixed)):
+        assert rows[name] == [str(model.samples), f"{100 * model.mape:.2f}%"], name
+    assert rows[c.KV_TRANSFER] == ["-", "-", "copied", "from", TRUTH.name]  # no transfers among the records
+    assert main(["show", "deepseek-v2-lite-a100"]) == 0
+    assert "  source    not measured (calibrated)" in capsys.readouterr().out
+    assert main(["show", "no-such-profile"]) == 2
+    assert "unknown profile 'no-such-profile'" in capsys.readouterr().err
