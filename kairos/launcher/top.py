@@ -1,8 +1,10 @@
 """``kairos top``: a live terminal view of a Kairos cluster, from one dispatcher's ``/nodes`` and
 ``/metrics`` (and a Prometheus's firing alerts when ``--prometheus`` names one).
 
-Each refresh scrapes both, and the frame shows: every node with its role, batch (B), KV in use,
-queued and deflected prefill tokens and heartbeat age; decisions per second by route and reason
+Each refresh scrapes both, and the frame shows: the profile the dispatcher routes with; every
+node with its role, batch (B), KV in use, queued and deflected prefill tokens, step calibration
+(how much slower than its profile a decode node's steps run, flagged SLOW over
+:data:`SLOW_STEP_CALIBRATION`) and heartbeat age; decisions per second by route and reason
 (counter deltas between two scrapes, so the first frame has none); per path the mean predicted
 TTFT and the mean of the sidecars' observed/predicted ratios since the dispatcher started, and
 the live MAPE (the dispatcher's rolling window); and the alerts. Without a
@@ -34,6 +36,10 @@ DEFAULT_DISPATCHER = "http://127.0.0.1:9100"  # the dispatcher's default --metri
 # The alert thresholds of compose/observability/kairos-rules.yml, for evaluating them locally.
 STALE_HEARTBEAT_S = 1.0  # KairosNodeHeartbeatStale
 TTFT_MAPE_LIMIT = 0.25  # KairosTtftPredictionDrift
+# A decode node whose step calibration (the p99 of its actual / predicted step times, from its
+# heartbeat) is over this runs slower than its profile by more than a fitted profile's own error
+# explains (a held-out MAPE of 10% gives about 1.3): a loaded host, or a profile of other hardware.
+SLOW_STEP_CALIBRATION = 1.5
 PATHS = ("keep", "deflect")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
 
@@ -154,26 +160,46 @@ def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "-" if value is None else format(value, fmt) + unit
 
 
+def slow_nodes(nodes: list[Mapping[str, Any]]) -> list[tuple[str, float]]:
+    """(id, step calibration) of every node running slower than its profile (over the line)."""
+    out = []
+    for node in nodes:
+        calibration = node.get(HeartbeatField.STEP_CALIBRATION)
+        if calibration is not None and calibration > SLOW_STEP_CALIBRATION:
+            out.append((str(node["id"]), float(calibration)))
+    return out
+
+
 def _node_rows(nodes: list[Mapping[str, Any]]) -> list[str]:
     f = HeartbeatField
     rows = [
         f"{'NODE':<10} {'ROLE':<8} {'BATCH':>5} {'KV IN USE':>20} {'QUEUED PREFILL':>14} {'DEFLECTED':>9} "
-        f"{'HEARTBEAT':>9}"
+        f"{'STEP/PROFILE':>12} {'HEARTBEAT':>9}"
     ]
+    slow = dict(slow_nodes(nodes))
     for node in nodes:
         kv = "-"
         if f.KV_TOKENS in node:
             cap = node.get(f.KV_CAPACITY_TOKENS) or 0
             kv = f"{node[f.KV_TOKENS]}/{cap}" + (f" ({node[f.KV_TOKENS] / cap:.0%})" if cap else "")
+        calibration = node.get(f.STEP_CALIBRATION)
         flags = " STALE" if node.get("stale") else ""
         flags += "" if node.get("from_redis", True) else " STATIC"
+        flags += " SLOW" if node["id"] in slow else ""
         rows.append(
             f"{node['id']:<10} {node['role']:<8} {node.get(f.DECODE_TOKENS, '-'):>5} {kv:>20} "
             f"{node.get(f.QUEUED_PREFILL_TOKENS, '-'):>14} {node.get(f.SCHEDULED_PREFILL_TOKENS, '-'):>9} "
-            f"{node['age_s']:>7.2f} s{flags}"
+            f"{'-' if calibration is None else f'x{calibration:.2f}':>12} {node['age_s']:>7.2f} s{flags}"
         )
     if not nodes:
         rows.append("(no nodes in the dispatcher's view)")
+    for node_id, calibration in slow.items():
+        rows += [
+            f"SLOW {node_id}: steps up to {calibration:.2f}x its profile's (p99): a loaded host, or a profile of "
+            "other hardware",
+            f"     its chunks are planned to the step budget / {calibration:.2f}; deflect TTFT predictions there "
+            "are not scaled",
+        ]
     return rows
 
 
@@ -187,6 +213,8 @@ def render(frame: Frame) -> str:
     status = scrape.nodes.get("status", "?")
     fallback = "  (static node lists: Redis never answered)" if scrape.nodes.get("static_fallback") else ""
     lines.append(f"status {status}{fallback}")
+    for labels in scrape.series("kairos_dispatcher_profile_info"):
+        lines.append(f"profile {dict(labels).get('name')} ({dict(labels).get('source')})")
     lines.append("")
     lines += _node_rows(list(scrape.nodes.get("nodes", [])))
 

@@ -32,6 +32,20 @@ NODES: dict[str, Any] = {
             "kv_capacity_tokens": 1300000,
             "queued_prefill_tokens": 0,
             "scheduled_prefill_tokens": 612,
+            "step_calibration": 2.375,  # over the line: flagged
+        },
+        {
+            "id": "d1",
+            "role": "decode",
+            "age_s": 0.05,
+            "stale": False,
+            "from_redis": True,
+            "decode_tokens": 1,
+            "kv_tokens": 500,
+            "kv_capacity_tokens": 1300000,
+            "queued_prefill_tokens": 0,
+            "scheduled_prefill_tokens": 0,
+            "step_calibration": 1.5,  # at the line is not over it
         },
         {
             "id": "p0",
@@ -69,6 +83,7 @@ def _metrics_text(keeps: int, deflects: int, *, degraded: bool = False, mape: fl
     150 ms and observed 10% slower; every deflect predicted at 100 ms, no feedback yet)."""
     m = DispatcherMetrics(CollectorRegistry())
     m.registry.register(ClusterCollector(_Cluster(degraded)))
+    m.set_profile("tiny-cpu", "0123abcd", "/w/profile.json")
     m.decisions.labels(route=Route.KEEP.value, reason=Reason.KEEP_DECODE_SLOWER.value).inc(keeps)
     m.decisions.labels(route=Route.DEFLECT.value, reason=Reason.DEFLECT_WITHIN_MARGIN.value).inc(deflects)
     for _ in range(keeps + deflects):
@@ -96,11 +111,15 @@ def frame(
 EXPECTED = """\
 kairos top  http://127.0.0.1:9100  12:00:00  refresh 1 s
 status ok
+profile tiny-cpu (/w/profile.json)
 
-NODE       ROLE     BATCH            KV IN USE QUEUED PREFILL DEFLECTED HEARTBEAT
-d0         decode       3   13000/1300000 (1%)              0       612    0.04 s
-p0         prefill      0       0/1300000 (0%)           4000         0    1.50 s STALE
-p9         prefill      -                    -              -         -    0.00 s STATIC
+NODE       ROLE     BATCH            KV IN USE QUEUED PREFILL DEFLECTED STEP/PROFILE HEARTBEAT
+d0         decode       3   13000/1300000 (1%)              0       612        x2.38    0.04 s SLOW
+d1         decode       1     500/1300000 (0%)              0         0        x1.50    0.05 s
+p0         prefill      0       0/1300000 (0%)           4000         0            -    1.50 s STALE
+p9         prefill      -                    -              -         -            -    0.00 s STATIC
+SLOW d0: steps up to 2.38x its profile's (p99): a loaded host, or a profile of other hardware
+     its chunks are planned to the step budget / 2.38; deflect TTFT predictions there are not scaled
 
 DECISIONS  5.0/s, 40% deflected   mean decision time 1.00 ms
   deflect  deflect_within_margin                    2.00/s        6 total
@@ -121,6 +140,13 @@ def test_render_shows_nodes_decision_rates_ttft_and_local_alerts() -> None:
     current = scrape(12.0, 16, 6, mape=0.30)
     shown = top.render(frame(scrape(10.0, 10, 2, mape=0.30), current, top.local_alerts(current)))
     assert shown == EXPECTED
+
+
+def test_slow_nodes_are_those_whose_steps_run_over_the_line_against_their_profile() -> None:
+    assert top.slow_nodes(NODES["nodes"]) == [("d0", 2.375)]  # d1 at the line, prefill nodes report none
+    calm = [{**n, "step_calibration": 1.2} if n["role"] == "decode" else n for n in NODES["nodes"]]
+    shown = top.render(frame(None, top.Scrape(1.0, {**NODES, "nodes": calm}, scrape(1.0, 0, 0).metrics), []))
+    assert "SLOW" not in shown and "x1.20" in shown
 
 
 def test_the_first_frame_has_no_rates_yet() -> None:
