@@ -203,6 +203,27 @@ def _node_rows(nodes: list[Mapping[str, Any]]) -> list[str]:
     return rows
 
 
+def _admission_line(frame: Frame, scrape: Scrape) -> str:
+    """Admission control (kairos.core.admission): what the cluster holds against its budget, the
+    requests waiting for a seat, and the 429s (kairos_dispatcher_shed_total) by reason."""
+    budget = scrape.total("kairos_dispatcher_admission_budget")
+    held = scrape.total("kairos_dispatcher_admission_in_flight")
+    waiting = scrape.total("kairos_dispatcher_admission_waiting")
+    # The gauges are set at each admission check: none yet, or --admission off.
+    load = f"in flight {held:.0f}/{budget:.0f} ({held / budget:.0%})" if budget else "in flight - (no check yet)"
+    shed = scrape.total("kairos_dispatcher_shed_total")
+    reasons = ", ".join(
+        f"{dict(labels)['reason']} {count:.0f}"
+        for labels, count in sorted(scrape.series("kairos_dispatcher_shed_total").items())
+        if count
+    )
+    return (
+        f"ADMISSION  {load}, {waiting:.0f} waiting   shed (429) "
+        f"{_num(_rate(frame, 'kairos_dispatcher_shed_total'), '.1f', '/s')}, {shed:.0f} total"
+        + (f" ({reasons})" if reasons else "")
+    )
+
+
 def render(frame: Frame) -> str:
     """The screen for one frame, as text."""
     lines = [f"kairos top  {frame.source}  {frame.clock}  refresh {frame.interval_s:g} s"]
@@ -235,6 +256,7 @@ def render(frame: Frame) -> str:
         lines.append(f"  {route:<8} {reason:<36} {_num(rate, '.2f', '/s'):>10} {count:>8.0f} total")
     if not keys:
         lines.append("  (no decisions yet)")
+    lines.append(_admission_line(frame, scrape))
 
     lines.append("")
     lines.append(f"{'TTFT':<10} {'predicted mean':>14} {'observed/predicted':>18} {'live MAPE':>10} {'samples':>8}")

@@ -74,6 +74,11 @@ def test_the_dashboard_covers_what_operators_asked_for() -> None:
         "kairos_sidecar_hop_errors_total",
         "kairos_dispatcher_profile_reloads_total",
         "kairos_node_step_budget_overruns_total",
+        "kairos_dispatcher_shed_total",
+        "kairos_dispatcher_admission_waited_total",
+        "kairos_dispatcher_admission_in_flight",
+        "kairos_dispatcher_admission_budget",
+        "kairos_dispatcher_admission_waiting",
     } <= read
 
 
@@ -109,6 +114,7 @@ def test_rules_read_exported_metrics_or_recorded_ones() -> None:
         "KairosTtftPredictionDrift",
         "KairosSidecarHopErrors",
         "KairosDecodeStepBudgetOverruns",
+        "KairosShedding",
     }
     assert all(
         r["labels"]["severity"] in {"warning", "critical"} and r["annotations"]["summary"] for r in alerts.values()

@@ -95,6 +95,12 @@ def _metrics_text(keeps: int, deflects: int, *, degraded: bool = False, mape: fl
         m.predicted_ttft.labels(route="deflect").observe(0.100)
     if mape is not None:
         m.ttft_prediction_mape.labels(path="keep").set(mape)
+    # Admission: 512 + keeps in flight of 1,024, 3 waiting; a 429 per deflect, and one busy one.
+    m.admission_budget.set(1024)
+    m.admission_in_flight.set(512 + keeps)
+    m.admission_waiting.set(3)
+    m.shed.labels(reason="queue_full").inc(deflects)
+    m.shed.labels(reason="open_streams").inc()
     return generate_latest(m.registry).decode()
 
 
@@ -124,6 +130,7 @@ SLOW d0: steps up to 2.38x its profile's (p99): a loaded host, or a profile of o
 DECISIONS  5.0/s, 40% deflected   mean decision time 1.00 ms
   deflect  deflect_within_margin                    2.00/s        6 total
   keep     keep_decode_slower                       3.00/s       16 total
+ADMISSION  in flight 528/1024 (52%), 3 waiting   shed (429) 2.0/s, 7 total (open_streams 1, queue_full 6)
 
 TTFT       predicted mean observed/predicted  live MAPE  samples
   keep            0.150 s               1.10      30.0%       16
@@ -154,6 +161,16 @@ def test_the_first_frame_has_no_rates_yet() -> None:
     assert "DECISIONS  -   mean decision time 1.00 ms" in shown
     assert re.search(r"^  keep +keep_decode_slower +- +16 total$", shown, re.M)
     assert "ALERTS (local): 0 firing" in shown
+    assert (
+        "ADMISSION  in flight 528/1024 (52%), 3 waiting   shed (429) -, 7 total (open_streams 1, queue_full 6)" in shown
+    )
+
+
+def test_the_admission_line_says_when_no_check_has_run_and_nothing_was_shed() -> None:
+    m = DispatcherMetrics(CollectorRegistry())  # --admission off: the gauges are never set
+    idle = top.Scrape(1.0, NODES, top.parse_metrics(generate_latest(m.registry).decode()))
+    shown = top.render(frame(idle, top.Scrape(2.0, NODES, idle.metrics), []))
+    assert "ADMISSION  in flight - (no check yet), 0 waiting   shed (429) 0.0/s, 0 total\n" in shown
 
 
 def test_local_alerts_follow_the_rules_thresholds() -> None:
