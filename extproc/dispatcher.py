@@ -144,7 +144,7 @@ class Routed:
     destinations: tuple[str, ...]  # host:port of decode-node sidecars
     set_headers: tuple[tuple[str, str], ...]
     remove_headers: tuple[str, ...]
-    decision: Decision | None  # None for pass-through paths (/v1/models, /health, ...) and batches
+    decision: Decision | None  # None for pass-through paths (/v1/models, /health, ...) and fan-outs
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +284,7 @@ class Dispatcher:
         if lookup is not None and not lookup.indexing():
             lookup = None  # no node publishes events: the count-only path
         request = await self._parse(head.path, body, token_ids=lookup is not None)
-        if request.parts:
+        if request.parts or request.n > 1:
             return self._fan_out(head, request)
         found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
         hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
@@ -454,10 +454,11 @@ class Dispatcher:
         return decision
 
     def _fan_out(self, head: RequestHead, request: ParsedRequest) -> Routed:
-        """A batch, every prompt valid: to a decode sidecar (in turn, as pass-through), which sends
-        each prompt back through the gateway, where each is decided on its own, and merges their
-        answers (``kairos.nodeagent.fanout``). Nothing is recorded or reserved for the batch itself:
-        each prompt is, when it comes back."""
+        """A batch or n > 1, valid: to a decode sidecar (in turn, as pass-through), which sends
+        each prompt's each choice back through the gateway, where each is decided on its own (vLLM
+        runs each as its own engine request too), and merges their answers
+        (``kairos.nodeagent.fanout``). Nothing is recorded or reserved for the request itself:
+        each part is, when it comes back."""
         sidecars = self.cluster.decode_sidecars()
         if not sidecars:
             raise NoHealthyNodeError("no decode node is available")
@@ -467,8 +468,8 @@ class Dispatcher:
             (c.H_ROUTE, c.ROUTE_FANOUT),
             (c.H_PROMPT_TOKENS, str(request.prompt_tokens)),
         )
-        self.metrics.batches.inc()
-        self.metrics.batch_prompts.inc(len(request.parts))
+        self.metrics.fanouts.inc()
+        self.metrics.fanout_parts.inc(max(1, len(request.parts)) * request.n)
         overwritten = {name for name, _ in set_headers}
         return Routed(
             destinations=(primary, *_fallback(primary, sidecars)),

@@ -76,15 +76,16 @@ class DispatcherMetrics:
         for route, role in (("keep", Role.PREFILL), ("keep", Role.DECODE), ("deflect", Role.DECODE)):
             self.prefix_hit_tokens.labels(route=route, role=role)
             self.prefix_lookup_prompt_tokens.labels(route=route)
-        # Batches (several prompts in one completions body) go to a decode sidecar whole; each of
-        # their prompts comes back through the gateway and is decided (and counted above) alone.
-        self.batches = Counter(
-            "kairos_dispatcher_batches",
-            "Batch requests sent to a decode sidecar to fan out, one request per prompt back through the gateway",
+        # Batches (several prompts in one completions body) and n > 1 go to a decode sidecar whole;
+        # each prompt's each choice comes back through the gateway, decided (and counted above) alone.
+        self.fanouts = Counter(
+            "kairos_dispatcher_fanouts",
+            "Requests (batches, n > 1) sent to a decode sidecar to fan out, one request per prompt and choice "
+            "back through the gateway",
             registry=r,
         )
-        self.batch_prompts = Counter(
-            "kairos_dispatcher_batch_prompts", "Prompts of the batch requests fanned out", registry=r
+        self.fanout_parts = Counter(
+            "kairos_dispatcher_fanout_parts", "Requests the fanned-out requests were split into", registry=r
         )
         # Admission control (kairos.core.admission, kairos.extproc.admission).
         self.shed = Counter(

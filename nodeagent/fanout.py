@@ -1,11 +1,20 @@
-"""A batch's fan-out at the decode sidecar: each prompt back through the gateway, one answer out.
+"""The fan-out at the decode sidecar: a batch's prompts and a request's ``n`` choices each back
+through the gateway, one answer out.
 
-Envoy's ext_proc can only route a request or answer it whole, so the dispatcher cannot split a
-batch (several prompts in one ``/v1/completions`` body) itself. It validates every prompt as vLLM
-would and routes the batch here with ``x-kairos-route: fanout``; this sends one request per
-prompt back through the gateway (``SidecarConfig.gateway``), where each gets a routing decision of
-its own (keep on some prefill node, deflect to some decode node) exactly as if a client had sent
-it, and merges the answers as vLLM answers a batch (:mod:`kairos.api.batch`).
+vLLM runs a batch (several prompts in one ``/v1/completions`` body) as one engine request per
+prompt, and ``n`` > 1 as ``n`` child requests per prompt. Each of those is a prefill the gateway
+must place, but Envoy's ext_proc can only route a request or answer it whole: the dispatcher
+validates the request as vLLM would and routes it here with ``x-kairos-route: fanout``; this sends
+one request per prompt and choice (``n`` 1, a seeded one ``seed + j`` as vLLM seeds its children)
+back through the gateway (``SidecarConfig.gateway``), where each gets a routing decision of its
+own (keep on some prefill node, deflect to some decode node) exactly as if a client had sent it,
+and merges the answers as vLLM answers the request (:mod:`kairos.api.batch`).
+
+Why ``n`` > 1 too: on vLLM's P/D path (NixlConnector) the ``n`` child requests of a decode hop
+all read the one prefill's KV blocks, and the prefill node frees them at the first reader's
+notification: the others read blocks already freed (vLLM 0.32 logs "Potentially invalid KV
+blocks for unrecognized request" on the prefill node for each). One request per choice gives
+each its own prefill and transfer, and its own decision.
 
 JSON: the parts are sent at once; the first that fails (its status >= 400, or a broken exchange)
 is the answer and the others are abandoned (their connections closed, so their nodes abort them).
@@ -13,7 +22,7 @@ SSE: the stream opens once every part's head is in (a part that fails before its
 is the answer, as above); then each part's chunks go out as they arrive, a part's error event
 ends the stream (after ``[DONE]``, as vLLM's) and abandons the others.
 
-Part ``i`` carries ``x-request-id: <batch id>-i``, vLLM's id of a batch's i-th engine request.
+Part ``i`` (prompt ``p``'s choice ``j`` at ``i = p * n + j``) carries ``x-request-id: <id>-i``.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kairos.api import batch
-from kairos.api.openai_request import choices_per_prompt
+from kairos.api.openai_request import CHAT_COMPLETIONS_PATH, choices_per_prompt, completion_prompts
 from kairos.common import contracts as c
 from kairos.common.errors import KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body
@@ -39,11 +48,11 @@ from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Respo
 log = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-_ECHOED = (c.H_ROUTE, c.H_PROMPT_TOKENS)  # the dispatcher's headers on the batch, for the client
+_ECHOED = (c.H_ROUTE, c.H_PROMPT_TOKENS)  # the dispatcher's headers on the request, for the client
 
 
 class _PartFailed(Exception):
-    """A part answered with an error status before its body: that answer is the batch's."""
+    """A part answered with an error status before its body: that answer is the request's."""
 
     def __init__(self, status: int, content_type: str, body: bytes) -> None:
         super().__init__(status)
@@ -59,22 +68,25 @@ async def serve(
     rid: str,
     timeout_s: float,
 ) -> web.StreamResponse:
-    """Answer a batch ``body`` (already validated by the dispatcher) by fanning it out through
+    """Answer ``body`` (a batch, or n > 1; validated by the dispatcher) by fanning it out through
     ``gateway`` (host:port); ``headers``: the client's, as the sidecar forwards them."""
     if not gateway:
         raise UpstreamError(
-            "this sidecar cannot serve a batch of prompts: it has no gateway address to send each prompt "
-            "through (start it with --gateway HOST:PORT, Envoy's listener)"
+            "this sidecar cannot serve a batch or n > 1: it has no gateway address to send each prompt and "
+            "choice through (start it with --gateway HOST:PORT, Envoy's listener)"
         )
-    prompts = body[batch.PROMPT]
-    parts = batch.split(body, prompts)
+    chat = request.path == CHAT_COMPLETIONS_PATH
+    prompts = [] if chat else completion_prompts(body)
+    per_prompt = batch.split(body, prompts) if len(prompts) > 1 else [body]
+    n = choices_per_prompt(body)
+    parts = [choice for each in per_prompt for choice in batch.split_choices(each, n)] if n > 1 else per_prompt
     target = request.raw_path if request.raw_path.startswith("/") else request.path
-    fan = _FanOut(client, gateway, target, headers, rid, timeout_s)
+    fan = _FanOut(client, gateway, target, headers, rid, timeout_s, f"{'chatcmpl' if chat else 'cmpl'}-{rid}", n)
     echoed = {name: request.headers[name] for name in _ECHOED if name in request.headers}
-    log.debug("request %s: a batch of %d prompts, each through the gateway at %s", rid, len(parts), gateway)
+    log.debug("request %s: %d prompts x %d choices, each through the gateway at %s", rid, len(per_prompt), n, gateway)
     try:
         if body.get("stream") is True:
-            return await fan.stream(request, parts, choices_per_prompt(body), echoed)
+            return await fan.stream(request, parts, echoed)
         return await fan.whole(parts, echoed)
     except _PartFailed as failed:
         return web.Response(
@@ -86,15 +98,24 @@ async def serve(
 
 class _FanOut:
     def __init__(
-        self, client: Http1Client, gateway: str, target: str, headers: CIMultiDict[str], rid: str, timeout_s: float
+        self,
+        client: Http1Client,
+        gateway: str,
+        target: str,
+        headers: CIMultiDict[str],
+        rid: str,
+        timeout_s: float,
+        response_id: str,
+        parts_per_prompt: int,
     ) -> None:
         self.client, self.gateway, self.target = client, gateway, target
         self.rid, self.timeout_s = rid, timeout_s
         self.headers = CIMultiDict(headers)
         self.headers["Content-Type"] = "application/json"
         self.headers["Accept-Encoding"] = "identity"  # the parts' answers are parsed here
-        self.response_id = f"cmpl-{rid}"
+        self.response_id = response_id
         self.created = int(time.time())
+        self.parts_per_prompt = parts_per_prompt  # the request's n: each part is one choice
 
     # -- one part ------------------------------------------------------------------------------
     async def _open(self, index: int, part: Mapping[str, Any]) -> Response:
@@ -107,18 +128,18 @@ class _FanOut:
                 resp = await self.client.open("POST", self.gateway, self.target, data, headers.items())
         except TimeoutError:
             raise UpstreamTimeoutError(
-                f"prompt {index} of the batch: the gateway gave no answer within {self.timeout_s:g}s"
+                f"part {index} of the request: the gateway gave no answer within {self.timeout_s:g}s"
             ) from None
         except (Http1Error, OSError) as exc:
             what = f"cannot connect to the gateway at {self.gateway}" if isinstance(exc, ConnectFailed) else "failed"
-            log.warning("request %s: prompt %d of the batch: %s: %r", self.rid, index, what, exc)
-            raise UpstreamError(f"prompt {index} of the batch: {what} ({type(exc).__name__})") from None
+            log.warning("request %s: part %d of the request: %s: %r", self.rid, index, what, exc)
+            raise UpstreamError(f"part {index} of the request: {what} ({type(exc).__name__})") from None
         if resp.status >= 400:
             try:
                 raw = await self._read_all(resp, index)
             finally:
                 resp.close()
-            log.info("request %s: prompt %d of the batch answered %d; the batch's answer", self.rid, index, resp.status)
+            log.info("request %s: part %d answered %d: the request's answer", self.rid, index, resp.status)
             raise _PartFailed(resp.status, resp.head.headers.get("content-type", ""), raw)
         return resp
 
@@ -128,9 +149,9 @@ class _FanOut:
             while chunk := await resp.read(self.timeout_s):
                 chunks.append(chunk)
         except TimeoutError:
-            raise UpstreamTimeoutError(f"prompt {index} of the batch stalled for {self.timeout_s:g}s") from None
+            raise UpstreamTimeoutError(f"part {index} of the request stalled for {self.timeout_s:g}s") from None
         except Http1Error as exc:
-            raise UpstreamError(f"prompt {index} of the batch broke off its answer ({type(exc).__name__})") from None
+            raise UpstreamError(f"part {index} of the request broke off its answer ({type(exc).__name__})") from None
         return b"".join(chunks)
 
     async def _fetch(self, index: int, part: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -142,9 +163,9 @@ class _FanOut:
         try:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise UpstreamError(f"prompt {index} of the batch: the answer is not JSON") from None
+            raise UpstreamError(f"part {index} of the request: the answer is not JSON") from None
         if not isinstance(answer, dict) or not isinstance(answer.get(batch.CHOICES), list):
-            raise UpstreamError(f"prompt {index} of the batch: the answer is not a completion")
+            raise UpstreamError(f"part {index} of the request: the answer is not a completion")
         return index, answer
 
     # -- JSON ----------------------------------------------------------------------------------
@@ -153,26 +174,26 @@ class _FanOut:
         answers: list[dict[str, Any]] = [{}] * len(parts)
         try:
             for next_done in asyncio.as_completed(tasks):
-                index, answer = await next_done  # the first failure raises: the batch's answer
+                index, answer = await next_done  # the first failure raises: the request's answer
                 answers[index] = answer
         finally:
             await _abandon(tasks)  # on a failure, the parts still running
-        merged = batch.merge_responses(answers, self.response_id, self.created)
+        merged = batch.merge_responses(answers, self.response_id, self.created, self.parts_per_prompt)
         headers = {"Content-Type": "application/json", **self._headers(echoed)}
         return web.Response(body=orjson.dumps(merged), headers=headers)
 
     def _headers(self, echoed: Mapping[str, str]) -> dict[str, str]:
-        """The batch's answer's headers beside its content type: its id and the dispatcher's on it."""
+        """The answer's headers beside its content type: its id and the dispatcher's on it."""
         return {c.H_REQUEST_ID: self.rid, **echoed}
 
     # -- SSE -----------------------------------------------------------------------------------
     async def stream(
-        self, request: web.Request, parts: list[dict[str, Any]], n: int, echoed: Mapping[str, str]
+        self, request: web.Request, parts: list[dict[str, Any]], echoed: Mapping[str, str]
     ) -> web.StreamResponse:
         opening = [asyncio.create_task(self._open(i, part)) for i, part in enumerate(parts)]
         try:
             for next_open in asyncio.as_completed(opening):
-                await next_open  # the first failure raises: the batch's answer
+                await next_open  # the first failure raises: the request's answer
         except BaseException:
             await _abandon(opening)
             raise
@@ -183,7 +204,9 @@ class _FanOut:
             await out.prepare(request)
             events: asyncio.Queue[tuple[int, bytes | BaseException | None]] = asyncio.Queue()
             readers = [asyncio.create_task(self._read_events(i, resp, events)) for i, resp in enumerate(responses)]
-            merge = batch.StreamMerge(len(parts), n, self.response_id, self.created)
+            merge = batch.StreamMerge(
+                len(parts), self.response_id, self.created, parts_per_prompt=self.parts_per_prompt
+            )
             with contextlib.suppress(ConnectionResetError):  # the client left: the finally abandons the parts
                 await self._relay(out, events, merge, len(parts))
                 await out.write_eof()
@@ -205,11 +228,11 @@ class _FanOut:
                     events.put_nowait((index, payload))
         except TimeoutError:
             events.put_nowait(
-                (index, UpstreamTimeoutError(f"prompt {index} of the batch stalled for {self.timeout_s:g}s"))
+                (index, UpstreamTimeoutError(f"part {index} of the request stalled for {self.timeout_s:g}s"))
             )
             return
         except Http1Error as exc:
-            events.put_nowait((index, UpstreamError(f"prompt {index} of the batch broke off ({type(exc).__name__})")))
+            events.put_nowait((index, UpstreamError(f"part {index} of the request broke off ({type(exc).__name__})")))
             return
         events.put_nowait((index, None))
 
@@ -227,7 +250,7 @@ class _FanOut:
             if item is None:
                 ended += 1
                 if not done[index]:
-                    await self._fail(out, UpstreamError(f"prompt {index} of the batch ended before its [DONE]"))
+                    await self._fail(out, UpstreamError(f"part {index} of the request ended before its [DONE]"))
                     return
                 continue
             if isinstance(item, BaseException):
@@ -239,12 +262,10 @@ class _FanOut:
             try:
                 payload = orjson.loads(item)
             except orjson.JSONDecodeError:
-                await self._fail(out, UpstreamError(f"prompt {index} of the batch sent an event that is not JSON"))
+                await self._fail(out, UpstreamError(f"part {index} of the request sent an event that is not JSON"))
                 return
             if batch.is_error_event(payload):
-                log.info(
-                    "request %s: prompt %d of the batch failed mid-stream; ending the batch's stream", self.rid, index
-                )
+                log.info("request %s: part %d of the request failed mid-stream; ending its stream", self.rid, index)
                 await out.write(b"data: " + item + b"\n\n" + batch.SSE_DONE)
                 return
             merged = merge.chunk(index, payload)
@@ -256,9 +277,9 @@ class _FanOut:
         await out.write(batch.SSE_DONE)
 
     async def _fail(self, out: web.StreamResponse, exc: BaseException) -> None:
-        """End the batch's stream with ``exc`` as vLLM ends one: an error event, then [DONE]."""
+        """End the stream with ``exc`` as vLLM ends one: an error event, then [DONE]."""
         message = exc.message if isinstance(exc, KairosError) else type(exc).__name__
-        log.warning("request %s: %s; ending the batch's stream", self.rid, message)
+        log.warning("request %s: %s; ending its stream", self.rid, message)
         await out.write(b"data: " + orjson.dumps(error_body(exc)) + b"\n\n" + batch.SSE_DONE)
 
 

@@ -568,7 +568,8 @@ class EmulatedNode:
     async def _stream(self, request: web.Request, outs: list[_Output], arrival: float) -> web.StreamResponse:
         first = outs[0]
         resp = web.StreamResponse(headers={**_SSE_HEADERS, c.H_REQUEST_ID: first.rid})
-        merge = batch.StreamMerge(len(outs), first.parsed.n, first.id, first.created) if len(outs) > 1 else None
+        many = len(outs) > 1
+        merge = batch.StreamMerge(len(outs), first.id, first.created, choices_per_part=first.parsed.n) if many else None
 
         async def send(prompt: int, chunk: dict[str, Any]) -> None:
             merged = chunk if merge is None else merge.chunk(prompt, chunk)

@@ -179,7 +179,7 @@ def parse_request(
         field, requested = _max_tokens_field(data, ("max_tokens",))
         if field is None and "max_tokens" not in data:
             requested = limits.default_max_tokens  # absent (not null): vLLM's default of 16
-        prompts = _completion_prompts(data)
+        prompts = completion_prompts(data)
         input_param = "prompt"
     else:
         field, requested = _max_tokens_field(data, ("max_completion_tokens", "max_tokens"))
@@ -312,7 +312,7 @@ def _resolve_max_tokens(
 _PROMPT_FORMS = "a string, an array of token ids, an array of strings or an array of token-id arrays"
 
 
-def _completion_prompts(data: Mapping[str, Any]) -> list[str | list[int]]:
+def completion_prompts(data: Mapping[str, Any]) -> list[str | list[int]]:
     """The body's prompts, in order: one, or a batch's several (each form checked, not counted)."""
     if data.get("prompt_embeds") is not None:
         raise RequestError("prompt_embeds is not supported by the gateway; send prompt", "prompt_embeds")

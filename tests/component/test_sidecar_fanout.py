@@ -64,7 +64,7 @@ class Gateway:
                 raise
         async with (
             aiohttp.ClientSession() as http,
-            http.post(f"http://{self.node}/v1/completions", json=body, headers={c.H_REQUEST_ID: "node"}) as answer,
+            http.post(f"http://{self.node}{request.path}", json=body, headers={c.H_REQUEST_ID: "node"}) as answer,
         ):
             if not body.get("stream"):
                 return web.Response(body=await answer.read(), headers={"Content-Type": "application/json", **route})
@@ -119,6 +119,7 @@ async def rig(model_dir: Path) -> AsyncIterator[Rig]:
     gateway = Gateway(node)
     app = web.Application()
     app.router.add_post("/v1/completions", gateway.completion)
+    app.router.add_post("/v1/chat/completions", gateway.completion)
     runner, gateway.url = await _serve(app)
     runners.append(runner)
 
@@ -153,8 +154,10 @@ def without_created(obj: Any) -> Any:
 PROMPTS = [[5] * 10, [6] * 20, [7] * 30]
 
 
-async def test_a_batchs_prompts_go_through_the_gateway_one_each_and_merge_as_the_node_answers(rig: Rig) -> None:
-    body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "n": 2, "temperature": 0.5}
+async def test_a_batchs_prompts_and_choices_go_through_the_gateway_one_each_and_merge_as_the_node_answers(
+    rig: Rig,
+) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS, "max_tokens": 3, "n": 2, "temperature": 0.5, "seed": 11}
     resp = await rig.post(body, rid="b1")
     assert resp.status == 200, await resp.text()
     merged = await resp.json()
@@ -162,12 +165,32 @@ async def test_a_batchs_prompts_go_through_the_gateway_one_each_and_merge_as_the
     assert without_created(merged) == without_created(json.loads(await node_answer(rig, body, "b1")))
     assert [ch["index"] for ch in merged["choices"]] == list(range(6))
     assert merged["usage"]["prompt_tokens"] == 60 and merged["usage"]["completion_tokens"] == 18
-    # One request per prompt, in order of their ids: the batch's body with that one prompt, as a
-    # client would send it (no routing header, vLLM's id of the batch's i-th engine request).
+    # One request per prompt and choice, as vLLM's engine requests (prompt p's choice j is part
+    # p * 2 + j): the body with that one prompt, n 1 and the choice's seed, as a client would send
+    # it (no routing header).
     parts = sorted(rig.gateway.seen, key=lambda s: s[0][c.H_REQUEST_ID])
-    assert [h[c.H_REQUEST_ID] for h, _ in parts] == ["b1-0", "b1-1", "b1-2"]
-    assert [p for _, p in parts] == [{**body, "prompt": p} for p in PROMPTS]
+    assert [h[c.H_REQUEST_ID] for h, _ in parts] == [f"b1-{i}" for i in range(6)]
+    assert [p for _, p in parts] == [{**body, "prompt": p, "n": 1, "seed": 11 + j} for p in PROMPTS for j in (0, 1)]
     assert not any(name.startswith(c.HEADER_PREFIX) for h, _ in parts for name in h)
+
+
+async def test_n_choices_of_one_prompt_and_of_a_chat_go_through_the_gateway_one_each(rig: Rig) -> None:
+    body = {"model": MODEL, "prompt": "tell me", "max_tokens": 2, "n": 3}
+    resp = await rig.post(body, rid="n1")
+    merged = await resp.json()
+    assert without_created(merged) == without_created(json.loads(await node_answer(rig, body, "n1")))
+    assert [p for _, p in sorted(rig.gateway.seen, key=lambda s: s[0][c.H_REQUEST_ID])] == [{**body, "n": 1}] * 3
+    assert merged["usage"]["prompt_tokens"] == merged["usage"]["total_tokens"] - 6  # the prompt once
+
+    rig.gateway.seen.clear()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+    headers = {c.H_ROUTE: c.ROUTE_FANOUT, c.H_REQUEST_ID: "c1"}
+    async with rig.http.post(f"{rig.sidecar}/v1/chat/completions", json=chat, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+    assert answer["id"] == "chatcmpl-c1" and answer["object"] == "chat.completion"
+    assert [ch["index"] for ch in answer["choices"]] == [0, 1]
+    assert [p for _, p in rig.gateway.seen] == [{**chat, "n": 1}] * 2
 
 
 async def test_a_streamed_batch_relays_each_prompts_chunks_with_batch_indices_one_usage_and_one_done(
@@ -226,7 +249,7 @@ async def test_a_part_cut_mid_stream_ends_the_batchs_stream_with_an_error_event(
     resp = await rig.post({"model": MODEL, "prompt": PROMPTS, "max_tokens": 5, "stream": True})
     got = events(await resp.read())
     assert got[-1] == "[DONE]"
-    assert got[-2]["error"]["code"] == "upstream_error" and "prompt 0 of the batch" in got[-2]["error"]["message"]
+    assert got[-2]["error"]["code"] == "upstream_error" and "part 0 of the request" in got[-2]["error"]["message"]
 
 
 async def test_a_client_leaving_a_streamed_batch_abandons_its_parts(rig: Rig) -> None:

@@ -1,6 +1,7 @@
 """Batch prompts and n > 1 end to end through real Envoy, the dispatcher, the sidecars and 2P2D
-emulated vLLM nodes: a batch is fanned out by a decode sidecar back through Envoy, one request
-per prompt, each with a routing decision of its own, and merged into vLLM's one answer."""
+emulated vLLM nodes: a decode sidecar fans such a request out back through Envoy, one request per
+prompt and choice (vLLM's engine requests), each with a routing decision of its own, and merges
+the answers into vLLM's one answer."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_a_batch_of_token_id_lists_through_the_openai_sdk(cluster: LocalCluster)
     assert [ch.index for ch in done.choices] == list(range(8))  # prompt p's choice j is p * 2 + j
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (sum(len(p) for p in prompts), 4 * 2 * 3)
-    assert decided(cluster) - before == 4  # one decision per prompt, none for the batch
+    assert decided(cluster) - before == 8  # one decision per prompt and choice, none for the batch
 
 
 def test_a_streamed_batch_carries_each_choices_index_one_usage_chunk_and_one_done(
@@ -111,11 +112,16 @@ def test_a_streamed_batch_carries_each_choices_index_one_usage_chunk_and_one_don
 def test_n_choices_through_the_gateway_as_vllm_serves_them(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
     prompt = text_of(tokenizer, 800)
     expected = tokenizer.count_completion_prompt(prompt)
+    request_id = rid()
     status, headers, body = post_json(
-        f"{cluster.gateway_url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 3}
+        f"{cluster.gateway_url}/v1/completions",
+        {"model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 3, "seed": 5},
+        {"x-request-id": request_id},
     )
     assert status == 200, body
-    assert headers[c.H_ROUTE] in ("keep", "deflect")
+    assert headers[c.H_ROUTE] == c.ROUTE_FANOUT
+    parts = decisions(cluster, [f"{request_id}-{j}" for j in range(3)])  # each choice decided on its own
+    assert {route for _, _, route, _ in parts.values()} <= {"keep", "deflect"}
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
     assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (expected, 12)
 

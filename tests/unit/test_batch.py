@@ -48,6 +48,14 @@ def test_split_gives_each_prompt_the_batchs_other_fields_in_order() -> None:
     assert body["prompt"] == ["a", "b"]  # the batch's own body untouched
 
 
+def test_split_choices_are_vllms_child_requests() -> None:
+    body = {"model": "m", "prompt": "a", "n": 3, "seed": 7, "temperature": 0.5}
+    assert batch.split_choices(body, 3) == [{**body, "n": 1, "seed": s} for s in (7, 8, 9)]
+    unseeded = {"prompt": "a", "n": 2}
+    assert batch.split_choices(unseeded, 2) == [{"prompt": "a", "n": 1}] * 2  # each samples on its own
+    assert batch.split_choices({"prompt": "a", "n": 2, "seed": None}, 2) == [{"prompt": "a", "n": 1, "seed": None}] * 2
+
+
 def test_merged_json_numbers_choices_in_prompt_order_and_sums_usage() -> None:
     parts = [answer("b-0", ["x", "y"], 9, 4, 0), answer("b-1", ["z", "w"], 8, 4, 5)]
     merged = batch.merge_responses(parts, "cmpl-b", 1700000005)
@@ -68,11 +76,24 @@ def test_merged_json_numbers_choices_in_prompt_order_and_sums_usage() -> None:
     assert parts[0]["choices"][0]["index"] == 0 and parts[1]["choices"][0]["index"] == 0  # inputs untouched
 
 
+def test_merged_choices_count_each_prompt_once() -> None:
+    """Parts one per choice (n 2 over two prompts): prompt p's choice j is part p * 2 + j."""
+    parts = [
+        answer(f"c-{i}", [t], prompt, 3, 0) for i, (t, prompt) in enumerate(zip("wxyz", (9, 9, 8, 8), strict=True))
+    ]
+    merged = batch.merge_responses(parts, "cmpl-c", 5, parts_per_prompt=2)
+    assert [(ch["index"], ch["text"]) for ch in merged["choices"]] == [(0, "w"), (1, "x"), (2, "y"), (3, "z")]
+    assert (merged["usage"]["prompt_tokens"], merged["usage"]["completion_tokens"]) == (17, 12)
+    assert merged["usage"]["total_tokens"] == 29
+
+
 def test_merged_json_without_cache_details_keeps_them_null() -> None:
     merged = batch.merge_responses([answer("0", ["a"], 3, 1, None), answer("1", ["b"], 4, 1, None)], "cmpl-x", 1)
     assert merged["usage"]["prompt_tokens_details"] is None
-    with pytest.raises(ValueError, match="at least one prompt"):
+    with pytest.raises(ValueError, match="not whole prompts"):
         batch.merge_responses([], "cmpl-x", 1)
+    with pytest.raises(ValueError, match="3 parts are not whole prompts of 2 parts each"):
+        batch.merge_responses([answer(str(i), ["a"], 3, 1, None) for i in range(3)], "cmpl-x", 1, parts_per_prompt=2)
 
 
 def chunk(rid: str, index: int, text: str, finish: str | None = None) -> dict[str, Any]:
@@ -108,7 +129,7 @@ def usage_chunk(rid: str, prompt: int, completion: int, cached: int) -> dict[str
 
 
 def test_streamed_chunks_get_the_batch_id_and_index_and_one_usage_chunk_sums_the_prompts() -> None:
-    merge = batch.StreamMerge(prompts=2, n=2, response_id="cmpl-b", created=1700000005)
+    merge = batch.StreamMerge(2, "cmpl-b", 1700000005, choices_per_part=2)
     sent = [
         merge.chunk(1, chunk("b-1", 0, "p")),  # prompt 1's output came first
         merge.chunk(0, chunk("b-0", 1, "q")),
@@ -144,18 +165,31 @@ def test_streamed_chunks_get_the_batch_id_and_index_and_one_usage_chunk_sums_the
     }
 
 
+def test_streamed_choices_as_parts_count_each_prompt_once() -> None:
+    merge = batch.StreamMerge(4, "cmpl-n", 3, parts_per_prompt=2)  # two prompts, n 2, one part per choice
+    out = merge.chunk(3, chunk("n-3", 0, "t"))
+    assert out is not None and out["choices"][0]["index"] == 3
+    for part, prompt in enumerate((9, 9, 8, 8)):
+        assert merge.chunk(part, usage_chunk(f"n-{part}", prompt, 2, 0)) is None
+    final = merge.usage_chunk()
+    assert final is not None
+    assert (final["usage"]["prompt_tokens"], final["usage"]["completion_tokens"]) == (17, 8)
+    with pytest.raises(ValueError, match="3 parts of 1 choices, 2 per prompt"):
+        batch.StreamMerge(3, "cmpl-n", 3, parts_per_prompt=2)
+
+
 def test_continuous_usage_rides_on_each_chunk_and_no_usage_asked_means_no_usage_chunk() -> None:
-    merge = batch.StreamMerge(prompts=2, n=1, response_id="cmpl-c", created=7)
+    merge = batch.StreamMerge(2, "cmpl-c", 7)
     with_usage = {**chunk("c-1", 0, "t"), "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1}}
     out = merge.chunk(1, with_usage)
     assert out is not None and out["choices"][0]["index"] == 1 and out["usage"] == with_usage["usage"]
     assert merge.usage_chunk() is None
-    with pytest.raises(ValueError, match="prompt 2 is not one of the batch's 2"):
+    with pytest.raises(ValueError, match="part 2 is not one of the request's 2"):
         merge.chunk(2, chunk("c-2", 0, "t"))
 
 
 def test_a_usage_chunk_without_metrics_and_an_error_event() -> None:
-    merge = batch.StreamMerge(prompts=1, n=1, response_id="cmpl-d", created=1)
+    merge = batch.StreamMerge(1, "cmpl-d", 1)
     assert merge.chunk(0, {**usage_chunk("d-0", 3, 1, 0), "metrics": {"ttft_s": 1.0}}) is None
     final = merge.usage_chunk()
     assert final is not None and "metrics" not in final

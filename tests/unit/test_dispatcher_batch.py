@@ -73,9 +73,21 @@ async def test_a_batch_goes_whole_to_decode_sidecars_in_turn_undecided(harness: 
     assert headers_of(first) == {c.H_REQUEST_ID: "b-7", c.H_ROUTE: c.ROUTE_FANOUT, c.H_PROMPT_TOKENS: "600"}
     assert first.remove_headers == ("x-kairos-chunk-schedule",)  # the client's routing headers go
     assert h.cluster.recorded == [] and h.cluster.reservations == []
-    assert h.sample("kairos_dispatcher_batches_total") == 2
-    assert h.sample("kairos_dispatcher_batch_prompts_total") == 5
+    assert h.sample("kairos_dispatcher_fanouts_total") == 2
+    assert h.sample("kairos_dispatcher_fanout_parts_total") == 5
     assert h.sample("kairos_dispatcher_decision_seconds_count") == 0
+
+
+async def test_n_choices_fan_out_one_request_per_choice(harness: HarnessFactory) -> None:
+    h = harness(make_cluster())
+    body = json.dumps({"model": "tiny", "prompt": [TOKEN_ID] * 500, "max_tokens": 4, "n": 3}).encode()
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), body)
+    assert isinstance(routed, Routed) and routed.decision is None
+    assert headers_of(routed)[c.H_ROUTE] == c.ROUTE_FANOUT
+    both = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), batch_body(5, 6, n=2))
+    assert isinstance(both, Routed) and headers_of(both)[c.H_ROUTE] == c.ROUTE_FANOUT
+    assert h.sample("kairos_dispatcher_fanout_parts_total") == 3 + 2 * 2
+    assert h.cluster.recorded == [] and h.cluster.reservations == []
 
 
 async def test_one_prompt_in_a_list_is_decided_as_one_prompt(harness: HarnessFactory) -> None:
@@ -83,7 +95,7 @@ async def test_one_prompt_in_a_list_is_decided_as_one_prompt(harness: HarnessFac
     routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), batch_body(4000))
     assert isinstance(routed, Routed) and routed.decision is not None
     assert headers_of(routed)[c.H_ROUTE] == "keep"
-    assert h.sample("kairos_dispatcher_batches_total") == 0
+    assert h.sample("kairos_dispatcher_fanouts_total") == 0
 
 
 async def test_a_batch_with_one_bad_prompt_is_refused_whole(harness: HarnessFactory) -> None:
@@ -96,7 +108,7 @@ async def test_a_batch_with_one_bad_prompt_is_refused_whole(harness: HarnessFact
     assert (
         isinstance(greedy, Rejected) and error_of(greedy)["message"] == "n must be 1 when using greedy sampling, got 2."
     )
-    assert h.sample("kairos_dispatcher_batches_total") == 0 and h.cluster.recorded == []
+    assert h.sample("kairos_dispatcher_fanouts_total") == 0 and h.cluster.recorded == []
 
 
 async def test_a_batch_with_no_decode_node_is_503(harness: HarnessFactory) -> None:
