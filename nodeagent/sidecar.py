@@ -802,10 +802,10 @@ def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
-    # One prefill whatever the client's n. With n > 1 vLLM runs n child requests: on a prefill
-    # node each would hold its own copy of the KV while the reply names one child's (the last to
-    # finish); the rest stay pinned until NixlConnector's lease (kv_lease_duration, 30 s) expires.
-    # Hop 2 keeps the client's n: the decode node's n children all read this one prefill's blocks.
+    # One prefill whatever the client's n (the gateway fans n > 1 out, one request per choice;
+    # this holds for a keep routed here by hand). With n > 1 vLLM runs n child requests: on a
+    # prefill node each would hold its own copy of the KV while the reply names one child's (the
+    # last to finish); the rest stay pinned until NixlConnector's lease (kv_lease_duration, 30 s).
     if "n" in out:
         out["n"] = 1
     # min_tokens > 1 would make vLLM reject max_tokens=1 (a 400 that is not the client's fault).
