@@ -4,6 +4,7 @@ their sidecars and heartbeat publishers) until Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.node_profile import describe_given, profile_cache_dir, wants_fitted_profile
 from kairos.launcher.observability import DASHBOARD, write_observability
 from kairos.launcher.processes import ProcessError, Supervisor
 from kairos.launcher.remote_nodes import RemoteNodesCluster, load_nodes
@@ -82,7 +84,17 @@ def _cluster(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path
     if args.backend == "emulated":
         return LocalCluster(config, workdir)
     backend = VllmBackend(python=args.vllm_python or default_vllm_python())
-    return VllmCluster(config, workdir, backend=backend)
+    fit = wants_fitted_profile(args.profile, config.profile)
+    cache = profile_cache_dir(args.workdir, os.environ) if fit else None
+    return VllmCluster(config, workdir, backend=backend, profile_cache=cache, say=lambda line: print(line, flush=True))
+
+
+def _profile_line(cluster: LocalCluster, args: argparse.Namespace) -> str:
+    """Which profile the cluster routes with and where it came from."""
+    choice = cluster.profile_choice if isinstance(cluster, VllmCluster) else None
+    if choice is not None:
+        return choice.describe()
+    return describe_given(cluster.config.profile, args.profile, args.backend, args.nodes is not None)
 
 
 def _await_heartbeats(cluster: LocalCluster, stop: threading.Event, timeout_s: float) -> None:
@@ -181,11 +193,12 @@ def _serve(args: argparse.Namespace, config: LocalClusterConfig, workdir: Path, 
         if stop.is_set():
             return 130
         _print_redis(cluster)
+        print(f"routing with {_profile_line(cluster, args)}", flush=True)
         _await_heartbeats(cluster, stop, timeout_s=120.0 if args.nodes else 30.0)
         if stop.is_set():
             return 130
         url = cluster.gateway_url
-        print(f"\nKairos gateway ready at {url}  (policy {config.policy}, profile {config.profile})")
+        print(f"\nKairos gateway ready at {url}  (policy {config.policy}, profile {cluster.config.profile})")
         print("try:")
         print(
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "

@@ -8,10 +8,12 @@ vLLM takes tens of seconds to start, so every engine is launched before the firs
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,18 @@ from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventEndpoints
 from kairos.launcher.local_cluster import LOOPBACK, LocalCluster, NodeProcs
+from kairos.launcher.node_profile import (
+    FIT_LOG,
+    PROFILE_FILE,
+    FitTarget,
+    ProfileChoice,
+    StartUpProfile,
+    engine_facts,
+    fit_nodes,
+    host_facts,
+    key_facts,
+    model_config,
+)
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
 from kairos.launcher.vllm_node import VllmNodeSpec
 
@@ -65,6 +79,11 @@ class VllmCluster(LocalCluster):
     backend: VllmBackend | None = None
     state_ports: dict[str, int] = field(default_factory=dict)
     specs: dict[str, VllmNodeSpec] = field(default_factory=dict)
+    # Set: the cluster routes with a profile fitted to its nodes on start, or the one cached in
+    # this folder for the same model and host (kairos.launcher.node_profile), not config.profile.
+    profile_cache: Path | None = None
+    profile_choice: ProfileChoice | None = None  # what start() settled on, with profile_cache
+    say: Callable[[str], None] = print  # the progress line of a start that fits its profile
 
     def state_url(self, node: NodeProcs) -> str:
         return f"{LOOPBACK}:{self.state_ports[node.node_id]}"
@@ -93,16 +112,41 @@ class VllmCluster(LocalCluster):
         backend = self.backend
         if backend is None:
             raise ConfigError("VllmCluster needs a VllmBackend")
-        engines = []
-        for node in self.nodes:
-            node.engine = self.engine_process(node)
-            self.group.procs.append(node.engine)  # stopped with the rest, even if start-up fails
-            node.engine.start()
-            engines.append(node.engine)
-        for engine in engines:
+        if self.profile_cache is not None:  # before any spec is made: the decode nodes load it
+            self.config = dataclasses.replace(self.config, profile=str(self.workdir / PROFILE_FILE))
+        processes = [self.engine_process(node) for node in self.nodes]
+        startup = self._start_up_profile() if self.profile_cache is not None else None
+        found = startup.prepare() if startup is not None else None
+        for node, engine in zip(self.nodes, processes, strict=True):
+            node.engine = engine
+            self.group.procs.append(engine)  # stopped with the rest, even if start-up fails
+            engine.start()
+        for engine in processes:
             engine.wait_ready(max(timeout_s, backend.startup_timeout_s))
+        if startup is not None:  # before the dispatchers start: they load the live file
+            targets = [self._fit_target(role) for role in (Role.PREFILL, Role.DECODE)]
+            runs = self.workdir / "profile-runs"
+            if found is None:
+                self.say(
+                    f"fitting a latency profile to {', '.join(t.node_id for t in targets)} (kairos profile collect "
+                    f"+ fit, about 30 s; log in {runs / FIT_LOG}) ..."
+                )
+            self.profile_choice = startup.finish(found, lambda: fit_nodes(startup, targets, runs))
         for node in self.nodes:
             self.start_agents(node, timeout_s)
+
+    def _start_up_profile(self) -> StartUpProfile:
+        assert self.profile_cache is not None and self.backend is not None and self.model_dir is not None
+        if not self.backend.record_steps:
+            raise ConfigError("fitting a profile to the nodes needs their step recorder (VllmBackend.record_steps)")
+        decode = next(spec for spec in self.specs.values() if spec.role == Role.DECODE)
+        facts = key_facts(model_config(self.model_dir), engine_facts(decode), host_facts(self.backend.python))
+        return StartUpProfile(self.profile_cache, facts, Path(self.config.profile), self.config.model_name)
+
+    def _fit_target(self, role: Role) -> FitTarget:
+        """The first node of ``role``: every node of a role runs the same engine on this host."""
+        node = next(n for n in self.nodes if n.role == role)
+        return FitTarget(node.node_id, role, node.url, Path(self.specs[node.node_id].step_log))
 
     def engine_process(self, node: NodeProcs) -> ManagedProcess:
         assert self.backend is not None and self.model_dir is not None
