@@ -42,7 +42,7 @@ from kairos.extproc.kv_events import KvEventConsumer
 from kairos.extproc.membership import MembershipConfig
 from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics, PrefixIndexCollector
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, load_initial
-from kairos.extproc.server import start_grpc_server
+from kairos.extproc.server import BusyLimits, start_grpc_server
 
 log = logging.getLogger("kairos.dispatcher")
 
@@ -100,8 +100,9 @@ class DispatcherConfig:
     # long a replay may take before the node's index resets instead.
     prefix_index_capacity_blocks: int = defaults.PREFIX_INDEX_CAPACITY_BLOCKS
     kv_events_replay_timeout_s: float = defaults.KV_EVENTS_REPLAY_TIMEOUT_S
-    # Admission control (kairos.core.admission): off decides every request, however many are in
-    # flight (the gateway then holds what Envoy's limits let in).
+    # Admission control (kairos.core.admission), and shedding when the dispatcher itself is too
+    # busy to decide in time (kairos.extproc.server.BusyLimits): off decides every request,
+    # however many are in flight or open (the gateway then holds what Envoy's limits let in).
     admission: bool = True
     admission_max_wait_s: float = defaults.ADMISSION_MAX_WAIT_S
 
@@ -218,7 +219,8 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
     )
     await cluster.start()
     health = health_aio.HealthServicer()
-    server, port = await start_grpc_server(dispatcher, config.host, config.port, health)
+    busy = BusyLimits() if config.admission else None  # the dispatcher's own CPU, before the budget's
+    server, port = await start_grpc_server(dispatcher, config.host, config.port, health, busy)
     runner = await _start_metrics(metrics, cluster, config) if config.metrics_port else None
     if watcher is not None:
         await watcher.start()

@@ -90,12 +90,14 @@ class DispatcherMetrics:
         # Admission control (kairos.core.admission, kairos.extproc.admission).
         self.shed = Counter(
             "kairos_dispatcher_shed_total",
-            "Requests refused by admission control with a 429 (the cluster at its in-flight budget): "
-            "queue_full = the waiting line was full, wait_timeout = no seat within the bounded wait",
+            "Requests refused by admission control with a 429: the cluster at its in-flight budget "
+            "(queue_full = the waiting line was full, wait_timeout = no seat within the bounded wait) "
+            "or the dispatcher itself too busy to decide in time (open_streams = more requests being "
+            "decided than it decides within Envoy's message timeout)",
             ["reason"],
             registry=r,
         )
-        for reason in ("queue_full", "wait_timeout"):
+        for reason in ("queue_full", "wait_timeout", "open_streams"):
             self.shed.labels(reason=reason)
         self.admission_waited = Counter(
             "kairos_dispatcher_admission_waited_total",

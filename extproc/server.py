@@ -16,6 +16,13 @@ upstream in ``envoy.lb`` for the override_host load balancer, and the decision h
 Response processing is skipped, so the stream is ended as soon as the last answer is sent
 (Envoy would otherwise hold it for the whole SSE response).
 
+A dispatcher with more streams open than it decides within Envoy's message timeout sheds before
+it parses (:class:`BusyLimits`): an inference request that finds too many streams open is
+answered at once with the admission gate's 429 and Retry-After, counted in
+``kairos_dispatcher_shed_total{reason="open_streams"}``; else Envoy would answer it a moment later
+with a timeout, after the dispatcher had spent the work. (Envoy sends no gRPC deadline on its
+ext_proc streams, so how long one waited is not known here.)
+
 The same server answers the standard gRPC health-checking protocol (``grpc.health.v1``), which
 Envoy's active health checks of the dispatcher cluster call: ``SERVING`` for the ext_proc service
 while the dispatcher runs, ``NOT_SERVING`` once it starts to stop, so Envoy moves new requests to
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -39,7 +47,9 @@ from grpc_health.v1.health import aio as health_aio
 
 from kairos.common import contracts as c
 from kairos.common import defaults
-from kairos.common.http_errors import INTERNAL_CODE, error_json
+from kairos.common.errors import OverloadedError
+from kairos.common.http_errors import INTERNAL_CODE, error_json, error_status
+from kairos.core.admission import AdmissionLimits
 from kairos.extproc.dispatcher import Dispatcher, Rejected, RequestHead, Routed
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,9 @@ _DRAIN_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mod
 _DROP_CHUNK = pb.ProcessingResponse(
     request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))
 )
+# A 503 (no node can take the request now, e.g. every decode node over its overload line during a
+# spike) says when to retry, as the admission gate's 429 and Envoy's own 503s do.
+UNAVAILABLE_RETRY_AFTER_S = AdmissionLimits().retry_after_s
 # A body without its head's attributes: the gateway's own misconfiguration, not the client's.
 _NO_HEAD = Rejected(
     500,
@@ -119,8 +132,11 @@ def _routed_response(routed: Routed, phase: str) -> pb.ProcessingResponse:
 
 def _rejected_response(rejected: Rejected) -> pb.ProcessingResponse:
     set_headers = [("content-type", b"application/json")]
-    if rejected.retry_after_s is not None:
-        set_headers.append(("retry-after", str(rejected.retry_after_s).encode()))
+    retry_after_s = rejected.retry_after_s
+    if retry_after_s is None and rejected.status == 503:
+        retry_after_s = UNAVAILABLE_RETRY_AFTER_S
+    if retry_after_s is not None:
+        set_headers.append(("retry-after", str(retry_after_s).encode()))
     headers = pb.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value), append_action=_OVERWRITE)
@@ -165,13 +181,43 @@ async def _drain(context: grpc.aio.ServicerContext) -> bool:
         await context.write(_DROP_CHUNK)
 
 
+@dataclass(frozen=True, slots=True)
+class BusyLimits:
+    """When the dispatcher has more to decide than it can in time (defaults say why)."""
+
+    max_open_streams: int = defaults.DISPATCHER_MAX_OPEN_STREAMS
+    retry_after_s: int = AdmissionLimits().retry_after_s
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, busy: BusyLimits | None = None) -> None:
         self.dispatcher = dispatcher
+        self.busy = busy  # None: decide every request however late
+        self._open = 0  # Process streams open now
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> None:
+        self._open += 1
+        try:
+            await self._process(context)
+        finally:
+            self._open -= 1
+
+    def _shed_busy(self) -> Rejected | None:
+        """The 429 for a request the dispatcher is too busy to decide in time, else None."""
+        busy = self.busy
+        if busy is None or self._open <= busy.max_open_streams:
+            return None
+        self.dispatcher.metrics.shed.labels(reason="open_streams").inc()
+        exc = OverloadedError(
+            f"the gateway is at capacity (its dispatcher is busy: {self._open} requests being decided); "
+            f"retry after {busy.retry_after_s} s",
+            busy.retry_after_s,
+        )
+        return Rejected(error_status(exc), error_json(exc), exc.code, exc.retry_after_s)
+
+    async def _process(self, context: grpc.aio.ServicerContext) -> None:
         # context.read()/write() rather than an async generator over request_iterator: grpc.aio
         # wraps a generator in more machinery per message (about 0.1 ms of the no-op ext_proc's
         # ~1.2 ms per request on this machine, measured with both servers behind one Envoy config).
@@ -210,6 +256,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         await context.write(_rejected_response(_NO_HEAD))
                         return
                 if msg.request_body.end_of_stream:
+                    busy = self._shed_busy()
+                    if busy is not None:  # before any parsing: the work it saves is the point
+                        await context.write(_rejected_response(busy))
+                        return
                     # BUFFERED mode sends the whole body in this one message: no copy then.
                     whole = bytes(body + msg.request_body.body) if body else msg.request_body.body
                     await context.write(self._answer(await self.dispatcher.route(head, whole), "body"))
@@ -229,17 +279,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
 
 async def start_grpc_server(
-    dispatcher: Dispatcher, host: str, port: int, health: health_aio.HealthServicer | None = None
+    dispatcher: Dispatcher,
+    host: str,
+    port: int,
+    health: health_aio.HealthServicer | None = None,
+    busy: BusyLimits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the ext_proc service and the gRPC health service beside it (``health``, or one of
-    its own that says SERVING); returns the server and the bound port (``port=0`` picks one)."""
+    its own that says SERVING); returns the server and the bound port (``port=0`` picks one).
+    ``busy``: shed requests the dispatcher cannot decide in time (None: never)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(dispatcher), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(dispatcher, busy), server)
     health = health or health_aio.HealthServicer()
     await health.set(c.EXT_PROC_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

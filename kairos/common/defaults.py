@@ -115,6 +115,15 @@ MAX_RUNNING_REQUESTS = 256  # sequences an engine holds at once (vLLM's max_num_
 ADMISSION_QUEUE_PER_SEAT = 1.0
 ADMISSION_MAX_WAIT_S = 1.0
 ADMISSION_WAITING_PER_SEAT = 1.0
+# The dispatcher's own CPU, before any of the above: at most DISPATCHER_MAX_OPEN_STREAMS ext_proc
+# streams are open on one dispatcher at once. The gRPC exchange alone costs ~1.2 ms of dispatcher
+# CPU per request (bench/results/gateway_overhead.json, the no-op ext_proc) and a decision about
+# as much again, so ~1,000 streams are about the 2 s of work Envoy's message timeout allows; 5,000
+# opened at once ran past it (bench/results/spike.json). Envoy's breaker on the dispatcher cluster
+# holds the rest of a burst in Envoy (EnvoySettings.dispatcher_streams); a stream past the bound
+# that reaches a dispatcher anyway (another Envoy, an HTTP/2 client's many streams) is answered at
+# once with the admission gate's 429, before it is parsed (kairos.extproc.server.BusyLimits).
+DISPATCHER_MAX_OPEN_STREAMS = 1024
 
 # The decode nodes' step-time calibration (kairos.core.calibration): the upper quantile of
 # actual / predicted step time each node reports, and the dispatcher divides its step budget by.

@@ -30,7 +30,7 @@ from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.policies import Policy, make_policy
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
 from kairos.extproc.metrics import DispatcherMetrics
-from kairos.extproc.server import DRAIN_MODE, start_grpc_server
+from kairos.extproc.server import DRAIN_MODE, BusyLimits, start_grpc_server
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.unit.test_dispatcher import (
     ADDRESSES,
@@ -79,7 +79,7 @@ async def gateway(tokenizer: PromptTokenizer, models: LatencyModels) -> AsyncIte
     channels: list[grpc.aio.Channel] = []
     dispatchers: list[Dispatcher] = []
 
-    async def start(cluster: FakeCluster, policy: Policy | None = None) -> Gateway:
+    async def start(cluster: FakeCluster, policy: Policy | None = None, busy: BusyLimits | None = None) -> Gateway:
         dispatcher = Dispatcher(
             tokenizer,
             policy or make_policy("kairos", models),
@@ -89,7 +89,7 @@ async def gateway(tokenizer: PromptTokenizer, models: LatencyModels) -> AsyncIte
             DispatchSettings(dispatcher_id=OWNER),
         )
         dispatchers.append(dispatcher)
-        server, port = await start_grpc_server(dispatcher, "127.0.0.1", 0)
+        server, port = await start_grpc_server(dispatcher, "127.0.0.1", 0, busy=busy)
         servers.append(server)
         assert port > 0
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -409,6 +409,54 @@ async def test_concurrent_streams_are_each_answered(gateway: GatewayStarter) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# A dispatcher too busy to decide in time sheds before parsing (BusyLimits)
+# ---------------------------------------------------------------------------------------------
+def assert_busy_429(answer: pb.ProcessingResponse) -> None:
+    reply = answer.immediate_response
+    assert reply.status.code == 429
+    assert reply_headers_of(reply.headers) == {"content-type": "application/json", "retry-after": "1"}
+    error = json.loads(reply.body)["error"]
+    assert (error["code"], error["type"]) == ("overloaded", "rate_limit_error")
+    assert "dispatcher is busy" in error["message"]
+    assert metadata_of(answer) == {"kairos": {"own_reply": True}}
+
+
+def shed_count(gw: Gateway, reason: str) -> float:
+    return gw.dispatcher.metrics.shed.labels(reason=reason)._value.get()
+
+
+async def test_a_request_past_the_open_streams_bound_gets_a_429_before_it_is_parsed(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster(), busy=BusyLimits(max_open_streams=1))
+    held = gw.stub.Process()  # one stream open (its body still to come): the bound is reached
+    await held.write(request_headers("POST", COMPLETIONS))
+    assert_empty_headers_answer(await asyncio.wait_for(held.read(), 5))
+
+    # Not JSON: parsed, it would be a 400; the shed answers first.
+    (answer,) = await exchange(gw.stub, [one_message(b"{not json")])
+    assert_busy_429(answer)
+    assert "requests being decided" in json.loads(answer.immediate_response.body)["error"]["message"]
+    assert shed_count(gw, "open_streams") == 1
+    assert gw.cluster.recorded == []
+
+    # That stream closed, the one held open is alone again: decided as usual.
+    await held.write(request_body(completion_body(4000)))
+    routed = await asyncio.wait_for(held.read(), 5)
+    assert set_headers_of(routed)[c.H_PROMPT_TOKENS] == "4000"
+    assert await asyncio.wait_for(held.read(), 5) is grpc.aio.EOF
+    assert shed_count(gw, "open_streams") == 1
+
+
+async def test_without_busy_limits_every_request_is_decided(gateway: GatewayStarter) -> None:
+    gw = await gateway(make_cluster())  # busy=None: kairos dispatcher --admission off
+    held = gw.stub.Process()
+    await held.write(request_headers("POST", COMPLETIONS))
+    assert_empty_headers_answer(await asyncio.wait_for(held.read(), 5))
+    (answer,) = await exchange(gw.stub, [one_message(completion_body(4000))])  # two open, none shed
+    assert set_headers_of(answer)[c.H_PROMPT_TOKENS] == "4000"
+    held.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
 # Rejected requests: Envoy answers the client directly
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -485,7 +533,9 @@ async def test_rejections_are_immediate_json_responses(gateway: GatewayStarter, 
     assert answer.WhichOneof("response") == "immediate_response"
     reply = answer.immediate_response
     assert reply.status.code == case.status
-    assert reply_headers_of(reply.headers) == {"content-type": "application/json"}
+    # A 503 (nothing can take it now) says when to retry; a refusal of the request itself does not.
+    retry = {"retry-after": "1"} if case.status == 503 else {}
+    assert reply_headers_of(reply.headers) == {"content-type": "application/json", **retry}
     error = json.loads(reply.body)["error"]
     assert error["code"] == case.code
     assert set(error) == {"message", "type", "param", "code"}
