@@ -15,6 +15,7 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
+from kairos.core.admission import AdmissionLimits
 
 # Package data wherever kairos-gateway is installed (pyproject.toml maps envoy/ to kairos.envoy).
 TEMPLATE = resources.files("kairos.envoy") / "envoy.yaml.j2"
@@ -61,6 +62,10 @@ class EnvoySettings:
     # client connection, so no breaker trips before this limit does (HTTP/2 clients, many streams
     # on one connection, can still meet the breakers: Envoy then answers a JSON 503).
     max_downstream_connections: int = 8192
+    # ext_proc streams open on each dispatcher replica at once (HTTP/2 max_concurrent_streams on
+    # its one connection): what one decides within the message timeout
+    # (defaults.DISPATCHER_MAX_OPEN_STREAMS says why); the rest wait in Envoy for a stream.
+    dispatcher_streams: int = defaults.DISPATCHER_MAX_OPEN_STREAMS
     # Connections the kernel queues before Envoy accepts them (its default, 128, drops the SYNs of
     # a burst, which clients resend only after 1 s, 3 s, ...); the kernel caps it at somaxconn.
     listen_backlog: int = 4096
@@ -93,11 +98,14 @@ class EnvoySettings:
 @dataclass(frozen=True, slots=True)
 class LocalReply:
     """How Envoy words one of its own error replies: ``code`` is an http_errors code (its type
-    comes from the one table); ``message`` may hold Envoy format operators."""
+    comes from the one table); ``message`` may hold Envoy format operators. ``reply_status``:
+    the status the client gets instead of ``status``; ``retry_after_s``: a Retry-After header."""
 
     status: int
     code: str
     message: str
+    reply_status: int | None = None
+    retry_after_s: int | None = None
 
     @property
     def error_type(self) -> str:
@@ -108,6 +116,7 @@ NOT_FOUND_TEXT = "no such endpoint: this gateway serves " + ", ".join(
     f"{'/'.join(methods)} {path}" for path, methods in c.PUBLIC_ENDPOINTS.items()
 )
 _DETAILS = "(%RESPONSE_CODE_DETAILS%)"  # Envoy's reason, e.g. ext_proc_error_gRPC_error_14
+RETRY_AFTER_S = AdmissionLimits().retry_after_s  # as the dispatcher's own 429 says
 LOCAL_REPLIES: tuple[LocalReply, ...] = (
     LocalReply(400, "invalid_request", f"the gateway could not read the HTTP request {_DETAILS}"),
     # The catch-all route's text, and also the answer when no route matches at all (OPTIONS *,
@@ -117,8 +126,24 @@ LOCAL_REPLIES: tuple[LocalReply, ...] = (
     LocalReply(413, "payload_too_large", f"request body is over the gateway's buffer limit {_DETAILS}"),
     LocalReply(431, "request_headers_too_large", f"request headers are too large {_DETAILS}"),
     LocalReply(502, "upstream_error", f"the gateway could not reach a decode node {_DETAILS}"),
-    LocalReply(503, "no_healthy_node", f"no dispatcher or decode node could take the request {_DETAILS}"),
-    LocalReply(504, "upstream_timeout", f"the gateway timed out waiting for the dispatcher or a node {_DETAILS}"),
+    # An overloaded gateway: a dispatcher that did not answer within the message timeout (its
+    # gRPC deadline, ext_proc_error_gRPC_error_1{CANCELLED}, or Envoy's timer, a 504) or no
+    # healthy one. A 503 with Retry-After, as the dispatcher's own 429 has: a client that backs off
+    # is served once the burst is past (bench/results/spike.json). The route timeout is off, so
+    # Envoy's only other 504 is a node silent for stream_idle_timeout: unavailable too.
+    LocalReply(
+        503,
+        "no_healthy_node",
+        f"no dispatcher or decode node could take the request {_DETAILS}",
+        retry_after_s=RETRY_AFTER_S,
+    ),
+    LocalReply(
+        504,
+        "no_healthy_node",
+        f"the gateway is overloaded: the dispatcher or a node did not answer in time {_DETAILS}",
+        reply_status=503,
+        retry_after_s=RETRY_AFTER_S,
+    ),
 )
 # Any other status Envoy answers itself: the same shape, with no code.
 FALLBACK_REPLY_MESSAGE = f"the gateway could not serve the request {_DETAILS}"
@@ -163,6 +188,8 @@ def render_envoy_config(settings: EnvoySettings, template: Traversable = TEMPLAT
         max_retries=settings.max_retries,
         max_downstream_connections=settings.max_downstream_connections,
         max_in_flight=settings.max_downstream_connections,
+        dispatcher_streams=settings.dispatcher_streams,
+        dispatcher_connections=len(settings.dispatchers),
         listen_backlog=settings.listen_backlog,
         max_heap_bytes=settings.max_heap_bytes,
         # An ext_proc stream that cannot open is retried on each other replica.

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from kairos.common import contracts as c
+from kairos.common import defaults
 from kairos.common.contracts import REDIS_NODE_KEY
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
@@ -466,6 +467,45 @@ def test_envoys_own_replies_are_openai_errors_with_a_message_and_a_string_code(e
         ]
     assert {400, 404, 408, 413, 502, 503, 504} <= set(statuses)
     assert "status_code_filter" not in str(mappers[-1]["filter"])  # the last one catches every other status
+
+
+def test_envoy_opens_at_most_what_a_dispatcher_decides_in_time_and_queues_the_rest() -> None:
+    """Each dispatcher replica gets at most DISPATCHER_MAX_OPEN_STREAMS ext_proc streams, on one
+    connection; the rest of a burst waits in Envoy (pending, as many as it holds connections)
+    instead of overflowing a breaker into a 503 or piling onto the dispatcher."""
+    settings = EnvoySettings(dispatchers=("127.0.0.1:9000", "127.0.0.1:9001"), sidecars=("127.0.0.1:8201",))
+    clusters = {c["name"]: c for c in yaml.safe_load(render_envoy_config(settings))["static_resources"]["clusters"]}
+    dispatcher = clusters["kairos_dispatcher"]
+    options = dispatcher["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    streams = options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"]
+    assert streams == defaults.DISPATCHER_MAX_OPEN_STREAMS
+    (breaker,) = dispatcher["circuit_breakers"]["thresholds"]
+    assert breaker["max_connections"] == 2  # one per replica: a replica's excess streams wait, not a new connection
+    assert breaker["max_pending_requests"] == breaker["max_requests"] == settings.max_downstream_connections
+
+
+def test_an_overloaded_gateways_own_replies_are_503s_with_retry_after(envoy: dict[str, Any]) -> None:
+    """Envoy's 503 (no dispatcher could take the request, its stream cancelled at its deadline)
+    and its 504 (the dispatcher did not answer within the message timeout) reach the client as a
+    503 with Retry-After, as the dispatcher's own 429 has; other statuses keep theirs."""
+
+    def status_of(mapper: dict[str, Any]) -> int | None:
+        for f in mapper["filter"].get("and_filter", {}).get("filters", []):
+            if "status_code_filter" in f:
+                return f["status_code_filter"]["comparison"]["value"]["default_value"]
+        return None
+
+    by_status = {status_of(m): m for m in _hcm(envoy)["local_reply_config"]["mappers"]}
+    for status in (503, 504):
+        mapper = by_status[status]
+        assert mapper.get("status_code", status) == 503
+        assert mapper["headers_to_add"] == [
+            {"header": {"key": "retry-after", "value": "1"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+        ]
+        assert mapper["body_format_override"]["json_format"]["error"]["type"] == "service_unavailable"
+    for status, mapper in by_status.items():
+        if status not in (503, 504):
+            assert "status_code" not in mapper and "headers_to_add" not in mapper, status
 
 
 def test_envoy_routes_the_public_api_and_answers_everything_else_itself(envoy: dict[str, Any]) -> None:
