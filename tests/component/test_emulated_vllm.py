@@ -566,6 +566,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "model",
             "step_calibration",
             "pending_kv_pull_tokens",  # a decode node's KV pulls: none here
+            "scheduled_prefill_computed_tokens",  # one per deflected prefill: none here
         }
         # The node calibrates on its steps as its readers saw them (wall time, late wakes on a
         # busy host included): never under the prior (1.0, the packaged profile has no measured
@@ -574,6 +575,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
         assert state["pending_kv_pull_tokens"] == []
         assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
         assert state["scheduled_prefill_tokens"] == []
+        assert state["scheduled_prefill_computed_tokens"] == []
 
         results = await asyncio.gather(*tasks)
         assert all(status == 200 and body["usage"]["completion_tokens"] == 120 for status, body in results)
