@@ -16,7 +16,9 @@ every client's outcome is one of:
 Also: p50/max latency of the served and of the shed (to the last byte), the peak RSS of Envoy and
 the dispatcher during the spike (``/proc``), goodput during the spike (completion tokens of served
 streams per second, from the first request sent to the last served stream's end), and whether
-the cluster serves afterwards (five plain requests, each a 200). Prints a table and writes
+the cluster serves afterwards (five plain requests, each a 200); who answered each refusal (the
+bodies counted: Envoy's name its reason, e.g. ``overflow``, ``per-message_timeout_exceeded``) and
+whether a reset came before or after a status line. Prints a table and writes
 ``bench/results/spike.json``.
 
     .venv/bin/python bench/spike.py                       # both N, both arms, this checkout
@@ -87,10 +89,15 @@ def _request(port: int, max_tokens: int, i: int) -> bytes:
     return head.encode() + body
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and the whole body (chunked or of a declared length) of one response."""
+async def _read_answer(
+    reader: asyncio.StreamReader, seen: list[int] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and the whole body (chunked or of a declared length) of one response;
+    ``seen`` gets the status as soon as it is read (what a reset cut short)."""
     status_line = await reader.readuntil(b"\r\n")
     status = int(status_line.split()[1])
+    if seen is not None:
+        seen.append(status)
     headers: dict[str, str] = {}
     while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
         name, _, value = line.decode("latin-1").partition(":")
@@ -121,23 +128,25 @@ def _classify(status: int, headers: dict[str, str], body: bytes, latency_s: floa
     except (ValueError, KeyError, TypeError):
         shaped = False
     kind = "shed" if status in SHED_STATUSES and shaped else "other"
-    detail = body[:200].decode("utf-8", "replace")
+    detail = body[:400].decode("utf-8", "replace")
     return Outcome(kind, status, latency_s, retry_after="retry-after" in headers, detail=detail)
 
 
 async def _one(port: int, request: bytes, deadline_s: float, started: threading.Event) -> Outcome:
     t0 = time.perf_counter()
     writer = None
+    seen: list[int] = []
     try:
         async with asyncio.timeout(deadline_s):
             reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
             writer.write(request)
-            status, headers, body = await _read_answer(reader)
+            status, headers, body = await _read_answer(reader, seen)
         return _classify(status, headers, body, time.perf_counter() - t0)
     except TimeoutError:
         return Outcome("hung", latency_s=time.perf_counter() - t0)
     except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as exc:
-        return Outcome("reset", latency_s=time.perf_counter() - t0, detail=type(exc).__name__)
+        after = f"after a {seen[0]}" if seen else "before a status"
+        return Outcome("reset", latency_s=time.perf_counter() - t0, detail=f"{type(exc).__name__} {after}")
     finally:
         if writer is not None:
             writer.close()
@@ -190,7 +199,11 @@ def summarize(n: int, s: Spike) -> dict[str, Any]:
         "shed_by_status": dict(Counter(str(o.status) for o in s.outcomes if o.kind == "shed")),
         "shed_with_retry_after": sum(1 for o in s.outcomes if o.kind == "shed" and o.retry_after),
         "other_examples": sorted({f"{o.status} {o.detail}" for o in s.outcomes if o.kind == "other"})[:5],
-        "reset_examples": sorted({o.detail for o in s.outcomes if o.kind == "reset"})[:5],
+        # Who answered each refusal: Envoy's replies name their reason in the message (e.g.
+        # no_healthy_upstream, ext_proc_error_gRPC_error_8), the dispatcher's say why it refused.
+        "shed_examples": dict(Counter(f"{o.status} {o.detail.strip()}" for o in s.outcomes if o.kind == "shed")),
+        "reset_examples": dict(Counter(o.detail for o in s.outcomes if o.kind == "reset")),
+        "reset_p50_s": pct(sorted(o.latency_s for o in s.outcomes if o.kind == "reset"), 0.5),
         "served_p50_s": pct(served, 0.5),
         "served_max_s": pct(served, 1.0),
         "shed_p50_s": pct(shed, 0.5),

@@ -378,6 +378,7 @@ def test_dispatcher_gone_gives_a_prompt_503_not_a_hang(doomed: LocalCluster, tok
     assert status == 503, raw
     assert elapsed < 3.0, f"503 after {elapsed:.2f} s"
     assert headers["content-type"].startswith("application/json")
+    assert headers["retry-after"] == "1"  # envoy_config.LOCAL_REPLIES: a client that backs off retries
     error = json.loads(raw)["error"]  # Envoy's own reply, in the OpenAI shape: a code string, a message
     assert error["code"] == "no_healthy_node" and error["message"], error
 
