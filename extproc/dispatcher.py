@@ -311,8 +311,8 @@ class Dispatcher:
             set_headers.append((c.H_PREFILL_HOST, addresses[decision.prefill_node].url))
         else:
             set_headers.append((c.H_CHUNK_SCHEDULE, c.encode_chunk_schedule(decision.chunk_sizes)))
-            if decision.step_budget_s is not None:
-                set_headers.append((c.H_STEP_BUDGET_MS, c.encode_step_budget_ms(decision.step_budget_s * 1e3)))
+        if decision.step_budget_s is not None:  # a keep's: for a local prefill should its prefill node fail
+            set_headers.append((c.H_STEP_BUDGET_MS, c.encode_step_budget_ms(decision.step_budget_s * 1e3)))
         primary = addresses[decision.decode_node].sidecar
         destinations = (primary, *_fallback(primary, self.cluster.decode_sidecars()))
         overwritten = {name for name, _ in set_headers}

@@ -570,7 +570,10 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             if isinstance(prefilled, web.Response):
                 status = prefilled.status
                 return prefilled
-            data = _dumps(clean) if prefilled is None else _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
+            if prefilled is None:
+                data = _dumps(_local_prefill_body(state, clean, request.headers, rid))
+            else:
+                data = _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
         elif timing.path == ROUTE_DEFLECT:
             data = _dumps(_deflect_body(state, clean, request.headers, rid))
         else:
@@ -788,11 +791,36 @@ def _deflect_body(state: _State, body: dict[str, Any], headers: CIMultiDictProxy
     except c.MalformedSchedule as exc:
         _count(state, "2", "bad_routing_headers")
         raise _bad_routing(rid, str(exc)) from None
+    return _scheduled_body(body, schedule, budget_ms)
+
+
+def _scheduled_body(body: dict[str, Any], schedule: Sequence[int], budget_ms: float | None) -> dict[str, Any]:
+    """The client's own xargs (kairos_* already scrubbed) and a schedule (and step budget)."""
     xargs = body.get(c.VLLM_XARGS)
     if xargs is not None and not isinstance(xargs, dict):
         raise InvalidRequestError(f"{c.VLLM_XARGS} must be an object, got {type(xargs).__name__}")
-    # The client's own xargs (kairos_* already scrubbed) and the dispatcher's schedule.
     return {**body, c.VLLM_XARGS: {**(xargs or {}), **c.schedule_xargs(schedule, budget_ms)}}
+
+
+def _local_prefill_body(
+    state: _State, body: dict[str, Any], headers: CIMultiDictProxy[str], rid: str
+) -> dict[str, Any]:
+    """A keep whose prefill node failed it, prefilled on the local vLLM: under the step budget the
+    dispatcher sent with the keep, so that the node's guard holds every step that carries its
+    chunks within it, as a deflection's (a one-size schedule of the whole prompt: the guard
+    shrinks each chunk to what fits beside the decodes, the engine caps it at its step tokens).
+    With no budget (an older dispatcher, or the node step guard off), vLLM's own chunking."""
+    raw_budget = headers.get(c.H_STEP_BUDGET_MS)
+    if raw_budget is None:
+        return body
+    try:
+        budget_ms = c.parse_step_budget_ms(raw_budget)
+    except c.MalformedSchedule as exc:
+        _count(state, "2", "bad_routing_headers")
+        raise _bad_routing(rid, str(exc)) from None
+    raw_tokens = headers.get(c.H_PROMPT_TOKENS, "")
+    whole = int(raw_tokens) if raw_tokens.isdecimal() and int(raw_tokens) > 0 else defaults.MAX_MODEL_LEN
+    return _scheduled_body(body, (whole,), budget_ms)
 
 
 def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:

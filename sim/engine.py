@@ -34,7 +34,7 @@ from kairos.common import defaults
 from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.common.kv_events import KvEvent, KvEventBatch
 from kairos.core.calibration import StepCalibration, predicted_step_s
-from kairos.core.latency import LatencyModels, largest_chunk_within
+from kairos.core.latency import LatencyModels, StepGuard
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -416,6 +416,9 @@ class Engine:
         chunks: list[Chunk] = []
         prefill = 0
         scheduled_taken = False
+        # The budget protects running decodes' TBT: with none running it does not apply (as in
+        # the vLLM plugin), so a deflected prefill on an idle node never waits forever.
+        guard = StepGuard(self.guard, b, self.kv_used) if self.guard is not None and b > 0 and self.prefilling else None
         for seq in self.prefilling:
             if budget <= 0:
                 break
@@ -424,10 +427,8 @@ class Engine:
                     continue  # one deflected prefill at a time
                 scheduled_taken = True
             n = min(seq.next_chunk(), budget)
-            # The budget protects running decodes' TBT: with none running it does not apply (as
-            # in the vLLM plugin), so a deflected prefill on an idle node never waits forever.
-            if seq.step_budget_s is not None and self.guard is not None and b > 0:
-                n = self._fit_chunk(n, seq, b)
+            if guard is not None:  # every token of the step against its deflected chunks' budgets
+                n = guard.take(n, seq.computed, seq.step_budget_s)
                 if n == 0:
                     continue  # not even one token fits this step: wait for the batch to shrink
             chunks.append(Chunk(seq, n, seq.computed))
@@ -436,12 +437,6 @@ class Engine:
         if b == 0 and not chunks:
             return None
         return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), self.unstarted_decodes, prefill)
-
-    def _fit_chunk(self, tokens: int, seq: Sequence, decode_tokens: int) -> int:
-        """The largest chunk <= ``tokens`` the node's own model keeps within the sequence's step
-        budget, with the batch as it is now."""
-        assert self.guard is not None and seq.step_budget_s is not None
-        return largest_chunk_within(self.guard, tokens, seq.computed, decode_tokens, self.kv_used, seq.step_budget_s)
 
     def step_duration(self, plan: StepPlan) -> float:
         return self.timer(self.config.role, plan)

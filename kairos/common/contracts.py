@@ -96,7 +96,9 @@ H_DECODE_NODE = "x-kairos-decode-node"  # node id of the decode node chosen
 H_PREFILL_HOST = "x-kairos-prefill-host"  # keep: host:port of the prefill node's vLLM server
 # deflect: prompt tokens per step, comma-separated, e.g. "1020,508,508,252"
 H_CHUNK_SCHEDULE = "x-kairos-chunk-schedule"
-H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"  # deflect: beta x tau the node enforces per chunk step
+# deflect: beta x tau the node enforces per chunk step; keep: the same, for a local prefill
+# should the prefill node fail (the sidecar sends the prompt to its vLLM with this budget)
+H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"
 H_PRED_TTFT_PREFILL_MS = "x-kairos-predicted-ttft-prefill-ms"
 H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"  # absent when not computed
 H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token count

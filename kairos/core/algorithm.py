@@ -141,6 +141,13 @@ def node_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
     return budget / node.step_calibration if config.calibrate else budget
 
 
+def keep_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float | None:
+    """The step budget a keep carries for its decode node ``node`` (None without the node step
+    guard): should the prefill node fail it, the node's sidecar prefills it there, and the
+    node's guard holds those steps to this budget, as a deflection's."""
+    return node_step_budget_s(config, node) if config.node_step_guard else None
+
+
 def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
     """``config.decode_overload_s`` on ``node``, divided by its step calibration likewise."""
     line = config.decode_overload_s
@@ -1193,6 +1200,7 @@ def decide(
             prompt_tokens=prompt_tokens,
             predicted_prefill_end_s=prefill_s,
             cached_tokens=cached_prefix(cached, prefill_node.node_id, prompt_tokens),
+            step_budget_s=keep_step_budget_s(config, keep_decode),
         )
 
     if not eligible:

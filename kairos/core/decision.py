@@ -64,6 +64,7 @@ class Decision:
     prompt_tokens: int
     # On deflect: the step-time budget (DeciderConfig.step_budget_s) the decode node enforces on
     # each chunk with its own model and the batch it has at that step; None leaves it unguarded.
+    # On keep: the decode node's, for its sidecar's local prefill should the prefill node fail.
     step_budget_s: float | None = None
     predicted_step_s: tuple[float, ...] = ()  # Eq. 4 for each scheduled step
     planned_decode_tokens: int = 0  # the B the schedule was planned beside

@@ -569,15 +569,29 @@ def read_profile_text(name_or_path: str | Path = DEFAULT_PROFILE) -> tuple[str, 
 
 
 def largest_chunk_within(
-    models: LatencyModels, tokens: int, cached: int, decode_tokens: int, kv_tokens: int, limit_s: float
+    models: LatencyModels,
+    tokens: int,
+    cached: int,
+    decode_tokens: int,
+    kv_tokens: int,
+    limit_s: float,
+    other_tokens: int = 0,
+    other_weighted_cached: int = 0,
 ) -> int:
     """The largest chunk <= ``tokens`` whose mixed step (``decode_tokens`` decodes holding
     ``kv_tokens``, a prefill over ``cached`` cached tokens) the models keep within ``limit_s``;
     0 when not even one token fits. A decode node runs this on the batch it actually has, since
-    the dispatcher planned the schedule on a heartbeat and decodes may have joined since."""
+    the dispatcher planned the schedule on a heartbeat and decodes may have joined since.
+
+    ``other_tokens``: prefill tokens of the step's other chunks, and ``other_weighted_cached``
+    the sum of each one's tokens times its cached length: the step is costed with every token it
+    carries, several chunks as one over their token-weighted cached length (as
+    :func:`kairos.core.calibration.predicted_step_s` and the simulator cost it)."""
 
     def fits(n: int) -> bool:
-        return models.mixed_step_s(decode_tokens + n, cached, decode_tokens, kv_tokens) <= limit_s
+        p = other_tokens + n
+        mean_cached = (other_weighted_cached + n * cached) / p if p else 0.0
+        return models.mixed_step_s(decode_tokens + p, mean_cached, decode_tokens, kv_tokens) <= limit_s
 
     if fits(tokens):
         return tokens
@@ -589,3 +603,50 @@ def largest_chunk_within(
         else:
             hi = mid
     return lo if lo > 0 and fits(lo) else 0
+
+
+class StepGuard:
+    """A decode node's guard over one step as the step is composed, chunk by chunk (the
+    simulator's and emulated node's engine, the vLLM plugin's scheduler): a chunk joins the step
+    only as far as the whole step, every token of it (the decodes and every prefill chunk in it,
+    scheduled or not), keeps within the tightest step budget among the step's deflected chunks,
+    its own included. A chunk ahead of the first budgeted one is not held (it carries no budget),
+    but it counts against the ones after it. With no decode in the step there is no TBT to
+    protect: every chunk takes what it asks."""
+
+    __slots__ = ("decode_tokens", "kv_tokens", "limit_s", "models", "prefill_tokens", "weighted_cached")
+
+    def __init__(self, models: LatencyModels, decode_tokens: int, kv_tokens: int) -> None:
+        self.models = models
+        self.decode_tokens = decode_tokens
+        self.kv_tokens = kv_tokens
+        self.prefill_tokens = 0  # the step's chunks so far
+        self.weighted_cached = 0  # their sum of tokens x cached length
+        self.limit_s = math.inf  # the tightest budget of a chunk in the step so far
+
+    def room(self, tokens: int, cached: int, budget_s: float | None) -> int:
+        """How many of ``tokens`` a chunk over ``cached`` cached tokens, with ``budget_s`` (None:
+        none of its own), could add to the step now; nothing is taken."""
+        limit = self.limit_s if budget_s is None else min(self.limit_s, budget_s)
+        if self.decode_tokens == 0 or limit == math.inf:
+            return tokens
+        return largest_chunk_within(
+            self.models,
+            tokens,
+            cached,
+            self.decode_tokens,
+            self.kv_tokens,
+            limit,
+            self.prefill_tokens,
+            self.weighted_cached,
+        )
+
+    def take(self, tokens: int, cached: int, budget_s: float | None) -> int:
+        """``room``, then the chunk joins the step with what it got (nothing when 0)."""
+        n = self.room(tokens, cached, budget_s)
+        if n > 0:
+            self.prefill_tokens += n
+            self.weighted_cached += n * cached
+            if budget_s is not None:
+                self.limit_s = min(self.limit_s, budget_s)
+        return n

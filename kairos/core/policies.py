@@ -68,6 +68,7 @@ def _keep(
         prompt_tokens,
         predicted_prefill_end_s=prefill_s,
         cached_tokens=hit,
+        step_budget_s=alg.keep_step_budget_s(cfg, decode),
     )
 
 

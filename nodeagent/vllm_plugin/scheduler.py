@@ -7,8 +7,10 @@ Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosS
    step, the last size repeating. With ``kairos_step_budget_ms`` and a latency profile
    configured, a chunk is shrunk (or deferred a step) when the node's own model predicts its
    step over the budget for the batch the node has now: the dispatcher planned on a heartbeat
-   up to 100 ms old, and decodes may have joined since (the simulator's ``_fit_chunk``); a
-   profile file is re-read when it changes, like the dispatcher's. The
+   up to 100 ms old, and decodes may have joined since. The step is costed with every token it
+   carries (its decodes and every prefill chunk in it, scheduled or not), and a prefill after a
+   budgeted chunk is held to that budget too (:class:`~kairos.core.latency.StepGuard`, the
+   engine model's guard); a profile file is re-read when it changes, like the dispatcher's. The
    budget protects decodes' TBT, so it does not apply while no decode runs. At most one
    scheduled prefill advances per step, and a waiting one is skipped (not blocking the queue)
    while another is in progress: the dispatcher's decode-path TTFT assumes they run one after
@@ -64,7 +66,7 @@ from kairos.common.contracts import (
 )
 from kairos.common.errors import KairosError
 from kairos.core.calibration import StepCalibration, predicted_step_s, prior_from_mape
-from kairos.core.latency import LatencyModels, largest_chunk_within, load_profile, profile_path
+from kairos.core.latency import LatencyModels, StepGuard, load_profile, profile_path
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
@@ -84,9 +86,9 @@ class KairosScheduler(Scheduler):
         self._max_step_tokens = self.scheduler_config.max_num_batched_tokens
         self._model_name = self.vllm_config.model_config.served_model_name
         self._kv_capacity = int(self.cache_config.num_gpu_blocks or 0) * self.block_size
-        # Per step, set at the start of schedule(): the batch the budget guard costs against.
-        self._step_decodes = 0
-        self._step_kv = 0
+        # Per step, set at the start of schedule(): the guard over the step's tokens (None: no
+        # profile, or no decode to protect).
+        self._step_guard: StepGuard | None = None
         self._step_owner: str | None = None  # the scheduled prefill that advances this step
         self._scheduled_in_progress = False  # a scheduled prefill is running, mid-prompt
         self._guard: LatencyModels | None = load_profile(self.kairos.profile) if self.kairos.profile else None
@@ -164,7 +166,7 @@ class KairosScheduler(Scheduler):
                 decodes += 1
             elif r.request_id in self._plans:
                 in_progress = True
-        self._step_decodes, self._step_kv = decodes, kv
+        self._step_guard = StepGuard(self._guard, decodes, kv) if self._guard is not None and decodes > 0 else None
         self._step_owner, self._scheduled_in_progress = None, in_progress
 
         output = super().schedule(*args, **kwargs)
@@ -194,14 +196,16 @@ class KairosScheduler(Scheduler):
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        plan = self._plans.get(request.request_id)
-        if plan is None or n == 0 or num_computed_tokens >= request.num_prompt_tokens:
+        if n == 0 or num_computed_tokens >= request.num_prompt_tokens:
             return n
-        if self._step_owner is not None and self._step_owner != request.request_id:
-            return 0  # one scheduled prefill per step
-        n = min(n, plan.cap(self._chunk_steps.get(request.request_id, 0)))
-        n = self._within_budget(plan, n, num_computed_tokens)
-        if n > 0:
+        plan = self._plans.get(request.request_id)
+        if plan is not None:
+            if self._step_owner is not None and self._step_owner != request.request_id:
+                return 0  # one scheduled prefill per step
+            n = min(n, plan.cap(self._chunk_steps.get(request.request_id, 0)))
+        if self._step_guard is not None:  # every prefill, scheduled or not, within the step's budgets
+            n = self._step_guard.take(n, num_computed_tokens, None if plan is None else plan.step_budget_s)
+        if plan is not None and n > 0:
             self._step_owner = request.request_id
         return n
 
@@ -215,7 +219,8 @@ class KairosScheduler(Scheduler):
             return False  # skipped this step: the queue behind it moves on
         # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue;
         # the first chunk runs over the prefix hit vLLM is about to find, so it is costed there.
-        return self._within_budget(plan, 1, self._computed_on_admission(request)) > 0
+        guard = self._step_guard
+        return guard is None or guard.room(1, self._computed_on_admission(request), plan.step_budget_s) > 0
 
     def _computed_on_admission(self, request: Request) -> int:
         """The prompt tokens a waiting request starts from: its prefix hit, if vLLM has not looked
@@ -223,11 +228,6 @@ class KairosScheduler(Scheduler):
         if request.num_computed_tokens > 0 or _kv_arrives_by_transfer(request):
             return request.num_computed_tokens
         return self.kv_cache_manager.get_computed_blocks(request)[1]
-
-    def _within_budget(self, plan: ChunkPlan, tokens: int, cached: int) -> int:
-        if plan.step_budget_s is None or self._guard is None or self._step_decodes == 0:
-            return tokens
-        return largest_chunk_within(self._guard, tokens, cached, self._step_decodes, self._step_kv, plan.step_budget_s)
 
     def _maybe_reload_profile(self) -> None:
         now = time.monotonic()

@@ -426,6 +426,24 @@ async def test_a_failed_hop_1_is_prefilled_on_the_local_vllm(
     assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind=kind) == 1
 
 
+async def test_a_failed_hop_1_is_prefilled_locally_under_the_keeps_step_budget(rig: Rig) -> None:
+    """The keep carries its decode node's step budget: the local prefill runs as a deflection
+    with a one-size schedule of the whole prompt, so the node's guard holds every step that
+    carries its chunks within the budget (without it, an unscheduled prefill on a decode node
+    takes whole steps beside the decodes). The client's own xargs stay."""
+    url = await rig.start_sidecar()
+    rig.prefill.status = 500
+    headers = _keep(rig, **{c.H_STEP_BUDGET_MS: "70.000", c.H_PROMPT_TOKENS: "2"})
+    body = {**COMPLETION, c.VLLM_XARGS: {"mine": 1}}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    [local] = rig.decode.seen
+    assert c.KV_TRANSFER_PARAMS not in local.json
+    assert local.json[c.VLLM_XARGS] == {"mine": 1, c.XARG_CHUNK_SCHEDULE: [2], c.XARG_STEP_BUDGET_MS: 70.0}
+    assert c.parse_schedule_xargs(local.json[c.VLLM_XARGS]) == c.ChunkPlan((2,), 0.070)
+
+
 async def test_prefill_4xx_is_relayed(rig: Rig) -> None:
     """The prefill vLLM's 4xx is its verdict on the client's own request: relayed, not retried."""
     url = await rig.start_sidecar()

@@ -811,8 +811,8 @@ MODEL_ERROR_CASES = [
         id="B48 (T0 0.088), exact model: 72-token chunks of 0.0952",
     ),
     pytest.param(
-        (10000, 48, 0.1, Route.KEEP, Reason.KEEP_DECODE_OVERLOADED, (), None),
-        id="B48 (T0 0.088), 10% error: over 0.087, decode overloaded, keeps",
+        (10000, 48, 0.1, Route.KEEP, Reason.KEEP_DECODE_OVERLOADED, (), 0.087054),
+        id="B48 (T0 0.088), 10% error: over 0.087, decode overloaded, keeps (with the node's budget)",
     ),
 ]
 

@@ -6,6 +6,8 @@ each case here failed on the code before its fix, with the numbers the audit gav
 3. A profile predicting a non-positive or non-monotone step time over the operating range is refused.
 4. Eq. 7 compares estimates built alike: a deflection starts at the decode node's next step.
 5. Degraded mode (no prefill node) deflects within the normal path's bounds, else a clear 503.
+6. A decode node's step guard counts every token of the step; a keep carries its decode node's
+   step budget, for a local prefill should its prefill node fail.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from kairos.common.errors import NoHealthyNodeError, ProfileError
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
 from kairos.core.decision import Decision, Reason, Route
-from kairos.core.latency import load_profile, parse_profile
+from kairos.core.latency import StepGuard, load_profile, parse_profile
+from kairos.core.policies import make_policy
 from kairos.core.state import DecodeNodeState
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
@@ -489,3 +492,71 @@ def test_degraded_mode_takes_the_fastest_node_within_the_bounds() -> None:
     assert (d.route, d.reason, d.decode_node) == (Route.DEFLECT, Reason.DEFLECT_NO_PREFILL_NODE, "d1")
     assert d.predicted_ttft_decode_s == pytest.approx(0.025 + 0.250) and d.chunk_sizes == (410, 410, 180)
     assert d.step_budget_s == TABLE.step_budget_s and all(t <= TABLE.step_budget_s for t in d.predicted_step_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The step guard counts every token of a step
+# ---------------------------------------------------------------------------------------------
+def _decode_engine(decodes: int, models: object = PACKAGED) -> Engine:
+    """A decode node with ``decodes`` running decodes of 3569-token prompts."""
+    engine = Engine(EngineConfig("d1", Role.DECODE, max_step_tokens=4096), model_step_time(models), models)  # type: ignore[arg-type]
+    for i in range(decodes):
+        seq = Sequence(f"dec{i}", 3569, 1000)
+        assert engine.reserve_transfer(seq) == 3569
+        engine.accept_transferred(seq, 3569)
+    return engine
+
+
+def test_a_budgeted_chunk_is_sized_with_the_other_prefill_in_its_step() -> None:
+    """20 decodes and a local prefill (no schedule, as the sidecar's fallback once sent) of 1000
+    tokens ahead of a deflected prefill with a 70 ms budget: the step holds 84 ms already, so the
+    deflected chunk waits. Before, it was sized as if alone (about 600 tokens beside the 20
+    decodes) and the step ran about 100 ms."""
+    engine = _decode_engine(20)
+    engine.submit(Sequence("local", 1000, 5))
+    engine.submit(Sequence("deflected", 3000, 5, schedule=(2048,), step_budget_s=0.070))
+    plan = engine.plan_step(0.0)
+    assert plan is not None and [(c.seq.request_id, c.tokens) for c in plan.chunks] == [("local", 1000)]
+    assert PACKAGED.mixed_step_s(20 + 1000, 0, 20, plan.kv_tokens) > 0.070
+
+
+def test_a_prefill_after_a_budgeted_chunk_is_held_to_its_budget() -> None:
+    """The deflected chunk first (300 tokens, 62 ms with the 20 decodes), then an unscheduled
+    prefill: it takes only what keeps the step within the deflected chunk's 70 ms. Before, it
+    took the rest of the step's 4,096 tokens."""
+    engine = _decode_engine(20)
+    engine.submit(Sequence("deflected", 3000, 5, schedule=(300,), step_budget_s=0.070))
+    engine.submit(Sequence("local", 4000, 5))
+    plan = engine.plan_step(0.0)
+    assert plan is not None
+    (deflected, d_tokens), (local, n) = [(c.seq.request_id, c.tokens) for c in plan.chunks]
+    assert (deflected, d_tokens, local) == ("deflected", 300, "local") and 0 < n < 4000 - 300
+    step = lambda extra: PACKAGED.mixed_step_s(20 + 300 + extra, 0, 20, plan.kv_tokens)  # noqa: E731
+    assert step(n) <= 0.070 < step(n + 1)
+
+
+def test_the_guard_costs_several_chunks_as_the_step_model_does() -> None:
+    """Two chunks over different prefixes: as one over their token-weighted cached length, the
+    step time the calibration and the simulator's timer cost them at."""
+    guard = StepGuard(PACKAGED, 20, 80_000)
+    assert guard.take(200, 4000, None) == 200  # no budget in the step yet: nothing holds it
+    n = guard.take(2000, 1000, 0.080)
+    weighted = lambda m: (200 * 4000 + m * 1000) / (200 + m)  # noqa: E731
+    assert 0 < n < 2000
+    assert PACKAGED.mixed_step_s(20 + 200 + n, weighted(n), 20, 80_000) <= 0.080
+    assert PACKAGED.mixed_step_s(20 + 200 + n + 1, weighted(n + 1), 20, 80_000) > 0.080
+    assert guard.take(100, 0, None) == 0  # the step is full at its budget
+    assert StepGuard(PACKAGED, 0, 0).take(4000, 0, 0.001) == 4000  # no decode: no TBT to protect
+
+
+def test_a_keep_carries_its_decode_nodes_step_budget() -> None:
+    """For the sidecar's local prefill, should the prefill node fail: the decode node then holds
+    the prefill's steps to it, as a deflection's."""
+    nodes = (dataclasses.replace(decode_node("d1", b=8), step_calibration=1.25),)
+    cfg = DeciderConfig()
+    d = alg.decide(3000, view((prefill_node(),), nodes), 0.0, PACKAGED, cfg)
+    assert d.route is Route.KEEP and d.step_budget_s == pytest.approx(cfg.step_budget_s / 1.25)
+    pd = make_policy("pd", PACKAGED, cfg).decide(3000, view((prefill_node(),), nodes), 0.0)
+    assert pd.route is Route.KEEP and pd.step_budget_s == pytest.approx(cfg.step_budget_s / 1.25)
+    off = alg.decide(3000, view((prefill_node(),), nodes), 0.0, PACKAGED, DeciderConfig(node_step_guard=False))
+    assert off.step_budget_s is None

@@ -81,6 +81,7 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
             ttft_dec,
             prompt,
             predicted_prefill_end_s=prefill_s,
+            step_budget_s=config.step_budget_s / keep_decode.step_calibration if config.node_step_guard else None,
         )
 
     eligible = [n for n in view.decode if alg.can_take_deflection(n, NOW, config, prompt)]
