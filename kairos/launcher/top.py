@@ -36,6 +36,9 @@ DEFAULT_DISPATCHER = "http://127.0.0.1:9100"  # the dispatcher's default --metri
 # The alert thresholds of compose/observability/kairos-rules.yml, for evaluating them locally.
 STALE_HEARTBEAT_S = 1.0  # KairosNodeHeartbeatStale
 TTFT_MAPE_LIMIT = 0.25  # KairosTtftPredictionDrift
+# ... only with this many samples (the rule counts them over its last 10 min; one scrape can only
+# count them since the dispatcher started): a window of a few samples is no drift.
+TTFT_MIN_SAMPLES = 10
 # A decode node whose step calibration (the p99 of its actual / predicted step times, from its
 # heartbeat) is over this runs slower than its profile by more than a fitted profile's own error
 # explains (a held-out MAPE of 10% gives about 1.3): a loaded host, or a profile of other hardware.
@@ -115,7 +118,9 @@ def local_alerts(scrape: Scrape) -> list[Alert]:
     if scrape.total("kairos_dispatcher_degraded") >= 1:
         alerts.append(Alert("KairosDispatcherDegraded", "critical", "dispatcher cannot reach Redis"))
     for labels, mape in sorted(scrape.series("kairos_dispatcher_ttft_prediction_mape").items()):
-        if mape > TTFT_MAPE_LIMIT:
+        path = dict(labels).get("path", "")
+        samples = scrape.total("kairos_dispatcher_ttft_observed_over_predicted_count", path=path)
+        if mape > TTFT_MAPE_LIMIT and samples >= TTFT_MIN_SAMPLES:
             alerts.append(
                 Alert(
                     "KairosTtftPredictionDrift",

@@ -181,8 +181,15 @@ def test_local_alerts_follow_the_rules_thresholds() -> None:
     assert [a.name for a in degraded] == ["KairosNodeHeartbeatStale", "KairosDispatcherDegraded"]
     exprs = {r["alert"]: r["expr"] for r in rules() if "alert" in r}
     assert exprs["KairosNodeHeartbeatStale"].endswith(f"> {top.STALE_HEARTBEAT_S:g}")
-    assert exprs["KairosTtftPredictionDrift"].endswith(f"> {top.TTFT_MAPE_LIMIT:g}")
+    drift = exprs["KairosTtftPredictionDrift"]
+    assert f"> {top.TTFT_MAPE_LIMIT:g} and " in drift and drift.endswith(f">= {top.TTFT_MIN_SAMPLES}")
     assert exprs["KairosDispatcherDegraded"] == "kairos_dispatcher_degraded == 1"
+
+
+def test_the_drift_alert_needs_enough_samples() -> None:
+    assert top.local_alerts(scrape(1.0, 16, 0, mape=0.30))[-1].name == "KairosTtftPredictionDrift"
+    few = top.local_alerts(scrape(1.0, top.TTFT_MIN_SAMPLES - 1, 0, mape=0.30))
+    assert "KairosTtftPredictionDrift" not in [a.name for a in few]
 
 
 def test_prometheus_alerts_firing_first_then_pending() -> None:
