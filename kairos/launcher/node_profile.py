@@ -5,8 +5,8 @@ A profile describes one model on one host; the packaged default describes DeepSe
 A100, so a dispatcher routing CPU vLLM nodes with it mispredicts every step. Nor can a profile
 shipped for the tiny model on CPU hold on another CPU. So once the engines are up and before any
 dispatcher starts, the cluster runs ``kairos profile``'s own collect and fit (:data:`PLANS`: short
-traces on one prefill and one decode node at once, and the paper's microbenchmark on the decode
-node) and routes with what comes out; the profile's held-out MAPE goes into the start-up line.
+traces on one prefill node, then short traces and the paper's microbenchmark on one decode node)
+and routes with what comes out; the profile's held-out MAPE goes into the start-up line.
 
 The cache key (:func:`profile_key`) is a digest of what step times depend on and nothing else:
 the model's ``config.json``, the engine's settings (device, dtype, threads), the host (CPU
@@ -47,16 +47,15 @@ PLAN_VERSION = 1
 # so that a prefill on two shared cores takes tens of milliseconds, not seconds.
 MAX_PROMPT_TOKENS = 2000
 # Two runs or more of each kind, so each model's MAPE is measured on runs its fit did not see
-# (GroupKFold by run). About 30 s on two shared cores, both nodes at once: the prefill node's
-# three traces take no longer than the decode node's traces and microbenchmark.
+# (GroupKFold by run). About 40 s on two cores, one node after the other.
 PLANS: dict[Role, PlanConfig] = {
     Role.PREFILL: PlanConfig(
-        role=Role.PREFILL, rates=(1.0, 2.0, 4.0), duration_s=8.0, max_prompt_tokens=MAX_PROMPT_TOKENS, micro=False
+        role=Role.PREFILL, rates=(1.0, 4.0), duration_s=6.0, max_prompt_tokens=MAX_PROMPT_TOKENS, micro=False
     ),
     Role.DECODE: PlanConfig(
         role=Role.DECODE,
         rates=(2.0, 4.0),
-        duration_s=8.0,
+        duration_s=6.0,
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_output_tokens=32,
         batch_sizes=(2, 8),
@@ -64,7 +63,7 @@ PLANS: dict[Role, PlanConfig] = {
         chunks=(128, 512),
     ),
 }
-COLLECT_BUDGET_S = 180.0  # wall seconds for the whole collection; a starved host gets partial phases
+COLLECT_BUDGET_S = 240.0  # wall seconds for the whole collection; a starved host gets partial phases
 PROFILE_FILE = "profile.json"  # in the workdir: the file the dispatchers and decode nodes watch
 FIT_LOG = "fit.log"  # the collection's progress and the fit's table, beside the runs
 CACHE_KEY = "cache_key"  # the profile's provenance entry holding the facts it was keyed by
@@ -314,7 +313,7 @@ class StartUpProfile:
 
 
 def fit_nodes(startup: StartUpProfile, targets: Sequence[FitTarget], runs_dir: Path) -> LatencyModels:
-    """``kairos profile collect`` on every target at once (each with its role's plan, progress in
+    """``kairos profile collect`` on each target in turn (its role's plan, progress in
     ``runs_dir/fit.log``), then ``kairos profile fit`` on all the runs: the profile, named and
     described by ``startup``, with its facts in the provenance."""
     from kairos.profiling.collect import CollectConfig, collect
@@ -328,21 +327,23 @@ def fit_nodes(startup: StartUpProfile, targets: Sequence[FitTarget], runs_dir: P
 
         async def collect_all() -> list[Any]:
             await asyncio.gather(*(_warm_up(t, log) for t in targets))
-            return await asyncio.gather(
-                *(
-                    collect(
-                        CollectConfig(
-                            node=t.url,
-                            out_dir=runs_dir / t.node_id,
-                            plan=PLANS[t.role],
-                            budget_s=COLLECT_BUDGET_S,
-                            step_log=t.step_log,
-                        ),
-                        progress=log,
-                    )
-                    for t in targets
+            # One node at a time: collected at once, the decode node's traces would run beside the
+            # prefill node's busy engine and its microbenchmark alone, so a model's runs would
+            # differ by the load the other node puts on the shared cores, not only by what the
+            # model describes. It costs the prefill traces' time.
+            return [
+                await collect(
+                    CollectConfig(
+                        node=t.url,
+                        out_dir=runs_dir / t.node_id,
+                        plan=PLANS[t.role],
+                        budget_s=COLLECT_BUDGET_S / len(targets),
+                        step_log=t.step_log,
+                    ),
+                    progress=log,
                 )
-            )
+                for t in targets
+            ]
 
         for summary in asyncio.run(collect_all()):
             if not summary.complete:
@@ -356,14 +357,15 @@ def fit_nodes(startup: StartUpProfile, targets: Sequence[FitTarget], runs_dir: P
     provenance = {
         **result.profile.provenance,
         "summary": f"{result.profile.provenance['summary']}, collected by kairos up on start "
-        f"({', '.join(f'{t.node_id} as {t.role}' for t in targets)}, at once)",
+        f"({', then '.join(f'{t.node_id} as {t.role}' for t in targets)})",
         CACHE_KEY: json.loads(json.dumps(facts, default=str)),
     }
     return replace(result.profile, provenance=provenance)
 
 
 async def _warm_up(target: FitTarget, log: Callable[[str], None]) -> None:
-    """One short completion, so the engine's first-call set-up is not among the measured steps."""
+    """One short completion: a fresh engine's first step takes about a second on CPU (set-up, not
+    a step any model describes)."""
     import aiohttp
 
     base = f"http://{target.url}"

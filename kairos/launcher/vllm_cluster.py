@@ -129,7 +129,7 @@ class VllmCluster(LocalCluster):
             if found is None:
                 self.say(
                     f"fitting a latency profile to {', '.join(t.node_id for t in targets)} (kairos profile collect "
-                    f"+ fit, about 30 s; log in {runs / FIT_LOG}) ..."
+                    f"+ fit, about 40 s; log in {runs / FIT_LOG}) ..."
                 )
             self.profile_choice = startup.finish(found, lambda: fit_nodes(startup, targets, runs))
         for node in self.nodes:
