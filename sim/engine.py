@@ -35,6 +35,7 @@ from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.common.kv_events import KvEvent, KvEventBatch
 from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, StepGuard
+from kairos.core.slo import tau_scaled_budget_s, tightest_tpot_s
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -70,6 +71,9 @@ class Sequence:
     # With a schedule: the longest step it may cause. The node shrinks (or defers) a chunk
     # whose step its own latency model predicts over this, given the batch it actually has.
     step_budget_s: float | None = None
+    # Its TPOT SLO (kairos.core.slo; None: the cluster's default): the node's step guard holds
+    # chunks to the tightest among its running decodes, and its snapshot reports the tightest.
+    tpot_slo_s: float | None = None
     computed: int = 0  # prompt tokens prefilled so far (or received by KV transfer)
     generated: int = 0  # output tokens produced on this engine
     schedule_index: int = 0
@@ -171,6 +175,8 @@ class EngineSnapshot:
     step_calibration: float | None = None  # the engine's, when it measures its steps
     # Per scheduled_prefill_tokens entry: its prompt tokens computed already (chunks run, or a prefix hit)
     scheduled_prefill_computed_tokens: tuple[int, ...] = ()
+    # Decode nodes: the tightest TPOT SLO among the requests in flight (None: none)
+    tpot_slo_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -419,6 +425,7 @@ class Engine:
         # The budget protects running decodes' TBT: with none running it does not apply (as in
         # the vLLM plugin), so a deflected prefill on an idle node never waits forever.
         guard = StepGuard(self.guard, b, self.kv_used) if self.guard is not None and b > 0 and self.prefilling else None
+        running_tpot: float | None = None  # the decodes' tightest TPOT, once a budgeted chunk asks
         for seq in self.prefilling:
             if budget <= 0:
                 break
@@ -428,7 +435,12 @@ class Engine:
                 scheduled_taken = True
             n = min(seq.next_chunk(), budget)
             if guard is not None:  # every token of the step against its deflected chunks' budgets
-                n = guard.take(n, seq.computed, seq.step_budget_s)
+                budget_s = seq.step_budget_s
+                if budget_s is not None:  # at the tau of the decodes it runs beside
+                    if running_tpot is None:
+                        running_tpot = tightest_tpot_s(s.tpot_slo_s for s in self.decoding)
+                    budget_s = tau_scaled_budget_s(budget_s, seq.tpot_slo_s, running_tpot)
+                n = guard.take(n, seq.computed, budget_s)
                 if n == 0:
                     continue  # not even one token fits this step: wait for the batch to shrink
             chunks.append(Chunk(seq, n, seq.computed))
@@ -535,4 +547,12 @@ class Engine:
             max_step_tokens=self.config.max_step_tokens,
             step_calibration=None if self.calibration is None else self.calibration.value,
             scheduled_prefill_computed_tokens=tuple(self._scheduled.computed),
+            tpot_slo_s=self.tightest_tpot_s() if self.config.role is Role.DECODE else None,
+        )
+
+    def tightest_tpot_s(self) -> float | None:
+        """The tightest TPOT SLO among the requests in flight here (waiting, prefilling, decoding
+        or joining; None: none), what a decode node's heartbeat reports."""
+        return tightest_tpot_s(
+            s.tpot_slo_s for group in (self.waiting, self.prefilling, self.decoding, self.joining) for s in group
         )

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kairos.core.decision import Route
+from kairos.core.slo import DEFAULT_CLASSES, SloClass, classify
 from kairos.sim.engine import Sequence, StepPlan
 from kairos.sim.requests import RequestSpec
 
@@ -33,6 +34,7 @@ class RequestRecord:
     last_step: int = -1  # decode-node step that produced the last token
     cached_tokens: int = 0  # prompt tokens the node that prefilled it had cached (prefix cache)
     transfer_tokens: int = 0  # keep path: prompt tokens moved to the decode node (those it lacked)
+    tpot_slo_s: float | None = None  # the TPOT SLO its decode node was told (its own, or the run's)
 
     @property
     def ttft(self) -> float:
@@ -55,6 +57,8 @@ class _NodeSteps:
     durations: list[float] = field(default_factory=list)
     decodes: list[int] = field(default_factory=list)  # decodes that had a previous token (TBT samples)
     violations_before: list[int] = field(default_factory=lambda: [0])  # prefix counts of steps > tau
+    # The same for each other TPOT SLO a request of the run holds (SimMetrics.request_tbt_slos)
+    over: dict[float, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +67,8 @@ class SimMetrics:
 
     decode_nodes: list[str]
     tbt_slo_s: float
+    # The requests' own TPOT SLOs other than tbt_slo_s: each request's TBT is judged by its own.
+    request_tbt_slos: tuple[float, ...] = ()
     deflections: int = 0
     # Decode steps (with TBT samples) that carried a deflected prefill's chunk, and how many of them
     # went over tau: the probability the node's step calibration keeps under 1%. Not in the summary
@@ -75,22 +81,29 @@ class SimMetrics:
 
     def __post_init__(self) -> None:
         self.steps = {n: _NodeSteps() for n in self.decode_nodes}
+        taus = tuple(t for t in dict.fromkeys(self.request_tbt_slos) if t != self.tbt_slo_s)
+        for s in self.steps.values():
+            s.over = {t: [0] for t in taus}
 
     def record_decode_step(self, node_id: str, plan: StepPlan, duration: float) -> None:
         s = self.steps[node_id]
         s.durations.append(duration)
         s.decodes.append(plan.decode_tokens - plan.new_decoders)
         s.violations_before.append(s.violations_before[-1] + (duration > self.tbt_slo_s))
+        for tau, counts in s.over.items():
+            counts.append(counts[-1] + (duration > tau))
         if plan.chunks and plan.decode_tokens > plan.new_decoders and any(c.seq.schedule for c in plan.chunks):
             self.deflect_steps += 1
             self.deflect_steps_over_tau += duration > self.tbt_slo_s
 
-    def request_tbt_violations(self, rec: RequestRecord) -> tuple[int, int]:
+    def request_tbt_violations(self, rec: RequestRecord, tau_s: float | None = None) -> tuple[int, int]:
         """(steps over tau, TBT samples) for one request: it was in every step of its decode
-        node between its first and its last token."""
+        node between its first and its last token. ``tau_s``: its own TPOT SLO (one of
+        ``request_tbt_slos``), else the run's."""
         if rec.last_step <= rec.first_token_step:
             return 0, 0
-        prefix = self.steps[rec.decode_node].violations_before
+        steps = self.steps[rec.decode_node]
+        prefix = steps.violations_before if tau_s is None or tau_s == self.tbt_slo_s else steps.over[tau_s]
         return prefix[rec.last_step + 1] - prefix[rec.first_token_step + 1], rec.last_step - rec.first_token_step
 
 
@@ -103,8 +116,17 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray, qs: tuple[floa
     return [float(v[min(np.searchsorted(w, q / 100 * w[-1]), v.size - 1)]) for q in qs]
 
 
-def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: float, ttft_slo_s: float) -> dict[str, Any]:
-    """The figures a run reports (times in seconds unless the key says ms)."""
+def summarize(
+    records: list[RequestRecord],
+    metrics: SimMetrics,
+    tbt_slo_s: float,
+    ttft_slo_s: float,
+    classes: tuple[SloClass, ...] = DEFAULT_CLASSES,
+) -> dict[str, Any]:
+    """The figures a run reports (times in seconds unless the key says ms). Each request meets
+    its SLOs, its own where it carries them (``RequestSpec.ttft_slo_s`` / ``tpot_slo_s``), else
+    the run's; when any request carries its own, ``per_class`` has attainment and goodput by the
+    class its SLO pair falls in (``kairos.core.slo.classify`` over ``classes``)."""
     metrics.records = records
     ttft = np.array([r.ttft for r in records])
     parts = np.array([r.ttft_parts() for r in records]) if records else np.zeros((0, 4))
@@ -113,11 +135,12 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
     weights = np.concatenate([np.asarray(s.decodes) for s in metrics.steps.values()] or [np.zeros(0)])
     decode_steps = weights > 0
     tbt50, tbt95, tbt99 = weighted_percentiles(durations, weights, (50, 95, 99))
-    meets = 0
-    for r, t in zip(records, ttft, strict=True):
-        bad, samples = metrics.request_tbt_violations(r)
-        if t <= ttft_slo_s and bad <= 0.05 * samples:  # the request's own P95 TBT <= tau
-            meets += 1
+    met = np.zeros(len(records), dtype=bool)
+    for i, (r, t) in enumerate(zip(records, ttft, strict=True)):
+        own_ttft = ttft_slo_s if r.spec.ttft_slo_s is None else r.spec.ttft_slo_s
+        bad, samples = metrics.request_tbt_violations(r, r.spec.tpot_slo_s)
+        met[i] = t <= own_ttft and bad <= 0.05 * samples  # the request's own P95 TBT <= its tau
+    meets = int(met.sum())
     start = min((r.spec.arrival_s for r in records), default=0.0)
     end = max((r.finished or 0.0 for r in records), default=0.0)
     span = max(end - start, 1e-9)
@@ -165,7 +188,49 @@ def summarize(records: list[RequestRecord], metrics: SimMetrics, tbt_slo_s: floa
         "p95_ttft_turn2plus_s": pct(ttft[later], 95),
         "prefix_hit_rate_prefill": float(cached[~deflected].sum() / kept_prompt) if kept_prompt else 0.0,
         "prefix_hit_rate_decode": float(decode_hit.sum() / prompts.sum()) if records else 0.0,
-    }
+    } | _per_class(records, met, ttft, span, tbt_slo_s, ttft_slo_s, classes)
+
+
+def _per_class(
+    records: list[RequestRecord],
+    met: np.ndarray,
+    ttft: np.ndarray,
+    span: float,
+    tbt_slo_s: float,
+    ttft_slo_s: float,
+    classes: tuple[SloClass, ...],
+) -> dict[str, Any]:
+    """``{"per_class": {name: figures}}`` when a request carries SLOs of its own, else nothing.
+    Goodput: the requests that met their SLOs, per second of the run, and their output tokens."""
+    if not any(r.spec.ttft_slo_s is not None or r.spec.tpot_slo_s is not None for r in records):
+        return {}
+    names = np.array(
+        [
+            classify(
+                ttft_slo_s if r.spec.ttft_slo_s is None else r.spec.ttft_slo_s,
+                tbt_slo_s if r.spec.tpot_slo_s is None else r.spec.tpot_slo_s,
+                classes,
+            )
+            for r in records
+        ]
+    )
+    outputs = np.array([r.spec.output_tokens for r in records], dtype=np.int64)
+    deflected = np.array([r.route is Route.DEFLECT for r in records], dtype=bool)
+    out: dict[str, Any] = {}
+    for k in classes:
+        mine = names == k.name
+        n = int(mine.sum())
+        if not n:
+            continue
+        out[k.name] = {
+            "requests": n,
+            "slo_attainment": float(met[mine].mean()),
+            "goodput_rps": float(met[mine].sum() / span),
+            "goodput_tokens_per_s": float(outputs[mine & met].sum() / span),
+            "p95_ttft_s": float(np.percentile(ttft[mine], 95)),
+            "deflections": int(deflected[mine].sum()),
+        }
+    return {"per_class": out}
 
 
 def _mape(predicted: np.ndarray, observed: np.ndarray, mask: np.ndarray, signed: bool = False) -> float:

@@ -25,6 +25,12 @@ class RequestSpec:
     # workload's estimate of that instant.
     after: str | None = None
     think_s: float = 0.0
+    # Its own SLOs (the x-slo-ttft-ms / x-slo-tpot-ms headers a client sends; kairos.core.slo) and
+    # vLLM's priority; None: the run's cluster-wide SLO. Attainment judges it by them, and an
+    # SLO-aware policy decides it by them.
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -35,5 +41,9 @@ class RequestSpec:
             raise ValueError(f"{self.request_id}: arrival_s must be >= 0, got {self.arrival_s}")
         if self.turn < 0 or self.think_s < 0:
             raise ValueError(f"{self.request_id}: turn={self.turn} and think_s={self.think_s} must be >= 0")
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None and not (0 < value < float("inf")):
+                raise ValueError(f"{self.request_id}: {name} must be > 0, got {value}")
         if self.after == self.request_id:
             raise ValueError(f"{self.request_id}: a request cannot wait for itself")

@@ -45,6 +45,7 @@ from kairos.core.kv_event_sync import EventStreamSync
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
 from kairos.core.prefix_index import PrefixIndex
+from kairos.core.slo import RequestSLO, tightest_tpot_s
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
@@ -157,6 +158,14 @@ class _Link:
     queue: deque[RequestRecord] = field(default_factory=deque)
     busy: bool = False
     current_tokens: int = 0  # the running transfer's prompt tokens (0: none)
+    current_tpot_s: float | None = None  # the running transfer's request's TPOT SLO
+
+    def tightest_tpot_s(self) -> float | None:
+        """The tightest TPOT SLO among the requests whose KV the node is pulling (None: none)."""
+        tpots = [rec.tpot_slo_s for rec in self.queue]
+        if self.busy:
+            tpots.append(self.current_tpot_s)
+        return tightest_tpot_s(tpots)
 
     def pending_tokens(self) -> tuple[int, ...]:
         """Prompt tokens of each transfer running or queued, FIFO: the node's KV pulls to come."""
@@ -220,7 +229,10 @@ class Simulator:
                 self._kv_streams[node_id] = EventStreamSync(self.prefix_index, node_id)
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
         self.tracker = ClusterTracker()
-        self.metrics = SimMetrics(decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s)
+        own_tpots = tuple(dict.fromkeys(r.tpot_slo_s for r in self.requests if r.tpot_slo_s is not None))
+        self.metrics = SimMetrics(
+            decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s, request_tbt_slos=own_tpots
+        )
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._inflight: dict[str, StepPlan] = {}
@@ -235,6 +247,9 @@ class Simulator:
                 self._waiting_for.setdefault(r.after, []).append(r)
         self._closed_loop = bool(self._waiting_for)
         self._prefix_aware = bool(getattr(policy, "prefix_aware", False))
+        # A policy that decides each request by its own SLOs gets them, and the decode node is told
+        # the request's TPOT, as the gateway's sidecar tells it; any other runs on the run's SLOs.
+        self._slo_aware = bool(getattr(policy, "slo_aware", False))
 
     # -- event plumbing ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -295,6 +310,8 @@ class Simulator:
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
         self._arrived += 1
         view = self._fresh_view(now) if self.policy.fresh_state else self.tracker.view()
+        slo = self._request_slo(spec)
+        extra: dict[str, object] = {} if slo is None else {"slo": slo}
         if self._prefix_aware and spec.block_hashes:
             if self.prefix_index is not None and not self.policy.fresh_state:
                 hits = self._indexed_hits(spec, now)
@@ -303,9 +320,9 @@ class Simulator:
                     node_id: engine.prefix_hit(spec.block_hashes, spec.prompt_tokens)
                     for node_id, engine in self.engines.items()
                 }
-            decision = self.policy.decide(spec.prompt_tokens, view, now, cached=hits)  # type: ignore[call-arg]
+            decision = self.policy.decide(spec.prompt_tokens, view, now, cached=hits, **extra)  # type: ignore[call-arg]
         else:
-            decision = self.policy.decide(spec.prompt_tokens, view, now)
+            decision = self.policy.decide(spec.prompt_tokens, view, now, **extra)  # type: ignore[arg-type]
         self.tracker.record(decision, now)
         rec = RequestRecord(
             spec=spec,
@@ -317,6 +334,7 @@ class Simulator:
                 if decision.route is Route.DEFLECT
                 else decision.predicted_ttft_prefill_s
             ),
+            tpot_slo_s=self.tbt_slo_s if slo is None else slo.tpot_s,
         )
         self._records.append(rec)
         if decision.route is Route.DEFLECT:
@@ -328,6 +346,7 @@ class Simulator:
                 spec.output_tokens,
                 schedule=decision.chunk_sizes,
                 step_budget_s=decision.step_budget_s,
+                tpot_slo_s=rec.tpot_slo_s,
                 tag=rec,
                 block_hashes=spec.block_hashes,
             )
@@ -341,6 +360,16 @@ class Simulator:
         engine.submit(seq)
         rec.cached_tokens = seq.cached_hit
         self._kick(engine, now)
+
+    def _request_slo(self, spec: RequestSpec) -> RequestSLO | None:
+        """The request's own SLOs, for a policy that reads them (the run's where it has none)."""
+        if not self._slo_aware:
+            return None
+        return RequestSLO(
+            self.ttft_slo_s if spec.ttft_slo_s is None else spec.ttft_slo_s,
+            self.tbt_slo_s if spec.tpot_slo_s is None else spec.tpot_slo_s,
+            spec.priority,
+        )
 
     def _indexed_hits(self, spec: RequestSpec, now: float) -> dict[str, int]:
         """The nodes that hold a cached prefix of the request, by the event index: tokens in
@@ -405,7 +434,12 @@ class Simulator:
         rec = link.queue[0]
         spec = rec.spec
         seq = EngineSeq(
-            spec.request_id, spec.prompt_tokens, spec.output_tokens, tag=rec, block_hashes=spec.block_hashes
+            spec.request_id,
+            spec.prompt_tokens,
+            spec.output_tokens,
+            tpot_slo_s=rec.tpot_slo_s,
+            tag=rec,
+            block_hashes=spec.block_hashes,
         )
         missing = self.engines[decode_id].reserve_transfer(seq)  # only the blocks the node lacks
         if missing is None:
@@ -413,6 +447,7 @@ class Simulator:
         link.queue.popleft()
         link.busy = True
         link.current_tokens = rec.spec.prompt_tokens
+        link.current_tpot_s = rec.tpot_slo_s
         rec.transfer_start = now
         rec.seq = seq
         rec.transfer_tokens = missing
@@ -480,4 +515,9 @@ def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeSt
         prefill_backlog_computed_tokens=snap.scheduled_prefill_computed_tokens,
         step_calibration=1.0 if snap.step_calibration is None else snap.step_calibration,
         pending_kv_pull_tokens=link.pending_tokens(),
+        tpot_slo_s=_tighter(snap.tpot_slo_s, link.tightest_tpot_s()),
     )
+
+
+def _tighter(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)

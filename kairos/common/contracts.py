@@ -106,6 +106,18 @@ H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token coun
 # decode node on deflect, the prefill node on keep), from the nodes' KV events; absent when none.
 # Informational: a deflection's schedule covers the rest, so it sums to prompt - cached.
 H_CACHED_TOKENS = "x-kairos-cached-tokens"
+# The SLOs the request was decided with (kairos.core.slo): its own, or the cluster's defaults.
+# TTFT bounds a deflection (Eq. 7); the sidecar passes TPOT to the decode node's vLLM
+# (XARG_TPOT_SLO_MS), whose heartbeat reports the tightest among its requests (HeartbeatField.TPOT_SLO_MS).
+H_DECIDED_TTFT_SLO_MS = "x-kairos-slo-ttft-ms"
+H_DECIDED_TPOT_SLO_MS = "x-kairos-slo-tpot-ms"
+H_SLO_CLASS = "x-kairos-slo-class"  # the class its SLOs fall in (kairos.core.slo.classify)
+
+# A client's own SLOs, in milliseconds (llm-d's names); absent: the cluster's defaults. A request
+# carrying one takes Envoy's headers route (the dispatcher reads them from its head).
+H_SLO_TTFT_MS = "x-slo-ttft-ms"
+H_SLO_TPOT_MS = "x-slo-tpot-ms"
+SLO_HEADERS = (H_SLO_TTFT_MS, H_SLO_TPOT_MS)
 
 # The sidecar echoes these on the response, so a client or an operator can see which path a
 # request took (curl -i shows them).
@@ -118,6 +130,9 @@ ECHOED_RESPONSE_HEADERS = (
     H_CACHED_TOKENS,
     H_PRED_TTFT_PREFILL_MS,
     H_PRED_TTFT_DECODE_MS,
+    H_DECIDED_TTFT_SLO_MS,
+    H_DECIDED_TPOT_SLO_MS,
+    H_SLO_CLASS,
 )
 
 # Every routing header: a client request carrying any of them is never on Envoy's one-message
@@ -133,6 +148,9 @@ ROUTING_HEADERS = (
     H_PRED_TTFT_DECODE_MS,
     H_PROMPT_TOKENS,
     H_CACHED_TOKENS,
+    H_DECIDED_TTFT_SLO_MS,
+    H_DECIDED_TPOT_SLO_MS,
+    H_SLO_CLASS,
 )
 
 # Envoy's one-message route (envoy/envoy.yaml.j2): a plain inference request reaches the
@@ -168,6 +186,10 @@ VLLM_XARGS = "vllm_xargs"  # the body's object of extension arguments
 XARG_PREFIX = "kairos_"  # every Kairos argument in it: the dispatcher's to set, never a client's
 XARG_CHUNK_SCHEDULE = "kairos_chunk_schedule"  # list[int]
 XARG_STEP_BUDGET_MS = "kairos_step_budget_ms"  # float, optional: enforce per-step budget
+# float, optional, any request: its TPOT SLO in ms (H_DECIDED_TPOT_SLO_MS). The node's step guard
+# holds a chunk's steps to the tightest TPOT among its running decodes, and its heartbeat reports
+# the tightest among its requests (HeartbeatField.TPOT_SLO_MS). Absent: the cluster default.
+XARG_TPOT_SLO_MS = "kairos_tpot_slo_ms"
 SCHEDULE_PARAM = f"{VLLM_XARGS}.{XARG_CHUNK_SCHEDULE}"  # as error messages name them
 BUDGET_PARAM = f"{VLLM_XARGS}.{XARG_STEP_BUDGET_MS}"
 MAX_SCHEDULE_CHUNKS = 4096  # the plugin's cap; a 32K prompt in 128-token chunks needs 256
@@ -247,6 +269,11 @@ class HeartbeatField:
     # cache hit), which its remaining chunks attend to. A started prefill holds them in kv_tokens.
     # Absent: none reported (each planned from nothing, as before the field).
     SCHEDULED_PREFILL_COMPUTED_TOKENS = "scheduled_prefill_computed_tokens"
+    # Optional, decode nodes: float ms > 0, the tightest TPOT SLO among the node's requests in
+    # flight (running, waiting, pulling their KV; one without its own counts as the cluster's
+    # default), Eq. 5's tau on the node for a request of a looser TPOT. Absent: none in flight, or
+    # a node older than the field (the dispatcher then takes the cluster default while it holds any).
+    TPOT_SLO_MS = "tpot_slo_ms"
     # Optional: where the node publishes vLLM's KV cache events (--kv-events-config), as ZMQ
     # endpoints a dispatcher connects to (KV_EVENTS_ENDPOINT_PATTERN), and their topic. Absent:
     # no events, the dispatcher reads the node's prefix hits as zero.
@@ -262,6 +289,7 @@ class HeartbeatField:
         STEP_CALIBRATION,
         PENDING_KV_PULL_TOKENS,
         SCHEDULED_PREFILL_COMPUTED_TOKENS,
+        TPOT_SLO_MS,
         *KV_EVENTS,
     )
 
@@ -314,6 +342,7 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Amount = Annotated[float, msgspec.Meta(ge=0)]
 _StepTokens = Annotated[int, msgspec.Meta(ge=1)]
 _Calibration = Annotated[float, msgspec.Meta(ge=STEP_CALIBRATION_MIN, le=STEP_CALIBRATION_MAX)]
+_SloMs = Annotated[float, msgspec.Meta(gt=0)]
 _Endpoint = Annotated[str, msgspec.Meta(pattern=KV_EVENTS_ENDPOINT_PATTERN)]
 
 
@@ -346,6 +375,7 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False):
     step_calibration: _Calibration | None = None  # None: not reported (the dispatcher reads 1.0)
     pending_kv_pull_tokens: tuple[_Count, ...] | None = None
     scheduled_prefill_computed_tokens: tuple[_Count, ...] | None = None
+    tpot_slo_ms: _SloMs | None = None  # None: not reported
     kv_events_endpoint: _Endpoint | None = None
     kv_events_replay_endpoint: _Endpoint | None = None
     kv_events_topic: str | None = None
@@ -376,6 +406,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.STEP_CALIBRATION: hb.step_calibration,
         f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
         f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(hb.scheduled_prefill_computed_tokens),
+        f.TPOT_SLO_MS: hb.tpot_slo_ms,
         f.KV_EVENTS_ENDPOINT: hb.kv_events_endpoint,
         f.KV_EVENTS_REPLAY_ENDPOINT: hb.kv_events_replay_endpoint,
         f.KV_EVENTS_TOPIC: hb.kv_events_topic,
@@ -453,6 +484,15 @@ def _step_calibration(value: Any, error: type[Exception]) -> float | None:
     return float(value)
 
 
+def _tpot_slo_ms(value: Any, error: type[Exception]) -> float | None:
+    """A reported tightest TPOT SLO: None when absent, else a finite number of ms > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+        raise error(f"{HeartbeatField.TPOT_SLO_MS} must be a number of milliseconds > 0, got {value!r}")
+    return float(value)
+
+
 def _json_object(raw: bytes | str, error: type[Exception], prefix: str = "") -> dict[str, Any]:
     """``raw`` decoded as one JSON object, else ``error`` saying what it was instead (the one
     first step of every decoder here)."""
@@ -475,7 +515,11 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
     except (msgspec.DecodeError, UnicodeDecodeError):
         hb = _parse_heartbeat_checked(raw)  # names what is wrong (and takes what JSON allows beyond)
     else:
-        if not math.isfinite(hb.sent_at) or (hb.kv_usage is not None and not math.isfinite(hb.kv_usage)):
+        if (
+            not math.isfinite(hb.sent_at)
+            or (hb.kv_usage is not None and not math.isfinite(hb.kv_usage))
+            or (hb.tpot_slo_ms is not None and not math.isfinite(hb.tpot_slo_ms))
+        ):
             hb = _parse_heartbeat_checked(raw)
         else:  # a check across fields, which the checked decoder makes too
             _check_computed(
@@ -533,6 +577,7 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
             if data.get(f.SCHEDULED_PREFILL_COMPUTED_TOKENS) is not None
             else None
         ),
+        tpot_slo_ms=_tpot_slo_ms(data.get(f.TPOT_SLO_MS), MalformedHeartbeat),
         kv_events_endpoint=_hb_endpoint(data, f.KV_EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_hb_endpoint(data, f.KV_EVENTS_REPLAY_ENDPOINT),
         kv_events_topic=_hb_str(data, f.KV_EVENTS_TOPIC) if data.get(f.KV_EVENTS_TOPIC) is not None else None,
@@ -646,6 +691,22 @@ def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | No
     return ChunkPlan(tuple(raw), budget_s)
 
 
+TPOT_PARAM = f"{VLLM_XARGS}.{XARG_TPOT_SLO_MS}"
+
+
+def parse_tpot_xarg(extra_args: Mapping[str, Any] | None) -> float | None:
+    """The request's TPOT SLO in seconds from its ``vllm_xargs`` (None: it carries none). Raises
+    :class:`MalformedSchedule` (vLLM's 400) for a value that is not a positive number of ms."""
+    if not extra_args:
+        return None
+    raw = extra_args.get(XARG_TPOT_SLO_MS)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw < math.inf:
+        raise MalformedSchedule(f"{TPOT_PARAM} must be a positive number of milliseconds, got {raw!r}")
+    return float(raw) / 1e3
+
+
 # ---------------------------------------------------------------------------------------------
 # Metrics the node agents export: the sidecar's path, and step-budget overruns (a node's steps that
 # broke the budget a deflected chunk carried), counted by the emulated node (its /metrics) and the
@@ -699,6 +760,7 @@ class EngineStateField:
     PENDING_KV_PULL_TOKENS = HeartbeatField.PENDING_KV_PULL_TOKENS  # list[int], decode nodes' KV pulls
     # list[int], one per scheduled prefill: its prompt tokens computed already
     SCHEDULED_PREFILL_COMPUTED_TOKENS = HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS
+    TPOT_SLO_MS = HeartbeatField.TPOT_SLO_MS  # the tightest TPOT SLO among its requests in flight
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -717,6 +779,7 @@ class EngineStateField:
         STEP_CALIBRATION,
         PENDING_KV_PULL_TOKENS,
         SCHEDULED_PREFILL_COMPUTED_TOKENS,
+        TPOT_SLO_MS,
         AS_OF,
     )
 
@@ -745,6 +808,7 @@ class EngineState:
     pending_kv_pull_tokens: tuple[int, ...] | None = None  # KV transfers the node has yet to finish, FIFO
     # Per scheduled prefill, in the same order: its prompt tokens computed already (None: not reported)
     scheduled_prefill_computed_tokens: tuple[int, ...] | None = None
+    tpot_slo_ms: float | None = None  # the tightest TPOT SLO among its requests in flight (None: none)
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -778,6 +842,7 @@ class EngineState:
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
         _step_calibration(self.step_calibration, EngineStateError)
+        _tpot_slo_ms(self.tpot_slo_ms, EngineStateError)
         as_of = self.as_of
         if as_of is not None and (
             isinstance(as_of, bool) or not isinstance(as_of, int | float) or not math.isfinite(as_of)
@@ -804,6 +869,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.STEP_CALIBRATION: state.step_calibration,
         f.PENDING_KV_PULL_TOKENS: None if state.pending_kv_pull_tokens is None else list(state.pending_kv_pull_tokens),
         f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(state.scheduled_prefill_computed_tokens),
+        f.TPOT_SLO_MS: state.tpot_slo_ms,
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}

@@ -8,6 +8,8 @@ this same function.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -19,6 +21,7 @@ from kairos.common import defaults
 from kairos.common.errors import ConfigError, InvalidRequestError, NoHealthyNodeError
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels
+from kairos.core.slo import RequestSLO
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 
 DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
@@ -133,10 +136,45 @@ class DeciderConfig:
         return min(self.tbt_slo_s / self.error_margin, self.step_budget_s)
 
 
+def with_request_slo(config: DeciderConfig, slo: RequestSLO | None) -> DeciderConfig:
+    """``config`` with the request's own TTFT and TPOT SLOs in place of the cluster's (``config``
+    itself when it has them already, or for None): every rule of a decision then reads the
+    request's, Eq. 7's bound and Eq. 5's tau (tightened on each node by ``node_tau_s``)."""
+    if slo is None or (slo.ttft_s == config.ttft_slo_s and slo.tpot_s == config.tbt_slo_s):
+        return config
+    return _with_slos(config, slo.ttft_s, slo.tpot_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_slos(config: DeciderConfig, ttft_s: float, tpot_s: float) -> DeciderConfig:
+    # One config per (config, SLO pair): a class's requests share it, and a node's derived facts
+    # (``_facts``), kept for the config they were built with, stay valid across them.
+    return dataclasses.replace(config, ttft_slo_s=ttft_s, tbt_slo_s=tpot_s)
+
+
+def _tau_share(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """Eq. 5's tau on ``node`` as a share of ``config.tbt_slo_s`` (the request's TPOT): the node's
+    tightest TPOT among its requests in flight over the request's, when tighter; else 1."""
+    tpot = node.tpot_slo_s
+    return 1.0 if tpot is None or tpot >= config.tbt_slo_s else tpot / config.tbt_slo_s
+
+
 def node_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
-    """Eq. 5's line on ``node``: ``config.step_budget_s`` / the node's step calibration (with
-    ``config.calibrate``), the longest predicted step a schedule there may contain. A calibration
-    of 1.0 gives ``config.step_budget_s`` to the bit."""
+    """Eq. 5's line on ``node``: beta x tau / error margin / the node's step calibration (with
+    ``config.calibrate``), the longest predicted step a schedule there may contain, where tau is
+    the tightest of the request's TPOT (``config.tbt_slo_s``) and the node's requests' in flight
+    (``DecodeNodeState.tpot_slo_s``): a looser request never loosens the node's steps. A node of
+    no tighter TPOT and a calibration of 1.0 give ``config.step_budget_s`` to the bit."""
+    budget = own_step_budget_s(config, node)
+    share = _tau_share(config, node)
+    return budget if share == 1.0 else budget * share
+
+
+def own_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """The step budget of the request's own TPOT on ``node`` (``config.step_budget_s`` / its step
+    calibration): what a decision carries to the node. The node's guard tightens it by the TPOT of
+    the decodes it runs beside at each step (``kairos.core.latency.tau_scaled_budget_s``), so a
+    budget carried with a batch request does not outlive the interactive decodes it met."""
     budget = config.step_budget_s
     return budget / node.step_calibration if config.calibrate else budget
 
@@ -145,12 +183,13 @@ def keep_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float | 
     """The step budget a keep carries for its decode node ``node`` (None without the node step
     guard): should the prefill node fail it, the node's sidecar prefills it there, and the
     node's guard holds those steps to this budget, as a deflection's."""
-    return node_step_budget_s(config, node) if config.node_step_guard else None
+    return own_step_budget_s(config, node) if config.node_step_guard else None
 
 
 def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
-    """``config.decode_overload_s`` on ``node``, divided by its step calibration likewise."""
-    line = config.decode_overload_s
+    """``config.decode_overload_s`` on ``node``, at the node's tau (``node_step_budget_s``) and
+    divided by its step calibration likewise."""
+    line = config.decode_overload_s * _tau_share(config, node)
     return line / node.step_calibration if config.calibrate else line
 
 
@@ -288,6 +327,9 @@ class _Plan:
     runs: tuple[Run, ...]  # the request's schedule
     ttft_s: float  # includes the wait behind the node's backlog, if any
     step_budget_s: float  # the node's step budget the schedule was planned to (node_step_budget_s)
+    # The budget the deflection carries to the node: the request's own (own_step_budget_s), which
+    # the node's guard tightens by its running decodes' TPOT as the plan's was by its heartbeat's.
+    carried_budget_s: float
 
 
 _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
@@ -527,7 +569,8 @@ def plan_on_decode_node(
     done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t, cached_tokens)
     if isinstance(done, str):
         return done
-    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget)
+    own = own_step_budget_s(config, node)
+    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget, carried_budget_s=own)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,7 +755,13 @@ def _plan_on_path(
     )
     if isinstance(done, str):
         return done
-    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=facts.budget_s)
+    return _Plan(
+        decode_tokens=facts.b,
+        runs=tuple(done[0]),
+        ttft_s=done[1],
+        step_budget_s=facts.budget_s,
+        carried_budget_s=own_step_budget_s(config, node),
+    )
 
 
 def ttft_lower_bound_s(
@@ -807,7 +856,9 @@ def decode_pressure_refusal(
     margin already, in the calibrated overload line and step budget. Divided by the calibration
     too, the error counted twice: at a 10% step error (a 99th-percentile ratio near 1.29) the line
     fell to 46 ms, under Bursty's 48 ms decode-only steps, and refused nearly every deflection
-    (``bench/sim_calibration.py``). With no error (calibration 1) nothing changes.
+    (``bench/sim_calibration.py``). With no error (calibration 1) nothing changes. It is taken at
+    the node's tau (its tightest TPOT in flight, when tighter than the request's), as the
+    overload line is.
 
     A predicate, asked of the candidates the search reaches, rather than a filter over all of
     them: the bounded search plans a few of a thousand nodes, and a refused node skipped where
@@ -818,7 +869,7 @@ def decode_pressure_refusal(
     line_s = share * config.decode_overload_s
 
     def refuses(node: DecodeNodeState) -> bool:
-        return decode_load_after_s(models, node, prompt_tokens) > line_s
+        return decode_load_after_s(models, node, prompt_tokens) > line_s * _tau_share(config, node)
 
     return refuses
 
@@ -948,7 +999,12 @@ def _scan_decode_nodes(
 
 
 def decide_without_prefill_pool(
-    prompt_tokens: int, view: ClusterView, now: float, models: LatencyModels, config: DeciderConfig
+    prompt_tokens: int,
+    view: ClusterView,
+    now: float,
+    models: LatencyModels,
+    config: DeciderConfig,
+    slo: RequestSLO | None = None,
 ) -> Decision:
     """Degraded routing while no fresh prefill node is registered (all dead, or their heartbeats
     lost on a starved host): a decode node prefills the request itself rather than the request
@@ -958,8 +1014,10 @@ def decide_without_prefill_pool(
     and finishes within the TTFT SLO (Eq. 7's second clause: with no prefill path there is no
     alpha clause, nor a keep path for the gate or the pressure rule to weigh). The fastest such
     node wins. When none qualifies: :class:`NoHealthyNodeError` (a 503) that says which bound held
-    the nodes back, rather than a schedule no bound holds."""
+    the nodes back, rather than a schedule no bound holds. ``slo``: the request's own SLOs, as
+    in ``decide``."""
     validate_prompt(prompt_tokens)
+    config = with_request_slo(config, slo)
     if not view.decode:
         raise NoHealthyNodeError("no prefill or decode node is registered")
     _, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens)
@@ -994,7 +1052,8 @@ def decide_without_prefill_pool(
         ttft_dec,
         prompt_tokens,
         config,
-        plan.step_budget_s,
+        plan.carried_budget_s,
+        slo=slo,
     )
 
 
@@ -1010,9 +1069,10 @@ def _deflect(
     config: DeciderConfig,
     step_budget_s: float,
     cached_tokens: int = 0,
+    slo: RequestSLO | None = None,
 ) -> Decision:
     """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces
-    (that node's: ``node_step_budget_s``)."""
+    (the request's own on that node, ``own_step_budget_s``: the node tightens it by its decodes')."""
     return Decision(
         route=Route.DEFLECT,
         reason=reason,
@@ -1026,6 +1086,7 @@ def _deflect(
         predicted_step_s=tuple(times),
         planned_decode_tokens=decode_tokens,
         cached_tokens=cached_tokens,
+        slo=slo,
     )
 
 
@@ -1060,6 +1121,7 @@ def _memo_plan(
         node.prefill_backlog_tokens,
         node.prefill_backlog_computed_tokens,
         node.step_calibration,
+        node.tpot_slo_s,
         cached_tokens,
     )
     plan = memo.get(key)
@@ -1170,6 +1232,7 @@ def decide(
     models: LatencyModels,
     config: DeciderConfig,
     cached: Mapping[str, int] | None = None,
+    slo: RequestSLO | None = None,
 ) -> Decision:
     """Algorithm 1: keep on the best prefill node, or deflect to the decode node whose
     TBT-safe greedy schedule gives the lowest TTFT, when Eq. 7 holds against the keep path's
@@ -1180,8 +1243,15 @@ def decide(
     prefills only the node's uncached tokens: Eq. 3 on prefill node p starts from its prefix
     h_p, the schedule on decode node d covers l - h_d tokens each step over the h_d cached, and
     the keep path's decode node weighs the transfer of the blocks it lacks. None (or no hit
-    anywhere) is the paper's decision, to the bit."""
+    anywhere) is the paper's decision, to the bit.
+
+    ``slo``: the request's own SLOs (None: the cluster's, ``config``'s). Its TTFT SLO is Eq. 7's
+    bound (and the gate's and the pressure rule's), its TPOT SLO Eq. 5's tau, tightened on each
+    decode node by the node's tightest TPOT in flight (``node_step_budget_s``): a batch request
+    plans an interactive node's steps to the interactive tau, an interactive request any node's
+    to its own."""
     validate_prompt(prompt_tokens)
+    config = with_request_slo(config, slo)
     prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens, cached)
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
     keep_hit = cached_prefix(cached, keep_decode.node_id, prompt_tokens)
@@ -1201,6 +1271,7 @@ def decide(
             predicted_prefill_end_s=prefill_s,
             cached_tokens=cached_prefix(cached, prefill_node.node_id, prompt_tokens),
             step_budget_s=keep_step_budget_s(config, keep_decode),
+            slo=slo,
         )
 
     if not eligible:
@@ -1240,6 +1311,7 @@ def decide(
         ttft_dec,
         prompt_tokens,
         config,
-        plan.step_budget_s,
+        plan.carried_budget_s,
         cached_prefix(cached, node_id, prompt_tokens),
+        slo,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kairos.core.slo import RequestSLO
+
 
 class Route(StrEnum):
     KEEP = "keep"  # prefill on a prefill node, KV transfer, decode on a decode node
@@ -74,6 +76,9 @@ class Decision:
     # Prompt tokens the prefilling node (the decode node on deflect, the prefill node on keep)
     # has cached, as the decision read them: a deflection's schedule covers the rest.
     cached_tokens: int = 0
+    # The request's own SLOs it was decided with (Eq. 7's TTFT bound, its share of Eq. 5's tau);
+    # None: a policy that reads none (every request judged by the cluster's).
+    slo: RequestSLO | None = None
 
     def __post_init__(self) -> None:
         if self.route is Route.DEFLECT and (not self.chunk_sizes or self.prefill_node is not None):

@@ -18,6 +18,7 @@ from kairos.common.errors import UnknownPolicyError
 from kairos.core import algorithm as alg
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels
+from kairos.core.slo import RequestSLO
 from kairos.core.state import ClusterView, DecodeNodeState
 
 
@@ -40,6 +41,8 @@ class Policy(Protocol):
 # Policies that read the nodes' prefix caches (``kairos``, ``oracle``, ``pd``) say so with a
 # ``prefix_aware`` attribute, and then take ``decide(..., cached=...)``: the prompt tokens each
 # node has cached, by node id. ``prefix=off`` makes them cache-blind, for comparison.
+# Policies that read a request's own SLOs (``kairos``, ``oracle``, unless ``slo=off``) say so with
+# an ``slo_aware`` attribute, and then take ``decide(..., slo=...)`` (kairos.core.slo.RequestSLO).
 
 
 def _keep(
@@ -201,6 +204,8 @@ class KairosPolicy:
     config: alg.DeciderConfig
     fresh_state: bool = False
     prefix_aware: bool = True  # read the nodes' cached prefixes when the caller has them
+    # Decide each request by its own SLOs when the caller has them; False: one global SLO (config's).
+    slo_aware: bool = True
 
     @property
     def label(self) -> str:
@@ -218,16 +223,22 @@ class KairosPolicy:
         gate_share = self.config.deflect_gate_share
         gate = "" if gate_share == defaults.DEFLECT_GATE_SHARE else f",gate={_share_label(gate_share)}"
         prefix = "" if self.prefix_aware else ",prefix=off"
+        prefix += "" if self.slo_aware else ",slo=off"
         cands = self.config.chunk_candidates
         chunks = "" if cands == defaults.CHUNK_CANDIDATES else f",chunks={format_chunks(cands)}"
         knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{pulls}{keep}{prefix}{chunks}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
-        self, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None = None
+        self,
+        prompt_tokens: int,
+        view: ClusterView,
+        now: float,
+        cached: Mapping[str, int] | None = None,
+        slo: RequestSLO | None = None,
     ) -> Decision:
         hits = cached if self.prefix_aware else None
-        return alg.decide(prompt_tokens, view, now, self.models, self.config, hits)
+        return alg.decide(prompt_tokens, view, now, self.models, self.config, hits, slo if self.slo_aware else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,14 +463,15 @@ class NoPrefillPoolPolicy:
     config: alg.DeciderConfig
     label: str = "no-prefill-pool"
     fresh_state: bool = False
+    slo_aware: bool = True
 
     def applies(self, view: ClusterView, now: float) -> bool:
         """No fresh prefill node, and a fresh decode node to prefill instead."""
         fresh = lambda nodes: any(alg.is_fresh(n.reported_at, now, self.config) for n in nodes)  # noqa: E731
         return not fresh(view.prefill) and fresh(view.decode)
 
-    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
-        return alg.decide_without_prefill_pool(prompt_tokens, view, now, self.models, self.config)
+    def decide(self, prompt_tokens: int, view: ClusterView, now: float, slo: RequestSLO | None = None) -> Decision:
+        return alg.decide_without_prefill_pool(prompt_tokens, view, now, self.models, self.config, slo)
 
 
 POLICY_NAMES = ("pd", "sq", "sl", "kairos", "oracle", "llmd", "dynamo", "aibrix")
@@ -477,6 +489,7 @@ _DECIDER_PARAMS = (
     "prefix",
     "chunks",
     "pulls",
+    "slo",
 )
 _PARAMS: dict[str, tuple[str, ...]] = {
     "pd": ("prefix",),
@@ -631,7 +644,11 @@ def make_policy(spec: str, models: LatencyModels, base: alg.DeciderConfig | None
             None if params["pending"].lower() == "none" else int(number("pending", 1, int))
         )
     return KairosPolicy(
-        models, dataclasses.replace(cfg, **changes), fresh_state=(name == "oracle"), prefix_aware=on_off("prefix")
+        models,
+        dataclasses.replace(cfg, **changes),
+        fresh_state=(name == "oracle"),
+        prefix_aware=on_off("prefix"),
+        slo_aware=on_off("slo"),
     )
 
 

@@ -74,6 +74,11 @@ class DecodeNodeState:
     # attend to; taken to be held in kv_tokens. Shorter than the backlog (a node that does not
     # report them): the rest computed nothing.
     prefill_backlog_computed_tokens: tuple[int, ...] = ()
+    # The tightest TPOT SLO among the node's requests in flight (its heartbeat's, and those this
+    # dispatcher sent since): Eq. 5's tau on the node for a request whose own TPOT is looser, so
+    # a batch request never loosens the steps an interactive one runs in. None: none known (the
+    # node holds nothing, or reports none): the request's own TPOT alone.
+    tpot_slo_s: float | None = None
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
@@ -90,6 +95,9 @@ class DecodeNodeState:
             )
         if not (0 < self.step_calibration < float("inf")):
             raise ValueError(f"decode node {self.node_id}: step_calibration must be > 0, got {self.step_calibration}")
+        tpot = self.tpot_slo_s
+        if tpot is not None and not (0 < tpot < float("inf")):
+            raise ValueError(f"decode node {self.node_id}: tpot_slo_s must be > 0, got {tpot}")
         computed = self.prefill_backlog_computed_tokens
         if len(computed) > len(self.prefill_backlog_tokens) or any(c < 0 for c in computed):
             raise ValueError(

@@ -21,6 +21,7 @@ and never walks the ones still to come.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -44,25 +45,44 @@ class _Dispatch:
     foreign: bool = False  # another dispatcher's deflection, learnt from its promise
     promise: str = ""  # a foreign one's promise member: heard twice, it is counted once
     cached: int = 0  # a deflection's prompt tokens the node has cached: computed already, held in its KV
+    tpot_s: float = math.inf  # a deflection's own TPOT SLO (inf: none), which it tightens the node's tau to
+
+
+def _tpot_of(decision: Decision) -> float:
+    """The TPOT SLO a dispatch holds its decode node to (inf: the decision read none)."""
+    return math.inf if decision.slo is None else decision.slo.tpot_s
 
 
 @dataclass(slots=True)
 class _Incoming:
-    """Keep-path requests on their way to one decode node: a min-heap of (arrival, tokens), with
-    their count and tokens kept as running totals."""
+    """Keep-path requests on their way to one decode node: a min-heap of (arrival, tokens, TPOT
+    SLO), with their count and tokens kept as running totals, and how many hold each TPOT SLO
+    (a few classes: their tightest is a min over a handful of keys)."""
 
-    heap: list[tuple[float, int]] = field(default_factory=list)
+    heap: list[tuple[float, int, float]] = field(default_factory=list)
     tokens: int = 0
+    tpots: dict[float, int] = field(default_factory=dict)
 
-    def add(self, at: float, tokens: int) -> None:
-        heapq.heappush(self.heap, (at, tokens))
+    def add(self, at: float, tokens: int, tpot_s: float = math.inf) -> None:
+        heapq.heappush(self.heap, (at, tokens, tpot_s))
         self.tokens += tokens
+        self.tpots[tpot_s] = self.tpots.get(tpot_s, 0) + 1
 
     def expire(self, horizon: float) -> None:
         """Drop the keeps that arrived by ``horizon``."""
-        heap = self.heap
+        heap, tpots = self.heap, self.tpots
         while heap and heap[0][0] <= horizon:
-            self.tokens -= heapq.heappop(heap)[1]
+            _, tokens, tpot = heapq.heappop(heap)
+            self.tokens -= tokens
+            left = tpots[tpot] - 1
+            if left:
+                tpots[tpot] = left
+            else:
+                del tpots[tpot]
+
+    @property
+    def tightest_tpot_s(self) -> float:
+        return min(self.tpots, default=math.inf)
 
 
 @dataclass
@@ -122,10 +142,10 @@ class ClusterTracker:
             incoming = self._incoming.get(decision.decode_node)
             if incoming is None:
                 incoming = self._incoming[decision.decode_node] = _Incoming()
-            incoming.add(arrival, tokens)
+            incoming.add(arrival, tokens, _tpot_of(decision))
             self._changed(decision.prefill_node, decision.decode_node)
         else:
-            dispatch = _Dispatch(now, work, cached=decision.cached_tokens)
+            dispatch = _Dispatch(now, work, cached=decision.cached_tokens, tpot_s=_tpot_of(decision))
             self._overlay.setdefault(decision.decode_node, []).append(dispatch)
             self._changed(decision.decode_node)
             return decision.decode_node, dispatch
@@ -226,8 +246,12 @@ class ClusterTracker:
             computed = (
                 computed + (0,) * (len(s.prefill_backlog_tokens) - len(computed)) + tuple(d.cached for d in extra)
             )
+        tpot = min(min((d.tpot_s for d in extra), default=math.inf), incoming.tightest_tpot_s if incoming else math.inf)
+        if s.tpot_slo_s is not None:
+            tpot = min(tpot, s.tpot_slo_s)
         return replace(
             s,
+            tpot_slo_s=None if tpot == math.inf else tpot,
             kv_tokens=s.kv_tokens + prefixes,
             prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra),
             prefill_backlog_computed_tokens=computed,

@@ -160,7 +160,8 @@ def render_envoy_config(settings: EnvoySettings, template: Traversable = TEMPLAT
     return env.from_string(template.read_text(encoding="utf-8")).render(
         public_path_regex=path_regex(c.PUBLIC_ENDPOINTS),
         inference_path_regex=path_regex(c.INFERENCE_PATHS),
-        routing_headers=c.ROUTING_HEADERS,
+        # A request with its own SLOs takes the headers route too: the dispatcher reads them there.
+        routing_headers=(*c.ROUTING_HEADERS, *c.SLO_HEADERS),
         routed_headers=(c.H_REQUEST_ID, *c.ROUTING_HEADERS),
         routing_metadata=c.ROUTING_METADATA_NAMESPACE,
         head_attributes=list(c.HEAD_ATTRIBUTES),
