@@ -51,6 +51,7 @@ from kairos.common.http_errors import error_json, error_status
 from kairos.core.algorithm import cached_prefix
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
+from kairos.core.slo import DEFAULT_CLASSES, RequestSLO, SloClass, classify, request_slo
 from kairos.core.state import ClusterView
 from kairos.extproc.admission import AdmissionGate
 from kairos.extproc.metrics import DispatcherMetrics
@@ -121,6 +122,10 @@ class RequestHead:
     header_count: int = 0
     header_bytes: int = 0
     spoofed: tuple[str, ...] = ()  # the client's x-kairos-* headers, to remove
+    # The client's own SLO headers (contracts.SLO_HEADERS), as sent; None: absent. A request with
+    # one takes Envoy's headers route, so the one-message route has neither.
+    slo_ttft_ms: str | None = None
+    slo_tpot_ms: str | None = None
 
     @classmethod
     def of(cls, method: str, path: str, headers: Mapping[str, str]) -> RequestHead:
@@ -134,6 +139,8 @@ class RequestHead:
             header_count=len(headers),
             header_bytes=sum(len(name) + len(value) for name, value in headers.items()),
             spoofed=tuple(name for name in headers if name.lower().startswith(c.HEADER_PREFIX)),
+            slo_ttft_ms=headers.get(c.H_SLO_TTFT_MS),
+            slo_tpot_ms=headers.get(c.H_SLO_TPOT_MS),
         )
 
 
@@ -185,6 +192,9 @@ class DispatchSettings:
     parse_timeout_s: float = 1.5
     reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
     dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
+    # The SLO classes requests are counted by (kairos_dispatcher_class_decisions' class label and
+    # the x-kairos-slo-class header): a request's class is read off its SLO pair against these.
+    slo_classes: tuple[SloClass, ...] = DEFAULT_CLASSES
 
     def __post_init__(self) -> None:
         if self.reservation_attempts < 1:
@@ -269,9 +279,22 @@ class Dispatcher:
                 if declared.isascii() and declared.isdigit():  # Envoy refuses a malformed one before us
                     check_body_size(int(declared), self.settings.limits)
                 _check_head_room(head)
+                self._request_slo(head)  # a bad SLO header is a 400 before the body is sent
         except KairosError as exc:
             return self._rejected(exc, exc.code)
         return None
+
+    def _request_slo(self, head: RequestHead | None, priority: int = 0) -> RequestSLO:
+        """The request's own SLOs, from its headers (the cluster's where absent, or for no head:
+        the routing policy's configured SLOs); :class:`InvalidRequestError` (400) for a bad value."""
+        config = getattr(self.policies.policy, "config", None)
+        return request_slo(
+            None if head is None else head.slo_ttft_ms,
+            None if head is None else head.slo_tpot_ms,
+            priority,
+            defaults.TTFT_SLO_S if config is None else config.ttft_slo_s,
+            defaults.TBT_SLO_S if config is None else config.tbt_slo_s,
+        )
 
     def _rejected(self, exc: Exception, code: str) -> Rejected:
         self.metrics.rejections.labels(code=code).inc()
@@ -288,9 +311,14 @@ class Dispatcher:
             return self._fan_out(head, request)
         found = None if lookup is None or request.prompt_token_ids is None else lookup.hits(request.prompt_token_ids)
         hits = found if found is not None and any(found.values()) else None  # no hit: the blind decision
+        slo = self._request_slo(head, request.priority)
         gate = self.admission
-        async with gate.slot(request.prompt_tokens) if gate is not None else contextlib.nullcontext():
-            decision = await self._decide(request.prompt_tokens, policies, hits)
+        async with gate.slot(request.prompt_tokens, slo) if gate is not None else contextlib.nullcontext():
+            decision = await self._decide(request.prompt_tokens, policies, hits, slo)
+        # The SLOs the decision used: the request's own with an SLO-aware policy, else the
+        # cluster's; the sidecar tells the decode node the TPOT. The class is the request's own.
+        used = slo if slo_aware(policies.policy) else self._request_slo(None, request.priority)
+        slo_class = classify(slo.ttft_s, slo.tpot_s, self.settings.slo_classes)
         addresses = self.cluster.addresses()
         request_id = head.request_id or uuid.uuid4().hex
         set_headers: list[tuple[str, str]] = [
@@ -299,6 +327,9 @@ class Dispatcher:
             (c.H_REASON, decision.reason.value),
             (c.H_DECODE_NODE, decision.decode_node),
             (c.H_PROMPT_TOKENS, str(request.prompt_tokens)),
+            (c.H_DECIDED_TTFT_SLO_MS, f"{used.ttft_s * 1e3:g}"),
+            (c.H_DECIDED_TPOT_SLO_MS, f"{used.tpot_s * 1e3:g}"),
+            (c.H_SLO_CLASS, slo_class),
         ]
         if decision.cached_tokens:
             set_headers.append((c.H_CACHED_TOKENS, str(decision.cached_tokens)))
@@ -317,7 +348,7 @@ class Dispatcher:
         destinations = (primary, *_fallback(primary, self.cluster.decode_sidecars()))
         overwritten = {name for name, _ in set_headers}
         elapsed = time.perf_counter() - started
-        self.metrics.observe_decision(decision, elapsed)
+        self.metrics.observe_decision(decision, elapsed, slo_class)
         if found is not None:
             decode_hit = cached_prefix(found, decision.decode_node, decision.prompt_tokens)
             self.metrics.observe_prefix_hits(decision, decode_hit)
@@ -376,7 +407,11 @@ class Dispatcher:
         )
 
     async def _decide(
-        self, prompt_tokens: int, policies: Policies, cached: Mapping[str, int] | None = None
+        self,
+        prompt_tokens: int,
+        policies: Policies,
+        cached: Mapping[str, int] | None = None,
+        slo: RequestSLO | None = None,
     ) -> Decision:
         """Run the policy; a deflection must have its promise taken on its decode node
         (``kairos.extproc.reservations``), so that no dispatcher replica plans a node's step
@@ -384,11 +419,12 @@ class Dispatcher:
         than the view counted, the policy runs again on the view with them; refused because
         Redis did not answer, the node is taken out. The policies are read once, by the caller:
         a profile reload while a promise is in flight takes effect at the next request.
-        ``cached``: each node's cached prefix of the prompt, for the prefix-aware policies."""
+        ``cached``: each node's cached prefix of the prompt, for the prefix-aware policies; ``slo``:
+        the request's own SLOs, for the SLO-aware ones."""
         full_view = view = self.cluster.view()
         if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
             t0 = time.perf_counter()
-            decision = self._without_prefill_pool(policies.no_prefill, prompt_tokens, view)
+            decision = self._without_prefill_pool(policies.no_prefill, prompt_tokens, view, slo)
             self.metrics.policy_seconds.observe(time.perf_counter() - t0)
             return decision
         if self._prefill_pool_gone:
@@ -403,7 +439,7 @@ class Dispatcher:
                 if not view.decode:
                     break
             t0 = time.perf_counter()
-            decision = _run(policies.policy, prompt_tokens, view, self._clock(), cached)
+            decision = _run(policies.policy, prompt_tokens, view, self._clock(), cached, slo)
             compute_s += time.perf_counter() - t0
             if decision.route is not Route.DEFLECT:
                 break
@@ -427,7 +463,7 @@ class Dispatcher:
             # No deflection target took the promise: the P/D path, where any decode node
             # (promised ones included) can take the request after its prefill.
             t0 = time.perf_counter()
-            decision = _run(policies.keep_policy, prompt_tokens, full_view, self._clock(), cached)
+            decision = _run(policies.keep_policy, prompt_tokens, full_view, self._clock(), cached, slo)
             compute_s += time.perf_counter() - t0
         self.metrics.policy_seconds.observe(compute_s)
         self.cluster.record(decision, self._clock())
@@ -442,14 +478,19 @@ class Dispatcher:
             return False
         return policy.applies(view, self._clock())
 
-    def _without_prefill_pool(self, policy: Policy, prompt_tokens: int, view: ClusterView) -> Decision:
+    def _without_prefill_pool(
+        self, policy: Policy, prompt_tokens: int, view: ClusterView, slo: RequestSLO | None = None
+    ) -> Decision:
         if not self._prefill_pool_gone:
             self._prefill_pool_gone = True
             log.warning(
                 "no fresh prefill node: decode nodes prefill requests themselves until one is back (reason %s)",
                 "deflect_no_prefill_node",
             )
-        decision = policy.decide(prompt_tokens, view, self._clock())
+        if slo is not None and slo_aware(policy):
+            decision = policy.decide(prompt_tokens, view, self._clock(), slo=slo)  # type: ignore[call-arg]
+        else:
+            decision = policy.decide(prompt_tokens, view, self._clock())
         self.cluster.record(decision, self._clock())
         return decision
 
@@ -545,12 +586,25 @@ def prefix_aware(policy: Policy) -> bool:
     return bool(getattr(policy, "prefix_aware", False))
 
 
+def slo_aware(policy: Policy) -> bool:
+    """The policy decides each request by its own SLOs (``kairos``, unless ``slo=off``)."""
+    return bool(getattr(policy, "slo_aware", False))
+
+
 def _run(
-    policy: Policy, prompt_tokens: int, view: ClusterView, now: float, cached: Mapping[str, int] | None
+    policy: Policy,
+    prompt_tokens: int,
+    view: ClusterView,
+    now: float,
+    cached: Mapping[str, int] | None,
+    slo: RequestSLO | None = None,
 ) -> Decision:
+    extra: dict[str, object] = {}
     if cached is not None and prefix_aware(policy):
-        return policy.decide(prompt_tokens, view, now, cached=cached)  # type: ignore[call-arg]
-    return policy.decide(prompt_tokens, view, now)
+        extra["cached"] = cached
+    if slo is not None and slo_aware(policy):
+        extra["slo"] = slo
+    return policy.decide(prompt_tokens, view, now, **extra)  # type: ignore[arg-type]
 
 
 def _ms(seconds: float | None) -> str:

@@ -31,6 +31,15 @@ class DispatcherMetrics:
             ["route", "reason"],
             registry=r,
         )
+        # Bounded: the class is read off the request's SLO pair against the configured classes
+        # (kairos.core.slo.classify), never a client's raw header value.
+        self.class_decisions = Counter(
+            "kairos_dispatcher_class_decisions",
+            "Routing decisions by the request's SLO class (its x-slo-ttft-ms / x-slo-tpot-ms pair, or the "
+            "cluster default's class) and route",
+            ["class", "route"],
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kairos_dispatcher_decision_seconds",
             "Time from request body to routing answer (parsing and tokenization included)",
@@ -169,8 +178,10 @@ class DispatcherMetrics:
         self.profile_info.clear()
         self.profile_info.labels(name=name, hash=digest, source=source).set(1)
 
-    def observe_decision(self, decision: Decision, seconds: float) -> None:
+    def observe_decision(self, decision: Decision, seconds: float, slo_class: str | None = None) -> None:
         self.decisions.labels(route=decision.route.value, reason=decision.reason.value).inc()
+        if slo_class is not None:
+            self.class_decisions.labels(slo_class, decision.route.value).inc()
         self.decision_seconds.observe(seconds)
         predicted = (
             decision.predicted_ttft_decode_s if decision.route.value == "deflect" else decision.predicted_ttft_prefill_s

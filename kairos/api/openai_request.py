@@ -101,6 +101,10 @@ class ParsedRequest:
     # prompt), in order; empty for one prompt. A batch's prompt_tokens and max_tokens are the
     # sums of its parts' (vLLM's usage.prompt_tokens of the batch, its output cap).
     parts: tuple[ParsedRequest, ...] = ()
+    # vLLM's ``priority`` (an integer, 0 when absent; lower is served first by a node that runs
+    # vLLM's priority scheduling): forwarded in the body as sent, and the request's place in the
+    # dispatcher's admission line among requests of the same TTFT SLO.
+    priority: int = 0
 
 
 # A UTF-8-encoded surrogate (U+D800..U+DFFF: 0xED then 0xA0..0xBF) is not valid UTF-8, but
@@ -199,11 +203,12 @@ def parse_request(
             )
         return tokens, _resolve_max_tokens(tokens, requested, field or "max_tokens", input_param, limits), ids
 
+    priority = request_priority(data)
     counted = [count(p) for p in prompts] if prompts else [count(None)]  # in order: vLLM's first refusal
     n = choices_per_prompt(data)
 
     def parsed(body: dict[str, Any], tokens: int, cap: int, ids: list[int] | None) -> ParsedRequest:
-        return ParsedRequest(kind, model, tokens, cap, stream, include_usage, body, ids, n)
+        return ParsedRequest(kind, model, tokens, cap, stream, include_usage, body, ids, n, priority=priority)
 
     if len(counted) == 1:
         return parsed(data, *counted[0])
@@ -250,6 +255,17 @@ def _lax_int(value: Any) -> int | None:
         text = value.strip().replace("_", "")
         return int(text) if text.lstrip("+-").isdecimal() and text.isascii() else None
     return None
+
+
+def request_priority(data: Mapping[str, Any]) -> int:
+    """The request's ``priority`` as vLLM's request schema reads it (``priority: int = 0``, in
+    pydantic's lax mode): absent is 0; null or a non-integer is a 400."""
+    if "priority" not in data:
+        return 0
+    priority = _lax_int(data["priority"])
+    if priority is None:
+        raise RequestError(f"priority must be an integer, got {json_type(data['priority'])}", "priority")
+    return priority
 
 
 def choices_per_prompt(data: Mapping[str, Any]) -> int:
