@@ -48,6 +48,10 @@ class AdmissionGate:
         self._arrivals = itertools.count()
         self._unseen = 0  # admitted, their decision not yet in the view
         self._pump: asyncio.Task[None] | None = None
+        # Read at each scrape (the metrics server runs on this event loop): after a burst the
+        # cluster drains with no request arriving, and the gauges must show that.
+        metrics.admission_in_flight.set_function(lambda: in_flight(self._view()) + self._unseen)
+        metrics.admission_budget.set_function(lambda: request_budget(self._view(), self.limits))
 
     @property
     def waiting(self) -> int:
@@ -93,8 +97,6 @@ class AdmissionGate:
         self._metrics.admission_waited.inc()  # its seat was counted by _let_in
 
     def _check(self, view: ClusterView, prompt_tokens: int) -> Verdict:
-        self._metrics.admission_in_flight.set(in_flight(view) + self._unseen)
-        self._metrics.admission_budget.set(request_budget(view, self.limits))
         return admission(view, prompt_tokens, self.limits, self._unseen)
 
     async def _let_in(self) -> None:

@@ -118,12 +118,12 @@ class DispatcherMetrics:
         )
         self.admission_in_flight = Gauge(
             "kairos_dispatcher_admission_in_flight",
-            "Requests the cluster holds as the view counts them, at the last admission check",
+            "Requests the cluster holds as the view counts them now (and those being decided)",
             registry=r,
         )
         self.admission_budget = Gauge(
             "kairos_dispatcher_admission_budget",
-            "Requests the cluster may hold at once (decode seats and a queue as deep), at the last admission check",
+            "Requests the cluster may hold at once (decode seats and a queue as deep), as the view counts them now",
             registry=r,
         )
         self.reservation_conflicts = Counter(

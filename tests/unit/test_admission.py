@@ -171,3 +171,20 @@ async def test_no_wait_refuses_at_once() -> None:
     with pytest.raises(OverloadedError):
         await g.slot(10).__aenter__()
     assert shed(metrics, "queue_full") == 1
+
+
+async def test_the_in_flight_gauges_say_what_the_view_holds_now_not_at_the_last_arrival() -> None:
+    # After a burst the cluster drains with no request arriving: kairos top and the dashboard
+    # must show it idle, not the count the last arrival saw.
+    cluster = Cluster(running=3)
+    g, metrics = gate(cluster)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"kairos_dispatcher_admission_{name}")
+
+    async with g.slot(10):
+        assert sample("in_flight") == 4  # 3 in the view, 1 being decided
+    assert sample("in_flight") == 3
+    cluster.running = 0  # heartbeats: the burst has drained
+    assert sample("in_flight") == 0
+    assert sample("budget") == 4  # one decode node's 4 seats, no queue
