@@ -35,7 +35,7 @@ from kairos.common.contracts import EngineStep, Role, StepChunk
 from kairos.common.kv_events import KvEvent, KvEventBatch
 from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, StepGuard
-from kairos.core.slo import tau_scaled_budget_s, tightest_tpot_s
+from kairos.core.slo import tau_scaled_budget_s, tightest_tpot_s, tpot_or_default
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -240,6 +240,9 @@ class Engine:
     _scheduled: _PrefillQueue = field(default_factory=_PrefillQueue)
     cache: PrefixCache | None = field(init=False, default=None)
     kv_seq: int | None = None  # the number of the last KV-event batch published (None: none yet)
+    # How many requests in flight hold each TPOT SLO (tpot_or_default): a heartbeat reads their
+    # tightest as the min of a few keys, never walking the batch.
+    _tpots: dict[float, int] = field(default_factory=dict)
     _kv_events: list[KvEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -331,6 +334,7 @@ class Engine:
         """A request that needs prefill on this engine (a prefill hop, or a deflected prefill)."""
         if seq.block_hashes:
             self._pin(seq)
+        self._hold_tpot(seq, 1)
         self.waiting.append(seq)
         (self._scheduled if seq.schedule else self._unscheduled).add(seq)
 
@@ -374,6 +378,7 @@ class Engine:
         self.kv_used += seq.kv_tokens
         if seq.block_hashes:
             self._cache_prompt(seq)
+        self._hold_tpot(seq, 1)
         self.joining.append(seq)
 
     @property
@@ -480,6 +485,7 @@ class Engine:
             if done:
                 for seq in done:
                     seq.finished_at = now
+                    self._hold_tpot(seq, -1)
                     self.kv_used -= seq.kv_tokens
                     if seq.block_hashes:
                         self._uncache_refs(seq)
@@ -507,6 +513,7 @@ class Engine:
                     emitted.append(seq)
                 if seq.output_tokens <= 1:
                     seq.finished_at = now
+                    self._hold_tpot(seq, -1)
                     done.append(seq)
                     if not seq.hold_kv:
                         self.kv_used -= seq.kv_tokens
@@ -553,6 +560,12 @@ class Engine:
     def tightest_tpot_s(self) -> float | None:
         """The tightest TPOT SLO among the requests in flight here (waiting, prefilling, decoding
         or joining; None: none), what a decode node's heartbeat reports."""
-        return tightest_tpot_s(
-            s.tpot_slo_s for group in (self.waiting, self.prefilling, self.decoding, self.joining) for s in group
-        )
+        return min(self._tpots, default=None)
+
+    def _hold_tpot(self, seq: Sequence, change: int) -> None:
+        tpot = tpot_or_default(seq.tpot_slo_s)
+        left = self._tpots.get(tpot, 0) + change
+        if left:
+            self._tpots[tpot] = left
+        else:
+            del self._tpots[tpot]

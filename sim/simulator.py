@@ -45,7 +45,7 @@ from kairos.core.kv_event_sync import EventStreamSync
 from kairos.core.latency import LatencyModels
 from kairos.core.policies import Policy
 from kairos.core.prefix_index import PrefixIndex
-from kairos.core.slo import RequestSLO, tightest_tpot_s
+from kairos.core.slo import RequestSLO, tightest_tpot_s, tpot_or_default
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, StepTimer, model_step_time
@@ -162,10 +162,11 @@ class _Link:
 
     def tightest_tpot_s(self) -> float | None:
         """The tightest TPOT SLO among the requests whose KV the node is pulling (None: none)."""
-        tpots = [rec.tpot_slo_s for rec in self.queue]
-        if self.busy:
-            tpots.append(self.current_tpot_s)
-        return tightest_tpot_s(tpots)
+        queued = tightest_tpot_s(rec.tpot_slo_s for rec in self.queue) if self.queue else None
+        if not self.busy:
+            return queued
+        current = tpot_or_default(self.current_tpot_s)
+        return current if queued is None else min(current, queued)
 
     def pending_tokens(self) -> tuple[int, ...]:
         """Prompt tokens of each transfer running or queued, FIFO: the node's KV pulls to come."""
