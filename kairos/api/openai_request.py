@@ -45,6 +45,7 @@ _ROUTES: dict[str, RequestKind] = {COMPLETIONS_PATH: "completion", CHAT_COMPLETI
 # temperature under which it samples greedily (its _SAMPLING_EPS).
 MAX_BATCH_PROMPTS = 1024
 MAX_N = 16384
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default: logprobs per token a request may ask for
 GREEDY_TEMPERATURE = 1e-5
 
 
@@ -206,6 +207,7 @@ def parse_request(
     priority = request_priority(data)
     counted = [count(p) for p in prompts] if prompts else [count(None)]  # in order: vLLM's first refusal
     n = choices_per_prompt(data)
+    check_sampling_params(data, kind, [cap for _, cap, _ in counted], tokenizer.vocab_size)
 
     def parsed(body: dict[str, Any], tokens: int, cap: int, ids: list[int] | None) -> ParsedRequest:
         return ParsedRequest(kind, model, tokens, cap, stream, include_usage, body, ids, n, priority=priority)
@@ -454,3 +456,104 @@ def _chat_prompt_tokens(
         return tokenizer.count_tokens(text, add_special_tokens=add_special_tokens, limit=limit), None
     ids = tokenizer.prompt_ids(text, add_special_tokens=add_special_tokens, limit=limit)
     return len(ids), (None if limit is not None and len(ids) > limit else ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters
+# ---------------------------------------------------------------------------------------------
+# vLLM's request schemas' ``float | None`` sampling fields, in the order SamplingParams checks them.
+_SAMPLING_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+
+
+def _lax_float(value: Any) -> float | None:
+    """``value`` as pydantic's lax mode reads a float field: a number, a boolean or a string of one."""
+    if isinstance(value, int):  # a bool too; past a float's range an infinity, where float() raises
+        if abs(value) >= 2**1000:
+            return math.inf if value > 0 else -math.inf
+        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def check_sampling_params(data: Mapping[str, Any], kind: RequestKind, caps: list[int], vocab_size: int) -> None:
+    """Refuse what vLLM's request schema and ``SamplingParams._verify_args`` refuse, with vLLM's
+    messages: a node would answer it with a 400 only after the request was routed (and, on the
+    keep path, after a prefill hop). ``caps``: each prompt's resolved ``max_tokens``."""
+    num: dict[str, float] = {}
+    for name in _SAMPLING_FLOATS:
+        if data.get(name) is not None:
+            value = _lax_float(data[name])
+            if value is None:
+                raise RequestError(f"{name} must be a number, got {json_type(data[name])}", name)
+            num[name] = value
+    ints: dict[str, int] = {}
+    int_fields = ("top_k", "min_tokens", "prompt_logprobs", "logprobs" if kind == "completion" else "top_logprobs")
+    for name in int_fields:
+        if name in data and (data[name] is not None or name == "min_tokens"):  # min_tokens: int = 0
+            value = _lax_int(data[name])
+            if value is None:
+                raise RequestError(f"{name} must be an integer, got {json_type(data[name])}", name)
+            ints[name] = value
+    stop = data.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise RequestError(f"stop must be a string or an array of strings, got {json_type(stop)}", "stop")
+
+    # The chat schema's own logprobs rules; its top_logprobs is the engine's logprobs.
+    logprobs = ints.get("logprobs")
+    if kind == "chat" and (top := ints.get("top_logprobs")) is not None:
+        if top < 0 and top != -1:
+            raise RequestError("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        asked = _optional_bool(data, "logprobs", False)
+        if (top == -1 or top > 0) and not asked:
+            raise RequestError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        logprobs = top if asked else None
+
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in num and not -2.0 <= num[name] <= 2.0:
+            raise RequestError(f"{name} must be in [-2, 2], got {num[name]}.", name)
+    if (rep := num.get("repetition_penalty")) is not None:
+        if not math.isfinite(rep):
+            raise RequestError(f"repetition_penalty must be a finite number, got {rep}.", "repetition_penalty")
+        if rep <= 0.0:
+            raise RequestError(f"repetition_penalty must be greater than zero, got {rep}.", "repetition_penalty")
+    if (temperature := num.get("temperature")) is not None:
+        if not math.isfinite(temperature):
+            raise RequestError(f"temperature must be a finite number, got {temperature}.", "temperature")
+        if temperature < 0.0:
+            raise RequestError(f"temperature must be non-negative, got {temperature}.", "temperature")
+        if temperature > 2.0:
+            raise RequestError(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+    if (top_p := num.get("top_p")) is not None and not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    if (top_k := ints.get("top_k")) is not None and top_k < -1:
+        raise RequestError(f"top_k must be 0 (disable), or at least 1, got {top_k}.", "top_k")
+    if (min_p := num.get("min_p")) is not None and not 0.0 <= min_p <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p}.", "min_p")
+    if (min_tokens := ints.get("min_tokens")) is not None:
+        if min_tokens < 0:
+            raise RequestError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens")
+        for cap in caps:
+            if min_tokens > cap:
+                raise RequestError(
+                    f"min_tokens must be less than or equal to max_tokens={cap}, got {min_tokens}.", "min_tokens"
+                )
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", ints.get("prompt_logprobs"))):
+        if value is not None and value < 0 and value != -1:
+            raise RequestError(f"{name} must be non-negative or -1, got {value}.", name)
+    if stops is not None and any(not s for s in stops):
+        raise RequestError("stop cannot contain an empty string.", "stop")
+    # SamplingParams._validate_logprobs, against the engine's max_logprobs (-1: the vocabulary).
+    param = "logprobs" if kind == "completion" else "top_logprobs"
+    for what, name, value in (("sample", param, logprobs), ("prompt", "prompt_logprobs", ints.get("prompt_logprobs"))):
+        asked_for = vocab_size if value == -1 else value
+        if asked_for and asked_for > MAX_LOGPROBS:
+            raise RequestError(
+                f"Requested {what} logprobs of {asked_for}, which is greater than max allowed: {MAX_LOGPROBS}", name
+            )

@@ -600,3 +600,104 @@ def test_token_ids_past_the_context_refused_from_the_count(tok: PromptTokenizer)
     small = RequestLimits(max_model_len=8, default_max_tokens=1)
     with pytest.raises(InvalidRequestError, match="more than 8 input tokens"):
         parse_request(COMPLETIONS, body(prompt="word " * 50), tok, small, stop_over_context=True, token_ids=True)
+
+
+# -- sampling parameters: what vLLM's SamplingParams refuses is refused before routing -------------
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"temperature": -1}, "temperature", "temperature must be non-negative, got -1.0."),
+        ({"temperature": 2.5}, "temperature", "temperature must be in [0, 2], got 2.5."),
+        ({"temperature": "hot"}, "temperature", "temperature must be a number, got a string"),
+        ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0."),
+        ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1], got 1.5."),
+        ({"top_k": -2}, "top_k", "top_k must be 0 (disable), or at least 1, got -2."),
+        ({"top_k": 1.5}, "top_k", "top_k must be an integer, got a number"),
+        ({"min_p": 1.5}, "min_p", "min_p must be in [0, 1], got 1.5."),
+        ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be in [-2, 2], got 3.0."),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "frequency_penalty must be in [-2, 2], got -2.5."),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be greater than zero, got 0.0."),
+        ({"min_tokens": -1}, "min_tokens", "min_tokens must be greater than or equal to 0, got -1."),
+        (
+            {"min_tokens": 5, "max_tokens": 3},
+            "min_tokens",
+            "min_tokens must be less than or equal to max_tokens=3, got 5.",
+        ),
+        ({"min_tokens": None}, "min_tokens", "min_tokens must be an integer, got null"),
+        ({"stop": ["a", ""]}, "stop", "stop cannot contain an empty string."),
+        ({"stop": 5}, "stop", "stop must be a string or an array of strings, got a number"),
+    ],
+)
+def test_sampling_parameters_vllm_refuses_are_400s(
+    tok: PromptTokenizer, fields: dict, param: str, message: str
+) -> None:
+    for path, base in ((COMPLETIONS, {"prompt": PROMPT}), (CHAT, {"messages": MESSAGES})):
+        with pytest.raises(InvalidRequestError) as refused:
+            parse(tok, path, {**base, "max_tokens": 4, **fields})
+        assert (refused.value.param, str(refused.value)) == (param, message)
+        assert error_status(refused.value) == 400
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "message"),
+    [
+        (COMPLETIONS, {"logprobs": -2}, "logprobs", "logprobs must be non-negative or -1, got -2."),
+        (
+            COMPLETIONS,
+            {"logprobs": 100},
+            "logprobs",
+            "Requested sample logprobs of 100, which is greater than max allowed: 20",
+        ),
+        (
+            COMPLETIONS,
+            {"logprobs": -1},
+            "logprobs",
+            "Requested sample logprobs of 4096, which is greater than max allowed: 20",
+        ),
+        (COMPLETIONS, {"logprobs": "x"}, "logprobs", "logprobs must be an integer, got a string"),
+        (
+            COMPLETIONS,
+            {"prompt_logprobs": 21},
+            "prompt_logprobs",
+            "Requested prompt logprobs of 21, which is greater than max allowed: 20",
+        ),
+        (
+            CHAT,
+            {"top_logprobs": -3, "logprobs": True},
+            "top_logprobs",
+            "`top_logprobs` must be a positive value or -1.",
+        ),
+        (CHAT, {"top_logprobs": 2}, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."),
+        (
+            CHAT,
+            {"top_logprobs": 30, "logprobs": True},
+            "top_logprobs",
+            "Requested sample logprobs of 30, which is greater than max allowed: 20",
+        ),
+    ],
+)
+def test_logprobs_are_bounded_as_vllm_bounds_them(
+    tok: PromptTokenizer, path: str, fields: dict, param: str, message: str
+) -> None:
+    base = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
+    with pytest.raises(InvalidRequestError) as refused:
+        parse(tok, path, {**base, **fields})
+    assert (refused.value.param, str(refused.value)) == (param, message)
+
+
+def test_sampling_parameters_vllm_takes_pass(tok: PromptTokenizer) -> None:
+    """In range, null where vLLM's schema allows it, and read laxly as pydantic reads them."""
+    fields = {
+        "temperature": 0, "top_p": "0.5", "top_k": -1, "min_p": None, "presence_penalty": -2, "frequency_penalty": 2,
+        "repetition_penalty": 1.2, "min_tokens": 4, "max_tokens": 4, "stop": "and", "prompt_logprobs": None,
+    }  # fmt: skip
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, **fields, "logprobs": 20}).max_tokens == 4
+    assert parse(tok, CHAT, {"messages": MESSAGES, **fields, "logprobs": True, "top_logprobs": 20}).max_tokens == 4
+    assert parse(tok, CHAT, {"messages": MESSAGES, "logprobs": False, "top_logprobs": 0}).n == 1
+
+
+def test_a_sampling_number_past_a_float_is_out_of_range_not_a_crash(tok: PromptTokenizer) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^top_p must be in \(0, 1\], got inf\.$"):
+        parse(tok, COMPLETIONS, body(prompt=PROMPT, top_p=10**400))
+    with pytest.raises(InvalidRequestError, match=r"^temperature must be a finite number, got -inf\.$"):
+        parse(tok, CHAT, body(messages=MESSAGES, temperature=-(10**400)))
