@@ -573,6 +573,10 @@ class Membership:
                     # Not reported (a node older than the field): 1.0, the model taken as it is.
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
                     pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),
+                    # Not reported (a node that does not report its requests' TPOTs, which also
+                    # cannot tighten a carried budget by them): its requests hold the cluster's
+                    # default, so a looser request never plans its steps looser than that.
+                    tpot_slo_s=defaults.TBT_SLO_S if hb.tpot_slo_ms is None else hb.tpot_slo_ms / 1e3,
                 )
             )
         return events

@@ -165,25 +165,18 @@ def node_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
     the tightest of the request's TPOT (``config.tbt_slo_s``) and the node's requests' in flight
     (``DecodeNodeState.tpot_slo_s``): a looser request never loosens the node's steps. A node of
     no tighter TPOT and a calibration of 1.0 give ``config.step_budget_s`` to the bit."""
-    budget = own_step_budget_s(config, node)
+    budget = config.step_budget_s
+    if config.calibrate:
+        budget /= node.step_calibration
     share = _tau_share(config, node)
     return budget if share == 1.0 else budget * share
-
-
-def own_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
-    """The step budget of the request's own TPOT on ``node`` (``config.step_budget_s`` / its step
-    calibration): what a decision carries to the node. The node's guard tightens it by the TPOT of
-    the decodes it runs beside at each step (``kairos.core.latency.tau_scaled_budget_s``), so a
-    budget carried with a batch request does not outlive the interactive decodes it met."""
-    budget = config.step_budget_s
-    return budget / node.step_calibration if config.calibrate else budget
 
 
 def keep_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float | None:
     """The step budget a keep carries for its decode node ``node`` (None without the node step
     guard): should the prefill node fail it, the node's sidecar prefills it there, and the
     node's guard holds those steps to this budget, as a deflection's."""
-    return own_step_budget_s(config, node) if config.node_step_guard else None
+    return node_step_budget_s(config, node) if config.node_step_guard else None
 
 
 def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
@@ -327,9 +320,6 @@ class _Plan:
     runs: tuple[Run, ...]  # the request's schedule
     ttft_s: float  # includes the wait behind the node's backlog, if any
     step_budget_s: float  # the node's step budget the schedule was planned to (node_step_budget_s)
-    # The budget the deflection carries to the node: the request's own (own_step_budget_s), which
-    # the node's guard tightens by its running decodes' TPOT as the plan's was by its heartbeat's.
-    carried_budget_s: float
 
 
 _INFEASIBLE = "infeasible"  # no TBT-safe chunk exists at some step
@@ -569,8 +559,7 @@ def plan_on_decode_node(
     done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t, cached_tokens)
     if isinstance(done, str):
         return done
-    own = own_step_budget_s(config, node)
-    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget, carried_budget_s=own)
+    return _Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -755,13 +744,7 @@ def _plan_on_path(
     )
     if isinstance(done, str):
         return done
-    return _Plan(
-        decode_tokens=facts.b,
-        runs=tuple(done[0]),
-        ttft_s=done[1],
-        step_budget_s=facts.budget_s,
-        carried_budget_s=own_step_budget_s(config, node),
-    )
+    return _Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=facts.budget_s)
 
 
 def ttft_lower_bound_s(
@@ -1052,7 +1035,7 @@ def decide_without_prefill_pool(
         ttft_dec,
         prompt_tokens,
         config,
-        plan.carried_budget_s,
+        plan.step_budget_s,
         slo=slo,
     )
 
@@ -1072,7 +1055,8 @@ def _deflect(
     slo: RequestSLO | None = None,
 ) -> Decision:
     """A deflection to ``node_id`` with its schedule, carrying the step budget the node enforces
-    (the request's own on that node, ``own_step_budget_s``: the node tightens it by its decodes')."""
+    (the one it was planned to, ``node_step_budget_s``: a node that knows its decodes' TPOTs
+    tightens it further by theirs, ``kairos.core.slo.tau_scaled_budget_s``)."""
     return Decision(
         route=Route.DEFLECT,
         reason=reason,
@@ -1311,7 +1295,7 @@ def decide(
         ttft_dec,
         prompt_tokens,
         config,
-        plan.carried_budget_s,
+        plan.step_budget_s,
         cached_prefix(cached, node_id, prompt_tokens),
         slo,
     )

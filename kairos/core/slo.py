@@ -164,11 +164,11 @@ def tightest_tpot_s(tpots: Iterable[float | None]) -> float | None:
 
 def tau_scaled_budget_s(budget_s: float | None, own_tpot_s: float | None, running_tpot_s: float | None) -> float | None:
     """A deflected chunk's step budget on its node at one step: the budget it carries (planned to
-    its own TPOT, ``own_tpot_s``), times the tightest TPOT of the decodes running in that step over
-    its own when tighter, the node's side of the dispatcher's ``node_step_budget_s``. The two hold
-    the same line for the decodes the heartbeat showed; the node's also for those that joined
-    since, and a batch request's budget loosens again once the interactive decodes it met are done.
-    None (no budget) stays None; no running decode (None) leaves it as carried."""
+    the tighter of its own TPOT, ``own_tpot_s``, and the node's tightest when it was decided),
+    times the tightest TPOT of the decodes running in that step over its own, when tighter. Never
+    looser than planned, and as tight as the decodes beside it need, those that joined since the
+    heartbeat included (it may be tighter than they need where the plan had tightened it already:
+    the safe side). None (no budget) stays None; no running decode (None) leaves it as carried."""
     if budget_s is None or running_tpot_s is None:
         return budget_s
     own = tpot_or_default(own_tpot_s)

@@ -8,6 +8,7 @@ their state, the stale ones, degraded/static flags and the events. No Redis, no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kairos.common import defaults
 from kairos.common.contracts import HeartbeatField, Role, parse_heartbeat
 from kairos.common.errors import ConfigError
 from kairos.core.state import DecodeNodeState, PrefillNodeState
@@ -600,6 +602,7 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
                     scheduled_prefill_tokens=[900],
                     model="tiny",
                     pending_kv_pull_tokens=[4000, 12],
+                    tpot_slo_ms=60,
                 ),
             ),
             ("d1", beat("d1")),  # reports no pulls (real vLLM today): none
@@ -608,9 +611,11 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
     )
     view = m.tracker.view()
     assert view.prefill == (PrefillNodeState.from_queue("p0", (3000, 500), 2048, 5.0),)
+    d0 = DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12))
     assert view.decode == (
-        DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12)),
-        DecodeNodeState("d1", 0, 0, 50_000, 5.0),
+        dataclasses.replace(d0, tpot_slo_s=0.060),
+        # Its requests' TPOTs not reported: they hold the cluster's default (kairos.core.slo).
+        DecodeNodeState("d1", 0, 0, 50_000, 5.0, tpot_slo_s=defaults.TBT_SLO_S),
     )
     assert dict(m.addresses()) == {
         "p0": NodeAddress(Role.PREFILL, "10.0.0.1:8100", "", "m"),
