@@ -312,6 +312,26 @@ class _Node:
     raw: bytes | str | None = None  # the key's value that ``beat`` was parsed from
 
 
+def _tpot_slo_s(hb: Heartbeat) -> float | None:
+    """A decode node's tightest TPOT in flight. Nodes report it while they hold any request (the
+    emulated node, the vLLM plugin); absent on an idle node, none. Absent on a node that holds
+    requests, it is one older than the field, which neither reports its requests' TPOTs nor
+    tightens a carried budget by them: its requests hold the cluster's default, so a looser
+    request never plans its steps looser than that."""
+    if hb.tpot_slo_ms is not None:
+        return hb.tpot_slo_ms / 1e3
+    holds_any = (
+        hb.decode_tokens
+        or hb.kv_tokens
+        or hb.queued_prefill_tokens
+        or hb.scheduled_prefill_tokens
+        or hb.pending_kv_pull_tokens
+        or hb.running_requests
+        or hb.waiting_requests
+    )
+    return defaults.TBT_SLO_S if holds_any else None
+
+
 # ---------------------------------------------------------------------------------------------
 # The rules
 # ---------------------------------------------------------------------------------------------
@@ -573,10 +593,7 @@ class Membership:
                     # Not reported (a node older than the field): 1.0, the model taken as it is.
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
                     pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),
-                    # Not reported (a node that does not report its requests' TPOTs, which also
-                    # cannot tighten a carried budget by them): its requests hold the cluster's
-                    # default, so a looser request never plans its steps looser than that.
-                    tpot_slo_s=defaults.TBT_SLO_S if hb.tpot_slo_ms is None else hb.tpot_slo_ms / 1e3,
+                    tpot_slo_s=_tpot_slo_s(hb),
                 )
             )
         return events

@@ -8,6 +8,9 @@ Envoy sends every request for this decode node here, with the decision in ``x-ka
            This is the two-hop protocol of vLLM's ``toy_proxy_server.py`` and llm-d's sidecar.
   deflect  one hop to the local vLLM, the chunk schedule in ``vllm_xargs`` (read by the Kairos
            scheduler plugin).
+  Both routes' hop to the local vLLM carries the request's TPOT SLO (``vllm_xargs``
+  ``kairos_tpot_slo_ms``, from the dispatcher's ``x-kairos-slo-tpot-ms``); the client's body
+  fields, vLLM's ``priority`` included, go to every hop as sent.
   fanout   a batch (several prompts): each prompt is sent back through the gateway (``--gateway``)
            for a decision of its own, and the answers merged as vLLM's (kairos.nodeagent.fanout).
   (none)   the request reached the sidecar directly: plain aggregated serving on the local vLLM.
@@ -570,12 +573,12 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             if isinstance(prefilled, web.Response):
                 status = prefilled.status
                 return prefilled
-            if prefilled is None:
-                data = _dumps(_local_prefill_body(state, clean, request.headers, rid))
-            else:
-                data = _dumps({**clean, c.KV_TRANSFER_PARAMS: prefilled})
+            local = _local_prefill_body(state, clean, request.headers, rid) if prefilled is None else None
+            hop2 = {**clean, c.KV_TRANSFER_PARAMS: prefilled} if local is None else local
+            data = _dumps(_with_tpot_slo(state, hop2, request.headers, rid))
         elif timing.path == ROUTE_DEFLECT:
-            data = _dumps(_deflect_body(state, clean, request.headers, rid))
+            deflected = _deflect_body(state, clean, request.headers, rid)
+            data = _dumps(_with_tpot_slo(state, deflected, request.headers, rid))
         else:
             _count(state, "2", "bad_routing_headers")
             raise _bad_routing(rid, f"{c.H_ROUTE}={route!r} is neither {ROUTE_KEEP!r} nor {ROUTE_DEFLECT!r}")
@@ -800,6 +803,25 @@ def _scheduled_body(body: dict[str, Any], schedule: Sequence[int], budget_ms: fl
     if xargs is not None and not isinstance(xargs, dict):
         raise InvalidRequestError(f"{c.VLLM_XARGS} must be an object, got {type(xargs).__name__}")
     return {**body, c.VLLM_XARGS: {**(xargs or {}), **c.schedule_xargs(schedule, budget_ms)}}
+
+
+def _with_tpot_slo(state: _State, body: dict[str, Any], headers: CIMultiDictProxy[str], rid: str) -> dict[str, Any]:
+    """``body`` for the local vLLM with the TPOT SLO the dispatcher decided the request by
+    (:data:`~kairos.common.contracts.H_DECIDED_TPOT_SLO_MS`) in its ``vllm_xargs``: the node's
+    step guard holds chunks to its running decodes' tightest TPOT, and its heartbeat reports the
+    tightest in flight. Without the header (an older dispatcher) the node counts the cluster's."""
+    raw = headers.get(c.H_DECIDED_TPOT_SLO_MS)
+    if raw is None:
+        return body
+    try:
+        tpot_ms = c.parse_tpot_slo_ms(raw)
+    except c.MalformedSchedule as exc:
+        _count(state, "2", "bad_routing_headers")
+        raise _bad_routing(rid, str(exc)) from None
+    xargs = body.get(c.VLLM_XARGS)
+    if xargs is not None and not isinstance(xargs, dict):
+        raise InvalidRequestError(f"{c.VLLM_XARGS} must be an object, got {type(xargs).__name__}")
+    return {**body, c.VLLM_XARGS: {**(xargs or {}), c.XARG_TPOT_SLO_MS: tpot_ms}}
 
 
 def _local_prefill_body(

@@ -22,6 +22,9 @@ nothing else. What the node does:
 - Deflected prefills: ``vllm_xargs.kairos_chunk_schedule`` (and ``kairos_step_budget_ms``) make
   the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does; a
   malformed one is refused by the plugin's own parser with vLLM's very answer (status, body).
+- ``vllm_xargs.kairos_tpot_slo_ms`` (any request): its TPOT SLO. As the plugin, a deflected
+  chunk's step budget is held to its running decodes' tightest TPOT (the engine's guard), and a
+  decode node's ``/kairos/state`` reports the tightest TPOT among its requests (``tpot_slo_ms``).
 - ``GET /v1/models``, ``/health``, ``/metrics`` (vLLM's metric names), ``/kairos/state`` (what the
   heartbeat publisher reads) and ``/kairos/steps?since=N`` (the step log).
 
@@ -286,6 +289,7 @@ class _Plan:
     schedule: tuple[int, ...] = ()
     step_budget_s: float | None = None
     kv_params: dict[str, Any] | None = None
+    tpot_slo_s: float | None = None  # its TPOT SLO (vllm_xargs kairos_tpot_slo_ms; None: the cluster's)
 
 
 class EmulatedNode:
@@ -451,7 +455,14 @@ class EmulatedNode:
         seq_ids = [seq_id] if parsed.n == 1 else [f"{j}_{seq_id}" for j in range(parsed.n)]
         for j, child_id in enumerate(seq_ids):
             if plan.mode == "remote_prefill":
-                seq = EngineSeq(child_id, parsed.prompt_tokens, parsed.max_tokens, block_hashes=hashes, token_ids=ids)
+                seq = EngineSeq(
+                    child_id,
+                    parsed.prompt_tokens,
+                    parsed.max_tokens,
+                    tpot_slo_s=plan.tpot_slo_s,
+                    block_hashes=hashes,
+                    token_ids=ids,
+                )
                 # With n > 1 each of vLLM's child requests reads the one prefill's blocks; the
                 # prefill node frees them at the first read's notification (claimed once here).
                 stream = await self._pull_kv(seq, plan.kv_params or {}, seq_id, claim=j == 0)
@@ -467,6 +478,7 @@ class EmulatedNode:
                     parsed.max_tokens,
                     schedule=plan.schedule,
                     step_budget_s=plan.step_budget_s,
+                    tpot_slo_s=plan.tpot_slo_s,
                     hold_kv=plan.mode == "remote_decode",
                     block_hashes=hashes,
                     token_ids=ids,
@@ -523,6 +535,7 @@ class EmulatedNode:
         _check_extra_args(xargs, params)
         try:
             chunk_plan = c.parse_schedule_xargs(xargs)  # what the validator plugin runs in vLLM
+            tpot_s = c.parse_tpot_xarg(xargs)
         except c.MalformedSchedule as exc:
             raise _VllmValidationError(str(exc), in_engine=True) from None
         deflect = chunk_plan is not None
@@ -552,14 +565,14 @@ class EmulatedNode:
                     c.KV_TRANSFER_PARAMS,
                 )
             _check_pull_params(params, parsed.prompt_tokens)
-            return _Plan("remote_prefill", kv_params=params)
+            return _Plan("remote_prefill", kv_params=params, tpot_slo_s=tpot_s)
         if chunk_plan is not None:
             if max(chunk_plan.sizes) > self.config.max_step_tokens:
                 # As the scheduler plugin: vLLM's validator cannot see the engine's limit.
                 log.warning("chunks over max_step_tokens=%d run capped at it", self.config.max_step_tokens)
             budget_s = chunk_plan.step_budget_s
-            return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s)
-        return _Plan("plain")
+            return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s, tpot_slo_s=tpot_s)
+        return _Plan("plain", tpot_slo_s=tpot_s)
 
     async def _drain(self, outs: list[_Output], arrival: float) -> None:
         async for i, j, event in _token_events(outs):
@@ -904,6 +917,7 @@ class EmulatedNode:
             step_calibration=snap.step_calibration,
             pending_kv_pull_tokens=tuple(self._pulls) if self.config.role is Role.DECODE else None,
             scheduled_prefill_computed_tokens=snap.scheduled_prefill_computed_tokens,
+            tpot_slo_ms=None if snap.tpot_slo_s is None else snap.tpot_slo_s * 1e3,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

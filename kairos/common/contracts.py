@@ -652,6 +652,17 @@ def parse_step_budget_ms(value: str) -> float:
     return budget
 
 
+def parse_tpot_slo_ms(value: str) -> float:
+    """Decode :data:`H_DECIDED_TPOT_SLO_MS` (milliseconds, as :data:`XARG_TPOT_SLO_MS` carries it)."""
+    try:
+        tpot = float(value)
+    except ValueError:
+        tpot = math.nan
+    if not 0 < tpot < math.inf:
+        raise MalformedSchedule(f"{H_DECIDED_TPOT_SLO_MS}={value!r} is not a positive number")
+    return tpot
+
+
 def schedule_xargs(sizes: Sequence[int], step_budget_ms: float | None = None) -> dict[str, Any]:
     """The :data:`VLLM_XARGS` entries that carry a schedule (merge them into the body's own)."""
     xargs: dict[str, Any] = {XARG_CHUNK_SCHEDULE: list(sizes)}

@@ -15,6 +15,10 @@ Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosS
    scheduled prefill advances per step, and a waiting one is skipped (not blocking the queue)
    while another is in progress: the dispatcher's decode-path TTFT assumes they run one after
    another. Requests without a schedule, and all decode work, are scheduled as vLLM does.
+   A request's ``kairos_tpot_slo_ms`` (any request; none: the cluster's default TPOT) holds a
+   chunk's budget to the tightest TPOT of the decodes running beside it
+   (:func:`~kairos.core.slo.tau_scaled_budget_s`, as the engine model), and a decode node's
+   state reports the tightest TPOT among its requests (``tpot_slo_ms``).
 
    With prefix caching (vLLM's default) the schedule covers the request's uncached tokens: its
    first size is the first step vLLM computes, from ``num_computed_tokens`` after the prefix
@@ -63,12 +67,13 @@ from kairos.common.contracts import (
     encode_engine_state,
     overran_step_budget,
     parse_schedule_xargs,
+    parse_tpot_xarg,
 )
 from kairos.common.errors import KairosError
 from kairos.core.calibration import StepCalibration, predicted_step_s, prior_from_mape
 from kairos.core.latency import LatencyModels, StepGuard, load_profile, profile_path
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
-from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, RequestTpots, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
@@ -83,6 +88,8 @@ class KairosScheduler(Scheduler):
         self.kairos = PluginConfig.from_env()
         self._plans: dict[str, ChunkPlan] = {}  # request id -> its chunk schedule
         self._chunk_steps: dict[str, int] = {}  # request id -> prefill steps it has had
+        self._tpots = RequestTpots()  # request id -> its TPOT SLO
+        self._running_tpot_s: float | None = None  # this step's decodes' tightest TPOT
         self._max_step_tokens = self.scheduler_config.max_num_batched_tokens
         self._model_name = self.vllm_config.model_config.served_model_name
         self._kv_capacity = int(self.cache_config.num_gpu_blocks or 0) * self.block_size
@@ -135,6 +142,7 @@ class KairosScheduler(Scheduler):
         extra = request.sampling_params.extra_args if request.sampling_params else None
         try:
             plan = parse_schedule_xargs(extra)
+            tpot_s = parse_tpot_xarg(extra)
         except MalformedSchedule as exc:
             # The validator plugin answers this with a 400 in the API server; reaching here means
             # it is not installed. Running another schedule silently would be worse than failing.
@@ -153,6 +161,7 @@ class KairosScheduler(Scheduler):
                 log.warning("kairos: step budgets arrive but no profile is set (KAIROS_VLLM_PROFILE): not enforced")
             self._plans[request.request_id] = plan
             self._chunk_steps[request.request_id] = 0
+        self._tpots.add(request.request_id, tpot_s)
         self._publish_state()
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -160,12 +169,15 @@ class KairosScheduler(Scheduler):
         self._maybe_reload_profile()
         decodes = kv = 0
         in_progress = False
+        decoding: list[str] = []
         for r in self.running:
             kv += r.num_computed_tokens
             if r.num_computed_tokens >= r.num_prompt_tokens:
                 decodes += 1
+                decoding.append(r.request_id)
             elif r.request_id in self._plans:
                 in_progress = True
+        self._running_tpot_s = self._tpots.tightest_s(decoding)
         self._step_guard = StepGuard(self._guard, decodes, kv) if self._guard is not None and decodes > 0 else None
         self._step_owner, self._scheduled_in_progress = None, in_progress
 
@@ -191,7 +203,7 @@ class KairosScheduler(Scheduler):
         owner = self._plans.get(self._step_owner) if self._step_owner is not None else None
         self._budgeted_step = None
         if owner is not None and owner.step_budget_s is not None and step_decodes > 0:
-            self._budgeted_step = (started, step_decodes, owner.step_budget_s)
+            self._budgeted_step = (started, step_decodes, owner.step_budget_s)  # as carried: the plan's line
         return output
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -204,7 +216,7 @@ class KairosScheduler(Scheduler):
                 return 0  # one scheduled prefill per step
             n = min(n, plan.cap(self._chunk_steps.get(request.request_id, 0)))
         if self._step_guard is not None:  # every prefill, scheduled or not, within the step's budgets
-            n = self._step_guard.take(n, num_computed_tokens, None if plan is None else plan.step_budget_s)
+            n = self._step_guard.take(n, num_computed_tokens, self._chunk_budget_s(request.request_id, plan))
         if plan is not None and n > 0:
             self._step_owner = request.request_id
         return n
@@ -220,7 +232,14 @@ class KairosScheduler(Scheduler):
         # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue;
         # the first chunk runs over the prefix hit vLLM is about to find, so it is costed there.
         guard = self._step_guard
-        return guard is None or guard.room(1, self._computed_on_admission(request), plan.step_budget_s) > 0
+        budget_s = self._chunk_budget_s(request.request_id, plan)
+        return guard is None or guard.room(1, self._computed_on_admission(request), budget_s) > 0
+
+    def _chunk_budget_s(self, request_id: str, plan: ChunkPlan | None) -> float | None:
+        """The step budget a request's chunk holds this step: its plan's, at its decodes' TPOT."""
+        if plan is None:
+            return None
+        return self._tpots.chunk_budget_s(request_id, plan.step_budget_s, self._running_tpot_s)
 
     def _computed_on_admission(self, request: Request) -> int:
         """The prompt tokens a waiting request starts from: its prefix hit, if vLLM has not looked
@@ -271,6 +290,7 @@ class KairosScheduler(Scheduler):
             for rid in [r for r in self._plans if r not in self.requests]:
                 del self._plans[rid]
                 self._chunk_steps.pop(rid, None)
+        self._tpots.keep_only(self.requests)
         self._publish_state()
         return result
 
@@ -341,6 +361,7 @@ class KairosScheduler(Scheduler):
             kv_usage=self.kv_cache_manager.usage,
             step_calibration=None if self._calibration is None else self._calibration.value,
             kv_pulls=None if self.kairos.role == Role.PREFILL else pulls,
+            tpot_slo_s=None if self.kairos.role == Role.PREFILL else self._tpots.tightest_s(self.requests),
         )
 
     def _pending(self, r: Request, computed: int | None = None) -> PendingPrefill:

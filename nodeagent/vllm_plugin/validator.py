@@ -1,4 +1,4 @@
-"""Rejects a malformed chunk schedule in vLLM's API server, as an HTTP 400.
+"""Rejects a malformed chunk schedule (or TPOT SLO) in vLLM's API server, as an HTTP 400.
 
 vLLM calls every installed logits processor's ``validate_params`` on each request before it
 reaches the engine (entry point group ``vllm.logits_processors``); a ``ValueError`` there becomes
@@ -16,13 +16,14 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from kairos.common.contracts import parse_schedule_xargs
+from kairos.common.contracts import parse_schedule_xargs, parse_tpot_xarg
 
 
 class KairosScheduleValidator(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         parse_schedule_xargs(sampling_params.extra_args)
+        parse_tpot_xarg(sampling_params.extra_args)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         """Nothing to hold: validation runs on each request in the API server; logits stay as they are."""

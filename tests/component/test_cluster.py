@@ -23,7 +23,6 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from kairos.common import defaults
 from kairos.common.aio import cancel_and_wait
 from kairos.common.contracts import (
     REDIS_PROMISE_CHANNEL,
@@ -460,8 +459,7 @@ async def test_static_fallback_when_redis_was_never_up_is_plain_pd_routing(
         assert not view.degraded and not view.static_fallback
         got = by_id(view.view())
         assert got["p0"] == PrefillNodeState.from_queue("p0", (40,), 512, 102.0)
-        # Its requests' TPOTs not reported: they hold the cluster's default (kairos.core.slo).
-        assert got["d9"] == DecodeNodeState("d9", 0, 0, 50_000, 102.0, tpot_slo_s=defaults.TBT_SLO_S)
+        assert got["d9"] == DecodeNodeState("d9", 0, 0, 50_000, 102.0)  # idle: no TPOT in flight
         assert got["p1"].reported_at == 101.0 and got["d0"].reported_at == 101.0
         clock.t = 102.5
         await view.poll_once()

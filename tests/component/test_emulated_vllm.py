@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.contracts import STEP_BUDGET_OVERRUNS_METRIC, Role
 from kairos.common.errors import ConfigError
@@ -517,6 +518,8 @@ async def test_deflected_request_runs_exactly_its_chunk_schedule(decode: Node, h
         ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": 0}, "positive number of milliseconds"),
         ({"kairos_chunk_schedule": [256], "kairos_step_budget_ms": "70"}, "positive number of milliseconds"),
         ({"kairos_step_budget_ms": 70.0}, "needs vllm_xargs.kairos_chunk_schedule"),
+        ({"kairos_tpot_slo_ms": 0}, "positive number of milliseconds"),
+        ({"kairos_tpot_slo_ms": "60"}, "positive number of milliseconds"),
         ("schedule", "vllm_xargs must be an object"),
     ],
 )
@@ -528,6 +531,46 @@ async def test_malformed_chunk_schedule_is_a_400(
     status, err = await post(http, f"{decode.url}/v1/completions", body)
     assert fragment in assert_openai_error(status, err, 400)
     assert (await get_json(http, f"{decode.url}/kairos/steps"))["steps"] == []  # nothing ran
+
+
+async def test_a_chunk_is_held_to_the_tpot_of_the_decodes_beside_it(decode: Node, http: aiohttp.ClientSession) -> None:
+    """vllm_xargs kairos_tpot_slo_ms, as the sidecar sends it: a batch request's chunk carrying a
+    150 ms budget gets whole steps beside a batch decode, and steps held to 60/150 of it beside an
+    interactive one; the state reports the tightest TPOT in flight, and none once idle."""
+    state_url = f"{decode.url}/kairos/state"
+    assert "tpot_slo_ms" not in await get_json(http, state_url)
+
+    async def largest_chunk_beside(decode_tpot_ms: float, rid: str) -> int:
+        long = {"model": MODEL, "prompt": ids(32), "max_tokens": 5000, "stream": True}
+        long["vllm_xargs"] = {"kairos_tpot_slo_ms": decode_tpot_ms}
+        resp = await http.post(f"{decode.url}/v1/completions", json=long)
+        try:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")  # its first token: it decodes
+            assert (await get_json(http, state_url))["tpot_slo_ms"] == decode_tpot_ms
+            since = (await get_json(http, f"{decode.url}/kairos/steps"))["next_index"]
+            xargs = {"kairos_chunk_schedule": [2000], "kairos_step_budget_ms": 150.0, "kairos_tpot_slo_ms": 150}
+            prompt = [int(decode_tpot_ms), *ids(1999)]  # its own first token: no prefix hit
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "vllm_xargs": xargs}
+            status, _ = await post(http, f"{decode.url}/v1/completions", body, **{"X-Request-Id": rid})
+            assert status == 200
+            steps = (await get_json(http, f"{decode.url}/kairos/steps?since={since}"))["steps"]
+        finally:
+            resp.close()  # the long decode stops
+        chunks = [c["tokens"] for s in steps for c in s["chunks"] if c["request_id"] == rid]
+        assert sum(chunks) == 2000
+        assert all(s["decode_tokens"] == 1 for s in steps if any(c["request_id"] == rid for c in s["chunks"]))
+
+        async def idle() -> bool:
+            return (await get_json(http, state_url))["decode_tokens"] == 0
+
+        await eventually(idle, what="the long decode stopped")
+        return max(chunks)
+
+    loose = await largest_chunk_beside(150, "beside-batch")
+    tight = await largest_chunk_beside(60, "beside-interactive")
+    assert tight < loose
+    assert "tpot_slo_ms" not in await get_json(http, state_url)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,7 +610,9 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "step_calibration",
             "pending_kv_pull_tokens",  # a decode node's KV pulls: none here
             "scheduled_prefill_computed_tokens",  # one per deflected prefill: none here
+            "tpot_slo_ms",  # the tightest TPOT in flight: requests without one hold the cluster's
         }
+        assert state["tpot_slo_ms"] == pytest.approx(defaults.TBT_SLO_S * 1e3)
         # The node calibrates on its steps as its readers saw them (wall time, late wakes on a
         # busy host included): never under the prior (1.0, the packaged profile has no measured
         # error) while it has measured few steps.
@@ -589,6 +634,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
         assert sample(m, "vllm:inter_token_latency_seconds_count") == 5 * 119
         state = await get_json(http, f"{d.url}/kairos/state")
         assert (state["decode_tokens"], state["kv_tokens"], state["queued_prefill_tokens"]) == (0, 0, [])
+        assert "tpot_slo_ms" not in state  # none in flight
 
 
 async def test_client_disconnect_mid_stream_stops_the_sequence(decode: Node, http: aiohttp.ClientSession) -> None:

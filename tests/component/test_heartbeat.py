@@ -49,6 +49,7 @@ STATE = EngineState(
     scheduled_prefill_tokens=(700,),
     max_step_tokens=2048,
     model="tiny-llama",
+    tpot_slo_ms=60.0,  # the tightest TPOT among its requests, copied into the beat
 )
 
 
@@ -123,9 +124,10 @@ async def test_beat_sets_the_key_with_every_field_and_an_expiry_and_publishes_it
         raw = await eventually(lambda: client.get("kairos:node:d0"), what="key kairos:node:d0")
         pttl = await client.pttl("kairos:node:d0")
         first = json.loads(raw)
-        assert set(first) == set(HeartbeatField.ALL)
+        assert set(first) == {*HeartbeatField.ALL, HeartbeatField.TPOT_SLO_MS}  # its one optional field set
         assert parse_heartbeat(raw, "d0") == build_heartbeat(cfg, STATE, first["seq"], first["sent_at"])
         assert first["queued_prefill_tokens"] == [2048, 512] and first["scheduled_prefill_tokens"] == [700]
+        assert first["tpot_slo_ms"] == 60.0
         assert 0 < pttl <= 100
         assert abs(first["sent_at"] - time.time()) < 1.0
 
@@ -142,7 +144,7 @@ async def test_beat_sets_the_key_with_every_field_and_an_expiry_and_publishes_it
             return json.loads(msg["data"]) if msg else None
 
         published = await eventually(on_channel, what="a message on kairos:heartbeats")
-        assert set(published) == set(HeartbeatField.ALL)
+        assert set(published) == {*HeartbeatField.ALL, HeartbeatField.TPOT_SLO_MS}
         assert published["node_id"] == "d0" and published["sidecar"] == "127.0.0.1:8201"
         assert publisher.seq >= second["seq"] and publisher.published >= 2
     finally:
@@ -553,6 +555,7 @@ STATE_JSON = {
     "scheduled_prefill_tokens": [700],
     "max_step_tokens": 2048,
     "model": "tiny-llama",
+    "tpot_slo_ms": 60.0,
 }
 
 

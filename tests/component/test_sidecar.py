@@ -444,6 +444,47 @@ async def test_a_failed_hop_1_is_prefilled_locally_under_the_keeps_step_budget(r
     assert c.parse_schedule_xargs(local.json[c.VLLM_XARGS]) == c.ChunkPlan((2,), 0.070)
 
 
+@pytest.mark.parametrize("route", ["keep", "keep_local_prefill", "deflect"])
+async def test_the_local_hop_carries_the_decided_tpot_slo_and_every_hop_the_priority(rig: Rig, route: str) -> None:
+    """The decode node's vLLM gets the TPOT SLO the dispatcher decided by in vllm_xargs (its
+    guard and heartbeat read it); the prefill hop does not (a prefill node runs no decodes).
+    vLLM's priority reaches every hop as the client sent it."""
+    url = await rig.start_sidecar()
+    headers = {c.H_DECIDED_TPOT_SLO_MS: "60", c.H_STEP_BUDGET_MS: "40", c.H_PROMPT_TOKENS: "2"}
+    if route == "deflect":
+        headers |= {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "2"}
+    else:
+        headers |= _keep(rig)
+    if route == "keep_local_prefill":
+        rig.prefill.status = 500
+    body = {**COMPLETION, "priority": -3, c.VLLM_XARGS: {"mine": 1}}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    [local] = rig.decode.seen
+    assert local.json["priority"] == -3
+    assert local.json[c.VLLM_XARGS]["mine"] == 1
+    assert local.json[c.VLLM_XARGS][c.XARG_TPOT_SLO_MS] == 60.0
+    assert c.parse_tpot_xarg(local.json[c.VLLM_XARGS]) == pytest.approx(0.060)
+    if route == "keep":
+        assert local.json[c.KV_TRANSFER_PARAMS] == PREFILL_KV
+        assert c.XARG_CHUNK_SCHEDULE not in local.json[c.VLLM_XARGS]
+    else:
+        assert local.json[c.VLLM_XARGS][c.XARG_CHUNK_SCHEDULE] == [2]
+    if route != "deflect":
+        [hop1] = rig.prefill.seen
+        assert hop1.json["priority"] == -3
+        assert hop1.json[c.VLLM_XARGS] == {"mine": 1}
+
+
+async def test_without_a_decided_tpot_the_local_hop_carries_none(rig: Rig) -> None:
+    """An older dispatcher's request: no TPOT xarg, the node counts the cluster's default."""
+    url = await rig.start_sidecar()
+    async with rig.http.post(f"{url}/v1/completions", json=COMPLETION, headers=_keep(rig)) as resp:
+        assert resp.status == 200
+    assert c.VLLM_XARGS not in rig.decode.seen[0].json
+
+
 async def test_prefill_4xx_is_relayed(rig: Rig) -> None:
     """The prefill vLLM's 4xx is its verdict on the client's own request: relayed, not retried."""
     url = await rig.start_sidecar()
@@ -539,6 +580,8 @@ async def test_deflect_without_step_budget_omits_it(rig: Rig) -> None:
         {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512,0"},
         {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: ""},
         {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_STEP_BUDGET_MS: "nan"},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_DECIDED_TPOT_SLO_MS: "0"},
+        {c.H_ROUTE: "deflect", c.H_CHUNK_SCHEDULE: "512", c.H_DECIDED_TPOT_SLO_MS: "fast"},
         {c.H_ROUTE: "sideways"},
     ],
 )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kairos.common import defaults
 from kairos.common.contracts import (
     STEP_BUDGET_OVERRUNS_METRIC,
     EngineStep,
@@ -30,7 +31,7 @@ from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster
 from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
 from kairos.nodeagent.heartbeat import PublisherConfig
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
-from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, RequestTpots, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
@@ -72,6 +73,43 @@ def test_state_snapshot_is_what_the_publisher_reads() -> None:
     assert parsed.scheduled_prefill_tokens == (900,)
     assert (parsed.running_requests, parsed.waiting_requests, parsed.kv_usage) == (4, 2, 0.0312)
     assert parsed.as_of is not None
+
+
+def test_request_tpots_hold_chunks_to_the_decodes_beside_them_and_report_the_tightest() -> None:
+    """The scheduler's TPOT bookkeeping: a request without kairos_tpot_slo_ms counts as the
+    cluster's default; a batch chunk's budget shrinks beside an interactive decode only."""
+    tpots = RequestTpots()
+    assert tpots.tightest_s() is None  # none in flight: the state leaves the field out
+    tpots.add("batch", 0.150)
+    tpots.add("interactive", 0.060)
+    tpots.add("plain", None)
+    assert tpots.tightest_s() == 0.060
+    assert tpots.tightest_s(["batch", "plain"]) == defaults.TBT_SLO_S
+    assert tpots.tightest_s(["batch"]) == 0.150
+    assert tpots.chunk_budget_s("batch", 0.150, tpots.tightest_s(["batch"])) == 0.150
+    assert tpots.chunk_budget_s("batch", 0.150, tpots.tightest_s(["interactive"])) == pytest.approx(0.060)
+    assert tpots.chunk_budget_s("interactive", 0.060, tpots.tightest_s(["batch"])) == 0.060  # never looser
+    assert tpots.chunk_budget_s("batch", None, 0.060) is None  # no budget carried: none held
+    assert tpots.chunk_budget_s("batch", 0.150, None) == 0.150  # no decode running
+    tpots.keep_only({"batch", "plain"})  # "interactive" finished
+    assert set(tpots.own_s) == {"batch", "plain"} and tpots.tightest_s() == defaults.TBT_SLO_S
+    state = build_state(
+        decode_tokens=2,
+        kv_tokens=100,
+        kv_capacity_tokens=1000,
+        prefills=[],
+        max_step_tokens=512,
+        model="tiny",
+        running_requests=2,
+        waiting_requests=0,
+        kv_usage=0.1,
+        kv_pulls=[],
+        tpot_slo_s=tpots.tightest_s(),
+    )
+    parsed = parse_engine_state(encode_engine_state(state).encode())
+    assert parsed == state and parsed.tpot_slo_ms == pytest.approx(defaults.TBT_SLO_S * 1e3)
+    idle = dataclasses.replace(state, tpot_slo_ms=None)
+    assert "tpot_slo_ms" not in json.loads(encode_engine_state(idle))
 
 
 # -- step recorder and state server --------------------------------------------------------------

@@ -606,6 +606,7 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
                 ),
             ),
             ("d1", beat("d1")),  # reports no pulls (real vLLM today): none
+            ("d2", beat("d2", decode_tokens=3, kv_tokens=900)),  # busy, no TPOT: a node older than the field
         ],
         5.0,
     )
@@ -614,13 +615,15 @@ def test_the_view_carries_each_heartbeats_load_and_address() -> None:
     d0 = DecodeNodeState("d0", 7, 21_000, 50_000, 5.0, prefill_backlog_tokens=(900,), pending_kv_pull_tokens=(4000, 12))
     assert view.decode == (
         dataclasses.replace(d0, tpot_slo_s=0.060),
-        # Its requests' TPOTs not reported: they hold the cluster's default (kairos.core.slo).
-        DecodeNodeState("d1", 0, 0, 50_000, 5.0, tpot_slo_s=defaults.TBT_SLO_S),
+        DecodeNodeState("d1", 0, 0, 50_000, 5.0),  # idle, no TPOT reported: none in flight
+        # Busy with its requests' TPOTs not reported: they hold the cluster's default (kairos.core.slo).
+        DecodeNodeState("d2", 3, 900, 50_000, 5.0, tpot_slo_s=defaults.TBT_SLO_S),
     )
     assert dict(m.addresses()) == {
         "p0": NodeAddress(Role.PREFILL, "10.0.0.1:8100", "", "m"),
         "d0": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "tiny"),
         "d1": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "m"),
+        "d2": NodeAddress(Role.DECODE, "10.0.0.1:8100", "10.0.0.1:8200", "m"),
     }
 
 
