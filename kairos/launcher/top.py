@@ -229,6 +229,21 @@ def _admission_line(frame: Frame, scrape: Scrape) -> str:
     )
 
 
+def _class_line(scrape: Scrape) -> str:
+    """Decisions by SLO class (kairos_dispatcher_class_decisions_total{class,route}): each class's
+    total and its routes, tightest class as the dispatcher counts them."""
+    by_class: dict[str, dict[str, float]] = {}
+    for labels, count in sorted(scrape.series("kairos_dispatcher_class_decisions_total").items()):
+        named = dict(labels)
+        by_class.setdefault(named["class"], {})[named["route"]] = count
+    parts = [
+        f"{name} {sum(routes.values()):.0f} ({', '.join(f'{r} {n:.0f}' for r, n in sorted(routes.items()) if n)})"
+        for name, routes in by_class.items()
+        if sum(routes.values())
+    ]
+    return "BY CLASS   " + ("   ".join(parts) if parts else "(no decisions yet)")
+
+
 def render(frame: Frame) -> str:
     """The screen for one frame, as text."""
     lines = [f"kairos top  {frame.source}  {frame.clock}  refresh {frame.interval_s:g} s"]
@@ -261,6 +276,7 @@ def render(frame: Frame) -> str:
         lines.append(f"  {route:<8} {reason:<36} {_num(rate, '.2f', '/s'):>10} {count:>8.0f} total")
     if not keys:
         lines.append("  (no decisions yet)")
+    lines.append(_class_line(scrape))
     lines.append(_admission_line(frame, scrape))
 
     lines.append("")

@@ -130,6 +130,7 @@ SLOW d0: steps up to 2.38x its profile's (p99): a loaded host, or a profile of o
 DECISIONS  5.0/s, 40% deflected   mean decision time 1.00 ms
   deflect  deflect_within_margin                    2.00/s        6 total
   keep     keep_decode_slower                       3.00/s       16 total
+BY CLASS   (no decisions yet)
 ADMISSION  in flight 528/1024 (52%), 3 waiting   shed (429) 2.0/s, 7 total (open_streams 1, queue_full 6)
 
 TTFT       predicted mean observed/predicted  live MAPE  samples
@@ -164,6 +165,18 @@ def test_the_first_frame_has_no_rates_yet() -> None:
     assert (
         "ADMISSION  in flight 528/1024 (52%), 3 waiting   shed (429) -, 7 total (open_streams 1, queue_full 6)" in shown
     )
+
+
+def test_decisions_by_class_from_the_class_counter() -> None:
+    m = DispatcherMetrics(CollectorRegistry())
+    idle = top.Scrape(1.0, NODES, top.parse_metrics(generate_latest(m.registry).decode()))
+    assert "BY CLASS   (no decisions yet)\n" in top.render(frame(idle, idle, []))
+    m.class_decisions.labels("interactive", "keep").inc(3)
+    m.class_decisions.labels("interactive", "deflect").inc(2)
+    m.class_decisions.labels("batch", "keep").inc(7)
+    busy = top.Scrape(2.0, NODES, top.parse_metrics(generate_latest(m.registry).decode()))
+    shown = top.render(frame(idle, busy, []))
+    assert "BY CLASS   batch 7 (keep 7)   interactive 5 (deflect 2, keep 3)\n" in shown
 
 
 def test_the_admission_line_says_when_no_check_has_run_and_nothing_was_shed() -> None:
