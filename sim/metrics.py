@@ -216,21 +216,41 @@ def _per_class(
     )
     outputs = np.array([r.spec.output_tokens for r in records], dtype=np.int64)
     deflected = np.array([r.route is Route.DEFLECT for r in records], dtype=bool)
-    out: dict[str, Any] = {}
+    return {"per_class": per_class_figures(names, met, outputs, deflected, ttft, span, classes)}
+
+
+def per_class_figures(
+    names: np.ndarray,
+    met: np.ndarray,
+    output_tokens: np.ndarray,
+    deflected: np.ndarray,
+    ttft_s: np.ndarray,
+    span_s: float,
+    classes: tuple[SloClass, ...],
+) -> dict[str, dict[str, Any]]:
+    """Attainment and goodput by SLO class, one entry per class (in ``classes``' order) that has
+    requests: the one definition the simulator and ``kairos replay`` report. Per request (arrays
+    of one length): its class name, whether it met its own SLOs, its output tokens, whether it was
+    deflected and its TTFT (NaN: it got no first token; left out of the percentile, None when no
+    request of the class has one). Goodput: the requests that met their SLOs per second of
+    ``span_s``, and their output tokens per second."""
+    out: dict[str, dict[str, Any]] = {}
     for k in classes:
         mine = names == k.name
         n = int(mine.sum())
         if not n:
             continue
+        ttft = ttft_s[mine]
+        ttft = ttft[~np.isnan(ttft)]
         out[k.name] = {
             "requests": n,
             "slo_attainment": float(met[mine].mean()),
-            "goodput_rps": float(met[mine].sum() / span),
-            "goodput_tokens_per_s": float(outputs[mine & met].sum() / span),
-            "p95_ttft_s": float(np.percentile(ttft[mine], 95)),
+            "goodput_rps": float(met[mine].sum() / span_s),
+            "goodput_tokens_per_s": float(output_tokens[mine & met].sum() / span_s),
+            "p95_ttft_s": float(np.percentile(ttft, 95)) if ttft.size else None,
             "deflections": int(deflected[mine].sum()),
         }
-    return {"per_class": out}
+    return out
 
 
 def _mape(predicted: np.ndarray, observed: np.ndarray, mask: np.ndarray, signed: bool = False) -> float:

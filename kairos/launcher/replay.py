@@ -26,6 +26,12 @@ definitions (TTFT, TPOT, ITL, E2EL, NTPOT, ``--goodput``; see
 :mod:`kairos.launcher.serving_metrics`); ``--plots DIR`` draws them
 (:mod:`kairos.launcher.replay_plots`).
 
+Per-request SLOs: a request that carries its own (the ``interactive_batch`` workload's classes,
+:data:`kairos.sim.workloads.SLO_CLASS_MIXES`) is sent with them as ``x-slo-ttft-ms`` /
+``x-slo-tpot-ms`` and judged by them (any other by ``--ttft-slo-s`` / ``--tbt-slo-ms``); the
+report then gives attainment and goodput per SLO class, the simulator's definition
+(:func:`kairos.sim.metrics.per_class_figures`), and records the class the gateway counted each in.
+
 Time scale: emulated nodes started with ``--time-scale S`` run S times faster than real time.
 Replay with the same ``--time-scale S``: arrivals are compressed by S (the trace's model time
 ``t`` is sent at wall time ``t / S``) and every reported time (TTFT, TBT, durations) is the
@@ -57,8 +63,10 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
+from kairos.core.slo import DEFAULT_CLASSES, classify
 from kairos.launcher.replay_prompts import PromptBuilder, Turn, chain_deadline, shared_prefix, turn_chains
 from kairos.launcher.serving_metrics import Goodput, duration_s, field_metrics, format_field_metrics
+from kairos.sim.metrics import per_class_figures
 from kairos.sim.prefix_cache import BLOCK_TOKENS
 from kairos.sim.requests import RequestSpec
 
@@ -123,6 +131,11 @@ class RequestResult:
     tokens: int = 0  # content chunks received
     usage: dict[str, Any] | None = None
     error: str = ""
+    # Its own SLOs as the workload gives them (sent as x-slo-ttft-ms / x-slo-tpot-ms; None: not
+    # sent, judged by the replay's) and the class the gateway said it counted it in (x-kairos-slo-class).
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    slo_class: str = ""
     session_id: str | None = None  # its conversation, if any
     turn: int = 0  # its turn there, from 1 (0 outside any)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where reported
@@ -154,7 +167,7 @@ class RequestResult:
 def requests_for(config: ReplayConfig) -> list[RequestSpec]:
     """The requests ``config`` describes, in arrival order."""
     from kairos.sim.traces import load_trace, rescale_to_rate, truncate
-    from kairos.sim.workloads import make_workload
+    from kairos.sim.workloads import SLO_CLASS_MIXES, make_workload
 
     if config.trace:
         reqs = load_trace(config.trace)
@@ -164,6 +177,8 @@ def requests_for(config: ReplayConfig) -> list[RequestSpec]:
             reqs = truncate(reqs, config.duration_s)
         reqs = sorted(reqs, key=lambda r: r.arrival_s)
         return reqs[: config.num_requests] if config.num_requests else reqs
+    if config.workload in SLO_CLASS_MIXES:
+        return _class_mix(config)
     if config.num_requests is not None and config.duration_s is None:
         return make_workload(
             config.workload, rps=config.rps, num_requests=config.num_requests, seed=config.seed, cv=config.cv
@@ -172,6 +187,39 @@ def requests_for(config: ReplayConfig) -> list[RequestSpec]:
         config.workload, rps=config.rps, duration_s=config.duration_s or 60.0, seed=config.seed, cv=config.cv
     )
     return reqs[: config.num_requests] if config.num_requests else reqs
+
+
+def _class_mix(config: ReplayConfig) -> list[RequestSpec]:
+    """A mixed-class workload (``SLO_CLASS_MIXES``): each class's stream at its share of
+    ``--rps``; sized by duration (default 60 s), or its first ``num_requests`` arrivals."""
+    from kairos.sim.workloads import make_class_mix
+
+    if config.rps is None:
+        raise ConfigError(f"the {config.workload} workload needs --rps (the total rate of its classes)")
+    if config.cv is not None:
+        raise ConfigError(f"the {config.workload} workload takes no --cv: each class keeps its own workload's")
+    duration = config.duration_s or 60.0
+    while True:
+        reqs = make_class_mix(config.workload, rps=config.rps, duration_s=duration, seed=config.seed)
+        if config.num_requests is None:
+            return reqs
+        if len(reqs) >= config.num_requests or config.duration_s is not None:
+            return reqs[: config.num_requests]
+        duration = max(2 * duration, 1.5 * config.num_requests / config.rps)  # sized by count: long enough
+
+
+def slo_headers(ttft_slo_s: float | None, tpot_slo_s: float | None) -> dict[str, str]:
+    """The SLO headers of a request that carries its own SLOs (milliseconds; none for None)."""
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.3f}".rstrip("0").rstrip(".")
+
+    out: dict[str, str] = {}
+    if ttft_slo_s is not None:
+        out[c.H_SLO_TTFT_MS] = ms(ttft_slo_s)
+    if tpot_slo_s is not None:
+        out[c.H_SLO_TPOT_MS] = ms(tpot_slo_s)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +260,7 @@ class _Progress:
 def _result(spec: RequestSpec) -> RequestResult:
     return RequestResult(
         spec.request_id, spec.arrival_s, spec.prompt_tokens, spec.output_tokens, session_id=spec.session_id,
-        turn=spec.turn,
+        turn=spec.turn, ttft_slo_s=spec.ttft_slo_s, tpot_slo_s=spec.tpot_slo_s,
     )  # fmt: skip
 
 
@@ -243,13 +291,18 @@ async def _one(
         async with session.post(
             url,
             data=body,
-            headers={"Content-Type": "application/json", c.H_REQUEST_ID: res.request_id},
+            headers={
+                "Content-Type": "application/json",
+                c.H_REQUEST_ID: res.request_id,
+                **slo_headers(res.ttft_slo_s, res.tpot_slo_s),
+            },
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             res.status = resp.status
             res.route = resp.headers.get(c.H_ROUTE, "")
             res.decode_node = resp.headers.get(c.H_DECODE_NODE, "")
             res.reason = resp.headers.get(c.H_REASON, "")
+            res.slo_class = resp.headers.get(c.H_SLO_CLASS, "")
             if res.route == "deflect":
                 progress.deflections += 1
             if resp.status != 200:
@@ -430,13 +483,48 @@ def _pcts(values: Sequence[float] | np.ndarray, prefix: str, unit: str) -> dict[
     return {f"p{q}_{prefix}_{unit}": (float(np.percentile(a, q)) if a.size else None) for q in (50, 95, 99)}
 
 
-def _meets_slo(r: RequestResult, ttft_slo_s: float, tbt_slo_ms: float) -> bool:
-    """TTFT within its SLO and the request's own P95 TBT within tau (at most 5% of its gaps over
-    tau, the simulator's definition)."""
+def _own_slos(r: RequestResult, config: ReplayConfig) -> tuple[float, float]:
+    """(TTFT SLO s, TPOT SLO ms) a request is judged by: its own where it carries them, else the replay's."""
+    ttft = config.ttft_slo_s if r.ttft_slo_s is None else r.ttft_slo_s
+    tpot_ms = config.tbt_slo_ms if r.tpot_slo_s is None else r.tpot_slo_s * 1e3
+    return ttft, tpot_ms
+
+
+def _meets_slo(r: RequestResult, config: ReplayConfig) -> bool:
+    """TTFT within its SLO and the request's own P95 TBT within its tau (at most 5% of its gaps
+    over tau, the simulator's definition), by its own SLOs where it carries them."""
+    ttft_slo_s, tbt_slo_ms = _own_slos(r, config)
     if not r.ok or r.ttft_s is None or r.ttft_s > ttft_slo_s:
         return False
     bad = sum(1 for g in r.tbt_ms if g > tbt_slo_ms)
     return bad <= 0.05 * len(r.tbt_ms)
+
+
+def per_class(results: Sequence[RequestResult], config: ReplayConfig, span_s: float) -> dict[str, dict[str, Any]]:
+    """Attainment and goodput by SLO class (the simulator's definition,
+    :func:`kairos.sim.metrics.per_class_figures`) when any request carries SLOs of its own, else
+    ``{}``. A request's class is read off the SLO pair it is judged by (``kairos.core.slo.classify``
+    over the gateway's default classes); failed requests count in their class as missed."""
+    if not any(r.ttft_slo_s is not None or r.tpot_slo_s is not None for r in results):
+        return {}
+    pairs = [_own_slos(r, config) for r in results]
+    names = np.array([classify(ttft, tpot_ms / 1e3, DEFAULT_CLASSES) for ttft, tpot_ms in pairs])
+    figures = per_class_figures(
+        names,
+        np.array([_meets_slo(r, config) for r in results], dtype=bool),
+        np.array([r.output_tokens for r in results], dtype=np.int64),
+        np.array([r.route == "deflect" for r in results], dtype=bool),
+        np.array([math.nan if not r.ok or r.ttft_s is None else r.ttft_s for r in results], dtype=float),
+        span_s,
+        DEFAULT_CLASSES,
+    )
+    bounds = {k.name: k for k in DEFAULT_CLASSES}
+    for name, group in figures.items():
+        mine = [r for r, n in zip(results, names, strict=True) if n == name]
+        group["errors"] = sum(not r.ok for r in mine)
+        group["class_ttft_slo_s"] = bounds[name].ttft_s
+        group["class_tpot_slo_ms"] = bounds[name].tpot_s * 1e3
+    return figures
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -457,11 +545,7 @@ def _group(results: Sequence[RequestResult], config: ReplayConfig) -> dict[str, 
         "errors": len(results) - len(ok),
         **_pcts(ttft, "ttft", "s"),
         **_pcts(gaps, "tbt", "ms"),
-        "slo_attainment": (
-            sum(_meets_slo(r, config.ttft_slo_s, config.tbt_slo_ms) for r in results) / len(results)
-            if results
-            else None
-        ),
+        "slo_attainment": (sum(_meets_slo(r, config) for r in results) / len(results) if results else None),
         # Conversations: first turns apart from later ones, which resend the conversation so far
         # (None where there are none).
         "p95_ttft_turn1_s": _p95([r.ttft_s for r in ok if r.turn == 1 and r.ttft_s is not None]),
@@ -522,6 +606,7 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
         "max_send_lag_ms": max(lags, default=0.0),
         "error_kinds": errors,
         "per_route": per_route,
+        **({"per_class": classes} if (classes := per_class(results, config, span)) else {}),
         "field": field,
     }
 
@@ -545,9 +630,21 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(
         f"deflections {summary['deflections']}, keeps {summary['keeps']}, errors {summary['errors']}"
         + (f" {summary['error_kinds']}" if summary["error_kinds"] else "")
-        + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms; "
-        f"max send lag {summary['max_send_lag_ms']:.1f} ms"
+        + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms"
+        + (" (a request's own SLOs where it sends them)" if "per_class" in summary else "")
+        + f"; max send lag {summary['max_send_lag_ms']:.1f} ms"
     )
+    if "per_class" in summary:
+        head = f"{'class':12}{'SLO s/ms':>10}{'n':>6}{'err':>5}{'SLO':>8}{'good/s':>8}{'tok/s':>9}"
+        head += f"{'TTFT p95':>10}{'defl':>6}"
+        lines.append(head + "   (per SLO class: attainment by its own SLOs; goodput: met requests/s, their tokens/s)")
+        for name, g in summary["per_class"].items():
+            bounds = f"{g['class_ttft_slo_s']:g}/{g['class_tpot_slo_ms']:g}"
+            lines.append(
+                f"{name:12}{bounds:>10}{g['requests']:>6}{g['errors']:>5}{g['slo_attainment']:>8.1%}"
+                f"{g['goodput_rps']:>8.2f}{g['goodput_tokens_per_s']:>9.1f}{_fmt(g['p95_ttft_s']):>10}"
+                f"{g['deflections']:>6}"
+            )
     turns = summary["p95_ttft_turn1_s"] is not None or summary["p95_ttft_turn2plus_s"] is not None
     if turns or summary["cached_tokens_reported"]:
         head = f"{'':10}{'T1 P95':>10}{'T2+ P95':>9}{'hit %':>7}{'of n':>6}"
@@ -602,7 +699,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-dir", help="the served model's tokenizer dir (builds the prompts; conversations need it)")
     p.add_argument(
         "--workload",
-        help="bursty, lpld, lphd, hpld, hphd, azure_conv or multiturn (conversations; default bursty)",
+        help="bursty, lpld, lphd, hpld, hphd, azure_conv, multiturn (conversations) or interactive_batch "
+        "(SLO classes: each request sends its class's x-slo-ttft-ms / x-slo-tpot-ms; needs --rps); default bursty",
     )
     p.add_argument(
         "--trace",

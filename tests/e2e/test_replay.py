@@ -4,6 +4,7 @@ conversations, each turn sent after the previous answer with that answer in its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,11 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kairos.core.slo import classify
 from kairos.launcher.cli import main as kairos_main
-from kairos.launcher.replay import ReplayConfig, replay, summarize
+from kairos.launcher.replay import ReplayConfig, format_summary, replay, summarize
 from kairos.sim.requests import RequestSpec
 from kairos.sim.traces import write_jsonl
-from kairos.sim.workloads import ConversationSpec, Geometric, LogNormal, generate_conversations, make_workload
+from kairos.sim.workloads import (
+    ConversationSpec,
+    Geometric,
+    LogNormal,
+    generate_conversations,
+    make_class_mix,
+    make_workload,
+)
 from tests.e2e.conftest import start_cluster
 
 TIME_SCALE = 2.0
@@ -203,3 +212,38 @@ def test_replay_sends_conversations_turn_after_turn(tmp_path: Path, model_dir: P
     assert any(records[r.request_id]["cached_tokens"] for r in later), [records[r.request_id] for r in later]
     assert summary["p95_ttft_turn1_s"] > 0 and summary["p95_ttft_turn2plus_s"] > 0
     assert (tmp_path / "plots" / "ttft_turns_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_sends_each_requests_slos_and_reports_per_class(tmp_path: Path, model_dir: Path) -> None:
+    """The mixed-class workload (small prompts and answers): each request goes out with its class's
+    x-slo-ttft-ms / x-slo-tpot-ms, the gateway counts it in that class (x-kairos-slo-class; a
+    request without the headers would be 'standard'), and the report gives figures per class."""
+    base = make_class_mix("interactive_batch", rps=4.0, duration_s=6.0, seed=5)
+    mix = [
+        dataclasses.replace(r, prompt_tokens=100 + r.prompt_tokens % 3200, output_tokens=min(r.output_tokens, 16))
+        for r in base
+    ]
+    assert {r.request_id.split("-")[0] for r in mix} == {"interactive", "batch"}
+    config = ReplayConfig(model_dir=str(model_dir), time_scale=TIME_SCALE, request_timeout_s=30.0, deadline_s=90.0)
+    cluster = start_cluster(tmp_path / "cluster", model_dir, time_scale=TIME_SCALE)
+    try:
+        config = dataclasses.replace(config, url=cluster.gateway_url)
+        results = replay(mix, config, stream=None)
+    finally:
+        cluster.stop()
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    by_id = {r.request_id: r for r in mix}
+    for res in results:
+        spec = by_id[res.request_id]
+        assert (res.ttft_slo_s, res.tpot_slo_s) == (spec.ttft_slo_s, spec.tpot_slo_s)
+        assert res.slo_class == classify(spec.ttft_slo_s or 0.0, spec.tpot_slo_s or 0.0), res
+        assert res.slo_class == res.request_id.split("-")[0]
+    summary = summarize(results, config)
+    per_class = summary["per_class"]
+    assert list(per_class) == ["interactive", "batch"]
+    for name, group in per_class.items():
+        assert group["requests"] == sum(r.slo_class == name for r in results) and group["errors"] == 0
+        assert 0.0 <= group["slo_attainment"] <= 1.0 and group["p95_ttft_s"] > 0
+        mine = [r for r in results if r.slo_class == name]
+        assert group["deflections"] == sum(r.route == "deflect" for r in mine)
+    assert "interactive" in format_summary(summary)
