@@ -79,6 +79,7 @@ def test_the_dashboard_covers_what_operators_asked_for() -> None:
         "kairos_dispatcher_admission_in_flight",
         "kairos_dispatcher_admission_budget",
         "kairos_dispatcher_admission_waiting",
+        "kairos_dispatcher_class_decisions_total",
     } <= read
 
 
