@@ -577,7 +577,11 @@ class Membership:
         if hb.role is Role.PREFILL:
             self.tracker.update_prefill(
                 PrefillNodeState.from_queue(
-                    hb.node_id, hb.queued_prefill_tokens, hb.max_step_tokens, reported_at=reported_at
+                    hb.node_id,
+                    hb.queued_prefill_tokens,
+                    hb.max_step_tokens,
+                    reported_at=reported_at,
+                    computed_tokens=hb.queued_prefill_computed_tokens or (),
                 )
             )
         else:

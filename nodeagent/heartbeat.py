@@ -294,6 +294,7 @@ def build_heartbeat(
         pending_kv_pull_tokens=state.pending_kv_pull_tokens,
         scheduled_prefill_computed_tokens=state.scheduled_prefill_computed_tokens,
         tpot_slo_ms=state.tpot_slo_ms,
+        queued_prefill_computed_tokens=state.queued_prefill_computed_tokens,
         kv_events_endpoint=None if kv_events is None else kv_events.pub,
         kv_events_replay_endpoint=None if kv_events is None else kv_events.replay,
         kv_events_topic=None if kv_events is None else kv_events.topic,

@@ -918,6 +918,7 @@ class EmulatedNode:
             pending_kv_pull_tokens=tuple(self._pulls) if self.config.role is Role.DECODE else None,
             scheduled_prefill_computed_tokens=snap.scheduled_prefill_computed_tokens,
             tpot_slo_ms=None if snap.tpot_slo_s is None else snap.tpot_slo_s * 1e3,
+            queued_prefill_computed_tokens=snap.queued_prefill_computed_tokens,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

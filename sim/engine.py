@@ -36,6 +36,7 @@ from kairos.common.kv_events import KvEvent, KvEventBatch
 from kairos.core.calibration import StepCalibration, predicted_step_s
 from kairos.core.latency import LatencyModels, StepGuard
 from kairos.core.slo import tau_scaled_budget_s, tightest_tpot_s, tpot_or_default
+from kairos.core.state import prompt_attention_tokens
 from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
 
 
@@ -177,6 +178,7 @@ class EngineSnapshot:
     scheduled_prefill_computed_tokens: tuple[int, ...] = ()
     # Decode nodes: the tightest TPOT SLO among the requests in flight (None: none)
     tpot_slo_s: float | None = None
+    queued_prefill_computed_tokens: tuple[int, ...] = ()  # likewise, per queued_prefill_tokens entry
 
 
 @dataclass(slots=True)
@@ -190,6 +192,11 @@ class _PrefillQueue:
     admitted: list[Sequence] = field(default_factory=list)  # the first len(admitted) of tokens
     total: int = 0  # sum(tokens)
     squared: int = 0  # sum(n * n for n in tokens): Eq. 2's, kept so that a heartbeat never loops
+    chunk_tokens: int = 0  # the engine's step tokens, for attention (0: not kept)
+    attention: float = 0.0  # sum of prompt_attention_tokens over the queue: the keep path's estimate's
+
+    def _attention(self, remaining: int, computed: int) -> float:
+        return prompt_attention_tokens(remaining, computed, self.chunk_tokens) if self.chunk_tokens else 0.0
 
     def add(self, seq: Sequence) -> None:
         n = seq.prefill_remaining
@@ -197,6 +204,7 @@ class _PrefillQueue:
         self.computed.append(seq.computed)
         self.total += n
         self.squared += n * n
+        self.attention += self._attention(n, seq.computed)
 
     def advance(self, seq: Sequence, tokens: int) -> None:
         """``seq`` (admitted) prefilled ``tokens`` more; it leaves once its prompt is done."""
@@ -204,6 +212,7 @@ class _PrefillQueue:
         self.total -= tokens
         before = self.tokens[i]
         self.squared -= before * before - (before - tokens) * (before - tokens)
+        self.attention -= self._attention(before, self.computed[i])
         if seq.prefill_remaining == 0:
             del self.admitted[i]
             del self.tokens[i]
@@ -211,6 +220,9 @@ class _PrefillQueue:
         else:
             self.tokens[i] -= tokens
             self.computed[i] += tokens
+            self.attention += self._attention(self.tokens[i], self.computed[i])
+        if not self.tokens:
+            self.attention = 0.0  # no rounding left over from the sums
 
 
 @dataclass
@@ -246,6 +258,7 @@ class Engine:
     _kv_events: list[KvEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._unscheduled.chunk_tokens = self.config.max_step_tokens
         if self.config.prefix_caching:
             self.cache = PrefixCache(self.config.block_tokens)
 
@@ -535,12 +548,13 @@ class Engine:
             self._uncache_refs(seq)
 
     # -- reporting -------------------------------------------------------------------------
-    def queue_load(self) -> tuple[int, int, int]:
+    def queue_load(self) -> tuple[int, int, int, float]:
         """The unscheduled prefills as a decision reads them (the simulator's heartbeat of a
-        prefill node): how many, their remaining tokens and the sum of those squared, kept as
-        the queue changes, so that a heartbeat never walks a queue of thousands."""
+        prefill node): how many, their remaining tokens, the sum of those squared and their
+        attention work (``kairos.core.state.prompt_attention_tokens``), kept as the queue
+        changes, so that a heartbeat never walks a queue of thousands."""
         queue = self._unscheduled
-        return len(queue.tokens), queue.total, queue.squared
+        return len(queue.tokens), queue.total, queue.squared, queue.attention
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
@@ -555,6 +569,7 @@ class Engine:
             step_calibration=None if self.calibration is None else self.calibration.value,
             scheduled_prefill_computed_tokens=tuple(self._scheduled.computed),
             tpot_slo_s=self.tightest_tpot_s() if self.config.role is Role.DECODE else None,
+            queued_prefill_computed_tokens=tuple(self._unscheduled.computed),
         )
 
     def tightest_tpot_s(self) -> float | None:

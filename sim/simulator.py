@@ -502,7 +502,10 @@ class Simulator:
 
 
 def _prefill_state(engine: Engine, now: float) -> PrefillNodeState:
-    return PrefillNodeState(engine.config.node_id, *engine.queue_load(), engine.config.max_step_tokens, now)
+    count, tokens, squared, attention = engine.queue_load()
+    return PrefillNodeState(
+        engine.config.node_id, count, tokens, squared, engine.config.max_step_tokens, now, attention_tokens=attention
+    )
 
 
 def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeState:

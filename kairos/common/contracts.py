@@ -274,6 +274,11 @@ class HeartbeatField:
     # default), Eq. 5's tau on the node for a request of a looser TPOT. Absent: none in flight, or
     # a node older than the field (the dispatcher then takes the cluster default while it holds any).
     TPOT_SLO_MS = "tpot_slo_ms"
+    # Optional: list[int], one per QUEUED_PREFILL_TOKENS entry, in the same order: the prompt
+    # tokens that queued prefill has computed already (a prefill node's head, part done, or a
+    # prefix cache hit), which its remaining chunks attend to (the keep path's queue estimate).
+    # Absent: none reported.
+    QUEUED_PREFILL_COMPUTED_TOKENS = "queued_prefill_computed_tokens"
     # Optional: where the node publishes vLLM's KV cache events (--kv-events-config), as ZMQ
     # endpoints a dispatcher connects to (KV_EVENTS_ENDPOINT_PATTERN), and their topic. Absent:
     # no events, the dispatcher reads the node's prefix hits as zero.
@@ -290,6 +295,7 @@ class HeartbeatField:
         PENDING_KV_PULL_TOKENS,
         SCHEDULED_PREFILL_COMPUTED_TOKENS,
         TPOT_SLO_MS,
+        QUEUED_PREFILL_COMPUTED_TOKENS,
         *KV_EVENTS,
     )
 
@@ -376,6 +382,7 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False):
     pending_kv_pull_tokens: tuple[_Count, ...] | None = None
     scheduled_prefill_computed_tokens: tuple[_Count, ...] | None = None
     tpot_slo_ms: _SloMs | None = None  # None: not reported
+    queued_prefill_computed_tokens: tuple[_Count, ...] | None = None
     kv_events_endpoint: _Endpoint | None = None
     kv_events_replay_endpoint: _Endpoint | None = None
     kv_events_topic: str | None = None
@@ -407,6 +414,7 @@ def encode_heartbeat(hb: Heartbeat) -> str:
         f.PENDING_KV_PULL_TOKENS: None if hb.pending_kv_pull_tokens is None else list(hb.pending_kv_pull_tokens),
         f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(hb.scheduled_prefill_computed_tokens),
         f.TPOT_SLO_MS: hb.tpot_slo_ms,
+        f.QUEUED_PREFILL_COMPUTED_TOKENS: _list_or_none(hb.queued_prefill_computed_tokens),
         f.KV_EVENTS_ENDPOINT: hb.kv_events_endpoint,
         f.KV_EVENTS_REPLAY_ENDPOINT: hb.kv_events_replay_endpoint,
         f.KV_EVENTS_TOPIC: hb.kv_events_topic,
@@ -417,6 +425,20 @@ def encode_heartbeat(hb: Heartbeat) -> str:
 
 def _list_or_none(values: tuple[int, ...] | None) -> list[int] | None:
     return None if values is None else list(values)
+
+
+def _check_prefixes(values: Any, error: type[Exception], prefix: str = "") -> None:
+    """A heartbeat's or engine state's computed prefixes, each list one per prefill it describes."""
+    f = HeartbeatField
+    for name, computed, listed in (
+        (
+            f.SCHEDULED_PREFILL_COMPUTED_TOKENS,
+            values.scheduled_prefill_computed_tokens,
+            values.scheduled_prefill_tokens,
+        ),
+        (f.QUEUED_PREFILL_COMPUTED_TOKENS, values.queued_prefill_computed_tokens, values.queued_prefill_tokens),
+    ):
+        _check_computed(prefix + name, computed, listed, error)
 
 
 def _check_computed(
@@ -522,12 +544,7 @@ def parse_heartbeat(raw: bytes | str, node_id: str | None = None) -> Heartbeat:
         ):
             hb = _parse_heartbeat_checked(raw)
         else:  # a check across fields, which the checked decoder makes too
-            _check_computed(
-                HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS,
-                hb.scheduled_prefill_computed_tokens,
-                hb.scheduled_prefill_tokens,
-                MalformedHeartbeat,
-            )
+            _check_prefixes(hb, MalformedHeartbeat)
     if node_id is not None and hb.node_id != node_id:
         raise MalformedHeartbeat(f"node_id {hb.node_id!r} does not match its key's {node_id!r}")
     if not hb.url:
@@ -578,16 +595,16 @@ def _parse_heartbeat_checked(raw: bytes | str) -> Heartbeat:
             else None
         ),
         tpot_slo_ms=_tpot_slo_ms(data.get(f.TPOT_SLO_MS), MalformedHeartbeat),
+        queued_prefill_computed_tokens=(
+            _hb_ints(data, f.QUEUED_PREFILL_COMPUTED_TOKENS)
+            if data.get(f.QUEUED_PREFILL_COMPUTED_TOKENS) is not None
+            else None
+        ),
         kv_events_endpoint=_hb_endpoint(data, f.KV_EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_hb_endpoint(data, f.KV_EVENTS_REPLAY_ENDPOINT),
         kv_events_topic=_hb_str(data, f.KV_EVENTS_TOPIC) if data.get(f.KV_EVENTS_TOPIC) is not None else None,
     )
-    _check_computed(
-        f.SCHEDULED_PREFILL_COMPUTED_TOKENS,
-        hb.scheduled_prefill_computed_tokens,
-        hb.scheduled_prefill_tokens,
-        MalformedHeartbeat,
-    )
+    _check_prefixes(hb, MalformedHeartbeat)
     return hb
 
 
@@ -769,9 +786,10 @@ class EngineStateField:
     KV_USAGE = HeartbeatField.KV_USAGE
     STEP_CALIBRATION = HeartbeatField.STEP_CALIBRATION  # the node's, when it measures its steps
     PENDING_KV_PULL_TOKENS = HeartbeatField.PENDING_KV_PULL_TOKENS  # list[int], decode nodes' KV pulls
-    # list[int], one per scheduled prefill: its prompt tokens computed already
+    # list[int], one per scheduled (queued) prefill: its prompt tokens computed already
     SCHEDULED_PREFILL_COMPUTED_TOKENS = HeartbeatField.SCHEDULED_PREFILL_COMPUTED_TOKENS
     TPOT_SLO_MS = HeartbeatField.TPOT_SLO_MS  # the tightest TPOT SLO among its requests in flight
+    QUEUED_PREFILL_COMPUTED_TOKENS = HeartbeatField.QUEUED_PREFILL_COMPUTED_TOKENS
     AS_OF = "as_of"  # float unix seconds the snapshot was taken (informational)
 
     REQUIRED = (
@@ -791,6 +809,7 @@ class EngineStateField:
         PENDING_KV_PULL_TOKENS,
         SCHEDULED_PREFILL_COMPUTED_TOKENS,
         TPOT_SLO_MS,
+        QUEUED_PREFILL_COMPUTED_TOKENS,
         AS_OF,
     )
 
@@ -820,6 +839,7 @@ class EngineState:
     # Per scheduled prefill, in the same order: its prompt tokens computed already (None: not reported)
     scheduled_prefill_computed_tokens: tuple[int, ...] | None = None
     tpot_slo_ms: float | None = None  # the tightest TPOT SLO among its requests in flight (None: none)
+    queued_prefill_computed_tokens: tuple[int, ...] | None = None  # likewise, per queued prefill
     as_of: float | None = None
 
     def __post_init__(self) -> None:
@@ -839,16 +859,11 @@ class EngineState:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise EngineStateError(f"engine state: {name} must be an int >= 0, got {value!r}")
-        for name in ("pending_kv_pull_tokens", "scheduled_prefill_computed_tokens"):
+        for name in ("pending_kv_pull_tokens", "scheduled_prefill_computed_tokens", "queued_prefill_computed_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, tuple) or not all(_is_int(x) and x >= 0 for x in value)):
                 raise EngineStateError(f"engine state: {name} must be a tuple of ints >= 0, got {value!r}")
-        _check_computed(
-            "engine state: scheduled_prefill_computed_tokens",
-            self.scheduled_prefill_computed_tokens,
-            self.scheduled_prefill_tokens,
-            EngineStateError,
-        )
+        _check_prefixes(self, EngineStateError, "engine state: ")
         usage = self.kv_usage
         if usage is not None and (isinstance(usage, bool) or not isinstance(usage, int | float) or not 0 <= usage <= 1):
             raise EngineStateError(f"engine state: kv_usage must be a number in [0, 1], got {usage!r}")
@@ -881,6 +896,7 @@ def encode_engine_state(state: EngineState) -> str:
         f.PENDING_KV_PULL_TOKENS: None if state.pending_kv_pull_tokens is None else list(state.pending_kv_pull_tokens),
         f.SCHEDULED_PREFILL_COMPUTED_TOKENS: _list_or_none(state.scheduled_prefill_computed_tokens),
         f.TPOT_SLO_MS: state.tpot_slo_ms,
+        f.QUEUED_PREFILL_COMPUTED_TOKENS: _list_or_none(state.queued_prefill_computed_tokens),
         f.AS_OF: state.as_of,
     }
     out |= {k: v for k, v in optional.items() if v is not None}
@@ -900,7 +916,7 @@ def parse_engine_state(raw: bytes | str) -> EngineState:
             raise EngineStateError(f"engine state: {name} must be a list, got {values[name]!r}")
         values[name] = tuple(values[name])
     values |= {n: data[n] for n in f.OPTIONAL if data.get(n) is not None}
-    for name in (f.PENDING_KV_PULL_TOKENS, f.SCHEDULED_PREFILL_COMPUTED_TOKENS):
+    for name in (f.PENDING_KV_PULL_TOKENS, f.SCHEDULED_PREFILL_COMPUTED_TOKENS, f.QUEUED_PREFILL_COMPUTED_TOKENS):
         listed = values.get(name)
         if listed is not None:
             if not isinstance(listed, list):

@@ -223,6 +223,77 @@ def prefill_exec_s(models: LatencyModels, prompt_tokens: int, chunk_tokens: int,
     return total
 
 
+def packed_prefill_s(
+    models: LatencyModels, node: PrefillNodeState, prompt_tokens: int, cached_tokens: int = 0, now: float | None = None
+) -> float:
+    """The keep path's prefill end on prefill node ``node``, from ``now`` (``keep_estimate="full"``;
+    Eq. 1's place). The node runs its queue FIFO, packing ``chunk_tokens`` per step across
+    prompts (vLLM's chunked prefill). At its heartbeat it was running a step of the queue it
+    reported, ``min(reported, chi)`` tokens; the steps after it pack the rest of the queue and then
+    the prompt, whose first chunk fills what the queue leaves of its last step. Each step is the
+    prefill model of its tokens and its chunks' attention work (``LatencyModels.prefill_steps_s``):
+    the queue's (``attention_tokens``: its prompts' computed prefixes exact, where the step
+    boundaries fall on them at their mean) and the prompt's own, whose boundaries the queue fixes.
+    Eq. 2 and 3 instead cost the queue as whole steps over each prompt's half and start the
+    prompt's chunks at a step of their own (Bursty 2P2D with exact inputs: the keep path's prefill
+    end off by 3.5% of its TTFT that way, 2.2% this way: bench/sim_prediction_error.py).
+
+    Less what the node has run since its heartbeat (``reported_at``): the step it was running
+    then, half done on average, and the heartbeat's age since, as far as the queue the heartbeat
+    showed lasts (the view's overlay, ``overlay_tokens``, is work sent since; a node idle at its
+    heartbeat starts it at once). With ``now`` None the heartbeat is taken as current."""
+    chi = node.chunk_tokens
+    facts = node.derived
+    if facts is None or facts[0] is not models:
+        facts = _queue_facts(models, node)
+        object.__setattr__(node, "derived", facts)
+    _, packed, after_attention, running_s, shown_s = facts
+    # The prompt's own attention, its chunks cut where the queue leaves off: computed prefix x
+    # its tokens, plus each pair of its chunks (the later over the earlier's tokens).
+    work = prompt_tokens - cached_tokens
+    first = min(work, chi - packed % chi)
+    full, rest = divmod(work - first, chi)
+    own = cached_tokens * work + (work * work - first * first - full * chi * chi - rest * rest) // 2
+    after = models.prefill_steps_s(packed + work, chi, after_attention + own)
+    if running_s == 0.0:
+        return after
+    age = 0.0 if now is None else max(0.0, now - node.reported_at)
+    return running_s + after - min(0.5 * running_s + age, shown_s)
+
+
+def _queue_facts(models: LatencyModels, node: PrefillNodeState) -> tuple[LatencyModels, int, float, float, float]:
+    """What ``packed_prefill_s`` reads of a prefill node's state alone, kept on the state
+    (``PrefillNodeState.derived``): a decision weighs every prefill node for every request, and a
+    state lives from one heartbeat or dispatch to the next. The queue's tokens after the step
+    running at the heartbeat and their attention work; that step's time, and the reported queue's."""
+    chi, queued = node.chunk_tokens, node.outstanding_tokens
+    reported = queued - node.overlay_tokens
+    running = min(reported, chi)  # the step the node was running at its heartbeat
+    if running <= 0:
+        return models, queued, node.attention_tokens, 0.0, 0.0
+    running_attention = node.attention_tokens * running / queued  # the queue's, by its share of the tokens
+    running_s = models.prefill_steps_s(running, chi, running_attention)
+    shown_s = running_s + models.prefill_steps_s(
+        reported - running, chi, node.attention_tokens * (reported - running) / queued
+    )
+    return models, queued - running, node.attention_tokens - running_attention, running_s, shown_s
+
+
+def keep_prefill_s(
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: PrefillNodeState,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    now: float | None = None,
+) -> float:
+    """The keep path's prefill end on ``node``: ``packed_prefill_s`` for the full keep estimate,
+    Eq. 1 (``prefill_ttft_s``) for ``keep_estimate="eq1"``."""
+    if config.keep_estimate == "eq1":
+        return prefill_ttft_s(models, node, prompt_tokens, cached_tokens)
+    return packed_prefill_s(models, node, prompt_tokens, cached_tokens, now)
+
+
 def prefill_ttft_s(models: LatencyModels, node: PrefillNodeState, prompt_tokens: int, cached_tokens: int = 0) -> float:
     """Eq. 1: queue wait + prefill execution on one prefill node (of the uncached tokens)."""
     return prefill_queue_wait_s(models, node) + prefill_exec_s(models, prompt_tokens, node.chunk_tokens, cached_tokens)
@@ -238,8 +309,9 @@ def keep_handoff_s(
     prompt_tokens: int,
     prefill_s: float,
     cached_tokens: int = 0,
+    now: float | None = None,
 ) -> float:
-    """From the prefill's end (``prefill_s`` from now, Eq. 1) to the first token on decode node
+    """From the prefill's end (``prefill_s`` from ``now``) to the first token on decode node
     ``node``: W_link + T_xfer + W_adm + T_join.
 
     - T_xfer: the prompt's KV the node lacks over its inbound link, the profile's transfer model
@@ -247,14 +319,15 @@ def keep_handoff_s(
       the ``cached_tokens`` of the prompt's prefix it holds are not pulled (vLLM's NixlConnector
       takes the decode side's local hit from its own cache and reads only the rest).
     - W_link: the link is FIFO, one transfer at a time. Ahead of this one: the pulls the node
-      reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take); the link
-      clears them by ``sum T_xfer`` from now, so the wait is what is left of that when this
-      prefill ends. The keeps this dispatcher sent the node whose prefill still runs
-      (incoming_keeps) are not counted on the link: they stay incoming until their Eq. 1 end,
-      which the paper's Eq. 2 over-predicted under load, so most of them had crossed the link by
-      then and showed as pulls or decodes already (counting them too made the estimate worse from
-      5 RPS on Bursty 2P2D: bench/sim_keep_estimate.py; not measured again since Eq. 2 costs each
-      prompt on its own). They do count in b, k and the KV they promise.
+      reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take), less what
+      the link has run of them since the heartbeat (with ``now``: the first one, running then,
+      half done on average, and the heartbeat's age); then, with ``now``, the keeps this dispatcher sent
+      the node whose prefill still runs (``incoming_keep_arrivals``), each joining the link at its
+      predicted prefill end, those that end before this prefill does. The wait is what is left of
+      that queue when this prefill ends. Without ``now`` (the estimate as it was before the
+      arrivals were kept) the pulls alone, the first one whole. (Leaving the incoming keeps out
+      left the link's wait at a third of the truth on Bursty 2P2D with exact inputs:
+      bench/sim_prediction_error.py.)
     - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
       K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
       tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k
@@ -269,7 +342,15 @@ def keep_handoff_s(
     t = models.transfer
     per_token = t.bytes_per_token / t.bandwidth_bytes_per_s
     pulls = node.pending_kv_pull_tokens
-    link_wait = max(0.0, len(pulls) * t.latency_s + sum(pulls) * per_token - prefill_s)
+    clear = len(pulls) * t.latency_s + sum(pulls) * per_token  # from now, when the link is free
+    if now is not None:
+        if pulls:  # the link has run since the heartbeat: its first transfer then, half done, and since
+            clear -= min(0.5 * (t.latency_s + pulls[0] * per_token) + max(0.0, now - node.reported_at), clear)
+        for at, tokens in node.incoming_keep_arrivals:
+            if at - now > prefill_s:
+                break  # sorted: every later one ends its prefill after this one does
+            clear = max(clear, at - now) + t.latency_s + tokens * per_token
+    link_wait = max(0.0, clear - prefill_s)
     transfer = t.latency_s + (prompt_tokens - cached_tokens) * per_token
     b, k = committed_batch(node)
     t0 = models.decode_step_s(b, k)
@@ -288,13 +369,14 @@ def keep_ttft_s(
     node: DecodeNodeState,
     prompt_tokens: int,
     cached_tokens: int = 0,
+    now: float | None = None,
 ) -> float:
-    """The keep path's TTFT through a prefill node whose Eq. 1 is ``prefill_s`` and decode node
-    ``node``, which caches ``cached_tokens`` of the prompt: Eq. 1 + ``keep_handoff_s``
-    (``keep_estimate="full"``), or Eq. 1 alone ("eq1")."""
+    """The keep path's TTFT through a prefill node whose prefill ends ``prefill_s`` from ``now``
+    (``keep_prefill_s``) and decode node ``node``, which caches ``cached_tokens`` of the prompt:
+    that + ``keep_handoff_s`` (``keep_estimate="full"``), or Eq. 1 alone ("eq1")."""
     if config.keep_estimate == "eq1":
         return prefill_s
-    return prefill_s + keep_handoff_s(models, config, node, prompt_tokens, prefill_s, cached_tokens)
+    return prefill_s + keep_handoff_s(models, config, node, prompt_tokens, prefill_s, cached_tokens, now)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -913,13 +995,22 @@ def best_prefill_node(
     prompt_tokens: int,
     cached: Mapping[str, int] | None = None,
 ) -> tuple[PrefillNodeState, float]:
-    """The prefill node with the lowest Eq. 1 TTFT (fresh nodes first), and that TTFT; with the
-    nodes' cached prefixes (``cached``, tokens by node id) each node's Eq. 3 covers its uncached tokens."""
+    """The prefill node with the lowest prefill end (fresh nodes first), and that time: Eq. 1
+    with ``keep_estimate="eq1"``, else ``packed_prefill_s``; with the nodes' cached prefixes
+    (``cached``, tokens by node id) each node's covers its uncached tokens."""
     if not view.prefill:
         raise NoHealthyNodeError("no prefill node is registered")
     fresh = [n for n in view.prefill if is_fresh(n.reported_at, now, config)] or list(view.prefill)
-    exec_s: dict[tuple[int, int], float] = {}  # Eq. 3 depends on the node only through its chunk size and hit
     best: tuple[float, str, PrefillNodeState] | None = None
+    if config.keep_estimate != "eq1":
+        for n in fresh:
+            hit = cached_prefix(cached, n.node_id, prompt_tokens) if cached else 0
+            end = packed_prefill_s(models, n, prompt_tokens, hit, now)
+            if best is None or (end, n.node_id) < best[:2]:
+                best = (end, n.node_id, n)
+        assert best is not None  # view.prefill is not empty
+        return best[2], best[0]
+    exec_s: dict[tuple[int, int], float] = {}  # Eq. 3 depends on the node only through its chunk size and hit
     for n in fresh:
         key = (n.chunk_tokens, cached_prefix(cached, n.node_id, prompt_tokens) if cached else 0)
         own = exec_s.get(key)
@@ -1239,7 +1330,7 @@ def decide(
     prefill_node, prefill_s = best_prefill_node(models, view, now, config, prompt_tokens, cached)
     keep_decode, eligible, facts, any_can_take = _scan_decode_nodes(models, view, now, config, prompt_tokens, cached)
     keep_hit = cached_prefix(cached, keep_decode.node_id, prompt_tokens)
-    ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens, keep_hit)
+    ttft_pf = keep_ttft_s(models, config, prefill_s, keep_decode, prompt_tokens, keep_hit, now)
     refused = decode_pressure_refusal(models, config, prompt_tokens, ttft_pf)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:

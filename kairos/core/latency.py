@@ -118,6 +118,19 @@ class LatencyModels:
         over = tokens - knee
         return b0 + b_tok * tokens + (b_knee * over if over > 0 else 0.0) + b_cached * tokens * cached
 
+    def prefill_steps_s(self, tokens: int, chunk_tokens: int, attention_tokens: float) -> float:
+        """``tokens`` prefill tokens run FIFO in steps of ``chunk_tokens`` packed across prompts
+        (the last step carries the rest), whose chunks' attention work (each chunk's tokens times
+        its prompt's tokens before it, tokens^2) sums to ``attention_tokens``: the prefill model
+        summed over those steps. Exact: a step of several chunks costs its cached term as one over
+        their token-weighted cached length (``kairos.core.calibration.predicted_step_s``), which is
+        the sum of each chunk's tokens times its cached length."""
+        if tokens <= 0:
+            return 0.0
+        full, rest = divmod(tokens, chunk_tokens)
+        steps = full * self.prefill_step_s(chunk_tokens, 0) + (self.prefill_step_s(rest, 0) if rest else 0.0)
+        return steps + self._p[3] * attention_tokens
+
     def decode_step_s(self, decode_tokens: float, kv_tokens: float) -> float:
         """T0(B, K): a decode-only step with B running decodes holding K KV tokens."""
         b0, b_b, b_k = self._d

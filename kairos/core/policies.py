@@ -57,7 +57,7 @@ def _keep(
     prefill, prefill_s = alg.best_prefill_node(models, view, now, cfg, prompt_tokens, cached)
     decode = alg.pick_keep_decode_node(models, view, now, cfg, prompt_tokens, cached)
     ttft_pf = alg.keep_ttft_s(
-        models, cfg, prefill_s, decode, prompt_tokens, alg.cached_prefix(cached, decode.node_id, prompt_tokens)
+        models, cfg, prefill_s, decode, prompt_tokens, alg.cached_prefix(cached, decode.node_id, prompt_tokens), now
     )
     hit = alg.cached_prefix(cached, prefill.node_id, prompt_tokens)
     return Decision(

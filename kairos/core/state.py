@@ -3,7 +3,7 @@ dispatches since then. Plain frozen values so the core stays pure and testable."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,16 @@ class PrefillNodeState:
     squared_tokens: int  # the sum of each one's remaining tokens squared
     chunk_tokens: int  # chi_p: the node's token budget per step (max_num_batched_tokens)
     reported_at: float  # time of the heartbeat, seconds on the decider's clock
+    # The queue's attention work, tokens^2: each chunk's tokens times the tokens of its prompt
+    # computed before it, summed over every chunk still to run (prompt_attention_tokens), what
+    # the prefill model's cached term prices. 0.0 where not worked out (Eq. 2 does not read it).
+    attention_tokens: float = 0.0
+    # Of outstanding_tokens, those the dispatcher sent since the heartbeat (the view's overlay):
+    # the node has been running only the rest since it reported.
+    overlay_tokens: int = 0
+    # What the decider derives from this state alone (kairos.core.algorithm fills it on first
+    # use, as DecodeNodeState.derived). Not part of the state's value.
+    derived: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -33,14 +43,43 @@ class PrefillNodeState:
                 f"prefill node {self.node_id}: queue_length={self.queue_length}, outstanding_tokens="
                 f"{self.outstanding_tokens}, squared_tokens={self.squared_tokens} must be >= 0"
             )
+        if not (self.attention_tokens >= 0 and 0 <= self.overlay_tokens <= self.outstanding_tokens):
+            raise ValueError(
+                f"prefill node {self.node_id}: attention_tokens={self.attention_tokens} must be >= 0 and "
+                f"overlay_tokens={self.overlay_tokens} within 0..outstanding_tokens={self.outstanding_tokens}"
+            )
 
     @classmethod
     def from_queue(
-        cls, node_id: str, queued_prefill_tokens: Iterable[int], chunk_tokens: int, reported_at: float
+        cls,
+        node_id: str,
+        queued_prefill_tokens: Iterable[int],
+        chunk_tokens: int,
+        reported_at: float,
+        computed_tokens: Sequence[int] = (),
     ) -> PrefillNodeState:
-        """The state of a node whose queue holds these remaining prefill tokens, one per request."""
+        """The state of a node whose queue holds these remaining prefill tokens, one per request,
+        each over the prompt tokens ``computed_tokens`` says it computed already (none where the
+        list is shorter)."""
         queue = tuple(queued_prefill_tokens)
-        return cls(node_id, len(queue), sum(queue), sum(n * n for n in queue), chunk_tokens, reported_at)
+        attention = sum(
+            prompt_attention_tokens(n, computed_tokens[i] if i < len(computed_tokens) else 0, chunk_tokens)
+            for i, n in enumerate(queue)
+        )
+        return cls(node_id, len(queue), sum(queue), sum(n * n for n in queue), chunk_tokens, reported_at, attention)
+
+
+def prompt_attention_tokens(remaining: int, computed: int, chunk_tokens: int) -> float:
+    """The attention work, tokens^2, of a prompt's ``remaining`` tokens over the ``computed``
+    before them, run in a FIFO queue that packs ``chunk_tokens`` per step: the sum over its
+    chunks of each chunk's tokens times the prompt's tokens before it. That is
+    ``remaining x computed + (remaining^2 - sum of its chunks' squares) / 2``; where the step
+    boundaries fall in the prompt depends on the prompts ahead, so the chunks' part is its mean
+    over a uniform offset of the boundaries: r^3 / (6 chi) below one step's tokens, else
+    r^2 / 2 - r chi / 2 + chi^2 / 6."""
+    r, chi = remaining, chunk_tokens
+    chunks = r * r * r / (6 * chi) if r < chi else r * r / 2 - r * chi / 2 + chi * chi / 6
+    return r * computed + chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +100,9 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
+    # Each incoming keep as (when its prefill is predicted to end, on the decider's clock; its
+    # prompt tokens), by that time: the order their KV will queue on the node's inbound link.
+    incoming_keep_arrivals: tuple[tuple[float, int], ...] = ()
     # The node's step calibration from its heartbeat: the upper quantile of its actual / predicted
     # step times (kairos.core.calibration). The decider plans its steps to beta x tau / this;
     # 1.0 (a node that does not report one) plans to beta x tau, the paper's Eq. 5.

@@ -13,21 +13,22 @@ seconds, far longer than a heartbeat period, and a burst of keeps would otherwis
 same least-loaded decode node.
 
 Keeps stay incoming for as long as their predicted prefill takes, which grows with the prefill
-queues: under overload a node can have thousands in flight. They are held in a heap keyed by
-when they arrive, with running totals, so a heartbeat drops the arrived ones in O(log n) each
-and never walks the ones still to come.
+queues: under overload a node can have thousands in flight. They are held in a list sorted by
+when they arrive, with running totals: a heartbeat cuts the arrived ones off its front, and a
+node's state carries them in that order (the keep path's estimate queues their KV on the node's
+link ahead of a new keep's).
 """
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kairos.core.decision import Decision, Route
-from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
+from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState, prompt_attention_tokens
 
 S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 
@@ -55,30 +56,33 @@ def _tpot_of(decision: Decision) -> float:
 
 @dataclass(slots=True)
 class _Incoming:
-    """Keep-path requests on their way to one decode node: a min-heap of (arrival, tokens, TPOT
-    SLO), with their count and tokens kept as running totals, and how many hold each TPOT SLO
-    (a few classes: their tightest is a min over a handful of keys)."""
+    """Keep-path requests on their way to one decode node: (arrival, tokens, TPOT SLO) sorted by
+    arrival, with their tokens kept as a running total, and how many hold each TPOT SLO (a few
+    classes: their tightest is a min over a handful of keys). A list kept sorted rather than a
+    heap: a state copies the arrivals whole (the keep path's estimate queues the node's link in
+    that order), and an insertion's memmove costs less than that copy."""
 
-    heap: list[tuple[float, int, float]] = field(default_factory=list)
+    arrivals: list[tuple[float, int, float]] = field(default_factory=list)
     tokens: int = 0
     tpots: dict[float, int] = field(default_factory=dict)
 
     def add(self, at: float, tokens: int, tpot_s: float = math.inf) -> None:
-        heapq.heappush(self.heap, (at, tokens, tpot_s))
+        bisect.insort(self.arrivals, (at, tokens, tpot_s))
         self.tokens += tokens
         self.tpots[tpot_s] = self.tpots.get(tpot_s, 0) + 1
 
     def expire(self, horizon: float) -> None:
         """Drop the keeps that arrived by ``horizon``."""
-        heap, tpots = self.heap, self.tpots
-        while heap and heap[0][0] <= horizon:
-            _, tokens, tpot = heapq.heappop(heap)
+        arrivals, tpots = self.arrivals, self.tpots
+        gone = bisect.bisect_right(arrivals, (horizon, math.inf, math.inf))
+        for _, tokens, tpot in arrivals[:gone]:
             self.tokens -= tokens
             left = tpots[tpot] - 1
             if left:
                 tpots[tpot] = left
             else:
                 del tpots[tpot]
+        del arrivals[:gone]
 
     @property
     def tightest_tpot_s(self) -> float:
@@ -132,7 +136,9 @@ class ClusterTracker:
         work = tokens - decision.cached_tokens
         if decision.route is Route.KEEP:
             assert decision.prefill_node is not None  # a keep decision always names its prefill node
-            self._overlay.setdefault(decision.prefill_node, []).append(_Dispatch(now, work))
+            self._overlay.setdefault(decision.prefill_node, []).append(
+                _Dispatch(now, work, cached=decision.cached_tokens)
+            )
             # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
             # pull (pending_kv_pull_tokens), then the request itself.
             prefill_s = decision.predicted_prefill_end_s
@@ -226,17 +232,21 @@ class ClusterTracker:
         extra = self._overlay.get(s.node_id)
         if not extra:
             return s
+        added = sum(d.tokens for d in extra)
         return replace(
             s,
             queue_length=s.queue_length + len(extra),
-            outstanding_tokens=s.outstanding_tokens + sum(d.tokens for d in extra),
+            outstanding_tokens=s.outstanding_tokens + added,
             squared_tokens=s.squared_tokens + sum(d.tokens * d.tokens for d in extra),
+            attention_tokens=s.attention_tokens
+            + sum(prompt_attention_tokens(d.tokens, d.cached, s.chunk_tokens) for d in extra),
+            overlay_tokens=s.overlay_tokens + added,
         )
 
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
         incoming = self._incoming.get(s.node_id)
-        keeps, keep_tokens = (len(incoming.heap), incoming.tokens) if incoming is not None else (0, 0)
+        keeps, keep_tokens = (len(incoming.arrivals), incoming.tokens) if incoming is not None else (0, 0)
         if not extra and not keeps:
             return s
         extra = extra or []
@@ -257,4 +267,9 @@ class ClusterTracker:
             prefill_backlog_computed_tokens=computed,
             incoming_keeps=s.incoming_keeps + keeps,
             incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,
+            incoming_keep_arrivals=(
+                s.incoming_keep_arrivals + tuple((at, tokens) for at, tokens, _ in incoming.arrivals)
+                if incoming is not None and keeps
+                else s.incoming_keep_arrivals
+            ),
         )

@@ -73,11 +73,11 @@ def build_state(
     queued: list[int] = []
     scheduled: list[int] = []
     scheduled_computed: list[int] = []
+    queued_computed: list[int] = []
     for p in prefills:
         if p.remaining > 0:
             (scheduled if p.scheduled else queued).append(p.remaining)
-            if p.scheduled:
-                scheduled_computed.append(p.computed)
+            (scheduled_computed if p.scheduled else queued_computed).append(p.computed)
     return EngineState(
         decode_tokens=decode_tokens,
         kv_tokens=kv_tokens,
@@ -91,6 +91,7 @@ def build_state(
         kv_usage=round(kv_usage, 6),
         step_calibration=step_calibration,
         scheduled_prefill_computed_tokens=tuple(scheduled_computed),
+        queued_prefill_computed_tokens=tuple(queued_computed),
         pending_kv_pull_tokens=None if kv_pulls is None else tuple(kv_pulls),
         tpot_slo_ms=None if tpot_slo_s is None else tpot_slo_s * 1e3,
         as_of=time.time(),

@@ -611,6 +611,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "pending_kv_pull_tokens",  # a decode node's KV pulls: none here
             "scheduled_prefill_computed_tokens",  # one per deflected prefill: none here
             "tpot_slo_ms",  # the tightest TPOT in flight: requests without one hold the cluster's
+            "queued_prefill_computed_tokens",  # one per queued prefill
         }
         assert state["tpot_slo_ms"] == pytest.approx(defaults.TBT_SLO_S * 1e3)
         # The node calibrates on its steps as its readers saw them (wall time, late wakes on a
@@ -621,6 +622,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
         assert state["kv_tokens"] > 400 and state["max_step_tokens"] == 1024 and state["model"] == MODEL
         assert state["scheduled_prefill_tokens"] == []
         assert state["scheduled_prefill_computed_tokens"] == []
+        assert state["queued_prefill_computed_tokens"] == [0, 0, 0]  # three waiting, none begun
 
         results = await asyncio.gather(*tasks)
         assert all(status == 200 and body["usage"]["completion_tokens"] == 120 for status, body in results)

@@ -320,3 +320,22 @@ def test_a_vllm_clusters_heartbeat_advertises_the_sockets_its_engine_binds(
     config = beat[beat.index("--kv-events-config") + 1]
     publisher = PublisherConfig(node.node_id, node.role, node.url, node.sidecar_url, kv_events_config=config)
     assert publisher.kv_event_endpoints() == cluster.kv_event_endpoints(node) is not None
+
+
+def test_state_snapshot_carries_each_prefills_computed_prefix_and_the_kv_being_pulled() -> None:
+    state = build_state(
+        decode_tokens=3,
+        kv_tokens=4100,
+        kv_capacity_tokens=131072,
+        prefills=[PendingPrefill(500, False, 1500), PendingPrefill(900, True, 100), PendingPrefill(7, False)],
+        max_step_tokens=2048,
+        model="tiny",
+        running_requests=4,
+        waiting_requests=2,
+        kv_usage=0.0312,
+        kv_pulls=[3000],
+    )
+    assert (state.queued_prefill_tokens, state.queued_prefill_computed_tokens) == ((500, 7), (1500, 0))
+    assert (state.scheduled_prefill_tokens, state.scheduled_prefill_computed_tokens) == ((900,), (100,))
+    assert state.pending_kv_pull_tokens == (3000,)
+    assert parse_engine_state(encode_engine_state(state).encode()) == state

@@ -1198,19 +1198,21 @@ def test_admission_wait_scales_with_the_mean_output() -> None:
 
 # Eq. 7 against the full keep estimate. A 100 MB/s link: T_xfer(1000) = 0.011; on B20 the
 # hand-off is 0.011 + T0(21) + T0(20) / 2 = 0.011 + 0.061 + 0.030 = 0.102, and the B20 deflection,
-# built alike, starts after half the running step too: 0.030 + 0.280 = 0.310. Deflect when
-# 1.3 x (Eq. 1 + 0.102) >= 0.310, Eq. 1 >= 0.136462, Q >= 241.
+# built alike, starts after half the running step too: 0.030 + 0.280 = 0.310. The prefill end is
+# the packed queue's (packed_prefill_s): Q + 1000 tokens in steps of 1000, a full one of 0.110
+# and one of Q, 0.010 + 1e-4 Q, less half the Q-token step running at the heartbeat: 0.115 +
+# 5e-5 Q. Deflect when 1.3 x (that + 0.102) >= 0.310: 0.115 + 5e-5 Q >= 0.136462, Q >= 430.
 FAST_LINK = flat_models(bandwidth_bytes_per_s=1e8)
 
 
 @pytest.mark.parametrize(
     ("q", "models", "route", "reason", "ttft_pf"),
     [
-        pytest.param(241, FAST_LINK, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.13651 + 0.102, id="Q241: deflects"),
-        pytest.param(240, FAST_LINK, Route.KEEP, Reason.KEEP_DECODE_SLOWER, 0.1364 + 0.102, id="Q240: keeps"),
-        # the 1 MB/s link: a second of transfer; 1.3 x (0.2145 + 1.092) >= 0.310, where Eq. 1
+        pytest.param(430, FAST_LINK, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.1365 + 0.102, id="Q430: deflects"),
+        pytest.param(429, FAST_LINK, Route.KEEP, Reason.KEEP_DECODE_SLOWER, 0.13645 + 0.102, id="Q429: keeps"),
+        # the 1 MB/s link: a second of transfer; 1.3 x (0.1625 + 1.092) >= 0.310, where Eq. 1
         # alone keeps ("0.280 just outside 1.3 x 0.2145" above)
-        pytest.param(950, FLAT, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.2145 + 1.092, id="slow link deflects"),
+        pytest.param(950, FLAT, Route.DEFLECT, Reason.DEFLECT_WITHIN_MARGIN, 0.1625 + 1.092, id="slow link deflects"),
     ],
 )
 def test_eq7_compares_with_the_full_keep_estimate(
@@ -1221,7 +1223,7 @@ def test_eq7_compares_with_the_full_keep_estimate(
     assert (d.route, d.reason) == (route, reason)
     assert d.predicted_ttft_prefill_s == pytest.approx(ttft_pf, abs=1e-9)
     if route is Route.KEEP:
-        assert d.predicted_prefill_end_s == pytest.approx(q / 1000 * 0.110 + 0.110)
+        assert d.predicted_prefill_end_s == pytest.approx(0.115 + 5e-5 * q)
         assert decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, CFG).route is Route.KEEP  # type: ignore[arg-type]
     else:
         assert d.predicted_ttft_decode_s == pytest.approx(0.030 + 0.280)

@@ -35,7 +35,7 @@ from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import StepGuard, load_profile, parse_profile
 from kairos.core.policies import make_policy
-from kairos.core.state import DecodeNodeState
+from kairos.core.state import DecodeNodeState, PrefillNodeState, prompt_attention_tokens
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
@@ -560,3 +560,142 @@ def test_a_keep_carries_its_decode_nodes_step_budget() -> None:
     assert pd.route is Route.KEEP and pd.step_budget_s == pytest.approx(cfg.step_budget_s / 1.25)
     off = alg.decide(3000, view((prefill_node(),), nodes), 0.0, PACKAGED, DeciderConfig(node_step_guard=False))
     assert off.step_budget_s is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The keep path's estimate on the inputs it has (bench/sim_prediction_error.py measures it)
+# ---------------------------------------------------------------------------------------------
+UNCACHED_PREFILL = make_models(prefill_knee=600.0, prefill_over_knee=5e-5)  # no cached term: exact packing
+
+
+def _prefill_end_on_the_engine(models: Any, queue: list[int], prompt: int, chunk: int) -> tuple[float, float]:
+    """A prefill node's engine running ``queue``; ``prompt`` arrives during its first step (as a
+    request does between two heartbeats): when the prompt's last token is computed, from that
+    step's start, and that step's time."""
+    engine = Engine(EngineConfig("p1", Role.PREFILL, max_step_tokens=chunk), model_step_time(models))
+    for i, tokens in enumerate(queue):
+        engine.submit(Sequence(f"q{i}", tokens, 1, hold_kv=True))
+    now, first = 0.0, None
+    if not queue:
+        engine.submit(Sequence("mine", prompt, 1, hold_kv=True))
+    while True:
+        plan = engine.plan_step(now)
+        assert plan is not None
+        duration = engine.step_duration(plan)
+        if first is None:
+            first = duration
+            if queue:
+                engine.submit(Sequence("mine", prompt, 1, hold_kv=True))
+        now += duration
+        out = engine.finish_step(plan, now, duration)
+        if any(s.request_id == "mine" for s in out.first_tokens):
+            return now, first
+
+
+@pytest.mark.parametrize(
+    ("queue", "prompt"),
+    [([], 3000), ([700], 3000), ([5000, 300, 2000], 1500), ([4096], 4096), ([100] * 30, 50)],
+)
+def test_the_packed_queue_is_the_prefill_nodes_own_schedule(queue: list[int], prompt: int) -> None:
+    """The node packs its token budget across prompts: after the step it runs at the heartbeat,
+    the prompt's first chunk fills what the queue leaves of its last step. With truth = model, the
+    estimate is the engine's prefill end, less half the step running at the heartbeat (its phase,
+    unknown to a heartbeat)."""
+    end, first = _prefill_end_on_the_engine(UNCACHED_PREFILL, queue, prompt, 2048)
+    node = PrefillNodeState.from_queue("p1", queue, 2048, reported_at=0.0)
+    estimate = alg.packed_prefill_s(UNCACHED_PREFILL, node, prompt, now=0.0)
+    assert estimate == pytest.approx(end - (0.5 * first if queue else 0.0), rel=1e-12)
+
+
+def test_a_queued_prompts_computed_prefix_costs_its_attention() -> None:
+    """A prefill node's head, 6K of 12K computed: its remaining 6K attend to the 6K before them."""
+    models = make_models(prefill_x_cached=4e-9)
+    fresh = PrefillNodeState.from_queue("p1", [6000], 2048, 0.0)
+    half_done = PrefillNodeState.from_queue("p1", [6000], 2048, 0.0, computed_tokens=[6000])
+    sent = dataclasses.replace  # the overlay's: nothing of it has run since the heartbeat
+    a = alg.packed_prefill_s(models, sent(fresh, overlay_tokens=6000), 1000)
+    b = alg.packed_prefill_s(models, sent(half_done, overlay_tokens=6000), 1000)
+    assert b - a == pytest.approx(4e-9 * 6000 * 6000)
+
+
+def test_a_prefill_node_has_run_its_queue_since_its_heartbeat() -> None:
+    """0.05 s after a heartbeat that showed 20K tokens queued, the node has run 0.05 s of them;
+    of a queue the dispatcher sent since (the overlay), nothing."""
+    reported = PrefillNodeState.from_queue("p1", [20_000], 2048, reported_at=1.0)
+    at_once = alg.packed_prefill_s(PACKAGED, reported, 3000, now=1.0)
+    assert alg.packed_prefill_s(PACKAGED, reported, 3000, now=1.05) == pytest.approx(at_once - 0.05)
+    sent = dataclasses.replace(reported, overlay_tokens=20_000)
+    assert alg.packed_prefill_s(PACKAGED, sent, 3000, now=1.05) > at_once
+
+
+def test_the_keep_estimate_queues_the_incoming_keeps_on_the_link() -> None:
+    """A keep sent to d1 ends its prefill 0.2 s from now: its 1000 tokens cross d1's link (1.001
+    s on the builders' 1 MB/s link) before a prefill ending at 0.3 s can; one ending after it,
+    at 5 s, does not wait ahead. Before, the link held only the pulls the node reported."""
+    node = dataclasses.replace(
+        decode_node("d1"),
+        incoming_keeps=2,
+        incoming_keep_tokens=2000,
+        incoming_keep_arrivals=((10.2, 1000), (15.0, 1000)),
+    )
+    cfg = DeciderConfig()
+    handoff = alg.keep_handoff_s(ROUND, cfg, node, 500, 0.3, now=10.0)
+    link_wait = 0.2 + 1.001 - 0.3
+    b, k = alg.committed_batch(node)
+    join = ROUND.decode_step_s(b + 1, k + 500) + 0.5 * ROUND.decode_step_s(b, k)
+    assert handoff == pytest.approx(link_wait + 0.501 + join)
+    assert alg.keep_handoff_s(ROUND, cfg, node, 500, 0.3) == pytest.approx(0.501 + join)  # no clock: as before
+
+
+def test_the_link_has_run_since_the_heartbeat() -> None:
+    """A 2000-token pull (2.001 s) running at a heartbeat 0.1 s old: half of it done then, on
+    average, and 0.1 s since."""
+    node = dataclasses.replace(decode_node("d1", reported_at=9.9), pending_kv_pull_tokens=(2000,))
+    cfg = DeciderConfig()
+    b, k = alg.committed_batch(node)
+    join = ROUND.decode_step_s(b + 1, k + 500) + 0.5 * ROUND.decode_step_s(b, k)
+    expected_wait = 2.001 - (0.5 * 2.001 + 0.1) - 0.3
+    assert alg.keep_handoff_s(ROUND, cfg, node, 500, 0.3, now=10.0) == pytest.approx(expected_wait + 0.501 + join)
+
+
+def test_the_view_carries_the_incoming_keeps_in_arrival_order_until_a_heartbeat_shows_them() -> None:
+    tracker = ClusterTracker()
+    tracker.update_prefill(prefill_node("p1", reported_at=0.0))
+    tracker.update_decode(decode_node("d1", reported_at=0.0))
+    for at, prefill_s, tokens in ((0.1, 2.0, 300), (0.2, 0.5, 400), (0.3, 1.0, 500)):
+        keep = Decision(
+            Route.KEEP, Reason.KEEP_SLO_ROOM, "d1", "p1", (), 3.0, None, tokens, predicted_prefill_end_s=prefill_s
+        )
+        tracker.record(keep, at)
+    (d1,) = tracker.view().decode
+    assert d1.incoming_keep_arrivals == ((0.7, 400), (1.3, 500), (2.1, 300))
+    tracker.update_decode(decode_node("d1", reported_at=1.5))
+    (d1,) = tracker.view().decode
+    assert (d1.incoming_keep_arrivals, d1.incoming_keeps, d1.incoming_keep_tokens) == (((2.1, 300),), 1, 300)
+    (p1,) = tracker.view().prefill
+    assert p1.overlay_tokens == 1200 and p1.attention_tokens == pytest.approx(
+        sum(prompt_attention_tokens(n, 0, 1000) for n in (300, 400, 500))
+    )
+
+
+def test_a_keep_is_decided_on_the_packed_queue() -> None:
+    p1 = PrefillNodeState.from_queue("p1", [5000, 300], 2048, reported_at=0.0)
+    d = alg.decide(3000, view((p1,), (decode_node("d1", b=8),)), 0.04, PACKAGED, DeciderConfig())
+    assert d.route is Route.KEEP
+    assert d.predicted_prefill_end_s == pytest.approx(alg.packed_prefill_s(PACKAGED, p1, 3000, now=0.04))
+    eq1 = alg.decide(3000, view((p1,), (decode_node("d1", b=8),)), 0.04, PACKAGED, DeciderConfig(keep_estimate="eq1"))
+    assert eq1.predicted_ttft_prefill_s == pytest.approx(alg.prefill_ttft_s(PACKAGED, p1, 3000))
+
+
+def test_the_heartbeat_carries_each_queued_prefills_computed_prefix_to_the_prefill_state() -> None:
+    raw = json.loads(beat("p0", queued_prefill_tokens=[6000, 300], max_step_tokens=2048))
+    raw[HeartbeatField.QUEUED_PREFILL_COMPUTED_TOKENS] = [6000, 0]
+    m = Membership(MembershipConfig())
+    m.poll_succeeded([("p0", json.dumps(raw))], 5.0)
+    (p0,) = m.tracker.view().prefill
+    assert p0.attention_tokens == pytest.approx(
+        prompt_attention_tokens(6000, 6000, 2048) + prompt_attention_tokens(300, 0, 2048)
+    )
+    raw[HeartbeatField.QUEUED_PREFILL_COMPUTED_TOKENS] = [6000]
+    with pytest.raises(MalformedHeartbeat, match="queued_prefill_computed_tokens has 1 entries for 2"):
+        parse_heartbeat(json.dumps(raw), "p0")

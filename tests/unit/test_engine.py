@@ -6,6 +6,7 @@ import pytest
 
 from kairos.common.contracts import Role
 from kairos.core.latency import load_profile
+from kairos.core.state import PrefillNodeState
 from kairos.sim.engine import Engine, EngineConfig, Sequence, StepPlan, model_step_time
 
 MODELS = load_profile()
@@ -120,7 +121,8 @@ def test_snapshot_reports_queues_batch_and_kv() -> None:
 def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() -> None:
     """Unscheduled and scheduled prefills, admitted (some part-way) and waiting, on one node:
     after every step the snapshot lists each kind's remaining tokens as the sequences hold them,
-    and the queue's load (count, total, squares) is theirs."""
+    and their computed prefixes, and the queue's load (count, total, squares, attention) is theirs:
+    the attention kept as the queue changes is what a dispatcher works out from the lists."""
     engine = make(Role.DECODE, budget=700, kv=9_000)
     for i, (tokens, schedule) in enumerate(
         [(900, ()), (500, (300,)), (1200, ()), (4000, ()), (800, (250,)), (3000, ()), (600, (200, 100))]
@@ -134,7 +136,15 @@ def test_snapshot_of_a_mixed_queue_keeps_each_kind_in_fifo_order_as_it_drains() 
         assert snap.queued_prefill_tokens == tuple(s.prefill_remaining for s in pending if not s.schedule)
         assert snap.scheduled_prefill_tokens == tuple(s.prefill_remaining for s in pending if s.schedule)
         queued = snap.queued_prefill_tokens
-        assert engine.queue_load() == (len(queued), sum(queued), sum(n * n for n in queued))
+        computed = tuple(s.computed for s in pending if not s.schedule)
+        assert snap.queued_prefill_computed_tokens == computed
+        assert snap.scheduled_prefill_computed_tokens == tuple(s.computed for s in pending if s.schedule)
+        count, total, squared, attention = engine.queue_load()
+        assert (count, total, squared) == (len(queued), sum(queued), sum(n * n for n in queued))
+        chunk = engine.config.max_step_tokens
+        assert attention == pytest.approx(
+            PrefillNodeState.from_queue("d", queued, chunk, 0.0, computed).attention_tokens
+        )
         if not run_steps(engine, 1):
             break
     assert saw_both  # the KV limit held some back while others were part-way

@@ -67,6 +67,7 @@ def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -
             "pending_kv_pull_tokens": (3000, 120),
             "scheduled_prefill_computed_tokens": (450,),
             "tpot_slo_ms": 60.0,
+            "queued_prefill_computed_tokens": (100, 0),
             "kv_events_endpoint": "tcp://10.0.0.1:5557",
             "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
             "kv_events_topic": "kv-events",

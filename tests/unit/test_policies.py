@@ -526,9 +526,10 @@ def test_static_policy_costs_later_chunks_with_the_cached_prefill() -> None:
 
 
 def test_static_deflection_reports_the_prefill_estimate() -> None:
-    # both nodes Q=200: 0.2 x 0.110 + 0.010 + 0.025 = 0.057
+    # both nodes Q=200: the 200-token step running at the heartbeat (0.030, half done), then the
+    # prompt's (0.035): 0.050
     d = make_policy("sq:theta=1", FLAT).decide(250, view(TWO_BUSY, B28), 0.0)
-    assert d.predicted_ttft_prefill_s == pytest.approx(0.057)
+    assert d.predicted_ttft_prefill_s == pytest.approx(0.050)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -914,13 +915,14 @@ def test_aibrix_backlog_never_drains_when_decodes_fill_the_step_budget() -> None
     ],
 )
 def test_pd_never_deflects(decode: tuple[DecodeNodeState, ...], expected: str) -> None:
-    # Q=100000: 100 x 0.110 + 0.110 = 11.11 s on the prefill path, still kept
+    # Q=100000: the step running at the heartbeat, half done, then 100 packed steps, each 0.110:
+    # 11.055 s on the prefill path, still kept
     d = make_policy("pd", FLAT).decide(1000, view((prefill_node(queue=(100_000,)),), decode), 0.0)
     assert (d.route, d.reason, d.prefill_node, d.decode_node) == (Route.KEEP, Reason.KEEP_POLICY, "p1", expected)
-    # the keep path's TTFT: Eq. 1 (11.11) + the KV hand-off, 1.001 s of transfer + the first
-    # decode step (0.041 on the idle d1; T0(11) + T0(10) / 2 = 0.076 on d2)
-    assert d.predicted_prefill_end_s == pytest.approx(11.11)
-    assert d.predicted_ttft_prefill_s == pytest.approx(11.11 + 1.001 + (0.041 if expected == "d1" else 0.076))
+    # the keep path's TTFT: the prefill end (11.055) + the KV hand-off, 1.001 s of transfer + the
+    # first decode step (0.041 on the idle d1; T0(11) + T0(10) / 2 = 0.076 on d2)
+    assert d.predicted_prefill_end_s == pytest.approx(11.055)
+    assert d.predicted_ttft_prefill_s == pytest.approx(11.055 + 1.001 + (0.041 if expected == "d1" else 0.076))
     assert d.predicted_ttft_decode_s is None
     assert d.chunk_sizes == ()
 
@@ -1017,12 +1019,15 @@ def test_policy_labels(spec: str, label: str) -> None:
 
 
 def test_kairos_keep_estimate() -> None:
-    """keep=full (the default) compares with Eq. 1 + the KV hand-off to d1: 1.001 s of transfer
-    and T0(22) + T0(21) / 2 = 0.0925 (B 20 + the backlog's request): 0.297 + 1.0935 = 1.3905, so
-    alpha 1.2 now deflects (0.373 <= 1.6686); keep=eq1 is the paper's Eq. 1 and keeps."""
+    """keep=full (the default) compares with the packed queue's prefill end (the 1000-token step
+    running at the heartbeat, half done, 0.055, then 1,700 tokens in steps of 0.110 and 0.080: 0.245)
+    + the KV hand-off to d1: 1.001 s of transfer and T0(22) + T0(21) / 2 = 0.0925 (B 20 + the
+    backlog's request): 0.245 + 1.0935 = 1.3385, so alpha 1.2 now deflects (0.373 less half the
+    backlog's running step, 0.045, = 0.328 <= 1.6062); keep=eq1 is the paper's Eq. 1 and keeps."""
     base = dataclasses.replace(KAIROS_BASE, keep_estimate="full")
     full = make_policy("kairos:alpha=1.2,pending=none", FLAT, base=base).decide(1000, BACKLOGGED, 0.0)
-    assert (full.route, full.predicted_ttft_prefill_s) == (Route.DEFLECT, pytest.approx(1.3905))
+    assert (full.route, full.predicted_ttft_prefill_s) == (Route.DEFLECT, pytest.approx(1.3385))
+    assert full.predicted_ttft_decode_s == pytest.approx(0.328)
     eq1 = make_policy("kairos:alpha=1.2,pending=none,keep=eq1", FLAT, base=base)
     assert isinstance(eq1, KairosPolicy) and eq1.config.keep_estimate == "eq1"
     d = eq1.decide(1000, BACKLOGGED, 0.0)

@@ -51,7 +51,8 @@ def reference_best_prefill(
 ) -> tuple[PrefillNodeState, float]:
     fresh = [n for n in view.prefill if alg.is_fresh(n.reported_at, NOW, config)] or list(view.prefill)
     ttft, _, node = min(
-        ((alg.prefill_ttft_s(models, n, prompt), n.node_id, n) for n in fresh), key=lambda x: (x[0], x[1])
+        ((alg.keep_prefill_s(models, config, n, prompt, 0, NOW), n.node_id, n) for n in fresh),
+        key=lambda x: (x[0], x[1]),
     )
     return node, ttft
 
@@ -68,7 +69,7 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     prefill_node, prefill_s = reference_best_prefill(models, view, config, prompt)
     keep_decode = reference_keep_decode(models, view, config, prompt)
     # Eq. 7 compares with the keep path's estimate on the keep pick (test_algorithm checks its terms)
-    ttft_pf = alg.keep_ttft_s(models, config, prefill_s, keep_decode, prompt)
+    ttft_pf = alg.keep_ttft_s(models, config, prefill_s, keep_decode, prompt, 0, NOW)
 
     def keep(reason: Reason, ttft_dec: float | None) -> Decision:
         return Decision(
