@@ -45,7 +45,10 @@ def descendants(root: int) -> set[Process]:
     todo = [root]
     while todo:
         for pid, start in children.get(todo.pop(), ()):
-            found.add(Process(pid, start, _args(pid)))
+            # No command line: a zombie, or one that ended between the two reads. It has exited,
+            # so there is nothing of it to check (it is recorded, if at all, while it runs).
+            if args := _args(pid):
+                found.add(Process(pid, start, args))
             todo.append(pid)
     return found
 
