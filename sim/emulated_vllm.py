@@ -1066,8 +1066,12 @@ class _Output:
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
         }
-        return {**self._head("text_completion"), "choices": [text], "usage": None}
+        # No "usage" key: vLLM writes a chunk with exclude_unset, and sets usage only on the
+        # usage chunk (or with continuous_usage_stats, which the emulated node does not serve).
+        return {**self._head("text_completion"), "choices": [text]}
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

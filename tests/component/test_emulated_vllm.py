@@ -417,6 +417,12 @@ async def test_each_streamed_chunk_is_one_token_of_the_models_tokenizer(
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     texts = [p["choices"][0]["text"] for p in payloads if p["choices"]]
     assert len(texts) == payloads[-1]["usage"]["completion_tokens"] == 12
+    # vLLM writes a token chunk with exclude_unset: no usage key; the token-id fields are null.
+    assert all("usage" not in p for p in payloads[:-1]), payloads[0]
+    assert {k: payloads[0]["choices"][0][k] for k in ("prompt_token_ids", "token_ids")} == {
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
     raw = tokenizer.raw_tokenizer
     assert [len(raw.encode(t, add_special_tokens=False).ids) for t in texts] == [1] * 12
     assert len(raw.encode("".join(texts), add_special_tokens=False).ids) == 12
