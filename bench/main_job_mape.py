@@ -314,7 +314,7 @@ def main() -> int:
     )
     payload = {
         "label": args.label,
-        "command": "python bench/main_job_mape.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["python", "bench/main_job_mape.py", *sys.argv[1:]]),
         "cluster": f"kairos up --port 0 {args.up}".strip() + " (emulated 2P2D, real time)",
         "code": cluster_code(workdir),
         "traffic": {

@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -389,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_result(
         "spike",
         {
-            "command": " ".join(["bench/spike.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": shlex.join(["python", "bench/spike.py", *(argv if argv is not None else sys.argv[1:])]),
             "tree": str(args.tree),
             "commit": subprocess.run(
                 ["git", "-C", str(args.tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
