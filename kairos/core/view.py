@@ -45,7 +45,8 @@ class _Dispatch:
     tokens: int  # prompt tokens sent
     foreign: bool = False  # another dispatcher's deflection, learnt from its promise
     promise: str = ""  # a foreign one's promise member: heard twice, it is counted once
-    cached: int = 0  # a deflection's prompt tokens the node has cached: computed already, held in its KV
+    cached: int = 0  # prompt tokens the node has cached: computed already (a deflection's held in its KV)
+    attention: float = 0.0  # a keep's on its prefill node: prompt_attention_tokens, worked out once
     tpot_s: float = math.inf  # a deflection's own TPOT SLO (inf: none), which it tightens the node's tau to
 
 
@@ -56,33 +57,40 @@ def _tpot_of(decision: Decision) -> float:
 
 @dataclass(slots=True)
 class _Incoming:
-    """Keep-path requests on their way to one decode node: (arrival, tokens, TPOT SLO) sorted by
-    arrival, with their tokens kept as a running total, and how many hold each TPOT SLO (a few
-    classes: their tightest is a min over a handful of keys). A list kept sorted rather than a
-    heap: a state copies the arrivals whole (the keep path's estimate queues the node's link in
-    that order), and an insertion's memmove costs less than that copy."""
+    """Keep-path requests on their way to one decode node: (arrival, tokens) sorted by arrival,
+    each one's TPOT SLO beside it, with their tokens kept as a running total, and how many hold
+    each TPOT SLO (a few classes: their tightest is a min over a handful of keys). Lists kept
+    sorted rather than a heap: a state carries the arrivals in that order (the keep path's
+    estimate queues their KV on the node's link), one C-level copy of ``arrivals``, and an
+    insertion's memmove costs less than that copy."""
 
-    arrivals: list[tuple[float, int, float]] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    tpot_list: list[float] = field(default_factory=list)  # each arrival's TPOT SLO, in the same order
     tokens: int = 0
     tpots: dict[float, int] = field(default_factory=dict)
 
     def add(self, at: float, tokens: int, tpot_s: float = math.inf) -> None:
-        bisect.insort(self.arrivals, (at, tokens, tpot_s))
+        i = bisect.bisect_right(self.arrivals, (at, tokens))
+        self.arrivals.insert(i, (at, tokens))
+        self.tpot_list.insert(i, tpot_s)
         self.tokens += tokens
         self.tpots[tpot_s] = self.tpots.get(tpot_s, 0) + 1
 
     def expire(self, horizon: float) -> None:
         """Drop the keeps that arrived by ``horizon``."""
         arrivals, tpots = self.arrivals, self.tpots
-        gone = bisect.bisect_right(arrivals, (horizon, math.inf, math.inf))
-        for _, tokens, tpot in arrivals[:gone]:
-            self.tokens -= tokens
+        gone = bisect.bisect_right(arrivals, (horizon, math.inf))
+        if not gone:
+            return
+        self.tokens -= sum(tokens for _, tokens in arrivals[:gone])
+        for tpot in self.tpot_list[:gone]:
             left = tpots[tpot] - 1
             if left:
                 tpots[tpot] = left
             else:
                 del tpots[tpot]
         del arrivals[:gone]
+        del self.tpot_list[:gone]
 
     @property
     def tightest_tpot_s(self) -> float:
@@ -136,8 +144,10 @@ class ClusterTracker:
         work = tokens - decision.cached_tokens
         if decision.route is Route.KEEP:
             assert decision.prefill_node is not None  # a keep decision always names its prefill node
+            prefill = self._prefill.get(decision.prefill_node)
+            attention = prompt_attention_tokens(work, decision.cached_tokens, prefill.chunk_tokens) if prefill else 0.0
             self._overlay.setdefault(decision.prefill_node, []).append(
-                _Dispatch(now, work, cached=decision.cached_tokens)
+                _Dispatch(now, work, cached=decision.cached_tokens, attention=attention)
             )
             # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
             # pull (pending_kv_pull_tokens), then the request itself.
@@ -238,8 +248,7 @@ class ClusterTracker:
             queue_length=s.queue_length + len(extra),
             outstanding_tokens=s.outstanding_tokens + added,
             squared_tokens=s.squared_tokens + sum(d.tokens * d.tokens for d in extra),
-            attention_tokens=s.attention_tokens
-            + sum(prompt_attention_tokens(d.tokens, d.cached, s.chunk_tokens) for d in extra),
+            attention_tokens=s.attention_tokens + sum(d.attention for d in extra),
             overlay_tokens=s.overlay_tokens + added,
         )
 
@@ -268,7 +277,7 @@ class ClusterTracker:
             incoming_keeps=s.incoming_keeps + keeps,
             incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,
             incoming_keep_arrivals=(
-                s.incoming_keep_arrivals + tuple((at, tokens) for at, tokens, _ in incoming.arrivals)
+                s.incoming_keep_arrivals + tuple(incoming.arrivals)
                 if incoming is not None and keeps
                 else s.incoming_keep_arrivals
             ),
