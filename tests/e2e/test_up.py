@@ -174,6 +174,7 @@ def test_kairos_up_with_a_nodes_file_fronts_nodes_started_elsewhere(tmp_path: Pa
         tmp_path / "nodes",
     )
     elsewhere.model_dir, elsewhere.redis_port = model_dir, redis_port
+    elsewhere.gateway_port = port  # the sidecars fan batches out through the gateway (--gateway)
     elsewhere.nodes = elsewhere.plan_nodes()
     nodes_file = tmp_path / "nodes.yaml"
     nodes_file.write_text(
