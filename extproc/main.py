@@ -183,9 +183,10 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         if prefix_aware(policies.policy)
         else None
     )
+    tracker = ClusterTracker(dispatch_grace_s=config.dispatch_grace_s, link=profile.models.transfer)
     cluster = RedisClusterView(
         config.cluster_view(),
-        tracker=ClusterTracker(dispatch_grace_s=config.dispatch_grace_s),
+        tracker=tracker,
         clock=clock,
         registry=metrics.registry,
         feedback=TtftFeedback(metrics, config.ttft_feedback_window) if config.ttft_feedback_window else None,
@@ -211,7 +212,9 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
 
     def use(loaded: LoadedProfile) -> None:
         # Built in full first, then one assignment: the next decision reads the new models.
-        dispatcher.policies = config.policies(loaded.models)
+        policies = config.policies(loaded.models)
+        tracker.relink(loaded.models.transfer)  # the incoming keeps' link queue, by the new transfer model
+        dispatcher.policies = policies
 
     path = profile_path(config.profile)
     watcher = (

@@ -229,7 +229,7 @@ class Simulator:
                 self.prefix_index.add_node(node_id, 0.0)
                 self._kv_streams[node_id] = EventStreamSync(self.prefix_index, node_id)
         self.links: dict[str, _Link] = {e.config.node_id: _Link() for e in self.decode}
-        self.tracker = ClusterTracker()
+        self.tracker = ClusterTracker(link=models.transfer)
         own_tpots = tuple(dict.fromkeys(r.tpot_slo_s for r in self.requests if r.tpot_slo_s is not None))
         self.metrics = SimMetrics(
             decode_nodes=[e.config.node_id for e in self.decode], tbt_slo_s=tbt_slo_s, request_tbt_slos=own_tpots

@@ -322,7 +322,7 @@ def keep_handoff_s(
       reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take), less what
       the link has run of them since the heartbeat (with ``now``: the first one, running then,
       half done on average, and the heartbeat's age); then, with ``now``, the keeps this dispatcher sent
-      the node whose prefill still runs (``incoming_keep_arrivals``), each joining the link at its
+      the node whose prefill still runs (``incoming_link``), each joining the link at its
       predicted prefill end, those that end before this prefill does. The wait is what is left of
       that queue when this prefill ends. Without ``now`` (the estimate as it was before the
       arrivals were kept) the pulls alone, the first one whole. (Leaving the incoming keeps out
@@ -346,10 +346,8 @@ def keep_handoff_s(
     if now is not None:
         if pulls:  # the link has run since the heartbeat: its first transfer then, half done, and since
             clear -= min(0.5 * (t.latency_s + pulls[0] * per_token) + max(0.0, now - node.reported_at), clear)
-        for at, tokens in node.incoming_keep_arrivals:
-            if at - now > prefill_s:
-                break  # sorted: every later one ends its prefill after this one does
-            clear = max(clear, at - now) + t.latency_s + tokens * per_token
+        if node.incoming_link is not None:  # in closed form: O(log n) however many are on their way
+            clear = node.incoming_link.clear_s(now + clear, now + prefill_s) - now
     link_wait = max(0.0, clear - prefill_s)
     transfer = t.latency_s + (prompt_tokens - cached_tokens) * per_token
     b, k = committed_batch(node)

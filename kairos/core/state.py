@@ -3,7 +3,9 @@ dispatches since then. Plain frozen values so the core stays pure and testable."
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +84,69 @@ def prompt_attention_tokens(remaining: int, computed: int, chunk_tokens: int) ->
     return r * computed + chunks
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class IncomingLink:
+    """A decode node's incoming keeps as their KV will cross its inbound link, FIFO by when their
+    prefill is predicted to end, in the closed form of a FIFO queue: the link clears the first m of
+    them, if it is free from ``c``, at ``max(c + sums[m-1] - base, departures[m-1])``.
+
+    Entries ``lo`` to ``hi`` of the lists, which no one changes (the view appends after ``hi``, or
+    starts new lists): a state carries its node's queue without copying it, however many keeps are
+    on their way. ``arrivals[i]``: (when keep i's prefill is predicted to end, on the decider's
+    clock; its prompt tokens), sorted. ``sums[i]``: its transfer time plus those of the keeps
+    before it in the lists (``base``: the part of that sum the keeps before ``lo`` account for).
+    ``departures[i]``: when keep i's transfer would end on a link free before the lists' first,
+    ``max(departures[i-1], arrivals[i][0]) + transfer_i``; kept as keeps leave the front, whose
+    transfers the node's heartbeat then reports as its pulls."""
+
+    arrivals: list[tuple[float, int]]
+    sums: list[float]
+    departures: list[float]
+    base: float
+    lo: int
+    hi: int
+
+    @classmethod
+    def of(cls, arrivals: Iterable[tuple[float, int]], transfer_s: Callable[[int], float]) -> IncomingLink:
+        """The link of these (arrival, tokens), sorted here; ``transfer_s``: one transfer's time."""
+        ordered = sorted(arrivals)
+        sums: list[float] = []
+        departures: list[float] = []
+        total, free = 0.0, -math.inf
+        for at, tokens in ordered:
+            x = transfer_s(tokens)
+            total += x
+            free = max(free, at) + x
+            sums.append(total)
+            departures.append(free)
+        return cls(ordered, sums, departures, 0.0, 0, len(ordered))
+
+    @property
+    def entries(self) -> tuple[tuple[float, int], ...]:
+        """The (arrival, tokens) of the keeps it holds, in order."""
+        return tuple(self.arrivals[self.lo : self.hi])
+
+    def clear_s(self, free_at: float, until: float) -> float:
+        """When the link, free from ``free_at``, has carried the keeps that arrive by ``until``."""
+        m = bisect.bisect_right(self.arrivals, (until, math.inf), self.lo, self.hi)
+        if m == self.lo:
+            return free_at
+        return max(free_at + self.sums[m - 1] - self.base, self.departures[m - 1])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IncomingLink):
+            return NotImplemented
+        mine, theirs = slice(self.lo, self.hi), slice(other.lo, other.hi)
+        return (
+            self.arrivals[mine] == other.arrivals[theirs]
+            and [s - self.base for s in self.sums[mine]] == [s - other.base for s in other.sums[theirs]]
+            and self.departures[mine] == other.departures[theirs]
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.entries)
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeNodeState:
     """A decode node as of its last heartbeat (plus dispatches since, if tracked)."""
@@ -100,9 +165,9 @@ class DecodeNodeState:
     # same least-loaded node (and its one KV link).
     incoming_keeps: int = 0
     incoming_keep_tokens: int = 0  # their prompt tokens, all together
-    # Each incoming keep as (when its prefill is predicted to end, on the decider's clock; its
-    # prompt tokens), by that time: the order their KV will queue on the node's inbound link.
-    incoming_keep_arrivals: tuple[tuple[float, int], ...] = ()
+    # The incoming keeps' KV as it will queue on the node's inbound link, in closed form
+    # (IncomingLink): None where the view keeps no link model.
+    incoming_link: IncomingLink | None = None
     # The node's step calibration from its heartbeat: the upper quantile of its actual / predicted
     # step times (kairos.core.calibration). The decider plans its steps to beta x tau / this;
     # 1.0 (a node that does not report one) plans to beta x tau, the paper's Eq. 5.

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kairos.core.decision import Decision, Route
-from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState, prompt_attention_tokens
+from kairos.core.latency import TransferModel
+from kairos.core.state import ClusterView, DecodeNodeState, IncomingLink, PrefillNodeState, prompt_attention_tokens
 
 S = TypeVar("S", PrefillNodeState, DecodeNodeState)
 
@@ -57,40 +58,118 @@ def _tpot_of(decision: Decision) -> float:
 
 @dataclass(slots=True)
 class _Incoming:
-    """Keep-path requests on their way to one decode node: (arrival, tokens) sorted by arrival,
-    each one's TPOT SLO beside it, with their tokens kept as a running total, and how many hold
-    each TPOT SLO (a few classes: their tightest is a min over a handful of keys). Lists kept
-    sorted rather than a heap: a state carries the arrivals in that order (the keep path's
-    estimate queues their KV on the node's link), one C-level copy of ``arrivals``, and an
-    insertion's memmove costs less than that copy."""
+    """Keep-path requests on their way to one decode node, sorted by arrival: entries ``lo`` on
+    of the lists (the ones before have arrived), with their tokens kept as a running total and how
+    many hold each TPOT SLO (a few classes: their tightest is a min over a handful of keys). With
+    the tracker's link model, also their KV's queue on the node's link in closed form (sums,
+    departures, base: ``kairos.core.state.IncomingLink``), which a state carries as a window on
+    these lists, not a copy: the lists only grow at the end (a keep that arrives after the last,
+    the usual case, O(1)); anything else (a keep before the last, a new link model, a front grown
+    long) starts new lists, so that a window a state holds never changes."""
 
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     tpot_list: list[float] = field(default_factory=list)  # each arrival's TPOT SLO, in the same order
+    sums: list[float] = field(default_factory=list)
+    departures: list[float] = field(default_factory=list)
+    lo: int = 0  # the first not yet arrived
+    base: float = 0.0  # sums[lo - 1]: the transfers of the arrived ones
     tokens: int = 0
     tpots: dict[float, int] = field(default_factory=dict)
 
-    def add(self, at: float, tokens: int, tpot_s: float = math.inf) -> None:
-        i = bisect.bisect_right(self.arrivals, (at, tokens))
-        self.arrivals.insert(i, (at, tokens))
-        self.tpot_list.insert(i, tpot_s)
+    @property
+    def count(self) -> int:
+        return len(self.arrivals) - self.lo
+
+    def add(self, at: float, tokens: int, tpot_s: float = math.inf, link: TransferModel | None = None) -> None:
         self.tokens += tokens
         self.tpots[tpot_s] = self.tpots.get(tpot_s, 0) + 1
+        arrivals, lo = self.arrivals, self.lo
+        if self.count and (at, tokens) < arrivals[-1]:
+            # Before the last (a keep to a shorter prefill queue): new lists, copied (C-level),
+            # with it in place and the link worked out again from it on (usually a few keeps).
+            i = bisect.bisect_right(arrivals, (at, tokens), lo) - lo
+            self.arrivals = arrivals[lo:]
+            self.arrivals.insert(i, (at, tokens))
+            self.tpot_list = self.tpot_list[lo:]
+            self.tpot_list.insert(i, tpot_s)
+            self.lo = 0
+            if link is not None and self.sums:
+                self.sums, self.departures = self.sums[lo:], self.departures[lo:]
+                self.sums.insert(i, 0.0)
+                self.departures.insert(i, 0.0)
+                self._link_from(i, link)
+            elif link is not None:
+                self._restart(list(zip(self.arrivals, self.tpot_list, strict=True)), link)
+            return
+        arrivals.append((at, tokens))
+        self.tpot_list.append(tpot_s)
+        if link is not None:
+            x = link.seconds(tokens)
+            last = len(arrivals) - 1
+            self.sums.append((self.sums[-1] if last > self.lo else self.base) + x)
+            self.departures.append(max(self.departures[-1] if last > self.lo else -math.inf, at) + x)
+
+    def _link_from(self, i: int, link: TransferModel) -> None:
+        """Sums and departures from entry ``i`` (of lists that start at the first not arrived) on."""
+        total = self.sums[i - 1] if i else self.base
+        free = self.departures[i - 1] if i else -math.inf
+        for j in range(i, len(self.arrivals)):
+            at, tokens = self.arrivals[j]
+            x = link.seconds(tokens)
+            total += x
+            free = max(free, at) + x
+            self.sums[j], self.departures[j] = total, free
+
+    def _restart(self, live: list[tuple[tuple[float, int], float]], link: TransferModel | None) -> None:
+        """New lists holding ``live`` ((arrival, tokens), TPOT) in order, their link worked out anew."""
+        self.arrivals = [a for a, _ in live]
+        self.tpot_list = [t for _, t in live]
+        self.lo, self.base = 0, 0.0
+        self.sums, self.departures = [], []
+        if link is not None:
+            total, free = 0.0, -math.inf
+            for at, tokens in self.arrivals:
+                x = link.seconds(tokens)
+                total += x
+                free = max(free, at) + x
+                self.sums.append(total)
+                self.departures.append(free)
+
+    def relink(self, link: TransferModel | None) -> None:
+        """The link's closed form under another transfer model (a profile reload), or none."""
+        self._restart(list(zip(self.arrivals[self.lo :], self.tpot_list[self.lo :], strict=True)), link)
 
     def expire(self, horizon: float) -> None:
-        """Drop the keeps that arrived by ``horizon``."""
-        arrivals, tpots = self.arrivals, self.tpots
-        gone = bisect.bisect_right(arrivals, (horizon, math.inf))
-        if not gone:
+        """Drop the keeps that arrived by ``horizon`` (their KV shows among the node's pulls from
+        then on). The departures after them stay as they were, computed with them: re-deriving
+        them would walk every keep still on its way at every heartbeat. The closed form's max with
+        the reported pulls hides the difference while the pulls clear no earlier than the link
+        would have cleared those keeps (their own transfers are among the pulls)."""
+        arrivals, tpots, lo = self.arrivals, self.tpots, self.lo
+        gone = bisect.bisect_right(arrivals, (horizon, math.inf), lo)
+        if gone == lo:
             return
-        self.tokens -= sum(tokens for _, tokens in arrivals[:gone])
-        for tpot in self.tpot_list[:gone]:
+        self.tokens -= sum(tokens for _, tokens in arrivals[lo:gone])
+        for tpot in self.tpot_list[lo:gone]:
             left = tpots[tpot] - 1
             if left:
                 tpots[tpot] = left
             else:
                 del tpots[tpot]
-        del arrivals[:gone]
-        del self.tpot_list[:gone]
+        if self.sums:
+            self.base = self.sums[gone - 1]
+        self.lo = gone
+        if gone > 256 and gone > self.count:  # the front outgrows the rest: new lists (old windows keep theirs)
+            self.arrivals, self.tpot_list = arrivals[gone:], self.tpot_list[gone:]
+            if self.sums:
+                self.sums, self.departures = self.sums[gone:], self.departures[gone:]
+            self.lo = 0
+
+    def link(self) -> IncomingLink | None:
+        """The closed form as a state carries it: a window on the lists (None without a link model)."""
+        if not self.count or not self.sums:
+            return None
+        return IncomingLink(self.arrivals, self.sums, self.departures, self.base, self.lo, len(self.arrivals))
 
     @property
     def tightest_tpot_s(self) -> float:
@@ -104,6 +183,10 @@ class ClusterTracker:
     # A dispatch may reach its node after the next heartbeat was taken (network, sidecar hop):
     # keep it in the overlay until a heartbeat at least this much younger than it arrives.
     dispatch_grace_s: float = 0.0
+    # The decode nodes' inbound link (the latency models' transfer model): with it, each node's
+    # state carries its incoming keeps' queue on that link in closed form (incoming_link), which
+    # the keep path's estimate reads; None: no such queue.
+    link: TransferModel | None = None
     _prefill: dict[str, PrefillNodeState] = field(default_factory=dict)
     _decode: dict[str, DecodeNodeState] = field(default_factory=dict)
     _overlay: dict[str, list[_Dispatch]] = field(default_factory=dict)
@@ -158,7 +241,7 @@ class ClusterTracker:
             incoming = self._incoming.get(decision.decode_node)
             if incoming is None:
                 incoming = self._incoming[decision.decode_node] = _Incoming()
-            incoming.add(arrival, tokens, _tpot_of(decision))
+            incoming.add(arrival, tokens, _tpot_of(decision), self.link)
             self._changed(decision.prefill_node, decision.decode_node)
         else:
             dispatch = _Dispatch(now, work, cached=decision.cached_tokens, tpot_s=_tpot_of(decision))
@@ -166,6 +249,14 @@ class ClusterTracker:
             self._changed(decision.decode_node)
             return decision.decode_node, dispatch
         return None
+
+    def relink(self, link: TransferModel | None) -> None:
+        """Another transfer model (the profile was reloaded): every node's incoming keeps queue on
+        their links by it from now on."""
+        self.link = link
+        for node_id, incoming in self._incoming.items():
+            incoming.relink(link)
+            self._changed(node_id)
 
     def cancel(self, handle: object) -> None:
         """Take back a deflection ``record`` returned ``handle`` for (its promise was refused)."""
@@ -255,7 +346,7 @@ class ClusterTracker:
     def _with_overlay_decode(self, s: DecodeNodeState) -> DecodeNodeState:
         extra = self._overlay.get(s.node_id)
         incoming = self._incoming.get(s.node_id)
-        keeps, keep_tokens = (len(incoming.arrivals), incoming.tokens) if incoming is not None else (0, 0)
+        keeps, keep_tokens = (incoming.count, incoming.tokens) if incoming is not None else (0, 0)
         if not extra and not keeps:
             return s
         extra = extra or []
@@ -276,9 +367,5 @@ class ClusterTracker:
             prefill_backlog_computed_tokens=computed,
             incoming_keeps=s.incoming_keeps + keeps,
             incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,
-            incoming_keep_arrivals=(
-                s.incoming_keep_arrivals + tuple(incoming.arrivals)
-                if incoming is not None and keeps
-                else s.incoming_keep_arrivals
-            ),
+            incoming_link=incoming.link() if incoming is not None and keeps else s.incoming_link,
         )

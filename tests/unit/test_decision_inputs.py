@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import StepGuard, load_profile, parse_profile
 from kairos.core.policies import make_policy
-from kairos.core.state import DecodeNodeState, PrefillNodeState, prompt_attention_tokens
+from kairos.core.state import DecodeNodeState, IncomingLink, PrefillNodeState, prompt_attention_tokens
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
@@ -636,7 +637,7 @@ def test_the_keep_estimate_queues_the_incoming_keeps_on_the_link() -> None:
         decode_node("d1"),
         incoming_keeps=2,
         incoming_keep_tokens=2000,
-        incoming_keep_arrivals=((10.2, 1000), (15.0, 1000)),
+        incoming_link=IncomingLink.of(((10.2, 1000), (15.0, 1000)), ROUND.kv_transfer_s),
     )
     cfg = DeciderConfig()
     handoff = alg.keep_handoff_s(ROUND, cfg, node, 500, 0.3, now=10.0)
@@ -658,8 +659,8 @@ def test_the_link_has_run_since_the_heartbeat() -> None:
     assert alg.keep_handoff_s(ROUND, cfg, node, 500, 0.3, now=10.0) == pytest.approx(expected_wait + 0.501 + join)
 
 
-def test_the_view_carries_the_incoming_keeps_in_arrival_order_until_a_heartbeat_shows_them() -> None:
-    tracker = ClusterTracker()
+def test_the_view_carries_the_incoming_keeps_link_queue_until_a_heartbeat_shows_them() -> None:
+    tracker = ClusterTracker(link=ROUND.transfer)
     tracker.update_prefill(prefill_node("p1", reported_at=0.0))
     tracker.update_decode(decode_node("d1", reported_at=0.0))
     for at, prefill_s, tokens in ((0.1, 2.0, 300), (0.2, 0.5, 400), (0.3, 1.0, 500)):
@@ -668,14 +669,49 @@ def test_the_view_carries_the_incoming_keeps_in_arrival_order_until_a_heartbeat_
         )
         tracker.record(keep, at)
     (d1,) = tracker.view().decode
-    assert d1.incoming_keep_arrivals == ((0.7, 400), (1.3, 500), (2.1, 300))
+    assert d1.incoming_link == IncomingLink.of(((0.7, 400), (1.3, 500), (2.1, 300)), ROUND.kv_transfer_s)
     tracker.update_decode(decode_node("d1", reported_at=1.5))
     (d1,) = tracker.view().decode
-    assert (d1.incoming_keep_arrivals, d1.incoming_keeps, d1.incoming_keep_tokens) == (((2.1, 300),), 1, 300)
+    assert d1.incoming_link is not None and (d1.incoming_keeps, d1.incoming_keep_tokens) == (1, 300)
+    assert d1.incoming_link.entries == ((2.1, 300),)
+    assert d1.incoming_link.clear_s(2.0, 3.0) == pytest.approx(2.1 + ROUND.kv_transfer_s(300))
+    assert d1.incoming_link.clear_s(3.0, 3.0) == pytest.approx(3.0 + ROUND.kv_transfer_s(300))
     (p1,) = tracker.view().prefill
     assert p1.overlay_tokens == 1200 and p1.attention_tokens == pytest.approx(
         sum(prompt_attention_tokens(n, 0, 1000) for n in (300, 400, 500))
     )
+    held = d1.incoming_link
+    keep = Decision(Route.KEEP, Reason.KEEP_SLO_ROOM, "d1", "p1", (), 3.0, None, 900, predicted_prefill_end_s=0.5)
+    tracker.record(keep, 1.6)  # arrives at 2.1 too, after the held one: appended
+    tracker.record(dataclasses.replace(keep, prompt_tokens=100), 1.6)  # before it: new lists
+    assert held.entries == ((2.1, 300),)  # a state's queue is a value: later keeps do not show in it
+    (d1,) = tracker.view().decode
+    assert d1.incoming_link is not None and d1.incoming_link.entries == ((2.1, 100), (2.1, 300), (2.1, 900))
+    tracker.relink(None)  # a tracker without a link model carries no queue
+    assert tracker.view().decode[0].incoming_link is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_links_closed_form_is_the_fifo_queue(seed: int) -> None:
+    """Keeps joining in any order, the link free from any time: the closed form the view keeps
+    is the FIFO queue walked transfer by transfer, for every horizon."""
+    rng = random.Random(seed)
+    arrivals = [(round(rng.uniform(0, 5), 3), rng.randrange(100, 5000)) for _ in range(rng.randrange(1, 30))]
+    tracker = ClusterTracker(link=ROUND.transfer)
+    tracker.update_prefill(prefill_node("p1", reported_at=0.0))
+    tracker.update_decode(decode_node("d1", reported_at=0.0))
+    for at, tokens in arrivals:
+        keep = Decision(Route.KEEP, Reason.KEEP_SLO_ROOM, "d1", "p1", (), 3.0, None, tokens, predicted_prefill_end_s=at)
+        tracker.record(keep, 0.0)
+    (d1,) = tracker.view().decode
+    assert d1.incoming_link is not None
+    for _ in range(10):
+        free_at, until = rng.uniform(0, 10), rng.uniform(0, 6)
+        walked = free_at
+        for at, tokens in sorted(arrivals):
+            if at <= until:
+                walked = max(walked, at) + ROUND.kv_transfer_s(tokens)
+        assert d1.incoming_link.clear_s(free_at, until) == pytest.approx(walked, rel=1e-12)
 
 
 def test_a_keep_is_decided_on_the_packed_queue() -> None:
