@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import FAIR_NICE_GAP, Priorities, write_result
 from kairos.common.contracts import HeartbeatField
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy, split_policy_list
+from kairos.core.policies import create_policy, split_policy_list
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig, RequestResult, format_summary, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
@@ -91,7 +91,7 @@ def simulate(
     models = load_profile()
     metrics = Simulator(
         requests,
-        make_policy(policy, models),
+        create_policy(policy, models),
         models,
         ClusterConfig(heartbeat_s=heartbeat_s),
         TBT_SLO_MS / 1e3,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import write_result
 from bench.e2e_replay import add_harness_argument, live_cluster
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.simulator import ClusterConfig, Simulator
@@ -46,7 +46,7 @@ def class_figures(per_class: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
 def simulated(requests: list[Any], policy: str) -> dict[str, Any]:
     """The simulator's overall and per-class figures for ``requests`` under ``policy``."""
     models = load_profile()
-    summary = Simulator(requests, make_policy(policy, models), models, ClusterConfig()).run().summary
+    summary = Simulator(requests, create_policy(policy, models), models, ClusterConfig()).run().summary
     return {
         "slo_attainment": summary["slo_attainment"],
         "p95_ttft_s": summary["p95_ttft_s"],

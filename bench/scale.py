@@ -98,7 +98,7 @@ from kairos.common.contracts import (  # noqa: E402
     encode_heartbeat,
 )
 from kairos.core.latency import load_profile  # noqa: E402
-from kairos.core.policies import make_policy  # noqa: E402
+from kairos.core.policies import create_policy  # noqa: E402
 from kairos.extproc.membership import Membership, MembershipConfig  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
@@ -249,7 +249,7 @@ def in_process(keys: list[str], values: list[bytes | None], calls: int, policy_s
         membership.poll_succeeded(beats, 0.001 * (i + 1))  # the same values: nothing to parse
         same.append(time.perf_counter_ns() - t0)
     view = membership.tracker.view()
-    policy = make_policy(policy_spec, load_profile())
+    policy = create_policy(policy_spec, load_profile())
     decisions: dict[str, Any] = {}
     for prompt in (1024, 10_240, 32_768):
         policy.decide(prompt, view, 0.0)  # warm-up

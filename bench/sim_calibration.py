@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import RESULTS_DIR, write_result
 from kairos.common import defaults
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.sim.experiment import SimSettings, requests_for
 from kairos.sim.simulator import Simulator
 
@@ -51,7 +51,7 @@ def run(settings: SimSettings, spec: str, rps: float) -> dict[str, Any]:
     started = time.perf_counter()
     sim = Simulator(
         requests_for(settings, rps),
-        make_policy(spec, models, settings.decider()),
+        create_policy(spec, models, settings.decider()),
         models,
         settings.cluster(),
         settings.tbt_slo_s,

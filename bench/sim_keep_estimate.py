@@ -32,7 +32,7 @@ import numpy as np
 
 from kairos.core.decision import Route
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy, split_policy_list
+from kairos.core.policies import create_policy, split_policy_list
 from kairos.sim.experiment import SimSettings, requests_for
 from kairos.sim.simulator import Simulator
 
@@ -48,7 +48,7 @@ def _mape(pred: np.ndarray, obs: np.ndarray, signed: bool = False) -> float | No
 
 def run(settings: SimSettings, spec: str, rps: float) -> dict[str, Any]:
     models = load_profile(settings.profile)
-    policy = make_policy(spec, models, settings.decider())
+    policy = create_policy(spec, models, settings.decider())
     started = time.perf_counter()
     metrics = Simulator(requests_for(settings, rps), policy, models, settings.cluster()).run()
     wall = time.perf_counter() - started

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kairos.core import algorithm as alg
 from kairos.core.decision import Decision, Route
 from kairos.core.latency import LatencyModels, load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.state import ClusterView
 from kairos.sim import simulator as simmod
 from kairos.sim.experiment import SimSettings, requests_for
@@ -213,7 +213,7 @@ def summarize_path(probes: list[Probe]) -> dict[str, Any]:
 def run(settings: SimSettings, spec: str, rps: float, stride: int) -> dict[str, Any]:
     models = load_profile(settings.profile)
     config = settings.decider()
-    policy = make_policy(spec, models, config)
+    policy = create_policy(spec, models, config)
     started = time.perf_counter()
     sim = ProbedSimulator(
         requests_for(settings, rps), policy, models, settings.cluster(), config=policy.config, stride=stride

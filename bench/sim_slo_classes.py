@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS_DIR, write_result
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.workloads import SLO_CLASS_MIXES, make_class_mix
 
@@ -74,7 +74,7 @@ def main() -> int:
             runs = []
             for seed in seeds:
                 requests = make_class_mix(args.mix, rps=rps, duration_s=args.duration, seed=seed)
-                runs.append(Simulator(requests, make_policy(spec, models), models, ClusterConfig()).run().summary)
+                runs.append(Simulator(requests, create_policy(spec, models), models, ClusterConfig()).run().summary)
             point = {"rps": rps, "policy": spec, **mean_of(runs)}
             points.append(point)
             print_point(point, header=not points[:-1])

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_result
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.sim.simulator import Simulator
 from kairos.sim.workloads import make_workload
 
@@ -38,7 +38,7 @@ def measure(spec: str, duration_s: float, rps: float, repeat: int) -> dict[str, 
     runs = []
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
-        metrics = Simulator(requests, make_policy(spec, models), models).run()
+        metrics = Simulator(requests, create_policy(spec, models), models).run()
         runs.append((time.perf_counter() - t0, time.process_time() - c0))
     wall, cpu = min(runs)
     return {

@@ -31,7 +31,7 @@ from kairos.common.runtime import freeze_startup_heap, stop_on_signals
 from kairos.core.admission import AdmissionLimits
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
-from kairos.core.policies import NoPrefillPoolPolicy, make_policy, validate_gateway_policy
+from kairos.core.policies import NoPrefillPoolPolicy, create_policy, validate_gateway_policy
 from kairos.core.prefix_index import PrefixIndex
 from kairos.core.view import ClusterTracker
 from kairos.extproc.admission import AdmissionGate
@@ -161,8 +161,8 @@ class DispatcherConfig:
         """The routing policies on ``models`` (rebuilt whole on every profile reload)."""
         decider = self.decider()
         return Policies(
-            make_policy(self.policy, models, decider),
-            make_policy("pd", models, decider),
+            create_policy(self.policy, models, decider),
+            create_policy("pd", models, decider),
             NoPrefillPoolPolicy(models, decider),
         )
 

@@ -18,7 +18,7 @@ from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, load_profile
-from kairos.core.policies import make_policy, split_policy_list
+from kairos.core.policies import create_policy, split_policy_list
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
 from kairos.sim.traces import load_trace, rescale_to_rate, truncate
@@ -104,7 +104,7 @@ def requests_for(settings: SimSettings, rps: float) -> list[RequestSpec]:
 def run_point(settings: SimSettings, policy_spec: str, rps: float) -> dict[str, Any]:
     """Simulate one policy at one rate; returns the result record."""
     models = load_profile(settings.profile)
-    policy = make_policy(policy_spec, models, settings.decider())
+    policy = create_policy(policy_spec, models, settings.decider())
     requests = requests_for(settings, rps)
     started = time.perf_counter()
     metrics = Simulator(requests, policy, models, settings.cluster(), settings.tbt_slo_s, settings.ttft_slo_s).run()

@@ -27,7 +27,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.core.latency import LatencyModels, load_profile
-from kairos.core.policies import Policy, make_policy
+from kairos.core.policies import Policy, create_policy
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.server import DRAIN_MODE, BusyLimits, start_grpc_server
@@ -82,8 +82,8 @@ async def gateway(tokenizer: PromptTokenizer, models: LatencyModels) -> AsyncIte
     async def start(cluster: FakeCluster, policy: Policy | None = None, busy: BusyLimits | None = None) -> Gateway:
         dispatcher = Dispatcher(
             tokenizer,
-            policy or make_policy("kairos", models),
-            make_policy("pd", models),
+            policy or create_policy("kairos", models),
+            create_policy("pd", models),
             cluster,
             DispatcherMetrics(CollectorRegistry()),
             DispatchSettings(dispatcher_id=OWNER),

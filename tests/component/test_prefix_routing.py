@@ -27,7 +27,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.aio import cancel_and_wait
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.prefix_index import PrefixIndex
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, RequestHead, Routed
@@ -135,8 +135,8 @@ async def gateway(redis: RedisServer, tokenizer: PromptTokenizer) -> AsyncIterat
     metrics = DispatcherMetrics(registry)
     dispatcher = Dispatcher(
         tokenizer,
-        make_policy("kairos:gate=off", models),
-        make_policy("pd", models),
+        create_policy("kairos:gate=off", models),
+        create_policy("pd", models),
         view,
         metrics,
         DispatchSettings(),

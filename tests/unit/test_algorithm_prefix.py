@@ -12,7 +12,7 @@ from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, decide, greedy_schedule, prefill_exec_s
 from kairos.core.decision import Reason, Route
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.view import ClusterTracker
 from tests.builders import decode_node, make_models, prefill_node, queue_load, view
 
@@ -94,7 +94,7 @@ def test_the_keep_transfer_counts_only_the_blocks_the_decode_node_lacks() -> Non
     assert prefill_s is not None
     handoff = alg.keep_handoff_s(PROFILE, CFG, node, 9000, prefill_s, 8000)
     assert d.predicted_ttft_prefill_s == pytest.approx(prefill_s + handoff)
-    keep = make_policy("pd", PROFILE).decide(9000, v, 0.0, cached={"d1": 8000})  # type: ignore[call-arg]
+    keep = create_policy("pd", PROFILE).decide(9000, v, 0.0, cached={"d1": 8000})  # type: ignore[call-arg]
     assert keep.decode_node == "d1" and keep.predicted_ttft_prefill_s == pytest.approx(d.predicted_ttft_prefill_s)
 
 
@@ -144,7 +144,7 @@ def test_prefix_off_policies_ignore_the_hits(name: str) -> None:
     decodes = (decode_node("d0", b=20, k=100_000), decode_node("d1", b=20, k=100_000))
     v = view(prefills, decodes)
     hits = {"p1": 9000, "d1": 11000}
-    aware, blind = make_policy(name, PROFILE), make_policy(f"{name}:prefix=off", PROFILE)
+    aware, blind = create_policy(name, PROFILE), create_policy(f"{name}:prefix=off", PROFILE)
     assert aware.prefix_aware and not blind.prefix_aware  # type: ignore[attr-defined]
     assert blind.label.endswith("prefix=off)")
     assert blind.decide(12000, v, 0.0, cached=hits) == blind.decide(12000, v, 0.0)  # type: ignore[call-arg]

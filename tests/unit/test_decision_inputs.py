@@ -35,7 +35,7 @@ from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import StepGuard, load_profile, parse_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.state import DecodeNodeState, IncomingLink, PrefillNodeState, prompt_attention_tokens
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
@@ -557,7 +557,7 @@ def test_a_keep_carries_its_decode_nodes_step_budget() -> None:
     cfg = DeciderConfig()
     d = alg.decide(3000, view((prefill_node(),), nodes), 0.0, PACKAGED, cfg)
     assert d.route is Route.KEEP and d.step_budget_s == pytest.approx(cfg.step_budget_s / 1.25)
-    pd = make_policy("pd", PACKAGED, cfg).decide(3000, view((prefill_node(),), nodes), 0.0)
+    pd = create_policy("pd", PACKAGED, cfg).decide(3000, view((prefill_node(),), nodes), 0.0)
     assert pd.route is Route.KEEP and pd.step_budget_s == pytest.approx(cfg.step_budget_s / 1.25)
     off = alg.decide(3000, view((prefill_node(),), nodes), 0.0, PACKAGED, DeciderConfig(node_step_guard=False))
     assert off.step_budget_s is None

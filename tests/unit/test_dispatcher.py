@@ -36,7 +36,7 @@ from kairos.common.http_errors import INTERNAL_MESSAGE
 from kairos.core.algorithm import DeciderConfig
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels, load_profile
-from kairos.core.policies import NoPrefillPoolPolicy, Policy, make_policy
+from kairos.core.policies import NoPrefillPoolPolicy, Policy, create_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import NodeAddress
@@ -191,8 +191,8 @@ def harness(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Harne
         metrics = DispatcherMetrics(CollectorRegistry())
         dispatcher = Dispatcher(
             counter or tokenizer,
-            policy or make_policy("kairos", models),
-            make_policy("pd", models),
+            policy or create_policy("kairos", models),
+            create_policy("pd", models),
             cluster,
             metrics,
             settings or DispatchSettings(dispatcher_id=OWNER),
@@ -430,7 +430,7 @@ async def test_the_fields_deciders_route_through_the_gateway(
 ) -> None:
     """The gateway runs the field's deciders as it runs Kairos: a deflection wins its decode
     node's reservation and carries its fixed-budget schedule, with no step budget."""
-    h = harness(make_cluster(**case.cluster), make_policy(case.policy, models))
+    h = harness(make_cluster(**case.cluster), create_policy(case.policy, models))
     routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
 
     assert isinstance(routed, Routed), routed
@@ -833,7 +833,7 @@ async def test_no_prefill_node_degrades_to_a_decode_node_prefilling(
     itself under a TBT-safe schedule, whatever the policy, instead of a 503."""
     h = harness(
         make_cluster(**cluster),
-        make_policy(policy, models),
+        create_policy(policy, models),
         no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
     )
     routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(3000))
@@ -877,7 +877,7 @@ async def test_a_redis_outage_is_not_mistaken_for_a_dead_prefill_pool(
     little earlier. That must not read as "every prefill node died" (a CI run deflected there)."""
     h = harness(
         make_cluster(**cluster),
-        make_policy("kairos", models),
+        create_policy("kairos", models),
         no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig(stale_after_s=0.3)),
     )
     routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(3000))
@@ -1138,7 +1138,7 @@ async def test_the_next_decision_uses_the_swapped_in_models(harness: HarnessFact
     assert isinstance(first, Routed) and first.decision is not None and first.decision.route is Route.DEFLECT
     # A profile whose decode steps cost 10 s each: no chunk schedule can meet the TBT SLO.
     slow = dataclasses.replace(models, decode=dataclasses.replace(models.decode, intercept=10.0))
-    h.dispatcher.policies = Policies(make_policy("kairos", slow), make_policy("pd", slow))
+    h.dispatcher.policies = Policies(create_policy("kairos", slow), create_policy("pd", slow))
     second = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000))
     assert isinstance(second, Routed) and second.decision is not None
     assert second.decision.route is Route.KEEP
@@ -1243,7 +1243,9 @@ async def test_under_the_papers_limit_concurrent_requests_never_deflect_twice_on
     in-flight deflections are in the view, so no node takes two and the third keeps."""
     base = make_cluster(prefill_queue=LOADED_QUEUE)
     cluster = GatedCluster(tracker=base.tracker, nodes=base.nodes)
-    h = harness(cluster, policy=make_policy("kairos:pending=1", models), settings=DispatchSettings(dispatcher_id=OWNER))
+    h = harness(
+        cluster, policy=create_policy("kairos:pending=1", models), settings=DispatchSettings(dispatcher_id=OWNER)
+    )
     tasks = [
         asyncio.create_task(h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, {}), completion_body(1000)))
         for _ in range(3)

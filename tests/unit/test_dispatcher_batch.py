@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, Rejected, RequestHead, Routed
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.launcher.tinymodel import build_tiny_model
@@ -46,7 +46,7 @@ def harness(tokenizer: PromptTokenizer) -> Iterator[HarnessFactory]:
 
     def build(cluster: FakeCluster) -> Harness:
         metrics = DispatcherMetrics(CollectorRegistry())
-        policy, keep = make_policy("kairos", models), make_policy("pd", models)
+        policy, keep = create_policy("kairos", models), create_policy("pd", models)
         dispatcher = Dispatcher(tokenizer, policy, keep, cluster, metrics, DispatchSettings(dispatcher_id=OWNER))
         built.append(dispatcher)
         return Harness(dispatcher, cluster, metrics)

@@ -23,7 +23,7 @@ from kairos.common import contracts as c
 from kairos.common.block_hash import block_keys
 from kairos.common.kv_events import BlockStored
 from kairos.core.latency import LatencyModels, load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.prefix_index import PrefixIndex
 from kairos.extproc.dispatcher import Dispatcher, DispatchSettings, PrefixSource, RequestHead, Routed
 from kairos.extproc.kv_events import KvEventConsumer
@@ -79,8 +79,8 @@ def build(tokenizer: PromptTokenizer, models: LatencyModels) -> Iterator[Build]:
         cluster, metrics = make_cluster(), DispatcherMetrics(CollectorRegistry())
         dispatcher = Dispatcher(
             tokenizer,
-            make_policy(policy, models),
-            make_policy("pd", models),
+            create_policy(policy, models),
+            create_policy("pd", models),
             cluster,
             metrics,
             DispatchSettings(dispatcher_id=OWNER),

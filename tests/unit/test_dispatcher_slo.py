@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kairos.common import contracts as c
 from kairos.core.latency import LatencyModels
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.extproc.dispatcher import Rejected, RequestHead, Routed
 from tests.unit import test_dispatcher as base
 from tests.unit.test_dispatcher import (
@@ -57,7 +57,7 @@ async def test_a_request_is_decided_by_its_own_ttft_slo(harness: HarnessFactory)
 
 
 async def test_a_policy_without_slos_decides_by_the_cluster_slo(harness: HarnessFactory, models: LatencyModels) -> None:
-    h = harness(make_cluster(prefill_queue=LOADED_QUEUE), policy=make_policy("kairos:slo=off", models))
+    h = harness(make_cluster(prefill_queue=LOADED_QUEUE), policy=create_policy("kairos:slo=off", models))
     routed = await h.dispatcher.route(head(x_slo_ttft_ms="20", x_slo_tpot_ms="60"), completion_body(1000))
     assert isinstance(routed, Routed)
     got = headers_of(routed)

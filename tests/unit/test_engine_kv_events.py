@@ -22,7 +22,7 @@ from kairos.common.kv_events import (
 )
 from kairos.core.kv_event_sync import EventStreamSync
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 from kairos.sim.engine import Engine, EngineConfig, Sequence, StepPlan
 from kairos.sim.prefix_cache import chain_hashes
@@ -152,7 +152,7 @@ def test_the_simulator_decides_on_the_index_of_the_events(spec: str) -> None:
     reqs = make_workload("multiturn", rps=12, duration_s=60, seed=3)
     runs = {}
     for index in (False, True):
-        sim = Simulator(reqs, make_policy(spec, models), models, ClusterConfig(prefix_index=index))
+        sim = Simulator(reqs, create_policy(spec, models), models, ClusterConfig(prefix_index=index))
         runs[index] = sim.run().summary
         if index:
             assert sim.prefix_index is not None and set(sim.prefix_index.nodes()) == set(sim.engines)

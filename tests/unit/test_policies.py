@@ -24,7 +24,7 @@ from kairos.core.policies import (
     LlmdPolicy,
     PDPolicy,
     StaticPolicy,
-    make_policy,
+    create_policy,
     parse_policy_spec,
 )
 from kairos.core.state import DecodeNodeState, PrefillNodeState
@@ -195,8 +195,8 @@ def _attr(obj: object, dotted: str) -> object:
 
 
 @pytest.mark.parametrize(("spec", "cls", "attrs"), PARSED)
-def test_make_policy_parses(spec: str, cls: type, attrs: dict[str, object]) -> None:
-    policy = make_policy(spec, FLAT)
+def test_create_policy_parses(spec: str, cls: type, attrs: dict[str, object]) -> None:
+    policy = create_policy(spec, FLAT)
     assert isinstance(policy, cls)
     assert {k: _attr(policy, k) for k in attrs} == attrs
 
@@ -206,9 +206,9 @@ def test_parse_policy_spec_splits_name_and_params() -> None:
     assert parse_policy_spec("pd") == ("pd", {})
 
 
-def test_make_policy_keeps_the_base_config() -> None:
+def test_create_policy_keeps_the_base_config() -> None:
     base = DeciderConfig(tbt_slo_s=0.05, ttft_slo_s=2.0, chunk_candidates=(256, 128))
-    policy = make_policy("kairos:alpha=2", FLAT, base=base)
+    policy = create_policy("kairos:alpha=2", FLAT, base=base)
     assert isinstance(policy, KairosPolicy)
     cfg = policy.config
     assert (cfg.alpha, cfg.beta, cfg.tbt_slo_s, cfg.ttft_slo_s, cfg.chunk_candidates) == (
@@ -222,7 +222,7 @@ def test_make_policy_keeps_the_base_config() -> None:
 
 def test_a_specs_chunks_override_the_base_config() -> None:
     base = DeciderConfig(tbt_slo_s=0.05, chunk_candidates=(256, 128))
-    policy = make_policy("kairos:chunks=1000/300/100", FLAT, base=base)
+    policy = create_policy("kairos:chunks=1000/300/100", FLAT, base=base)
     assert isinstance(policy, KairosPolicy)
     assert (policy.config.chunk_candidates, policy.config.tbt_slo_s) == ((1000, 300, 100), 0.05)
 
@@ -276,9 +276,9 @@ UNKNOWN = [
 
 
 @pytest.mark.parametrize(("spec", "fragments"), UNKNOWN)
-def test_make_policy_rejects_unknown_names_params_and_values(spec: str, fragments: list[str]) -> None:
+def test_create_policy_rejects_unknown_names_params_and_values(spec: str, fragments: list[str]) -> None:
     with pytest.raises(UnknownPolicyError) as info:
-        make_policy(spec, FLAT)
+        create_policy(spec, FLAT)
     for fragment in fragments:
         assert fragment in info.value.message
     assert info.value.code == "unknown_policy"
@@ -297,9 +297,9 @@ def test_make_policy_rejects_unknown_names_params_and_values(spec: str, fragment
         pytest.param("oracle:chunks=256/0", "must be positive", id="chunks-0"),
     ],
 )
-def test_make_policy_rejects_out_of_range_values(spec: str, fragment: str) -> None:
+def test_create_policy_rejects_out_of_range_values(spec: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
-        make_policy(spec, FLAT)
+        create_policy(spec, FLAT)
     assert fragment in info.value.message
 
 
@@ -498,7 +498,7 @@ STATIC_CASES = [
 
 
 def check_rule_case(case: RuleCase) -> None:
-    d = make_policy(case.spec, FLAT).decide(case.prompt, view(case.prefill, case.decode), 0.0)
+    d = create_policy(case.spec, FLAT).decide(case.prompt, view(case.prefill, case.decode), 0.0)
     assert (d.route, d.reason, d.decode_node) == (case.route, case.reason, case.decode_node)
     assert d.chunk_sizes == case.chunks
     assert d.predicted_step_s == pytest.approx(case.step_times)
@@ -518,7 +518,7 @@ def test_static_policy(case: RuleCase) -> None:
 
 def test_static_policy_costs_later_chunks_with_the_cached_prefill() -> None:
     # B=28, 1e-7 p c: (100, c=0) 0.078; (100, c=100) 0.078 + 0.001; (50, c=200) 0.073 + 0.001
-    d = make_policy("sl:l=300", make_models()).decide(250, view((prefill_node(),), B28), 0.0)
+    d = create_policy("sl:l=300", make_models()).decide(250, view((prefill_node(),), B28), 0.0)
     assert d.chunk_sizes == (100, 100, 50)
     assert d.predicted_step_s == pytest.approx((0.078, 0.079, 0.074))
     assert d.predicted_ttft_decode_s == pytest.approx(0.231)
@@ -528,7 +528,7 @@ def test_static_policy_costs_later_chunks_with_the_cached_prefill() -> None:
 def test_static_deflection_reports_the_prefill_estimate() -> None:
     # both nodes Q=200: the 200-token step running at the heartbeat (0.030, half done), then the
     # prompt's (0.035): 0.050
-    d = make_policy("sq:theta=1", FLAT).decide(250, view(TWO_BUSY, B28), 0.0)
+    d = create_policy("sq:theta=1", FLAT).decide(250, view(TWO_BUSY, B28), 0.0)
     assert d.predicted_ttft_prefill_s == pytest.approx(0.050)
 
 
@@ -792,7 +792,7 @@ def test_dynamo_policy(case: RuleCase) -> None:
     ],
 )
 def test_dynamo_isl_bounding_is_strict(mode: str, prompt: int, reason: Reason) -> None:
-    """make_policy bounds the ratio to [0, 1] as Dynamo does, so a cache-less prompt (ratio 1)
+    """create_policy bounds the ratio to [0, 1] as Dynamo does, so a cache-less prompt (ratio 1)
     never passes; built directly with a ratio above 1, the ISL bound is checked on its own."""
     policy = DynamoPolicy(FLAT, DeciderConfig(), mode=mode, isl_ratio=1.01, kv_busy=None)
     d = policy.decide(prompt, view(BUSY, (decode_node("d1"),)), 0.0)
@@ -898,7 +898,7 @@ def test_aibrix_policy(case: RuleCase) -> None:
 
 
 def test_aibrix_backlog_never_drains_when_decodes_fill_the_step_budget() -> None:
-    policy = make_policy("aibrix:chunk=128", FLAT)
+    policy = create_policy("aibrix:chunk=128", FLAT)
     assert isinstance(policy, AibrixPolicy)
     assert policy.decode_drain_s(decode_node(b=128, backlog=(10,))) == float("inf")
     assert policy.decode_drain_s(decode_node(b=128)) == 0.0
@@ -917,7 +917,7 @@ def test_aibrix_backlog_never_drains_when_decodes_fill_the_step_budget() -> None
 def test_pd_never_deflects(decode: tuple[DecodeNodeState, ...], expected: str) -> None:
     # Q=100000: the step running at the heartbeat, half done, then 100 packed steps, each 0.110:
     # 11.055 s on the prefill path, still kept
-    d = make_policy("pd", FLAT).decide(1000, view((prefill_node(queue=(100_000,)),), decode), 0.0)
+    d = create_policy("pd", FLAT).decide(1000, view((prefill_node(queue=(100_000,)),), decode), 0.0)
     assert (d.route, d.reason, d.prefill_node, d.decode_node) == (Route.KEEP, Reason.KEEP_POLICY, "p1", expected)
     # the keep path's TTFT: the prefill end (11.055) + the KV hand-off, 1.001 s of transfer + the
     # first decode step (0.041 on the idle d1; T0(11) + T0(10) / 2 = 0.076 on d2)
@@ -930,12 +930,12 @@ def test_pd_never_deflects(decode: tuple[DecodeNodeState, ...], expected: str) -
 @pytest.mark.parametrize("spec", ["pd", "sq:theta=0", "sl:l=100", "kairos", "oracle", "llmd", "dynamo", "aibrix"])
 def test_every_policy_rejects_an_empty_prompt(spec: str) -> None:
     with pytest.raises(InvalidRequestError):
-        make_policy(spec, FLAT).decide(0, view((prefill_node(),), (decode_node(),)), 0.0)
+        create_policy(spec, FLAT).decide(0, view((prefill_node(),), (decode_node(),)), 0.0)
 
 
 def test_pd_without_decode_nodes_raises() -> None:
     with pytest.raises(NoHealthyNodeError):
-        make_policy("pd", FLAT).decide(100, view((prefill_node(),), ()), 0.0)
+        create_policy("pd", FLAT).decide(100, view((prefill_node(),), ()), 0.0)
 
 
 # tau = 0.105, candidates (420, 220, 120); Q=1700: Eq. 1 = 0.297, bound 0.3861. d1 carries one
@@ -983,7 +983,7 @@ BACKLOGGED = view((prefill_node(queue=(1700,)),), (decode_node("d1", b=20, backl
 def test_kairos_and_oracle(
     spec: str, route: Route, reason: Reason, chunks: tuple[int, ...], ttft_dec: float | None
 ) -> None:
-    policy = make_policy(spec, FLAT, base=KAIROS_BASE)
+    policy = create_policy(spec, FLAT, base=KAIROS_BASE)
     d = policy.decide(1000, BACKLOGGED, 0.0)
     assert (d.route, d.reason, d.chunk_sizes) == (route, reason, chunks)
     assert d.predicted_ttft_prefill_s == pytest.approx(0.297)
@@ -1015,7 +1015,7 @@ def test_kairos_and_oracle(
     ],
 )
 def test_policy_labels(spec: str, label: str) -> None:
-    assert make_policy(spec, FLAT).label == label
+    assert create_policy(spec, FLAT).label == label
 
 
 def test_kairos_keep_estimate() -> None:
@@ -1025,10 +1025,10 @@ def test_kairos_keep_estimate() -> None:
     backlog's request): 0.245 + 1.0935 = 1.3385, so alpha 1.2 now deflects (0.373 less half the
     backlog's running step, 0.045, = 0.328 <= 1.6062); keep=eq1 is the paper's Eq. 1 and keeps."""
     base = dataclasses.replace(KAIROS_BASE, keep_estimate="full")
-    full = make_policy("kairos:alpha=1.2,pending=none", FLAT, base=base).decide(1000, BACKLOGGED, 0.0)
+    full = create_policy("kairos:alpha=1.2,pending=none", FLAT, base=base).decide(1000, BACKLOGGED, 0.0)
     assert (full.route, full.predicted_ttft_prefill_s) == (Route.DEFLECT, pytest.approx(1.3385))
     assert full.predicted_ttft_decode_s == pytest.approx(0.328)
-    eq1 = make_policy("kairos:alpha=1.2,pending=none,keep=eq1", FLAT, base=base)
+    eq1 = create_policy("kairos:alpha=1.2,pending=none,keep=eq1", FLAT, base=base)
     assert isinstance(eq1, KairosPolicy) and eq1.config.keep_estimate == "eq1"
     d = eq1.decide(1000, BACKLOGGED, 0.0)
     assert (d.route, d.reason) == (Route.KEEP, Reason.KEEP_DECODE_SLOWER)
@@ -1038,4 +1038,4 @@ def test_kairos_keep_estimate() -> None:
 @pytest.mark.parametrize("spec", ["kairos:keep=eq2", "oracle:keep=", "pd:keep=eq1"])
 def test_keep_estimate_param_is_checked(spec: str) -> None:
     with pytest.raises(UnknownPolicyError, match="keep"):
-        make_policy(spec, FLAT)
+        create_policy(spec, FLAT)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.sim.prefix_cache import chain_hashes
 from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
@@ -16,7 +16,7 @@ BS = 16
 
 
 def simulate(requests: list[RequestSpec], spec: str, **cluster: object) -> Simulator:
-    sim = Simulator(requests, make_policy(spec, MODELS), MODELS, ClusterConfig(**cluster))  # type: ignore[arg-type]
+    sim = Simulator(requests, create_policy(spec, MODELS), MODELS, ClusterConfig(**cluster))  # type: ignore[arg-type]
     sim.run()
     return sim
 

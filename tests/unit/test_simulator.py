@@ -6,7 +6,7 @@ import pytest
 
 from kairos.core.decision import Decision
 from kairos.core.latency import load_profile
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.sim.requests import RequestSpec
@@ -18,7 +18,7 @@ MODELS = load_profile()
 
 
 def simulate(requests: list[RequestSpec], spec: str, **cluster: object) -> Simulator:
-    sim = Simulator(requests, make_policy(spec, MODELS), MODELS, ClusterConfig(**cluster))  # type: ignore[arg-type]
+    sim = Simulator(requests, create_policy(spec, MODELS), MODELS, ClusterConfig(**cluster))  # type: ignore[arg-type]
     sim.run()
     return sim
 
@@ -54,7 +54,7 @@ def test_decode_heartbeats_report_the_kv_pulls_on_their_link() -> None:
     behind it, and d0's heartbeat at 0.2 shows both, in link order."""
     models = make_models()  # prefill step 0.010 + 1e-4 n; T_xfer(n) = 0.001 + n / 1000
     seen: list[tuple[int, ...]] = []
-    pd = make_policy("pd", models)
+    pd = create_policy("pd", models)
 
     class Watching:
         label, fresh_state = "watching", False
@@ -174,7 +174,7 @@ def test_heartbeat_work_follows_the_requests_not_the_simulated_time() -> None:
     most once per node per request (plus registration), however long the run, while every
     decision still reads each node's last beat before it."""
     spaced = [RequestSpec(f"r{i}", 50.0 + 50.0 * i, 800 + 100 * i, 20) for i in range(6)]  # 500 beats apart
-    policy = make_policy("kairos", MODELS)
+    policy = create_policy("kairos", MODELS)
     ages: list[float] = []
 
     class Watching:

@@ -21,7 +21,7 @@ from kairos.core import algorithm as alg
 from kairos.core.admission import AdmissionLimits
 from kairos.core.algorithm import DeciderConfig, decide
 from kairos.core.decision import Decision, Reason, Route
-from kairos.core.policies import make_policy
+from kairos.core.policies import create_policy
 from kairos.core.slo import (
     DEFAULT_CLASSES,
     RequestSLO,
@@ -191,7 +191,7 @@ def test_the_search_memo_tells_nodes_apart_by_their_tpot() -> None:
 
 
 def test_slo_off_decides_by_the_cluster_slo() -> None:
-    on, off = make_policy("kairos", MODELS, CONFIG), make_policy("kairos:slo=off", MODELS, CONFIG)
+    on, off = create_policy("kairos", MODELS, CONFIG), create_policy("kairos:slo=off", MODELS, CONFIG)
     assert off.label.endswith(",slo=off)") and "slo" not in on.label
     v = view((BUSY_PREFILL,), (node(),))
     slo = RequestSLO(20.0, 0.150)
@@ -302,7 +302,7 @@ def test_the_class_mix_is_seeded_and_shared_out() -> None:
 def test_the_simulator_judges_each_request_by_its_own_slos_per_class() -> None:
     reqs = make_class_mix("interactive_batch", rps=3.0, duration_s=120, seed=1)
     runs = {
-        spec: Simulator(reqs, make_policy(spec, MODELS), MODELS, ClusterConfig()).run().summary
+        spec: Simulator(reqs, create_policy(spec, MODELS), MODELS, ClusterConfig()).run().summary
         for spec in ("pd", "kairos")
     }
     for summary in runs.values():
@@ -314,7 +314,7 @@ def test_the_simulator_judges_each_request_by_its_own_slos_per_class() -> None:
     # A run whose requests carry no SLOs of their own has no per-class figures (nothing changes).
     plain = make_class_mix("interactive_batch", rps=3.0, duration_s=30, seed=1)
     plain = [type(r)(r.request_id, r.arrival_s, r.prompt_tokens, r.output_tokens) for r in plain]
-    assert "per_class" not in Simulator(plain, make_policy("kairos", MODELS), MODELS).run().summary
+    assert "per_class" not in Simulator(plain, create_policy("kairos", MODELS), MODELS).run().summary
 
 
 # ---------------------------------------------------------------------------------------------
