@@ -14,6 +14,7 @@ from kairos.common import defaults
 from kairos.common.cli_types import floats, ints
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
+from kairos.core.policies import policy_synopsis
 from kairos.launcher import replay, top, up
 from kairos.launcher.local_cluster import LOG_LEVELS
 from kairos.profiling.cli import add_profile_parser
@@ -31,12 +32,7 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", help="trace file: own JSONL, Azure CSV or Mooncake JSONL; rescaled to each --rps")
     p.add_argument(
         "--policies",
-        help="comma-separated specs: pd, sq:theta=N, sl:l=N, "
-        "kairos:alpha=A,beta=B[,pending=N|none][,guard=off][,overload=off][,pressure=S|off][,gate=S|off]"
-        "[,error=E][,calibrate=off][,pulls=off][,keep=eq1][,prefix=off][,chunks=2048/1024/...], "
-        "oracle:alpha=A,beta=B, "
-        "llmd[:threshold=N], dynamo[:mode=isl|load|either,isl=N,ratio=R,busy=F,kv=F|off], "
-        "aibrix[:high=S,low=S] (default pd,kairos)",
+        help=f"comma-separated specs: {policy_synopsis()} (default pd,kairos)",
     )
     p.add_argument("--rps", type=floats, help="request rates, e.g. 6,7,8 (default 8)")
     p.add_argument("--duration", dest="duration_s", type=float, help="simulated seconds of arrivals per point")

@@ -15,6 +15,7 @@ from typing import Any
 
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
+from kairos.core.policies import policy_synopsis
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.node_profile import describe_given, profile_cache_dir, wants_fitted_profile
 from kairos.launcher.observability import DASHBOARD, write_observability
@@ -39,8 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="model_name", help="served model name (default kairos-tiny-llama)")
     p.add_argument(
         "--policy",
-        help="kairos (default), pd, or a baseline spec: sq:theta=N, sl:l=N, llmd[:threshold=N], "
-        "dynamo[:mode=isl|load|either,...], aibrix[:high=S,low=S]",
+        help=f"one policy spec (default kairos): {policy_synopsis(gateway=True)}",
     )
     p.add_argument("--alpha", type=float)
     p.add_argument("--beta", type=float)
