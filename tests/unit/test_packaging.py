@@ -60,6 +60,20 @@ def test_every_file_of_a_package_folder_ships_and_every_package_data_pattern_mat
     assert patterns == matched, f"package-data patterns that match no file: {patterns - matched}"
 
 
+def test_every_python_package_under_a_shipped_folder_ships() -> None:
+    # setuptools ships the packages it is told of, not their subfolders: a new subpackage
+    # (kairos/core/policies/) left out of the list would be missing from the wheel.
+    folders = package_folders()
+    shipped = set(folders.values())
+    missing = sorted(
+        init.parent.relative_to(ROOT).as_posix()
+        for folder in shipped
+        for init in folder.rglob("__init__.py")
+        if "__pycache__" not in init.parts and init.parent not in shipped
+    )
+    assert missing == [], "Python packages the wheel would not carry: add them to [tool.setuptools] packages"
+
+
 def test_the_runtime_files_live_in_package_folders() -> None:
     # What kairos up renders and writes: the Envoy template and the observability files.
     folders = package_folders()
