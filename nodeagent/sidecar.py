@@ -34,6 +34,17 @@ body would in time differ from the one vLLM sends, a wrong answer to the client;
 cost a JSON parse per token on the sidecar's one core. A missing sample only makes the live
 check smaller: the streamed requests still carry it, and the counter shows the gap.
 
+Each completion is judged against its own SLOs at its stream's end, by the simulator's and
+``kairos replay``'s definition (:func:`kairos.core.slo.meets_slo`: TTFT within its TTFT SLO, at
+most 5% of its inter-token gaps over its TPOT SLO): ``kairos_sidecar_slo_requests_total{class,
+outcome}`` counts it met or missed (a stream that broke off after its first token, or ended in an
+error event, missed), or unobserved where nothing can be judged (not streamed, an error before
+the first token, the client left), and ``kairos_sidecar_slo_goodput_tokens_total{class}`` adds
+the output tokens of those that met theirs. Its SLOs are its own: the client's ``x-slo-*``
+headers, else those the dispatcher decided it by, else the cluster's defaults; its class is the
+dispatcher's ``x-kairos-slo-class`` where that names one of the sidecar's classes, else the class
+its SLOs fall in, so a label never carries what a client sent.
+
 Every other path (``/v1/models``, ``/metrics``, ...) is proxied to the local vLLM unchanged.
 Responses stream back unbuffered. The prefill host comes from a header, so the sidecar only
 calls hosts on its allowlist (static hosts plus those the live cluster view knows).
@@ -80,6 +91,17 @@ from kairos.common.errors import (
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
 from kairos.common.runtime import freeze_startup_heap, run, stop_on_signals
+from kairos.core.slo import (
+    DEFAULT_CLASSES,
+    DEFAULT_SLO,
+    RequestSLO,
+    SloClass,
+    classify,
+    format_classes,
+    meets_slo,
+    parse_classes,
+    request_slo,
+)
 from kairos.nodeagent import fanout
 from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Response
 
@@ -97,6 +119,16 @@ ABORTED = "aborted"  # the client left before the first token
 UNOBSERVED = (NOT_STREAMED, UNOBSERVED_ERROR, ABORTED)
 # An SSE event that carries vLLM's error object ({"error": {...}}) rather than a token.
 _ERROR_EVENT = re.compile(rb'data: ?\{\s*"error"')
+# A completion's judgement against its SLOs (kairos_sidecar_slo_requests_total's outcomes).
+SLO_MET = "met"
+SLO_MISSED = "missed"
+SLO_UNOBSERVED = "unobserved"  # not streamed, an error before the first token, the client left
+SLO_OUTCOMES = (SLO_MET, SLO_MISSED, SLO_UNOBSERVED)
+# Every choice event of a completion or chat stream has this key, once per choice; a usage-only
+# event and [DONE] have none. A JSON string's quotes are escaped, so no token text matches it.
+_CHOICE_KEY = b'"finish_reason"'
+_ROLE_KEY = b'"role"'  # a chat stream's role event (one per choice), sent with the first token
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')  # a usage event's
 
 # What hop 1 asks of the prefill node (vLLM's NixlConnector convention): keep the KV blocks for
 # a remote decoder to pull, and say where they are in the reply's kv_transfer_params.
@@ -182,10 +214,15 @@ class SidecarConfig:
     # host:port of the gateway (Envoy's listener) a batch's prompts are sent back through, one
     # request each (kairos.nodeagent.fanout); empty: a batch routed here is answered 502.
     gateway: str = ""
+    # The SLO classes requests are counted by (name=TTFT_MS/TPOT_MS,...: the dispatcher's, as
+    # kairos.core.slo.parse_classes reads them); empty: kairos.core.slo.DEFAULT_CLASSES.
+    slo_classes: str = ""
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("host must not be empty")
+        if self.slo_classes.strip():
+            parse_classes(self.slo_classes)  # a malformed list fails here, at startup
         if self.redis_url:
             check_redis_url("redis_url", self.redis_url)
         if not (0 <= self.port <= 65535):
@@ -218,11 +255,15 @@ class SidecarConfig:
                 raise ConfigError(f"gateway must be host:port, got {self.gateway!r}")
             object.__setattr__(self, "gateway", gateway)
 
+    @property
+    def classes(self) -> tuple[SloClass, ...]:
+        return parse_classes(self.slo_classes) if self.slo_classes.strip() else DEFAULT_CLASSES
+
 
 class SidecarMetrics:
     """Prometheus metrics of one sidecar app, in their own registry (served on /kairos/metrics)."""
 
-    def __init__(self) -> None:
+    def __init__(self, classes: Sequence[SloClass] = DEFAULT_CLASSES) -> None:
         self.registry = CollectorRegistry()
         self.hop1_seconds = Histogram(
             "kairos_sidecar_hop1_seconds",
@@ -294,6 +335,27 @@ class SidecarMetrics:
         }
         for outcome in ("sent", "error", "dropped"):
             self.ttft_feedback.labels(outcome)
+        # Per SLO class, one series per configured class only (bounded: a request's class is
+        # one of them, never a client's value), each created here.
+        slo_requests = Counter(
+            "kairos_sidecar_slo_requests",
+            "Completion requests judged against their own SLOs (TTFT within its TTFT SLO, at most 5% of its "
+            "stream's inter-token gaps over its TPOT SLO), by SLO class: met, missed (a stream that broke off "
+            "or ended in an error event included), unobserved (not streamed, an error before the first token, "
+            "the client left: nothing to judge)",
+            ["class", "outcome"],
+            registry=self.registry,
+        )
+        goodput = Counter(
+            "kairos_sidecar_slo_goodput_tokens",
+            "Output tokens of the completion requests that met their own SLOs, by SLO class (a stream's usage "
+            "completion_tokens where it has one, else its token events)",
+            ["class"],
+            registry=self.registry,
+        )
+        names = [k.name for k in classes]
+        self.slo_requests = {(n, o): slo_requests.labels(n, o) for n in names for o in SLO_OUTCOMES}
+        self.slo_goodput_tokens = {n: goodput.labels(n) for n in names}
 
 
 class TtftFeedbackPublisher:
@@ -437,6 +499,7 @@ class _State:
     local_client: Http1Client | None = None
     logged_unrouted: bool = False
     feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
+    classes: tuple[SloClass, ...] = DEFAULT_CLASSES  # the SLO classes requests are counted by
 
     @property
     def local(self) -> Http1Client:
@@ -464,6 +527,63 @@ class _Timing:
     unobserved: str | None = None  # why ttft_s is None (one of UNOBSERVED), once known
     predicted_s: float | None = None  # the dispatcher's TTFT prediction for the path it chose
     node: str = ""  # the decode node the dispatcher named (the feedback sample's node)
+    # Its SLO judgement: the class it is counted in (None: not judged here, a batch's fan-out),
+    # the SLOs it is judged by, and what its stream showed (set at the stream's end).
+    slo_class: str | None = None
+    slo: RequestSLO = DEFAULT_SLO
+    arrivals: list[float] = field(default_factory=list)  # perf_counter of each token chunk after the first
+    token_events: int = 0
+    stream_tail: bytes = b""  # the stream's last two chunks (its usage and [DONE], or an error event)
+    stream_end: str | None = None  # "complete" or "failed" (None: not streamed to its end)
+
+
+def _judged_by(headers: Mapping[str, str], classes: Sequence[SloClass]) -> tuple[str, RequestSLO]:
+    """The class a request is counted in and the SLOs it is judged by: its own (the client's
+    ``x-slo-*`` headers), else those the dispatcher decided it by, else the cluster's defaults,
+    as ``kairos replay`` judges it (with an SLO-blind policy the dispatcher decides by the
+    cluster's, but a request is still judged by its own). The class: the dispatcher's where it
+    names one of ``classes``, else the class those SLOs fall in."""
+    try:
+        decided = request_slo(headers.get(c.H_DECIDED_TTFT_SLO_MS), headers.get(c.H_DECIDED_TPOT_SLO_MS))
+    except InvalidRequestError:
+        decided = DEFAULT_SLO
+    try:
+        slo = request_slo(headers.get(c.H_SLO_TTFT_MS), headers.get(c.H_SLO_TPOT_MS), 0, decided.ttft_s, decided.tpot_s)
+    except InvalidRequestError:  # the gateway answers such a request 400; one sent here directly is judged as decided
+        slo = decided
+    named = headers.get(c.H_SLO_CLASS)
+    if named is not None and any(k.name == named for k in classes):
+        return named, slo
+    return classify(slo.ttft_s, slo.tpot_s, classes), slo
+
+
+def _gaps_over(first_at: float, arrivals: Sequence[float], tpot_s: float) -> int:
+    """How many of a stream's gaps (between its token chunks' arrivals, from its first) exceed ``tpot_s``."""
+    over, previous = 0, first_at
+    for at in arrivals:
+        over += at - previous > tpot_s
+        previous = at
+    return over
+
+
+def _output_tokens(tail: bytes, token_events: int) -> int:
+    """A stream's output tokens: its usage's completion_tokens where it has one (the client asked
+    for it, or continuous usage stats), else its token events (one token each on vLLM, unless a
+    step emits several: speculative decoding)."""
+    found = _COMPLETION_TOKENS.findall(tail)
+    return int(found[-1]) if found else token_events
+
+
+def _slo_outcome(timing: _Timing) -> tuple[str, int]:
+    """(outcome, output tokens) of a judged request at its end."""
+    if timing.ttft_s is None or timing.stream_end is None:
+        return SLO_UNOBSERVED, 0  # no first token, not streamed, or the client left
+    if timing.stream_end != "complete" or _ERROR_EVENT.search(timing.stream_tail):
+        return SLO_MISSED, 0  # it broke off or ended in an error after its first token
+    first_at = timing.started + timing.ttft_s
+    gaps = timing.arrivals
+    met = meets_slo(timing.ttft_s, timing.slo.ttft_s, _gaps_over(first_at, gaps, timing.slo.tpot_s), len(gaps))
+    return (SLO_MET, _output_tokens(timing.stream_tail, timing.token_events)) if met else (SLO_MISSED, 0)
 
 
 def _predicted_ttft_s(headers: Mapping[str, str], route: str | None) -> float | None:
@@ -485,7 +605,8 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
     # auto_decompress off: a compressed body is refused (415) by the handler; aiohttp would
     # inflate it unbounded, or drop the connection on a body that is not what its label says.
     app = web.Application(client_max_size=config.max_body_bytes + 1, handler_args={"auto_decompress": False})
-    state = _State(config=config, allowlist=allowlist, metrics=SidecarMetrics())
+    classes = config.classes
+    state = _State(config=config, allowlist=allowlist, metrics=SidecarMetrics(classes), classes=classes)
     app[STATE] = state
     app[METRICS] = state.metrics
 
@@ -536,6 +657,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     timing = _Timing(PATH_LOCAL if route is None else route.strip().lower())
     timing.predicted_s = _predicted_ttft_s(request.headers, route)
     timing.node = request.headers.get(c.H_DECODE_NODE) or state.config.local_vllm
+    timing.slo_class, timing.slo = _judged_by(request.headers, state.classes)
     status = 0
     try:
         _check_identity_encoding(request.headers)
@@ -545,6 +667,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         clean = body if scrubbed is None else scrubbed
         headers = _forward_headers(request.headers, rid)
         if timing.path == c.ROUTE_FANOUT:  # a batch: each prompt back through the gateway
+            timing.slo_class = None  # each prompt is judged where it is served
             cfg, client = state.config, state.hop1_client  # hop 1's client: the short connect timeout
             assert client is not None, "the client is created on app startup"
             return await fanout.serve(request, cfg.gateway, client, clean, headers, rid, cfg.hop2_timeout_s)
@@ -1014,7 +1137,7 @@ async def _relay(
                 # Queued now; the writer runs at its next wait, after this chunk is written.
                 feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
 
-        return await _stream(request, state, resp, out_headers, first_event, rid)
+        return await _stream(request, state, resp, out_headers, first_event, rid, timing)
     finally:
         resp.close()  # before the body's end this drops the connection, so vLLM aborts the request
 
@@ -1026,22 +1149,36 @@ async def _stream(
     out_headers: CIMultiDict[str],
     first_event: Callable[[bytes], None],
     rid: str,
+    timing: _Timing | None = None,
 ) -> web.StreamResponse:
     """Relay a streaming body (SSE) chunk by chunk: each chunk is written to the client's socket as
-    soon as it arrives (aiohttp writes straight to the transport; TCP_NODELAY is on)."""
+    soon as it arrives (aiohttp writes straight to the transport; TCP_NODELAY is on). For a
+    request judged against its SLOs, the arrival of each chunk after the first that carries a
+    token, and the token events, for :func:`_slo_outcome` at the end. A chunk is what one read
+    returns: an SSE event, or a few that arrived together (coalesced in the socket while the
+    previous write was out); a gap is measured between chunks, so coalesced tokens count as one
+    gap, and the first chunk's arrival is the TTFT."""
     t = state.config.hop2_timeout_s
     out = web.StreamResponse(status=resp.status, headers=out_headers)
     await out.prepare(request)  # headers go out now: the client sees the stream open at once
     first = True
-    last = b""
+    last = previous = b""
     failure: KairosError | None = None
+    judged = timing is not None and timing.slo_class is not None
+    arrivals: list[float] = timing.arrivals if timing is not None else []
+    clock = time.perf_counter
+    events = 0
     try:
         while chunk := await resp.read(t):
             if first:
                 first_event(chunk)
                 first = False
+                events = chunk.count(_CHOICE_KEY) - chunk.count(_ROLE_KEY)
+            elif judged and (n := chunk.count(_CHOICE_KEY)):  # the hot path: a count, a clock read, an append
+                arrivals.append(clock())
+                events += n
             await out.write(chunk)
-            last = chunk
+            previous, last = last, chunk
     except ConnectionResetError:
         # The client went away (aiohttp's ClientConnectionResetError also lands here). Leaving
         # lets _relay close the upstream connection, which makes vLLM abort the generation.
@@ -1053,6 +1190,10 @@ async def _stream(
     except Http1Error as exc:
         _count(state, "2", "broken")
         failure = UpstreamError(f"the local vLLM broke off the stream: {type(exc).__name__}")
+    if timing is not None:
+        timing.token_events = events
+        timing.stream_tail = previous + last
+        timing.stream_end = "complete" if failure is None else "failed"
     if failure is not None:
         log.warning("request %s: %s", rid, failure.message)
         if resp.head.content_type == "text/event-stream":
@@ -1147,6 +1288,11 @@ def _observe(state: _State, timing: _Timing, rid: str, status: int) -> None:
         # No status: the handler never returned a response (cancelled: its client left).
         reason = timing.unobserved or (UNOBSERVED_ERROR if status else ABORTED)
         m.unobserved[path, reason].inc()
+    if timing.slo_class is not None:
+        outcome, tokens = _slo_outcome(timing)
+        m.slo_requests[timing.slo_class, outcome].inc()
+        if tokens:
+            m.slo_goodput_tokens[timing.slo_class].inc(tokens)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "request %s: path=%s status=%d hop1=%s ttfb=%s ttft=%s total=%s",
@@ -1180,6 +1326,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--redis", help="redis://host:port/db for the TTFT feedback stream (default: off)")
     p.add_argument("--gateway", help="host:port of the gateway (Envoy) a batch's prompts are sent back through")
+    p.add_argument(
+        "--slo-classes",
+        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated, as the "
+        f"dispatcher's (default {format_classes(DEFAULT_CLASSES)})",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -1199,6 +1350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_body_bytes": args.max_body_bytes,
         "redis_url": args.redis,
         "gateway": args.gateway,
+        "slo_classes": args.slo_classes,
     }
     try:
         config = load_config(

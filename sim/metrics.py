@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kairos.core.decision import Route
-from kairos.core.slo import DEFAULT_CLASSES, SloClass, classify
+from kairos.core.slo import DEFAULT_CLASSES, SloClass, classify, meets_slo
 from kairos.sim.engine import Sequence, StepPlan
 from kairos.sim.requests import RequestSpec
 
@@ -139,7 +139,7 @@ def summarize(
     for i, (r, t) in enumerate(zip(records, ttft, strict=True)):
         own_ttft = ttft_slo_s if r.spec.ttft_slo_s is None else r.spec.ttft_slo_s
         bad, samples = metrics.request_tbt_violations(r, r.spec.tpot_slo_s)
-        met[i] = t <= own_ttft and bad <= 0.05 * samples  # the request's own P95 TBT <= its tau
+        met[i] = meets_slo(t, own_ttft, bad, samples)  # the request's own P95 TBT <= its tau
     meets = int(met.sum())
     start = min((r.spec.arrival_s for r in records), default=0.0)
     end = max((r.finished or 0.0 for r in records), default=0.0)

@@ -151,6 +151,19 @@ def request_slo(
     return RequestSLO(ttft_s, tpot_s, priority)
 
 
+# A request meets its TPOT SLO when its own P95 inter-token gap is within it: at most this share of
+# its gaps may be over the SLO.
+TBT_OVER_SLO_SHARE = 0.05
+
+
+def meets_slo(ttft_s: float | None, ttft_slo_s: float, gaps_over_tpot: int, gaps: int) -> bool:
+    """Whether one request met its SLOs: its TTFT within its TTFT SLO (None: it got no first
+    token), and at most :data:`TBT_OVER_SLO_SHARE` of its ``gaps`` inter-token gaps over its TPOT
+    SLO (``gaps_over_tpot`` of them; none at all holds). The one definition the simulator,
+    ``kairos replay`` and the sidecar's live counters judge by."""
+    return ttft_s is not None and ttft_s <= ttft_slo_s and gaps_over_tpot <= TBT_OVER_SLO_SHARE * gaps
+
+
 def tpot_or_default(tpot_s: float | None) -> float:
     """A request's TPOT SLO as a node counts it: its own, else the cluster's default."""
     return defaults.TBT_SLO_S if tpot_s is None else tpot_s

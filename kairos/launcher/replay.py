@@ -63,7 +63,7 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
-from kairos.core.slo import DEFAULT_CLASSES, classify
+from kairos.core.slo import DEFAULT_CLASSES, classify, meets_slo
 from kairos.launcher.replay_prompts import PromptBuilder, Turn, chain_deadline, shared_prefix, turn_chains
 from kairos.launcher.serving_metrics import Goodput, duration_s, field_metrics, format_field_metrics
 from kairos.sim.metrics import per_class_figures
@@ -491,13 +491,10 @@ def _own_slos(r: RequestResult, config: ReplayConfig) -> tuple[float, float]:
 
 
 def _meets_slo(r: RequestResult, config: ReplayConfig) -> bool:
-    """TTFT within its SLO and the request's own P95 TBT within its tau (at most 5% of its gaps
-    over tau, the simulator's definition), by its own SLOs where it carries them."""
+    """TTFT within its SLO and the request's own P95 TBT within its tau (``kairos.core.slo.meets_slo``,
+    the simulator's definition), by its own SLOs where it carries them; a failed request misses."""
     ttft_slo_s, tbt_slo_ms = _own_slos(r, config)
-    if not r.ok or r.ttft_s is None or r.ttft_s > ttft_slo_s:
-        return False
-    bad = sum(1 for g in r.tbt_ms if g > tbt_slo_ms)
-    return bad <= 0.05 * len(r.tbt_ms)
+    return r.ok and meets_slo(r.ttft_s, ttft_slo_s, sum(1 for g in r.tbt_ms if g > tbt_slo_ms), len(r.tbt_ms))
 
 
 def per_class(results: Sequence[RequestResult], config: ReplayConfig, span_s: float) -> dict[str, dict[str, Any]]:
