@@ -80,6 +80,8 @@ def test_the_dashboard_covers_what_operators_asked_for() -> None:
         "kairos_dispatcher_admission_budget",
         "kairos_dispatcher_admission_waiting",
         "kairos_dispatcher_class_decisions_total",
+        "kairos_sidecar_slo_requests_total",
+        "kairos_sidecar_slo_goodput_tokens_total",
     } <= read
 
 
