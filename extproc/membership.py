@@ -414,9 +414,10 @@ class Membership:
         return tuple(i for i in self._nodes if self.is_stale(i, now))
 
     def report(self, now: float) -> dict[str, Any]:
-        """Every node with its role, heartbeat age and staleness, the load its last heartbeat
-        reported (the heartbeat's field names; absent for a static fallback node), and the view's
-        status (the dispatcher's ``GET /nodes``)."""
+        """Every node with its role, heartbeat age and staleness, a decode node's sidecar
+        (host:port, where ``kairos top`` reads its per-class SLO counters), the load its last
+        heartbeat reported (the heartbeat's field names; absent for a static fallback node), and
+        the view's status (the dispatcher's ``GET /nodes``)."""
         nodes = [
             {
                 "id": node_id,
@@ -424,6 +425,7 @@ class Membership:
                 "age_s": round(max(0.0, now - node.reported_at), 3),
                 "stale": self.is_stale(node_id, now),
                 "from_redis": node.from_redis,
+                **_sidecar_of(self._addresses.get(node_id)),
                 **(_load_of(node.beat) if node.beat is not None else {}),
             }
             for node_id, node in sorted(self._nodes.items())
@@ -666,6 +668,10 @@ class Membership:
                 # kv_capacity_tokens=0: no prompt fits, so the decision core never deflects here.
                 self.tracker.update_decode(DecodeNodeState(n.node_id, 0, 0, 0, reported_at=now))
         self.static_fallback = bool(self._nodes)
+
+
+def _sidecar_of(address: NodeAddress | None) -> dict[str, str]:
+    return {HeartbeatField.SIDECAR: address.sidecar} if address is not None and address.sidecar else {}
 
 
 def _load_of(hb: Heartbeat) -> dict[str, Any]:

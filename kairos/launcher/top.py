@@ -1,5 +1,6 @@
 """``kairos top``: a live terminal view of a Kairos cluster, from one dispatcher's ``/nodes`` and
-``/metrics`` (and a Prometheus's firing alerts when ``--prometheus`` names one).
+``/metrics``, the decode nodes' sidecars' metrics (their addresses from ``/nodes``), and a
+Prometheus's firing alerts when ``--prometheus`` names one.
 
 Each refresh scrapes both, and the frame shows: the profile the dispatcher routes with; every
 node with its role, batch (B), KV in use, queued and deflected prefill tokens, step calibration
@@ -7,7 +8,9 @@ node with its role, batch (B), KV in use, queued and deflected prefill tokens, s
 :data:`SLOW_STEP_CALIBRATION`) and heartbeat age; decisions per second by route and reason
 (counter deltas between two scrapes, so the first frame has none); per path the mean predicted
 TTFT and the mean of the sidecars' observed/predicted ratios since the dispatcher started, and
-the live MAPE (the dispatcher's rolling window); and the alerts. Without a
+the live MAPE (the dispatcher's rolling window); by SLO class, the decisions, and over the last
+frame the share of judged requests that met their own SLOs and the goodput (output tokens per
+second of those that did), from the sidecars' counters; and the alerts. Without a
 Prometheus the alert conditions that the dispatcher's own metrics show are checked here, now,
 with the thresholds of compose/observability/kairos-rules.yml (a unit test keeps them equal)
 but without their ``for`` durations.
@@ -30,7 +33,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kairos.common.contracts import HeartbeatField
+from kairos.common.contracts import SIDECAR_METRICS_PATH, HeartbeatField
+from kairos.core.slo import DEFAULT_CLASSES
 
 DEFAULT_DISPATCHER = "http://127.0.0.1:9100"  # the dispatcher's default --metrics-port
 # The alert thresholds of compose/observability/kairos-rules.yml, for evaluating them locally.
@@ -44,29 +48,41 @@ TTFT_MIN_SAMPLES = 10
 # explains (a held-out MAPE of 10% gives about 1.3): a loaded host, or a profile of other hardware.
 SLOW_STEP_CALIBRATION = 1.5
 PATHS = ("keep", "deflect")
+# The sidecars' per-class SLO counters (kairos.nodeagent.sidecar.SidecarMetrics).
+SLO_REQUESTS = "kairos_sidecar_slo_requests_total"
+SLO_GOODPUT_TOKENS = "kairos_sidecar_slo_goodput_tokens_total"
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen
 
 LabelSet = tuple[tuple[str, str], ...]
 Metrics = dict[str, dict[LabelSet, float]]  # series name -> sorted labels -> value
 
 
+def _series(metrics: Metrics, name: str, match: Mapping[str, str]) -> dict[LabelSet, float]:
+    return {
+        labels: value
+        for labels, value in metrics.get(name, {}).items()
+        if all(dict(labels).get(k) == v for k, v in match.items())
+    }
+
+
 @dataclass(frozen=True)
 class Scrape:
-    """One read of the dispatcher: ``/nodes`` as JSON and ``/metrics`` parsed."""
+    """One read of the dispatcher: ``/nodes`` as JSON and ``/metrics`` parsed; and of each decode
+    node's sidecar that answered, its metrics parsed, by node id."""
 
     at: float  # monotonic seconds
     nodes: Mapping[str, Any]
     metrics: Metrics
+    sidecars: Mapping[str, Metrics] = field(default_factory=dict)
 
     def series(self, name: str, **match: str) -> dict[LabelSet, float]:
-        return {
-            labels: value
-            for labels, value in self.metrics.get(name, {}).items()
-            if all(dict(labels).get(k) == v for k, v in match.items())
-        }
+        return _series(self.metrics, name, match)
 
     def total(self, name: str, **match: str) -> float:
         return sum(self.series(name, **match).values())
+
+    def sidecar_total(self, name: str, **match: str) -> float:
+        return sum(sum(_series(m, name, match).values()) for m in self.sidecars.values())
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,22 @@ def _rate(frame: Frame, name: str, **match: str) -> float | None:
     return max(0.0, cur.total(name, **match) - prev.total(name, **match)) / (cur.at - prev.at)
 
 
+def _sidecar_increase(frame: Frame, name: str, **match: str) -> float | None:
+    """How much a sidecar counter grew over the last frame, summed over the sidecars read both
+    times (one that restarted counts from zero); None without two reads of any sidecar."""
+    cur, prev = frame.scrape, frame.previous
+    if cur is None or prev is None or cur.at <= prev.at:
+        return None
+    both = [(m, prev.sidecars[node]) for node, m in cur.sidecars.items() if node in prev.sidecars]
+    if not both:
+        return None
+    increase = 0.0
+    for now, before in both:
+        a, b = sum(_series(now, name, match).values()), sum(_series(before, name, match).values())
+        increase += a - b if a >= b else a
+    return increase
+
+
 def _mean(scrape: Scrape, name: str, **match: str) -> float | None:
     """Mean of a histogram's observations since the dispatcher started."""
     count = scrape.total(f"{name}_count", **match)
@@ -229,19 +261,39 @@ def _admission_line(frame: Frame, scrape: Scrape) -> str:
     )
 
 
-def _class_line(scrape: Scrape) -> str:
-    """Decisions by SLO class (kairos_dispatcher_class_decisions_total{class,route}): each class's
-    total and its routes, tightest class as the dispatcher counts them."""
-    by_class: dict[str, dict[str, float]] = {}
+def _class_lines(frame: Frame, scrape: Scrape) -> list[str]:
+    """By SLO class (tightest first, as kairos.core.slo's defaults order them): the decisions
+    (kairos_dispatcher_class_decisions_total{class,route}), each class's total and its routes;
+    and over the last frame, from the sidecars' counters, the share of the requests judged that
+    met their own SLOs (met / (met + missed)) and the goodput (output tokens per second of those)."""
+    decisions: dict[str, dict[str, float]] = {}
     for labels, count in sorted(scrape.series("kairos_dispatcher_class_decisions_total").items()):
         named = dict(labels)
-        by_class.setdefault(named["class"], {})[named["route"]] = count
-    parts = [
-        f"{name} {sum(routes.values()):.0f} ({', '.join(f'{r} {n:.0f}' for r, n in sorted(routes.items()) if n)})"
-        for name, routes in by_class.items()
-        if sum(routes.values())
+        decisions.setdefault(named["class"], {})[named["route"]] = count
+    judged = {dict(labels)["class"] for m in scrape.sidecars.values() for labels in m.get(SLO_REQUESTS, {})}
+    order = {k.name: i for i, k in enumerate(DEFAULT_CLASSES)}
+    names = [
+        name
+        for name in sorted(set(decisions) | judged, key=lambda n: (order.get(n, len(order)), n))
+        if sum(decisions.get(name, {}).values()) or scrape.sidecar_total(SLO_REQUESTS, **{"class": name})
     ]
-    return "BY CLASS   " + ("   ".join(parts) if parts else "(no decisions yet)")
+    if not names:
+        return ["BY CLASS   (no decisions yet)"]
+    cur, prev = frame.scrape, frame.previous
+    span = cur.at - prev.at if cur is not None and prev is not None and cur.at > prev.at else None
+    lines = [f"{'BY CLASS':<14} {'decisions':<32} {'SLO met':>16} {'goodput':>14}"]
+    for name in names:
+        routes = decisions.get(name, {})
+        total = sum(routes.values())
+        decided = f"{total:.0f} ({', '.join(f'{r} {n:.0f}' for r, n in sorted(routes.items()) if n)})" if total else "0"
+        met = _sidecar_increase(frame, SLO_REQUESTS, **{"class": name, "outcome": "met"})
+        missed = _sidecar_increase(frame, SLO_REQUESTS, **{"class": name, "outcome": "missed"})
+        judged_now = None if met is None or missed is None else met + missed
+        attained = f"{met / judged_now:.1%} of {judged_now:.0f}" if met is not None and judged_now else "-"
+        tokens = _sidecar_increase(frame, SLO_GOODPUT_TOKENS, **{"class": name})
+        goodput = _num(None if tokens is None or span is None else tokens / span, ".1f", " tok/s")
+        lines.append(f"  {name:<12} {decided:<32} {attained:>16} {goodput:>14}")
+    return lines
 
 
 def render(frame: Frame) -> str:
@@ -276,7 +328,7 @@ def render(frame: Frame) -> str:
         lines.append(f"  {route:<8} {reason:<36} {_num(rate, '.2f', '/s'):>10} {count:>8.0f} total")
     if not keys:
         lines.append("  (no decisions yet)")
-    lines.append(_class_line(scrape))
+    lines += _class_lines(frame, scrape)
     lines.append(_admission_line(frame, scrape))
 
     lines.append("")
@@ -310,6 +362,23 @@ def _get(url: str, timeout_s: float) -> bytes:
         return resp.read()
 
 
+def _read_sidecars(
+    nodes: Mapping[str, Any], timeout_s: float, fetch: Callable[[str, float], bytes], errors: list[str]
+) -> dict[str, Metrics]:
+    """The metrics of each decode node's sidecar that ``/nodes`` names, by node id; one that does
+    not answer is left out (and said in ``errors``): its class figures miss its requests."""
+    out: dict[str, Metrics] = {}
+    for node in nodes.get("nodes", []):
+        sidecar = node.get(HeartbeatField.SIDECAR)
+        if node.get("role") != "decode" or not sidecar:
+            continue
+        try:
+            out[str(node["id"])] = parse_metrics(fetch(f"http://{sidecar}{SIDECAR_METRICS_PATH}", timeout_s).decode())
+        except (OSError, ValueError) as exc:
+            errors.append(f"sidecar of {node['id']} {sidecar}: {exc}")
+    return out
+
+
 def next_frame(args: argparse.Namespace, previous: Scrape | None, fetch: Callable[[str, float], bytes] = _get) -> Frame:
     base = args.dispatcher.rstrip("/")
     frame = Frame(
@@ -324,7 +393,8 @@ def next_frame(args: argparse.Namespace, previous: Scrape | None, fetch: Callabl
     try:
         nodes = json.loads(fetch(f"{base}/nodes", args.timeout))
         metrics = parse_metrics(fetch(f"{base}/metrics", args.timeout).decode())
-        frame.scrape = Scrape(time.monotonic(), nodes, metrics)
+        at = time.monotonic()
+        frame.scrape = Scrape(at, nodes, metrics, _read_sidecars(nodes, args.timeout, fetch, frame.errors))
     except (OSError, ValueError) as exc:  # unreachable, refused, HTTP error, not JSON
         frame.errors.append(f"dispatcher {base}: {exc}")
         frame.previous = None
@@ -361,8 +431,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "top",
         help="live terminal view of a running cluster (nodes, decisions, TTFT, alerts)",
-        description="Refresh a view of the cluster from one dispatcher's /nodes and /metrics "
-        "(kairos up prints the command). Alerts come from --prometheus when given, else the "
+        description="Refresh a view of the cluster from one dispatcher's /nodes and /metrics, and "
+        "the decode nodes' sidecars' metrics for each SLO class's attainment and goodput (kairos up "
+        "prints the command). Alerts come from --prometheus when given, else the "
         "rules' conditions are checked here from the dispatcher's metrics.",
     )
     p.add_argument(

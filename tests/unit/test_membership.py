@@ -634,6 +634,8 @@ def test_static_nodes_have_zero_load_and_no_kv_room() -> None:
     assert view.prefill == (PrefillNodeState("p0", 0, 0, 0, 1, 7.0), PrefillNodeState("p1", 0, 0, 0, 1, 7.0))
     assert view.decode == (DecodeNodeState("d0", 0, 0, 0, 7.0),)  # kv capacity 0: no prompt fits
     assert m.addresses()["d0"] == NodeAddress(Role.DECODE, "", "10.0.1.1:8201", "")
+    # /nodes names a static decode node's sidecar too (kairos top reads its metrics there).
+    assert [n.get("sidecar") for n in m.report(7.0)["nodes"]] == ["10.0.1.1:8201", None, None]
 
 
 def test_the_nodes_report() -> None:
@@ -667,6 +669,7 @@ def test_the_nodes_report() -> None:
                 "age_s": 0.3,
                 "stale": False,
                 "from_redis": True,
+                "sidecar": "10.0.0.1:8200",  # where kairos top reads its SLO counters
                 **load,
                 "decode_tokens": 3,
                 "kv_tokens": 900,

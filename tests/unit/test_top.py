@@ -15,6 +15,7 @@ from kairos.core.decision import Reason, Route
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics
 from kairos.launcher import top
+from kairos.nodeagent.sidecar import SidecarMetrics
 from tests.observability import rules
 
 NODES: dict[str, Any] = {
@@ -167,16 +168,55 @@ def test_the_first_frame_has_no_rates_yet() -> None:
     )
 
 
-def test_decisions_by_class_from_the_class_counter() -> None:
+def _sidecar(judged: dict[tuple[str, str], int], goodput: dict[str, int]) -> top.Metrics:
+    """A sidecar's /kairos/metrics (its real metrics class) after ``judged`` requests by (class,
+    outcome) and ``goodput`` tokens by class."""
+    m = SidecarMetrics()
+    for key, n in judged.items():
+        m.slo_requests[key].inc(n)
+    for name, n in goodput.items():
+        m.slo_goodput_tokens[name].inc(n)
+    return top.parse_metrics(generate_latest(m.registry).decode())
+
+
+def test_by_class_decisions_and_over_the_frame_each_class_attainment_and_goodput() -> None:
     m = DispatcherMetrics(CollectorRegistry())
     idle = top.Scrape(1.0, NODES, top.parse_metrics(generate_latest(m.registry).decode()))
     assert "BY CLASS   (no decisions yet)\n" in top.render(frame(idle, idle, []))
     m.class_decisions.labels("interactive", "keep").inc(3)
     m.class_decisions.labels("interactive", "deflect").inc(2)
     m.class_decisions.labels("batch", "keep").inc(7)
-    busy = top.Scrape(2.0, NODES, top.parse_metrics(generate_latest(m.registry).decode()))
-    shown = top.render(frame(idle, busy, []))
-    assert "BY CLASS   batch 7 (keep 7)   interactive 5 (deflect 2, keep 3)\n" in shown
+    dispatcher = top.parse_metrics(generate_latest(m.registry).decode())
+    # Two sidecars read 2 s apart. Over the frame: interactive met 20 + 18 and missed 2 (95%),
+    # 1,000 tokens of goodput (500 tok/s); batch met 9 (d1 restarted: counted from zero), 2,700
+    # tokens (1,350 tok/s); standard only unobserved: judged, but none met or missed. d2's
+    # sidecar answered only now: it has no increase yet, and adds nothing.
+    before = {
+        "d0": _sidecar({("interactive", "met"): 10, ("batch", "met"): 4}, {"interactive": 200, "batch": 4000}),
+        "d1": _sidecar({("interactive", "met"): 5, ("batch", "met"): 12}, {"interactive": 100, "batch": 5000}),
+    }
+    now = {
+        "d0": _sidecar(
+            {("interactive", "met"): 30, ("interactive", "missed"): 2, ("batch", "met"): 4},
+            {"interactive": 700, "batch": 4000},
+        ),
+        "d1": _sidecar(
+            {("interactive", "met"): 23, ("batch", "met"): 9, ("standard", "unobserved"): 3},
+            {"interactive": 600, "batch": 2700},
+        ),
+        "d2": _sidecar({("batch", "met"): 50}, {"batch": 99_999}),
+    }
+    previous = top.Scrape(1.0, NODES, dispatcher, before)
+    shown = top.render(frame(previous, top.Scrape(3.0, NODES, dispatcher, now), []))
+    assert (
+        "BY CLASS       decisions                                 SLO met        goodput\n"
+        "  interactive  5 (deflect 2, keep 3)                 95.0% of 40    500.0 tok/s\n"
+        "  standard     0                                               -      0.0 tok/s\n"
+        "  batch        7 (keep 7)                            100.0% of 9   1350.0 tok/s\n"
+    ) in shown
+    # The first frame has no increase yet; nor has a frame without any sidecar read twice.
+    for first in (frame(None, previous, []), frame(top.Scrape(0.0, NODES, dispatcher), previous, [])):
+        assert "  interactive  5 (deflect 2, keep 3)                           -              -\n" in top.render(first)
 
 
 def test_the_admission_line_says_when_no_check_has_run_and_nothing_was_shed() -> None:
@@ -255,6 +295,20 @@ def test_next_frame_reads_the_dispatcher_and_says_what_it_could_not_reach() -> N
         "prometheus http://prom:9090: connection refused: http://prom:9090/api/v1/alerts"
     ]
     assert "ALERTS (prometheus http://prom:9090): unknown" in top.render(with_prometheus)
+    # The decode nodes' sidecars, from /nodes: each one's metrics read; one that does not answer said.
+    with_sidecars = {
+        **NODES,
+        "nodes": [
+            {**n, "sidecar": f"10.0.0.{i}:8201"} if n["role"] == "decode" else n for i, n in enumerate(NODES["nodes"])
+        ],
+    }
+    answers["http://d:9100/nodes"] = json.dumps(with_sidecars).encode()
+    answers["http://10.0.0.0:8201/kairos/metrics"] = generate_latest(SidecarMetrics().registry)
+    read = top.next_frame(_args(), ok.scrape, fetch)
+    assert read.scrape is not None and list(read.scrape.sidecars) == ["d0"]
+    assert read.scrape.sidecar_total("kairos_sidecar_slo_requests_total") == 0
+    assert read.scrape.sidecars["d0"]["kairos_sidecar_slo_requests_total"]  # its series, read
+    assert read.errors == ["sidecar of d1 10.0.0.1:8201: connection refused: http://10.0.0.1:8201/kairos/metrics"]
     gone = top.next_frame(_args(dispatcher="http://gone:9100"), ok.scrape, fetch)
     assert gone.scrape is None and gone.previous is None
     assert (
