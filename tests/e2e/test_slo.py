@@ -1,14 +1,20 @@
 """Per-request SLOs through the gateway (Envoy, the dispatcher, a sidecar, emulated nodes): a
 request's own x-slo-ttft-ms is the bound its decision is made with, the response says which SLOs
-and class it was decided with, and a bad SLO header is an OpenAI-style 400."""
+and class it was decided with, the decode node's sidecar judges it against them in its class's
+counters, and a bad SLO header is an OpenAI-style 400."""
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 
 from kairos.api.tokenizer import PromptTokenizer
+from kairos.common import contracts as c
 from kairos.launcher.local_cluster import LocalCluster
+from kairos.launcher.top import parse_metrics
 from tests.e2e.conftest import http, load_prefill_queues, post_json, text_of
+from tests.waiting import wait_until
 
 MODEL = "kairos-tiny-llama"
 
@@ -51,3 +57,63 @@ def test_a_bad_slo_header_is_an_openai_400(cluster: LocalCluster) -> None:
     assert status == 400 and body["error"]["param"] == "priority", body
     status, _, _ = http("GET", f"{cluster.gateway_url}/v1/models")
     assert status == 200
+
+
+def _slo_counters(cluster: LocalCluster, node_id: str) -> dict[tuple[str, ...], float]:
+    """A decode node's sidecar's per-class SLO counters: (name, class[, outcome]) -> value."""
+    _, _, raw = http("GET", f"http://{cluster.node(node_id).sidecar_url}{c.SIDECAR_METRICS_PATH}")
+    metrics = parse_metrics(raw.decode())
+    out: dict[tuple[str, ...], float] = {}
+    for name in ("kairos_sidecar_slo_requests_total", "kairos_sidecar_slo_goodput_tokens_total"):
+        for labels, value in metrics.get(name, {}).items():
+            named = dict(labels)
+            out[(name, named["class"], *([named["outcome"]] if "outcome" in named else []))] = value
+    return out
+
+
+def test_the_decode_nodes_sidecar_counts_a_streamed_request_in_its_class(cluster: LocalCluster) -> None:
+    # Looser than the batch class's own bounds (20 s / 150 ms), so a starved host cannot make it
+    # miss; the loosest class takes what is looser than every class.
+    slo = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "5000"}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a story",
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    decode_nodes = [n.node_id for n in cluster.nodes if n.sidecar_port]
+    before = {node: _slo_counters(cluster, node) for node in decode_nodes}
+    status, headers, raw = http(
+        "POST",
+        f"{cluster.gateway_url}/v1/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json", **slo},
+    )
+    assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
+    assert headers[c.H_SLO_CLASS] == "batch"
+    tokens = int(re.findall(rb'"completion_tokens":(\d+)', raw)[-1])
+    assert tokens == 12
+    served = headers[c.H_DECODE_NODE]
+    met, goodput = (
+        ("kairos_sidecar_slo_requests_total", "batch", "met"),
+        ("kairos_sidecar_slo_goodput_tokens_total", "batch"),
+    )
+    # Judged as its handler ends, which may be just after the client read the last byte.
+    after = wait_until(
+        lambda: (now := _slo_counters(cluster, served))[met] > before[served][met] and now,
+        30.0,
+        what=f"the batch class's met counter on {served}'s sidecar",
+    )
+    assert after[met] == before[served][met] + 1
+    assert after[goodput] == before[served][goodput] + tokens
+    # In the batch class, that one request met and nothing else (other tests' loaders, if any
+    # are still in flight, are non-streamed requests of the standard class).
+    batch = [k for k in after if k[1] == "batch"]
+    assert {k: after[k] - before[served][k] for k in batch if after[k] != before[served][k]} == {
+        met: 1,
+        goodput: tokens,
+    }
+    for other in set(decode_nodes) - {served}:  # nothing counted where it was not served
+        now = _slo_counters(cluster, other)
+        assert {k: now[k] for k in batch} == {k: before[other][k] for k in batch}
