@@ -36,7 +36,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import write_result
+from kairos.launcher.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHED_STATUSES = (429, 503)
@@ -219,12 +219,6 @@ def summarize(n: int, s: Spike) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The cluster: `kairos up` from a source tree, in its own process group
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _python_path(tree: Path) -> str:
     """A PYTHONPATH that imports ``kairos`` (and its subpackages kept at the top of the tree) from
     ``tree``: a folder of links laid out as the installed package is (pyproject's package-dir)."""
@@ -256,7 +250,7 @@ def _python_path(tree: Path) -> str:
 
 class Cluster:
     def __init__(self, tree: Path, admission: bool, time_scale: float, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "PYTHONPATH": _python_path(tree), "PYTHONUNBUFFERED": "1"}
         if not admission:
             env[ADMISSION_ENV] = "off"

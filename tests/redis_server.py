@@ -24,16 +24,11 @@ import time
 import weakref
 from pathlib import Path
 
+from kairos.launcher.processes import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 _live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int, timeout_s: float = 0.2) -> bool:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,8 +50,12 @@ _PR_SET_PDEATHSIG = 1
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _PLANNED_PORTS_FLOOR = 15_000  # below the usual ephemeral range (32768-60999), above the well-known services
+# One file for the whole host: byte N locked = port N reserved by the process holding the lock.
+_RESERVATIONS = Path(tempfile.gettempdir()) / "kairos-ports.lock"
 _handed_out: set[int] = set()  # this process's ports: never the same one twice
 _pick = random.Random()
+_picking = threading.Lock()  # threads of one process pick one at a time (POSIX locks are per process)
+_reservations_fd: int | None = None  # kept open for the process's life: closing it drops every lock
 
 
 def _ephemeral_low() -> int:
@@ -68,22 +75,72 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def _open_reservations() -> int | None:
+    """The host-wide reservation file, opened once per process; where it cannot be opened (a
+    read-only temp folder, another user's file), this user's own one; None where neither can."""
+    global _reservations_fd
+    if _reservations_fd is None:
+        shared = _RESERVATIONS
+        for path in (shared, shared.with_name(f"{shared.stem}-{os.getuid()}{shared.suffix}")):
+            try:
+                try:  # an existing file is opened, never created again: another user may own it
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                    with contextlib.suppress(OSError):
+                        os.fchmod(fd, 0o666)  # past the umask: every user's picks share the file
+            except OSError:
+                continue
+            _reservations_fd = fd
+            break
+    return _reservations_fd
+
+
+def _reserve(port: int) -> bool:
+    """Lock byte ``port`` of the reservation file for this process; False if another holds it."""
+    fd = _open_reservations()
+    if fd is None:
+        return True  # nothing to lock: this process's own bookkeeping is all there is
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return False  # another process picked it and still runs
+        raise
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a server that binds it a little later, chosen below the kernel's
     ephemeral range: there no outgoing connection's local port and no other program's port-0
     bind (vLLM picks its internal ports so) can take it in between. A real vLLM node's NIXL
     listener lost its port that way, in the middle of a CI run. Falls back to the kernel's own
-    choice when the range leaves no room below it."""
-    low = _ephemeral_low()
-    if low - _PLANNED_PORTS_FLOOR >= 1000:
+    choice when the range leaves no room below it.
+
+    The port is also reserved host-wide until this process exits, so that two processes picking
+    at once (test sessions side by side, a benchmark beside a test run, ``kairos up`` beside the
+    test that started it) never hand out the same one: a POSIX record lock on byte ``port`` of
+    one file in the temp folder. The kernel drops a process's record locks when it exits, however
+    it exits (SIGKILL too), so no reservation outlives its owner and nothing needs cleaning up;
+    one file serves every port, where a lock file per port would leave thousands behind, and a
+    port block per PID cannot keep 4 million PIDs apart in 17,000 ports. Record locks are not
+    inherited: a child started with the port does not hold it, its parent does."""
+    with _picking:
+        low = _ephemeral_low()
+        if low - _PLANNED_PORTS_FLOOR >= 1000:
+            for _ in range(200):
+                port = _pick.randrange(_PLANNED_PORTS_FLOOR, low)
+                if port not in _handed_out and _bindable(host, port) and _reserve(port):
+                    _handed_out.add(port)
+                    return port
         for _ in range(200):
-            port = _pick.randrange(_PLANNED_PORTS_FLOOR, low)
-            if port not in _handed_out and _bindable(host, port):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_out and _reserve(port):
                 _handed_out.add(port)
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    raise ProcessError(f"no free port on {host}: every one tried is in use or reserved by another process")
 
 
 def ensure_port_free(host: str, port: int, what: str) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kairos.launcher import processes
 from kairos.launcher.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ports_are_free_distinct_and_below_the_ephemeral_range() -> None:
@@ -43,3 +48,72 @@ def test_without_room_below_the_range_the_kernel_chooses(monkeypatch: pytest.Mon
     assert free_port() >= kernels_low  # the kernel's pick (its real range), not one below it
     monkeypatch.setattr(processes, "_EPHEMERAL_RANGE", tmp_path / "missing")
     assert processes._ephemeral_low() == 32768
+
+
+# A picker in a process of its own: a window of ports so narrow that two pickers drawing at random
+# from it would share about a hundred ports, unless each skips the other's reservations.
+_PICKER = """
+import sys
+from kairos.launcher import processes
+processes._PLANNED_PORTS_FLOOR = {floor}
+processes._ephemeral_low = lambda: {floor} + {width}
+print("ready", flush=True)
+sys.stdin.readline()  # go: both pickers start together
+print(" ".join(str(processes.free_port()) for _ in range({count})), flush=True)
+sys.stdin.readline()  # the test read both lists: exit, which drops the reservations
+"""
+
+
+def test_two_processes_picking_at_once_never_share_a_port() -> None:
+    floor, width, count = processes._PLANNED_PORTS_FLOOR, 1500, 500
+    script = _PICKER.format(floor=floor, width=width, count=count)
+    pickers = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        for _ in range(2)
+    ]
+    try:
+        pipes = [(picker.stdin, picker.stdout) for picker in pickers]
+        for _, out in pipes:
+            assert out is not None and out.readline() == "ready\n"
+        for into, _ in pipes:
+            assert into is not None
+            into.write("go\n")
+            into.flush()
+        # Each list is read while both pickers still run: neither has dropped its reservations,
+        # whichever order the two drew in.
+        picked = [[int(p) for p in out.readline().split()] for _, out in pipes if out is not None]
+    finally:
+        for picker in pickers:
+            with contextlib.suppress(OSError):
+                picker.communicate("exit\n", timeout=60)
+    first, second = picked
+    assert len(first) == len(second) == count
+    assert all(floor <= p < floor + width for p in first + second)  # from the window, not the kernel's fallback
+    assert len(set(first)) == count and len(set(second)) == count
+    assert set(first).isdisjoint(second)
+
+
+def test_a_port_reserved_by_another_process_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert holder.stdout is not None
+        held = int(holder.stdout.readline())
+        # Every pick lands on the held port first (free to bind: only reserved), then on the next one up.
+        picks = iter([held, held + 1])
+        monkeypatch.setattr(processes._pick, "randrange", lambda lo, hi: next(picks))
+        monkeypatch.setattr(processes, "_handed_out", set())
+        assert free_port() == held + 1
+    finally:
+        holder.communicate("exit\n", timeout=60)
+
+
+_HOLDER = """
+import sys
+from kairos.launcher import processes
+print(processes.free_port(), flush=True)
+sys.stdin.readline()
+"""

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from kairos.common.contracts import REDIS_HEARTBEAT_CHANNEL, HeartbeatField, encode_heartbeat, parse_heartbeat
 from kairos.common.errors import ConfigError
+from kairos.launcher.processes import free_port
 from kairos.nodeagent.heartbeat import (
     EngineState,
     EngineStateError,
@@ -35,7 +36,7 @@ from kairos.nodeagent.heartbeat import (
     main,
     state_endpoint,
 )
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
 from tests.waiting import eventually
 
 ROOT = Path(__file__).resolve().parents[2]

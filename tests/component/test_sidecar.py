@@ -26,6 +26,7 @@ from aiohttp import web
 import kairos.nodeagent.sidecar as sidecar_module
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
+from kairos.launcher.processes import free_port
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.nodeagent.heartbeat import SidecarProbe
 from kairos.nodeagent.sidecar import (
@@ -215,9 +216,7 @@ async def _serve(app: web.Application | web.AppRunner) -> tuple[web.AppRunner, s
 
 
 def _dead_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # reserved, below the ephemeral range: nothing takes it meanwhile
 
 
 @dataclass
