@@ -221,6 +221,9 @@ def test_kairos_top_in_tmux_shows_the_cluster_and_the_alerts_of_a_redis_outage(
                 r"^status ok$",
                 r"^DECISIONS +(?!0\.0/s)\d+\.\d/s, \d+% deflected",
                 r"^ +\w+ +\w+ +(?!0\.00/s)\d+\.\d\d/s +\d+ total$",
+                # The class rows read the decode nodes' sidecars (their addresses from /nodes):
+                # a goodput figure needs two reads of them.
+                r"^  standard +\d+ \(.*\) +(\d+\.\d% of \d+|-) +\d+\.\d tok/s$",
                 feed=True,
             )
             rows = node_rows(panes[name])
