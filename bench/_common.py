@@ -17,9 +17,6 @@ from typing import Any
 
 import numpy as np
 
-import redis
-from kairos.launcher.processes import ManagedProcess
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -225,27 +222,6 @@ def histogram_summary(before: dict[str, float], after: dict[str, float]) -> dict
 # ---------------------------------------------------------------------------------------------
 # Waiting for servers
 # ---------------------------------------------------------------------------------------------
-def redis_server(redis_bin: str, host: str, port: int, workdir: Path, log: Path) -> ManagedProcess:
-    """A throwaway redis-server on host:port: no persistence, in the foreground."""
-    argv = [redis_bin, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
-    argv += ["--dir", str(workdir), "--daemonize", "no"]
-    return ManagedProcess("redis", argv, log, ready=redis_ready(host, port))
-
-
-def redis_ready(host: str, port: int) -> Callable[[], bool]:
-    def probe() -> bool:
-        try:
-            client = redis.Redis(host=host, port=port, socket_timeout=0.2, socket_connect_timeout=0.2)
-            try:
-                return bool(client.ping())
-            finally:
-                client.close()
-        except redis.RedisError:
-            return False
-
-    return probe
-
-
 def wait_until(probe: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

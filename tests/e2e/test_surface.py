@@ -8,15 +8,12 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import shutil
 import socket
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +26,8 @@ from kairos.common import defaults
 from kairos.common.contracts import Role
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalCluster
-from kairos.launcher.processes import ManagedProcess, free_port, http_ready
+from kairos.launcher.processes import free_port
+from kairos.launcher.servers import envoy_process
 from tests.e2e.conftest import http, post_json, text_of
 from tests.waiting import wait_until
 
@@ -436,14 +434,7 @@ def short_timeout_gateway(cluster: LocalCluster, tmp_path_factory: pytest.TempPa
     )
     config = workdir / "envoy.yaml"
     config.write_text(render_envoy_config(settings))
-    envoy = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
-    assert envoy is not None
-    proc = ManagedProcess(
-        "envoy-short",
-        [envoy, "-c", str(config), "--disable-hot-restart", "--log-level", "warn"],
-        workdir / "envoy.log",
-        ready=http_ready(f"http://127.0.0.1:{admin}/ready"),
-    )
+    proc = envoy_process("envoy-short", config, workdir / "envoy.log", admin)
     proc.start()
     try:
         proc.wait_ready(60.0)
