@@ -14,13 +14,19 @@ of it (setting the keep headers), and the run adds ``direct`` (the decode node's
 ``noop_direct`` (the same Envoy + no-op in front of the decode node): gateway_overhead's
 "gateway on the longer path", ``(noop_gateway - sidecar) - (noop_direct - direct)``, for A and B.
 
-    python bench/sidecar_ab.py [--base main] [--requests 600] [--size 2048] [--gateway] [--json PATH]
+Every request carries the SLO headers the dispatcher sets (the SLOs it decided by, the class). With
+``--stream-tokens N`` the requests stream N tokens (the sidecar's per-chunk relay, where it notes
+each token chunk's arrival for the request's SLO judgement) instead of one JSON answer of one.
+
+    python bench/sidecar_ab.py [--base main] [--requests 600] [--size 2048] [--stream-tokens N] [--gateway]
+                               [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -46,10 +52,14 @@ from bench.gateway_overhead import (  # noqa: E402
     serves,
     start_noop_gateway,
 )
+from kairos.common import contracts as c  # noqa: E402
 from kairos.launcher.local_cluster import LocalCluster  # noqa: E402
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, tcp_ready  # noqa: E402
 
 WARMUP_ROUNDS = 30
+# What the dispatcher adds to every routed request since per-request SLOs (issue 33): the SLOs it
+# decided by and the request's class (here the cluster's defaults).
+SLO_HEADERS = ((c.H_DECIDED_TTFT_SLO_MS, "4000"), (c.H_DECIDED_TPOT_SLO_MS, "70"), (c.H_SLO_CLASS, "standard"))
 # The installed package's folders (pyproject's package-dir): kairos/ holds the rest.
 SUBPACKAGES = ("nodeagent", "extproc", "sim", "profiling")
 
@@ -120,8 +130,16 @@ async def measure(paths: list[PathRunner], rounds: int) -> dict[str, list[float]
     return out
 
 
+def request_body(size: int, stream_tokens: int) -> bytes:
+    """The keep request's body: one JSON answer of one token, or a stream of ``stream_tokens``."""
+    body = completion_body(size, seed=1)
+    if not stream_tokens:
+        return body
+    return json.dumps(json.loads(body) | {"max_tokens": stream_tokens, "stream": True}).encode()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    body = completion_body(args.size, seed=1)
+    body = request_body(args.size, args.stream_tokens)
     with tempfile.TemporaryDirectory(prefix="kairos-sidecar-ab-") as tmp, ProcessGroup() as group:
         workdir = Path(tmp)
         base_root = extract_ref(args.base, workdir / "base")
@@ -132,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs, sidecars = {}, {}
             for k, code_root in (("A", base_root), ("B", None)):
                 procs[k], sidecars[k] = start_sidecar(group, workdir, f"sidecar-{k}", code_root, decode, prefill, env)
-            keep = keep_headers(prefill)
+            keep = (*keep_headers(prefill), *SLO_HEADERS)
             targets: dict[str, tuple[tuple[str, int], tuple[tuple[str, str], ...]]] = {
                 f"sidecar_{k}": (hp, keep) for k, hp in sidecars.items()
             }
@@ -160,7 +178,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             samples, cpu0, cpu1, wall = asyncio.run(go())
     per_sidecar = (1 + args.gateway) * args.requests  # requests each sidecar served while measured
     result: dict[str, Any] = {
-        "config": {"base": args.base, "requests": args.requests, "body_bytes": len(body), "gateway": args.gateway},
+        "config": {
+            "base": args.base,
+            "requests": args.requests,
+            "body_bytes": len(body),
+            "stream_tokens": args.stream_tokens,
+            "gateway": args.gateway,
+        },
         "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "wall_s": wall,
         "paths": {name: stats(s) for name, s in samples.items()},
@@ -182,8 +206,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> None:
     cfg, load = result["config"], result["load_average_1_5_15"]
+    answer = f"a stream of {cfg['stream_tokens']} tokens" if cfg.get("stream_tokens") else "one JSON answer"
     print(
-        f"A = {cfg['base']}, B = this tree; {cfg['requests']} rounds, {cfg['body_bytes']} B body, "
+        f"A = {cfg['base']}, B = this tree; {cfg['requests']} rounds, {cfg['body_bytes']} B body, {answer}, "
         f"load {load['before'][0]:.1f} -> {load['after'][0]:.1f}"
     )
     print(f"  {'path':<12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
@@ -202,6 +227,9 @@ def main() -> int:
     parser.add_argument("--base", default="main", help="git ref of sidecar A (default main)")
     parser.add_argument("--requests", type=int, default=600, help="measured rounds (one request per path each)")
     parser.add_argument("--size", type=int, default=2048, help="request body bytes (default 2048)")
+    parser.add_argument(
+        "--stream-tokens", type=int, default=0, help="stream this many tokens per request (default 0: one JSON answer)"
+    )
     parser.add_argument("--gateway", action="store_true", help="also through Envoy + the no-op ext_proc")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
