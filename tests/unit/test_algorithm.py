@@ -26,6 +26,7 @@ from kairos.core.algorithm import (
     prefill_queue_wait_s,
     prefill_ttft_s,
 )
+from kairos.core.algorithm.schedule import INFEASIBLE, TOO_SLOW
 from kairos.core.decision import ChunkStep, Decision, Reason, Route
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
@@ -118,7 +119,7 @@ class GreedyCase:
     k: int
     candidates: tuple[int, ...]
     budget: float
-    steps: tuple[Step, ...] | str  # expected steps, or alg._INFEASIBLE
+    steps: tuple[Step, ...] | str  # expected steps, or INFEASIBLE
     ttft: float = 0.0
     models: dict[str, float] = field(default_factory=dict)
     flat: bool = False
@@ -218,21 +219,21 @@ GREEDY_CASES = [
     ),
     pytest.param(
         # 420 -> 270 tokens: 0.217, 220 -> 70: 0.197, both > 0.195; 120 carries -30: skipped (T0 alone fits)
-        GreedyCase(300, 150, 0, (420, 220, 120), 0.195, alg._INFEASIBLE),
+        GreedyCase(300, 150, 0, (420, 220, 120), 0.195, INFEASIBLE),
         id="B150: candidates <= B skipped, so infeasible",
     ),
     pytest.param(
         # T0(120) = 0.160; 420 -> 300: 0.190, 220 -> 100: 0.170 > 0.165; candidate 120 == B carries 0
-        GreedyCase(500, 120, 0, (420, 220, 120), 0.165, alg._INFEASIBLE),
+        GreedyCase(500, 120, 0, (420, 220, 120), 0.165, INFEASIBLE),
         id="B120: candidate equal to B skipped, so infeasible",
     ),
     pytest.param(
-        GreedyCase(100, 40, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        GreedyCase(100, 40, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, INFEASIBLE),
         id="B40: T0 0.080 over the 0.070 budget, infeasible",
     ),
     pytest.param(
         # T0(10) = 0.050; only 128 fits: 0.0618 + 1e-7*118*c <= 0.070 while c <= 694
-        GreedyCase(1000, 10, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, alg._INFEASIBLE),
+        GreedyCase(1000, 10, 0, defaults.PAPER_CHUNK_CANDIDATES, 0.070, INFEASIBLE),
         id="B10-1000-tokens: infeasible once 708 tokens are cached (0.0701544)",
     ),
     pytest.param(
@@ -328,7 +329,7 @@ def test_greedy_schedule(case: GreedyCase) -> None:
         # 0.090, 256 -> 246 is 0.0746, 128 -> 118 is 0.0618; the last 164 (256 trimmed) is 0.0664
         pytest.param(1.0, 0.070, ((118, 0.0618), (118, 0.0618), (164, 0.0664)), id="beta1: 118-118-164"),
         pytest.param(1.5, 0.105, ((400, 0.090),), id="beta1.5: the whole 400 in one step"),
-        pytest.param(0.5, 0.035, alg._INFEASIBLE, id="beta0.5: below T0, infeasible"),
+        pytest.param(0.5, 0.035, INFEASIBLE, id="beta0.5: below T0, infeasible"),
     ],
 )
 def test_beta_scales_the_step_budget(beta: float, budget: float, expected: tuple[tuple[int, float], ...] | str) -> None:
@@ -351,7 +352,7 @@ def test_greedy_start_time_and_give_up() -> None:
     assert sizes == [400, 200, 200, 200]
     assert times == pytest.approx([0.100, 0.088, 0.092, 0.096])
     assert finish == pytest.approx(1.376)
-    assert greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.3) == alg._TOO_SLOW
+    assert greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.3) == TOO_SLOW
     assert not isinstance(greedy_schedule(models, 1000, 20, 0, (420, 220, 120), 0.105, give_up_after_s=0.38), str)
 
 

@@ -10,6 +10,9 @@ import pytest
 
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, decide, greedy_schedule, prefill_exec_s
+from kairos.core.algorithm.bounds import node_facts
+from kairos.core.algorithm.schedule import Plan
+from kairos.core.algorithm.search import search_bounded, search_in_id_order
 from kairos.core.decision import Reason, Route
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
@@ -30,7 +33,7 @@ def test_eq3_over_a_cached_prefix_starts_from_it() -> None:
 def test_the_schedule_covers_the_uncached_tokens_over_the_cached_prefix() -> None:
     node = decode_node(b=40, k=300_000)
     plan = alg.plan_on_decode_node(PROFILE, CFG, node, 6000, math.inf, cached_tokens=5000)
-    assert isinstance(plan, alg._Plan)
+    assert isinstance(plan, Plan)
     sizes, times = alg.expand_runs(plan.runs)
     assert sum(sizes) == 1000
     # Each step costed as Eq. 4 with the request's cached KV (prefix + chunks so far) on it.
@@ -129,9 +132,9 @@ def test_the_bounded_search_finds_the_id_order_searchs_node_with_hits() -> None:
         [900, 5000, 14000], [{}, {"d3": 4000}, {"d0": 800, "d2": 13000}, {"d1": 4500, "d4": 16}]
     ):
         for bound in (0.05, 0.3, 2.0, math.inf):
-            a = alg._search_in_id_order(PROFILE, CFG, decodes, prompt, bound, hits)
-            facts = [alg._facts(PROFILE, CFG, n) for n in decodes]
-            b = alg._search_bounded(PROFILE, CFG, decodes, prompt, bound, facts, hits)
+            a = search_in_id_order(PROFILE, CFG, decodes, prompt, bound, hits)
+            facts = [node_facts(PROFILE, CFG, n) for n in decodes]
+            b = search_bounded(PROFILE, CFG, decodes, prompt, bound, facts, hits)
             if a[0] is None:  # the flag matters (it picks the keep reason) only when no node fits
                 assert b[0] is None and a[1] == b[1]
             else:

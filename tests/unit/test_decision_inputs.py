@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import kairos.core
 from kairos.common.contracts import (
     HeartbeatField,
     MalformedHeartbeat,
@@ -33,6 +34,8 @@ from kairos.common.contracts import (
 from kairos.common.errors import NoHealthyNodeError, ProfileError
 from kairos.core import algorithm as alg
 from kairos.core.algorithm import DeciderConfig, greedy_schedule, plan_on_decode_node
+from kairos.core.algorithm.bounds import plan_on_path
+from kairos.core.algorithm.schedule import Plan
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import StepGuard, load_profile, parse_profile
 from kairos.core.policies import create_policy
@@ -83,11 +86,11 @@ def test_a_half_done_deflection_is_planned_over_its_computed_prefix() -> None:
     own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog_s - 0.5 * with_prefix[0][0][2])
     assert not isinstance(own, str)
     plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 2000, math.inf)
-    assert isinstance(plan, alg._Plan)
+    assert isinstance(plan, Plan)
     assert plan.ttft_s == pytest.approx(own[1], rel=1e-12)
     assert plan.ttft_s - own[1] + backlog_s - from_nothing[1] > 1.3  # 1.35 s the old plan left out
     # The bounded search's path for the node starts after the same backlog.
-    assert alg._plan_on_path(PACKAGED, UNLIMITED, node, 2000, math.inf) == plan
+    assert plan_on_path(PACKAGED, UNLIMITED, node, 2000, math.inf) == plan
 
 
 def test_a_backlog_without_computed_prefixes_is_planned_as_before() -> None:
@@ -96,7 +99,7 @@ def test_a_backlog_without_computed_prefixes_is_planned_as_before() -> None:
     zero = _half_done_node(prefill_backlog_computed_tokens=(0,))
     a = plan_on_decode_node(PACKAGED, UNLIMITED, reported, 2000, math.inf)
     b = plan_on_decode_node(PACKAGED, UNLIMITED, zero, 2000, math.inf)
-    assert isinstance(a, alg._Plan) and a == b
+    assert isinstance(a, Plan) and a == b
 
 
 def test_a_state_with_more_computed_prefixes_than_backlog_is_refused() -> None:
@@ -326,7 +329,7 @@ def test_a_profile_positive_and_monotone_over_the_range_is_taken(overrides: dict
 
 
 def test_the_packaged_profiles_pass() -> None:
-    profiles = Path(alg.__file__).parent / "profiles"
+    profiles = Path(kairos.core.__file__).parent / "profiles"
     names = sorted(p.stem for p in profiles.glob("*.json"))
     assert names
     for name in names:
@@ -374,17 +377,17 @@ def test_a_deflection_waits_for_the_step_the_node_is_running() -> None:
     own = greedy_schedule(PACKAGED, 3000, 20, 20 * 3569, UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s)
     assert not isinstance(own, str)
     plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 3000, math.inf)
-    assert isinstance(plan, alg._Plan)
+    assert isinstance(plan, Plan)
     assert round(0.5 * running, 4) == 0.0251
     assert plan.ttft_s == pytest.approx(0.5 * running + own[1], rel=1e-12)
-    assert alg._plan_on_path(PACKAGED, UNLIMITED, node, 3000, math.inf) == plan
+    assert plan_on_path(PACKAGED, UNLIMITED, node, 3000, math.inf) == plan
     assert alg.ttft_lower_bound_s(PACKAGED, UNLIMITED, node, 3000) <= plan.ttft_s * (1 + 1e-9)
 
 
 def test_a_deflection_on_an_idle_node_starts_at_once() -> None:
     plan = plan_on_decode_node(PACKAGED, UNLIMITED, decode_node("d1"), 3000, math.inf)
     own = greedy_schedule(PACKAGED, 3000, 0, 0, UNLIMITED.chunk_candidates, UNLIMITED.step_budget_s)
-    assert isinstance(plan, alg._Plan) and not isinstance(own, str)
+    assert isinstance(plan, Plan) and not isinstance(own, str)
     assert plan.ttft_s == own[1]
 
 
@@ -399,7 +402,7 @@ def test_a_backlog_runs_from_the_middle_of_its_running_step() -> None:
     own = greedy_schedule(PACKAGED, 2000, 16, 66_000, cands, budget, start_s=backlog[1] - 0.5 * first_step)
     assert not isinstance(own, str)
     plan = plan_on_decode_node(PACKAGED, UNLIMITED, node, 2000, math.inf)
-    assert isinstance(plan, alg._Plan) and plan.ttft_s == pytest.approx(own[1], rel=1e-12)
+    assert isinstance(plan, Plan) and plan.ttft_s == pytest.approx(own[1], rel=1e-12)
 
 
 def test_eq7_no_longer_deflects_on_the_half_step_it_left_out() -> None:

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from kairos.common import defaults
 from kairos.core import algorithm as alg
+from kairos.core.algorithm import search as deflection_search
+from kairos.core.algorithm.bounds import node_facts, plan_on_path
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
@@ -29,7 +31,7 @@ from tests.unit import test_algorithm
 @pytest.fixture(autouse=True)
 def bounded_from_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounded search on every view here, however few its nodes."""
-    monkeypatch.setattr(alg, "BOUNDED_SEARCH_MIN_NODES", 1)
+    monkeypatch.setattr(deflection_search, "BOUNDED_SEARCH_MIN_NODES", 1)
 
 
 MODELS: dict[str, LatencyModels] = {
@@ -232,7 +234,7 @@ def test_any_valid_bound_gives_the_same_decision(
     bound: here it is the real one scaled down at random (so nodes are visited in an arbitrary
     order, a higher id before a tie's lower one), and any number at all where no schedule exists."""
     rng = random.Random(seed)
-    real = alg._lower_bound  # what the search calls: ttft_lower_bound_s from the node's facts
+    real = deflection_search.lower_bound_from_facts  # what the search calls: ttft_lower_bound_s from the node's facts
 
     def loose(facts: Any, node: DecodeNodeState, prompt: int) -> float:
         bound = real(facts, node, prompt)
@@ -242,7 +244,7 @@ def test_any_valid_bound_gives_the_same_decision(
 
     models = MODELS["packaged" if seed % 2 else "round"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(alg, "_lower_bound", loose)
+        patch.setattr(deflection_search, "lower_bound_from_facts", loose)
         got = alg.decide(prompt, view, NOW, models, config)
     assert got == reference_decide(prompt, view, models, config)
 
@@ -279,7 +281,7 @@ def test_a_schedule_read_off_the_nodes_path_is_the_greedys_to_the_bit(
 ) -> None:
     models = MODELS[name]
     expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
-    assert alg._plan_on_path(models, config, node, prompt, give_up) == expected
+    assert plan_on_path(models, config, node, prompt, give_up) == expected
 
 
 @pytest.mark.parametrize("name", sorted(n for n, m in MODELS.items() if m.mixed_nonnegative))
@@ -292,7 +294,7 @@ def test_schedules_read_off_paths_over_a_sweep(name: str) -> None:
         node = DecodeNodeState("d0", rng.randint(0, 80), rng.randint(0, 400_000), 10_000_000, 0.0)
         prompt, give_up = rng.randint(1, 40_000), rng.choice([math.inf, rng.uniform(0.0, 30.0)])
         expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
-        assert alg._plan_on_path(models, config, node, prompt, give_up) == expected, (node, prompt, give_up)
+        assert plan_on_path(models, config, node, prompt, give_up) == expected, (node, prompt, give_up)
 
 
 @pytest.mark.parametrize("case", test_algorithm.DECIDE_CASES)
@@ -332,12 +334,12 @@ def test_a_node_the_pressure_rule_refuses_is_never_planned_nor_counted_too_slow(
     bound makes the reason 'slower' rather than 'no safe schedule'."""
     models, config, prompt = MODELS["packaged"], alg.DeciderConfig(), 10_240
     nodes = [DecodeNodeState(f"d{i}", 4 + i, 14_000 * (i + 1), 1_300_000, 0.0) for i in range(3)]
-    facts = [alg._facts(models, config, n) for n in nodes]
+    facts = [node_facts(models, config, n) for n in nodes]
 
     def run(bound: float, refused: Any) -> tuple[Any, bool]:
         if search == "bounded":
-            return alg._search_bounded(models, config, nodes, prompt, bound, facts, None, refused)
-        return alg._search_in_id_order(models, config, nodes, prompt, bound, None, refused)
+            return deflection_search.search_bounded(models, config, nodes, prompt, bound, facts, None, refused)
+        return deflection_search.search_in_id_order(models, config, nodes, prompt, bound, None, refused)
 
     (_, winner, _), _ = run(math.inf, None)
     (_, second, _), _ = run(math.inf, lambda n: n.node_id == winner)

@@ -1,0 +1,178 @@
+"""Algorithm 1's settings (:class:`DeciderConfig`, the paper's defaults) and the lines they draw
+on one decode node: the request's own SLOs in place of the cluster's, Eq. 5's step budget at the
+node's tau and step calibration, and its overload line."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from kairos.common import defaults
+from kairos.common.errors import ConfigError
+from kairos.core.slo import RequestSLO
+from kairos.core.state import DecodeNodeState
+
+DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
+# A step predicted at t runs up to t x (1 + _P95_SIGMAS_PER_MAE x model_error) at its 95th
+# percentile when the model's relative errors are normal with that mean absolute value: z(0.95)
+# sigmas, and sigma = sqrt(pi/2) x MAE. The TBT SLO is a P95, so that is the margin it needs.
+_P95_SIGMAS_PER_MAE = NormalDist().inv_cdf(0.95) * math.sqrt(math.pi / 2)
+KEEP_ESTIMATES = ("full", "eq1")  # DeciderConfig.keep_estimate
+
+
+@dataclass(frozen=True, slots=True)
+class DeciderConfig:
+    """Knobs of Algorithm 1. Defaults are the paper's (§6.1)."""
+
+    alpha: float = defaults.ALPHA  # deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1
+    beta: float = defaults.BETA  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
+    tbt_slo_s: float = defaults.TBT_SLO_S  # tau
+    ttft_slo_s: float = defaults.TTFT_SLO_S  # TTFT SLO of Eq. 7
+    chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES  # strictly decreasing step sizes
+    stale_after_s: float = defaults.STALE_AFTER_S  # a heartbeat older than this makes a node ineligible to deflect to
+    # Deflected prefills a decode node may hold in flight (reported backlog + dispatches since
+    # the heartbeat) for it to take another; None: no limit, a new deflection is scheduled behind
+    # the node's backlog. 1 is the paper's §5.3 rule.
+    max_pending_deflections: int | None = defaults.MAX_PENDING_DEFLECTIONS
+    # Send step_budget_s with each schedule so the decode node shrinks a chunk whose step would
+    # overrun it with the batch it actually has then (decodes join between heartbeats).
+    node_step_guard: bool = True
+    # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
+    # paper's Algorithm 1) only to measure what the rule changes.
+    decode_overload_guard: bool = True
+    # With the overload guard, while the keep path meets the TTFT SLO: deflect to no node whose
+    # decode-only step with the request joined (decode_load_after_s) is over this share of
+    # decode_overload_s, uncalibrated (decode pressure: its decodes are the cluster's bottleneck,
+    # and the chunks would take their time to save a TTFT that meets its SLO anyway). None: no
+    # such rule.
+    decode_pressure_share: float | None = defaults.DECODE_PRESSURE_SHARE
+    # No deflection while the keep path's TTFT estimate is under this share of the TTFT SLO
+    # (deflection_gate_open): it meets the SLO with room. None: Eq. 7 decides alone (the paper).
+    deflect_gate_share: float | None = defaults.DEFLECT_GATE_SHARE
+    # The step model's mean absolute relative error against the node's real step times (a
+    # profile's held-out MAPE). Schedules planned to the budget's edge with an erring model
+    # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
+    # both step lines shrink by the error's P95 (see step_budget_s). 0 trusts the model.
+    model_error: float = 0.0
+    # Plan each decode node's steps to its own line: both step lines divided by the step
+    # calibration the node reports (DecodeNodeState.step_calibration, the 99th percentile of its
+    # actual / predicted step times), so its steps with deflected chunks stay under tau 99% of the
+    # time however far its model is off. It composes with beta and model_error (each an extra,
+    # optional margin). A node that reports none counts 1.0: the lines above, unchanged. False
+    # ignores the reports (to measure what calibration changes).
+    calibrate: bool = True
+    # The keep path's TTFT estimate that Eq. 7 compares with: "full" (keep_ttft_s: Eq. 1 + the
+    # KV transfer behind the decode node's link queue + its admission wait + its first decode
+    # step, after the half step the node is running then) or "eq1" (the paper's Eq. 1 alone, for
+    # comparison). The deflection's estimate is built alike: with "full" it starts at the decode
+    # node's next step (backlog_end), with "eq1" at once (the paper's Eq. 6).
+    keep_estimate: str = defaults.KEEP_ESTIMATE
+    # A running decode's mean remaining output tokens (memoryless): how fast a decode node frees
+    # KV, for the keep path's admission wait when the node's KV cannot take the prompt now.
+    mean_output_tokens: float = defaults.MEAN_OUTPUT_TOKENS
+    # Plan a deflection beside the decodes whose KV the node is pulling (pending_kv_pull_tokens:
+    # prefilled keeps, each joins its batch once pulled, within the link's time): the node's step
+    # guard shrinks each chunk to the batch it has then, so a plan on the heartbeat's B alone
+    # promised a first token they delayed. False plans on B alone (the paper).
+    plan_with_pulls: bool = True
+
+    def __post_init__(self) -> None:
+        # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
+        if not (1.0 <= self.alpha < math.inf):
+            raise ConfigError(f"alpha must be a finite number >= 1, got {self.alpha}")
+        if not (0.0 < self.beta <= 2.0):
+            raise ConfigError(f"beta must be in (0, 2], got {self.beta}")
+        if not (0 < self.tbt_slo_s < math.inf and 0 < self.ttft_slo_s < math.inf):
+            raise ConfigError(f"tbt_slo_s={self.tbt_slo_s} and ttft_slo_s={self.ttft_slo_s} must be finite and > 0")
+        cands = self.chunk_candidates
+        if not cands or any(x < 1 for x in cands) or any(a <= b for a, b in itertools.pairwise(cands)):
+            raise ConfigError(f"chunk_candidates must be positive and strictly decreasing, got {list(cands)}")
+        if not (self.stale_after_s > 0):
+            raise ConfigError(f"stale_after_s must be > 0, got {self.stale_after_s}")
+        if self.max_pending_deflections is not None and self.max_pending_deflections < 1:
+            raise ConfigError(f"max_pending_deflections must be >= 1 or None, got {self.max_pending_deflections}")
+        share = self.decode_pressure_share
+        if share is not None and not (0.0 < share <= 1.0):
+            raise ConfigError(f"decode_pressure_share must be in (0, 1] or None, got {share}")
+        gate = self.deflect_gate_share
+        if gate is not None and not (0.0 < gate <= 1.0):
+            raise ConfigError(f"deflect_gate_share must be in (0, 1] or None, got {gate}")
+        if not (0.0 <= self.model_error < 1.0):
+            raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
+        if self.keep_estimate not in KEEP_ESTIMATES:
+            raise ConfigError(f"keep_estimate must be one of {list(KEEP_ESTIMATES)}, got {self.keep_estimate!r}")
+        if not (1.0 <= self.mean_output_tokens < math.inf):
+            raise ConfigError(f"mean_output_tokens must be a finite number >= 1, got {self.mean_output_tokens}")
+
+    @property
+    def error_margin(self) -> float:
+        """1 + z(0.95) x sigma of the model's error: predicted steps are held this much under a line."""
+        return 1.0 + _P95_SIGMAS_PER_MAE * self.model_error
+
+    @property
+    def step_budget_s(self) -> float:
+        """beta x tau / error_margin: the longest predicted step a schedule may contain."""
+        return self.beta * self.tbt_slo_s / self.error_margin
+
+    @property
+    def decode_overload_s(self) -> float:
+        """min(tau, beta x tau) / error_margin: a decode node whose predicted decode-only step is
+        already longer takes no deflection. Over beta x tau no chunk fits and the node's own guard
+        would hold the prefill until its batch shrinks; over tau (beta > 1) its decodes already
+        miss the SLO on every step, and prefill work there only lengthens those steps and the
+        batch's drain."""
+        return min(self.tbt_slo_s / self.error_margin, self.step_budget_s)
+
+
+def with_request_slo(config: DeciderConfig, slo: RequestSLO | None) -> DeciderConfig:
+    """``config`` with the request's own TTFT and TPOT SLOs in place of the cluster's (``config``
+    itself when it has them already, or for None): every rule of a decision then reads the
+    request's, Eq. 7's bound and Eq. 5's tau (tightened on each node by ``node_tau_s``)."""
+    if slo is None or (slo.ttft_s == config.ttft_slo_s and slo.tpot_s == config.tbt_slo_s):
+        return config
+    return _with_slos(config, slo.ttft_s, slo.tpot_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_slos(config: DeciderConfig, ttft_s: float, tpot_s: float) -> DeciderConfig:
+    # One config per (config, SLO pair): a class's requests share it, and a node's derived facts
+    # (``node_facts``), kept for the config they were built with, stay valid across them.
+    return dataclasses.replace(config, ttft_slo_s=ttft_s, tbt_slo_s=tpot_s)
+
+
+def tau_share(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """Eq. 5's tau on ``node`` as a share of ``config.tbt_slo_s`` (the request's TPOT): the node's
+    tightest TPOT among its requests in flight over the request's, when tighter; else 1."""
+    tpot = node.tpot_slo_s
+    return 1.0 if tpot is None or tpot >= config.tbt_slo_s else tpot / config.tbt_slo_s
+
+
+def node_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """Eq. 5's line on ``node``: beta x tau / error margin / the node's step calibration (with
+    ``config.calibrate``), the longest predicted step a schedule there may contain, where tau is
+    the tightest of the request's TPOT (``config.tbt_slo_s``) and the node's requests' in flight
+    (``DecodeNodeState.tpot_slo_s``): a looser request never loosens the node's steps. A node of
+    no tighter TPOT and a calibration of 1.0 give ``config.step_budget_s`` to the bit."""
+    budget = config.step_budget_s
+    if config.calibrate:
+        budget /= node.step_calibration
+    share = tau_share(config, node)
+    return budget if share == 1.0 else budget * share
+
+
+def keep_step_budget_s(config: DeciderConfig, node: DecodeNodeState) -> float | None:
+    """The step budget a keep carries for its decode node ``node`` (None without the node step
+    guard): should the prefill node fail it, the node's sidecar prefills it there, and the
+    node's guard holds those steps to this budget, as a deflection's."""
+    return node_step_budget_s(config, node) if config.node_step_guard else None
+
+
+def node_overload_s(config: DeciderConfig, node: DecodeNodeState) -> float:
+    """``config.decode_overload_s`` on ``node``, at the node's tau (``node_step_budget_s``) and
+    divided by its step calibration likewise."""
+    line = config.decode_overload_s * tau_share(config, node)
+    return line / node.step_calibration if config.calibrate else line
