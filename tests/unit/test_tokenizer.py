@@ -16,21 +16,23 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-import kairos.api.tokenizer as tokenizer_module
+import kairos.api.tokenizer.word_counter as word_counter
 from kairos.api.tokenizer import (
-    _BYTE_LEVEL_ASCII,
-    _GPT2_ASCII,
-    _LLAMA3_SPLIT,
-    _QWEN2_SPLIT,
-    _SPLIT_ASCII,
     COUNT_CHUNK_CHARS,
     GIL_RELEASE_CHARS,
     ChatTemplateError,
     NoChatTemplateError,
     PromptTokenizer,
+    detect_content_format,
+)
+from kairos.api.tokenizer.word_counter import (
+    _BYTE_LEVEL_ASCII,
+    _GPT2_ASCII,
+    _LLAMA3_SPLIT,
+    _QWEN2_SPLIT,
+    _SPLIT_ASCII,
     _chunks,
     _islands,
-    detect_content_format,
 )
 from kairos.common.errors import ConfigError, InvalidRequestError
 from kairos.launcher.tinymodel import CHAT_TEMPLATE, build_tiny_model
@@ -345,7 +347,7 @@ def assert_space_pieces_weighted(
     def weighted_words(self: object, chunk: str) -> int:
         return sum(weight(w.translate(_BYTE_LEVEL_ASCII)) for w in words.findall(chunk))
 
-    monkeypatch.setattr(tokenizer_module._WordCounter, "_count_words", weighted_words)
+    monkeypatch.setattr(word_counter.WordCounter, "_count_words", weighted_words)
     for text in texts:
         expected = sum(weight(w) for w in pre_tokenize(text))
         counter = PromptTokenizer(raw)
@@ -511,7 +513,7 @@ def test_tokenizers_the_fast_counter_cannot_prove_are_encoded_whole(raw: Tokeniz
 
 
 def test_the_word_cache_is_bounded(raw: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenizer_module, "WORD_CACHE_ENTRIES", 16)
+    monkeypatch.setattr(word_counter, "WORD_CACHE_ENTRIES", 16)
     tok = PromptTokenizer(raw)
     text = " ".join(f"w{i}x" for i in range(500))
     assert tok.count_tokens(text) == len(raw.encode(text).ids)
@@ -801,7 +803,7 @@ def test_split_family_prompt_ids_equal_the_encoding(pattern: str) -> None:
 
 
 def test_prompt_ids_caches_are_bounded(raw: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tokenizer_module, "WORD_CACHE_ENTRIES", 16)
+    monkeypatch.setattr(word_counter, "WORD_CACHE_ENTRIES", 16)
     tok = PromptTokenizer(raw)
     text = " ".join(f"w{i}x" for i in range(500)) + "  a  b "
     assert_ids(tok, raw, [text])
