@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kairos.api.openai_request import RequestLimits
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import defaults
-from kairos.common.config import load_config
-from kairos.common.errors import ConfigError, ProfileError
+from kairos.common.errors import ConfigError
 from kairos.common.redis_client import redact_url
-from kairos.common.runtime import freeze_startup_heap, stop_on_signals
+from kairos.common.runtime import Service, flag_overrides, freeze_startup_heap
 from kairos.core.admission import AdmissionLimits
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
@@ -299,9 +297,11 @@ async def _start_metrics(
     return runner
 
 
+SERVICE = Service("dispatcher", __doc__.splitlines()[0], DispatcherConfig, "dispatcher", "KAIROS_DISPATCHER_", serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kairos dispatcher", description=__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, help="YAML file with a 'dispatcher' section")
+    p = SERVICE.parser()
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--metrics-port", type=int)
@@ -336,28 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="on (default): a bounded in-flight budget, 429 past it; off: decide every request",
     )
     p.add_argument("--admission-max-wait-s", type=float, help="longest wait for a seat before a 429 (default 1)")
-    p.add_argument("--log-level", default="INFO")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}
-    try:
-        config = load_config(
-            DispatcherConfig, args.config, section="dispatcher", env_prefix="KAIROS_DISPATCHER_", overrides=overrides
-        )
-    except ConfigError as exc:
-        print(f"kairos dispatcher: error: {exc.message}", file=sys.stderr)
-        return 2
-
-    async def run() -> None:
-        await serve(config, stop_on_signals())
-
-    try:
-        asyncio.run(run())
-    except ProfileError as exc:  # a bad profile at start-up: no models to route with
-        print(f"kairos dispatcher: error: {exc.message}", file=sys.stderr)
-        return 2
-    return 0
+    return SERVICE.run(args, flag_overrides(args))

@@ -34,12 +34,10 @@ import asyncio
 import contextlib
 import logging
 import math
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -48,7 +46,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.config import check_hostport, load_config
+from kairos.common.config import check_hostport
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
@@ -66,6 +64,7 @@ from kairos.common.contracts import (
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised_endpoints, host_of
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
+from kairos.common.runtime import Service, flag_overrides
 
 log = logging.getLogger(__name__)
 
@@ -510,13 +509,33 @@ class HeartbeatPublisher:
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kairos.nodeagent.heartbeat",
-        description="Publish this node's engine state to Redis every heartbeat period. Settings come from "
-        "defaults < --config YAML (section 'heartbeat') < KAIROS_HEARTBEAT_* environment < flags.",
-    )
-    p.add_argument("--config", type=Path, help="YAML file with a 'heartbeat' section")
+async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
+    """Beat until ``stop`` is set, then stop after the current beat (and deregister)."""
+    source = HttpStateSource(config.state_url or config.url, timeout_s=config.state_timeout_s)
+    checked = config.check_sidecar and config.role == Role.DECODE
+    publisher = HeartbeatPublisher(config, source, SidecarProbe(config.sidecar) if checked else None)
+    stopping = asyncio.ensure_future(stop.wait())
+    stopping.add_done_callback(lambda _: publisher.stop())
+    try:
+        await publisher.run()
+    finally:
+        stopping.cancel()
+        await source.aclose()
+
+
+SERVICE = Service(
+    "heartbeat",
+    "Publish this node's engine state to Redis every heartbeat period. Settings come from "
+    "defaults < --config YAML (section 'heartbeat') < KAIROS_HEARTBEAT_* environment < flags.",
+    PublisherConfig,
+    "heartbeat",
+    "KAIROS_HEARTBEAT_",
+    serve,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = SERVICE.parser()
     p.add_argument("--node-id", dest="node_id", help="node id, unique in the cluster")
     p.add_argument("--role", choices=[str(r) for r in Role])
     p.add_argument("--url", help="host:port of this node's vLLM server")
@@ -539,59 +558,16 @@ def _parser() -> argparse.ArgumentParser:
         "(a wildcard bind such as tcp://*:5557 as --kv-events-host, or the host of --url)",
     )
     p.add_argument("--kv-events-host", dest="kv_events_host", help="host advertised for a wildcard KV events bind")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
 
-async def _serve(config: PublisherConfig) -> None:
-    source = HttpStateSource(config.state_url or config.url, timeout_s=config.state_timeout_s)
-    checked = config.check_sidecar and config.role == Role.DECODE
-    publisher = HeartbeatPublisher(config, source, SidecarProbe(config.sidecar) if checked else None)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, publisher.stop)
-    try:
-        await publisher.run()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        await source.aclose()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    overrides = {
-        name: getattr(args, name)
-        for name in (
-            "node_id",
-            "role",
-            "url",
-            "sidecar",
-            "redis_url",
-            "state_url",
-            "period_s",
-            "ttl_s",
-            "state_timeout_s",
-            "kv_events_config",
-            "kv_events_host",
-        )
-    }
-    if args.period_ms is not None:
-        overrides["period_s"] = args.period_ms / 1000
-    if args.ttl_ms is not None:
-        overrides["ttl_s"] = args.ttl_ms / 1000
-    try:
-        config = load_config(
-            PublisherConfig, args.config, section="heartbeat", env_prefix="KAIROS_HEARTBEAT_", overrides=overrides
-        )
-    except ConfigError as exc:
-        print(f"heartbeat: {exc.message}", file=sys.stderr)
-        return 2
-    asyncio.run(_serve(config))
-    return 0
+    args = build_parser().parse_args(argv)
+    overrides = flag_overrides(args)
+    for unit in ("period", "ttl"):  # --period-ms and --ttl-ms: the same settings in milliseconds
+        if (ms := overrides.pop(f"{unit}_ms", None)) is not None:
+            overrides[f"{unit}_s"] = ms / 1000
+    return SERVICE.run(args, overrides)
 
 
 if __name__ == "__main__":

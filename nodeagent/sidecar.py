@@ -79,7 +79,6 @@ from redis.exceptions import RedisError
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.aio import cancel_and_wait
-from kairos.common.config import load_config
 from kairos.common.errors import (
     ConfigError,
     InvalidRequestError,
@@ -90,7 +89,7 @@ from kairos.common.errors import (
 )
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
-from kairos.common.runtime import freeze_startup_heap, run, stop_on_signals
+from kairos.common.runtime import Service, flag_overrides, freeze_startup_heap
 from kairos.core.slo import (
     DEFAULT_CLASSES,
     DEFAULT_SLO,
@@ -1313,58 +1312,40 @@ def _ms(seconds: float | None) -> str:
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kairos.nodeagent.sidecar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="YAML file; its 'sidecar' section holds SidecarConfig fields")
+def build_parser() -> argparse.ArgumentParser:
+    p = SERVICE.parser()
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8201; 0 for any free port)")
     p.add_argument("--local-vllm", help="host:port of this decode node's vLLM (default 127.0.0.1:8101)")
-    p.add_argument("--allow-prefill", help="comma-separated host:port of prefill vLLMs hop 1 may call")
+    p.add_argument(
+        "--allow-prefill",
+        dest="allowed_prefill_hosts",
+        metavar="ALLOW_PREFILL",
+        help="comma-separated host:port of prefill vLLMs hop 1 may call",
+    )
     p.add_argument("--hop1-connect-timeout-s", type=float)
     p.add_argument("--hop1-timeout-s", type=float)
     p.add_argument("--hop2-timeout-s", type=float)
     p.add_argument("--max-body-bytes", type=int)
-    p.add_argument("--redis", help="redis://host:port/db for the TTFT feedback stream (default: off)")
+    p.add_argument(
+        "--redis",
+        dest="redis_url",
+        metavar="REDIS",
+        help="redis://host:port/db for the TTFT feedback stream (default: off)",
+    )
     p.add_argument("--gateway", help="host:port of the gateway (Envoy) a batch's prompts are sent back through")
     p.add_argument(
         "--slo-classes",
         help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated, as the "
         f"dispatcher's (default {format_classes(DEFAULT_CLASSES)})",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a sidecar until SIGTERM or SIGINT. Settings: defaults < YAML < KAIROS_SIDECAR_* env < flags."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "local_vllm": args.local_vllm,
-        "allowed_prefill_hosts": args.allow_prefill,
-        "hop1_connect_timeout_s": args.hop1_connect_timeout_s,
-        "hop1_timeout_s": args.hop1_timeout_s,
-        "hop2_timeout_s": args.hop2_timeout_s,
-        "max_body_bytes": args.max_body_bytes,
-        "redis_url": args.redis,
-        "gateway": args.gateway,
-        "slo_classes": args.slo_classes,
-    }
-    try:
-        config = load_config(
-            SidecarConfig, args.config, section="sidecar", env_prefix="KAIROS_SIDECAR_", overrides=overrides
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        run(_serve(config))
-    except OSError as exc:  # the port is taken, the address is not ours
-        print(f"error: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    args = build_parser().parse_args(argv)
+    return SERVICE.run(args, flag_overrides(args))
 
 
 def app_runner(
@@ -1390,8 +1371,7 @@ def app_runner(
     )
 
 
-async def _serve(config: SidecarConfig) -> None:
-    stop = stop_on_signals()
+async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
     runner = app_runner(config)
     await runner.setup()
     try:
@@ -1410,6 +1390,9 @@ async def _serve(config: SidecarConfig) -> None:
         log.info("stopping: finishing in-flight requests (up to %gs)", _SHUTDOWN_GRACE_S)
     finally:
         await runner.cleanup()
+
+
+SERVICE = Service("sidecar", __doc__.split("\n\n")[0], SidecarConfig, "sidecar", "KAIROS_SIDECAR_", serve, uvloop=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
@@ -67,12 +66,11 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.block_hash import block_keys
-from kairos.common.config import load_config
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.kv_events import KvEventsConfig
-from kairos.common.runtime import stop_on_signals
+from kairos.common.runtime import Service, flag_overrides
 from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 from kairos.sim.engine import Engine, EngineConfig, model_step_time
@@ -1339,12 +1337,8 @@ ENV_PREFIX = "KAIROS_EMU_"
 EMULATED_VLLM_VERSION = "0.32.0"  # the vLLM release whose wire behaviour this node follows
 
 
-def _arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kairos.sim.emulated_vllm",
-        description="An emulated vLLM node: vLLM's OpenAI API over the Kairos engine model, in wall time.",
-    )
-    p.add_argument("--config", type=Path, help="YAML file with EmulatedNodeConfig fields")
+def build_parser() -> argparse.ArgumentParser:
+    p = SERVICE.parser()
     p.add_argument("--node-id", dest="node_id")
     p.add_argument("--role", choices=[r.value for r in Role])
     p.add_argument("--host")
@@ -1381,7 +1375,6 @@ def _arg_parser() -> argparse.ArgumentParser:
         help="report usage.prompt_tokens_details.cached_tokens",
     )
     p.add_argument("--kv-events-config", dest="kv_events_config", help="vLLM's KVEventsConfig as JSON")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
@@ -1401,8 +1394,7 @@ def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
     )
 
 
-async def _serve_forever(config: EmulatedNodeConfig) -> None:
-    stop = stop_on_signals()
+async def serve(config: EmulatedNodeConfig, stop: asyncio.Event) -> None:
     runner = app_runner(config)
     await runner.setup()
     try:
@@ -1416,20 +1408,19 @@ async def _serve_forever(config: EmulatedNodeConfig) -> None:
         await runner.cleanup()
 
 
+SERVICE = Service(
+    "emulated-node",
+    "An emulated vLLM node: vLLM's OpenAI API over the Kairos engine model, in wall time.",
+    EmulatedNodeConfig,
+    None,
+    ENV_PREFIX,
+    serve,
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _arg_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level") and v is not None}
-    try:
-        config = load_config(EmulatedNodeConfig, args.config, env_prefix=ENV_PREFIX, overrides=overrides)
-        asyncio.run(_serve_forever(config))
-    except KairosError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the port is taken, the address is not ours, ...
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    args = build_parser().parse_args(argv)
+    return SERVICE.run(args, flag_overrides(args))
 
 
 if __name__ == "__main__":

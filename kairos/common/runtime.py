@@ -1,14 +1,32 @@
-"""Process plumbing shared by the long-running components."""
+"""Process plumbing shared by the long-running components: how each service starts.
+
+Every service module (the dispatcher, the sidecar, the heartbeat publisher, the emulated node)
+declares its :class:`Service` and exposes ``build_parser()``, which starts from
+:meth:`Service.parser`, and ``main(argv)``, which hands the parsed flags to :meth:`Service.run`:
+logging, the settings (defaults < YAML < environment < flags), the event loop, SIGTERM/SIGINT
+and the exit status are the same for all.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
+import logging
 import signal
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import sys
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from kairos.common.config import load_config
+from kairos.common.errors import KairosError
 
 T = TypeVar("T")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def stop_on_signals() -> asyncio.Event:
@@ -45,3 +63,78 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def configure_logging(level: str | None) -> None:
+    """Log lines to stderr as every component writes them. Under the ``kairos`` command, which
+    set logging up already with its own --log-level, the component's --log-level (when given)
+    still applies: a second basicConfig would be ignored."""
+    root = logging.getLogger()
+    if root.handlers:
+        if level is not None:
+            root.setLevel(level)
+        return
+    logging.basicConfig(level=level or "INFO", format=LOG_FORMAT)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line, for a parser whose flags are named as the
+    config's fields (the flags every service has left out)."""
+    return {k: v for k, v in vars(args).items() if k not in ("config", "log_level") and v is not None}
+
+
+@dataclass(frozen=True)
+class Service(Generic[T]):
+    """How one service starts: its ``kairos`` command name, its settings (``config_class``, read
+    from defaults < --config YAML (``section`` of it) < ``env_prefix`` environment < flags) and
+    ``serve(config, stop)``, run until ``stop`` is set by SIGTERM or SIGINT."""
+
+    name: str
+    description: str
+    config_class: type[T]
+    section: str | None
+    env_prefix: str
+    serve: Callable[[T, asyncio.Event], Coroutine[Any, Any, None]]
+    uvloop: bool = False  # serve on uvloop's event loop (see :func:`run`)
+
+    def parser(self) -> argparse.ArgumentParser:
+        """The parser the service's ``build_parser()`` starts from, named as the ``kairos``
+        command runs it, with the flags every service has: --config and --log-level."""
+        p = argparse.ArgumentParser(prog=f"kairos {self.name}", description=self.description)
+        where = f"with a '{self.section}' section" if self.section else "of its settings"
+        p.add_argument("--config", type=Path, help=f"YAML file {where}")
+        p.add_argument(
+            "--log-level",
+            type=str.upper,
+            choices=LOG_LEVELS,
+            help="DEBUG, INFO, WARNING or ERROR, in any case (default INFO, or the kairos command's --log-level)",
+        )
+        return p
+
+    def run(self, args: argparse.Namespace, overrides: Mapping[str, Any]) -> int:
+        """The service's ``main`` once its flags are parsed (``overrides``: the settings they
+        give): logging set up, the settings read, ``serve`` run. A setting it cannot take or a
+        file it cannot read (a :class:`KairosError`) ends it with one line and status 2; an
+        ``OSError`` (an address it cannot listen on, a file it cannot open) with one line and
+        status 1. The signal handlers are in place before ``serve`` starts: a supervisor may
+        signal as soon as it reads the "listening on" line."""
+        configure_logging(args.log_level)
+        try:
+            config = load_config(
+                self.config_class, args.config, section=self.section, env_prefix=self.env_prefix, overrides=overrides
+            )
+
+            async def serve_until_stopped() -> None:
+                await self.serve(config, stop_on_signals())
+
+            if self.uvloop:
+                run(serve_until_stopped())
+            else:
+                asyncio.run(serve_until_stopped())
+        except KairosError as exc:
+            print(f"kairos {self.name}: error: {exc.message}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"kairos {self.name}: error: {exc}", file=sys.stderr)
+            return 1
+        return 0

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kairos.common import defaults
 from kairos.common.cli_types import floats, ints
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
+from kairos.common.runtime import LOG_LEVELS, configure_logging
 from kairos.core.policies import policy_synopsis
 from kairos.launcher import replay, top, up
-from kairos.launcher.local_cluster import LOG_LEVELS
 from kairos.profiling.cli import add_profile_parser
 
 
@@ -119,37 +118,73 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     # The cluster's processes, each also runnable as `python -m MODULE`. Their flags (--help
     # included) are the module's own: main() hands everything after the name to it unparsed.
-    for name, (module, _, help_text) in _COMPONENTS.items():
+    for name, (_, help_text) in _COMPONENTS.items():
         p = sub.add_parser(name, help=f"{help_text} (`kairos {name} --help` for its flags)", add_help=False)
-        p.set_defaults(handler=_component(module), component=name)
+        p.set_defaults(handler=_component(name), component=name)
     return parser
 
 
-# name -> (module with main(argv), its function that builds the argument parser, help)
-_COMPONENTS: dict[str, tuple[str, str, str]] = {
-    "dispatcher": ("kairos.extproc.main", "build_parser", "run the dispatcher (Envoy ext_proc service)"),
-    "sidecar": ("kairos.nodeagent.sidecar", "_parser", "run a decode-node sidecar"),
-    "heartbeat": ("kairos.nodeagent.heartbeat", "_parser", "run a node's heartbeat publisher"),
-    "emulated-node": ("kairos.sim.emulated_vllm", "_arg_parser", "run an emulated vLLM node"),
-    "tiny-model": ("kairos.launcher.tinymodel", "build_parser", "build the tiny Llama model directory"),
+class Component(Protocol):
+    """A module ``kairos NAME`` runs: a service's (:class:`kairos.common.runtime.Service`) or a tool's."""
+
+    def build_parser(self) -> argparse.ArgumentParser: ...
+
+    def main(self, argv: Sequence[str] | None = None) -> int: ...
+
+
+# Each component's module is imported when its command runs, not before: the dispatcher's alone
+# (gRPC) would add a sixth to the start-up of every `kairos` command, `kairos --help` included.
+def _dispatcher() -> Component:
+    from kairos.extproc import main as dispatcher
+
+    return dispatcher
+
+
+def _sidecar() -> Component:
+    from kairos.nodeagent import sidecar
+
+    return sidecar
+
+
+def _heartbeat() -> Component:
+    from kairos.nodeagent import heartbeat
+
+    return heartbeat
+
+
+def _emulated_node() -> Component:
+    from kairos.sim import emulated_vllm
+
+    return emulated_vllm
+
+
+def _tiny_model() -> Component:
+    from kairos.launcher import tinymodel
+
+    return tinymodel
+
+
+# name -> (its module, imported on use; help)
+_COMPONENTS: dict[str, tuple[Callable[[], Component], str]] = {
+    "dispatcher": (_dispatcher, "run the dispatcher (Envoy ext_proc service)"),
+    "sidecar": (_sidecar, "run a decode-node sidecar"),
+    "heartbeat": (_heartbeat, "run a node's heartbeat publisher"),
+    "emulated-node": (_emulated_node, "run an emulated vLLM node"),
+    "tiny-model": (_tiny_model, "build the tiny Llama model directory"),
 }
 
 
 def component_parser(name: str) -> argparse.ArgumentParser:
     """The argument parser that ``kairos NAME`` hands its arguments to (to check a command line
     without running it)."""
-    import importlib
-
-    module, factory, _ = _COMPONENTS[name]
-    parser: argparse.ArgumentParser = getattr(importlib.import_module(module), factory)()
-    return parser
+    module, _ = _COMPONENTS[name]
+    return module().build_parser()
 
 
-def _component(module: str):  # type: ignore[no-untyped-def]
+def _component(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return int(importlib.import_module(module).main(args.component_argv))
+        module, _ = _COMPONENTS[name]
+        return int(module().main(args.component_argv))
 
     return run
 
@@ -170,7 +205,7 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_command_line(parser, argv)
-    logging.basicConfig(level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return int(args.handler(args))
     except (KairosError, ValueError) as exc:  # bad settings or inputs: say what, not a traceback

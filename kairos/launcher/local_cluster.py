@@ -25,6 +25,7 @@ from kairos.common import defaults
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
+from kairos.common.runtime import LOG_LEVELS
 from kairos.core.policies import validate_gateway_policy
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import (
@@ -40,7 +41,6 @@ from kairos.launcher.redis_setup import DISPATCHER_ENV, RedisSetup
 from kairos.launcher.servers import envoy_process, redis_process
 
 LOOPBACK = "127.0.0.1"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
 
 
 @dataclass(frozen=True)

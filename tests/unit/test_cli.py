@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from kairos.launcher.cli import build_parser, main, parse_command_line
+from kairos.launcher.cli import build_parser, component_parser, main, parse_command_line
 
 
 def parse_args(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -45,3 +47,11 @@ def test_kairos_component_help_is_the_components(command: str, flag: str, capsys
         main([command, "--help"])
     assert exit_.value.code == 0
     assert flag in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["dispatcher", "sidecar", "heartbeat", "emulated-node"])
+def test_every_service_parser_is_built_the_same_way(name: str) -> None:
+    parser = component_parser(name)
+    assert parser.prog == f"kairos {name}"
+    args = parser.parse_args(["--config", "cluster.yaml", "--log-level", "debug"])
+    assert (args.config, args.log_level) == (Path("cluster.yaml"), "DEBUG")
