@@ -1,8 +1,9 @@
 """A small, fast HTTP/1.1 load generator and a fixed-answer upstream, both on raw asyncio.
 
-- :class:`HttpConnection`: one keep-alive connection; requests are pre-encoded bytes, the
-  response is parsed just enough (status, headers, Content-Length or chunked body) to reuse the
-  connection, so the client costs tens of microseconds per request.
+- :class:`HttpConnection`: one keep-alive connection; requests are pre-encoded bytes, sent and
+  read by the sidecar's own HTTP/1.1 client (:mod:`kairos.nodeagent.http1`: one protocol object
+  per connection, nothing per request but a future), so the client costs tens of microseconds
+  per request.
 - :func:`sequential`: per-request latencies (``perf_counter_ns``) over one connection.
 - :func:`closed_loop`: ``connections`` clients each sending back to back for ``seconds``.
 - :func:`paced`: a fixed offered rate, spread over ``connections`` clients on a time grid.
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Reply, encode_request
 
 UPSTREAM_BODY = (
     b'{"id":"cmpl-bench","object":"text_completion","created":0,"model":"kairos-tiny-llama",'
@@ -31,98 +33,61 @@ UPSTREAM_BODY = (
 )
 
 
-class HttpError(Exception):
-    """A malformed response, or a status the caller did not expect."""
+class HttpError(Http1Error):
+    """A status the caller did not expect."""
 
 
 def build_request(host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> bytes:
-    """A complete keep-alive HTTP/1.1 POST, encoded once and sent as is."""
-    lines = [
-        f"POST {path} HTTP/1.1",
-        f"Host: {host}:{port}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        *(f"{k}: {v}" for k, v in headers),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    """A complete keep-alive HTTP/1.1 POST of a JSON body, encoded once and sent as is."""
+    return encode_request("POST", _hostport(host, port), path, body, [("Content-Type", "application/json"), *headers])
 
 
-@dataclass(slots=True)
-class Response:
-    status: int
-    headers: dict[str, str]
-    body: bytes
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class HttpConnection:
     """One keep-alive HTTP/1.1 connection (one request in flight at a time). A server that closed
     it while idle (vLLM's server does after 5 s, and a benchmark's paths take turns) gets a new
     one, as any pooling client reconnects: before the request when the close is in, and once
-    more when the close crossed the request (no byte of a reply came)."""
+    more when the close crossed the request (no byte of a reply came). Raises ``OSError`` when no
+    connection can be made, :class:`Http1Error` when a reply breaks off or cannot be read."""
 
-    def __init__(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, host: str, port: int, client: Http1Client) -> None:
         self.host, self.port = host, port
-        self._reader = reader
-        self._writer = writer
-        self.reconnects = 0
+        self._hostport = _hostport(host, port)
+        self._client = client
 
     @classmethod
-    async def open(cls, host: str, port: int) -> HttpConnection:
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-        return cls(host, port, reader, writer)
-
-    async def _reopen(self) -> None:
-        await self.close()
-        self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
-        self.reconnects += 1
-
-    async def send(self, request: bytes) -> Response:
-        if self._reader.at_eof():
-            await self._reopen()
-        self._writer.write(request)
+    async def open(cls, host: str, port: int, connect_timeout_s: float = 30.0) -> HttpConnection:
+        conn = cls(host, port, Http1Client(connect_timeout_s))
         try:
-            head = await self._reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
-            if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
-                raise
-            await self._reopen()
-            self._writer.write(request)
-            head = await self._reader.readuntil(b"\r\n\r\n")
-        lines = head[:-4].decode("latin-1").split("\r\n")
-        try:
-            status = int(lines[0].split(" ", 2)[1])
-        except (IndexError, ValueError) as exc:
-            raise HttpError(f"bad status line {lines[0]!r}") from exc
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "content-length" in headers:
-            body = await self._reader.readexactly(int(headers["content-length"]))
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
-            body = await self._read_chunked()
-        else:
-            raise HttpError("response without Content-Length or chunked encoding: cannot keep the connection")
-        return Response(status, headers, body)
+            await conn._client.connect(conn._hostport)
+        except ConnectFailed as exc:  # refused, unreachable: an OSError, as a socket says it
+            raise exc.os_error from exc
+        return conn
 
-    async def _read_chunked(self) -> bytes:
-        parts: list[bytes] = []
-        while True:
-            size = int((await self._reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-            if size == 0:
-                while (await self._reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
-                    pass
-                return b"".join(parts)
-            parts.append(await self._reader.readexactly(size))
-            await self._reader.readexactly(2)
+    @property
+    def reconnects(self) -> int:
+        """New connections opened after the first."""
+        return max(0, self._client.connections_made - 1)
+
+    @property
+    def server_closed(self) -> bool:
+        """Whether the server closed the idle connection (the next request opens another)."""
+        return self._client.idle(self._hostport) == 0
+
+    async def send(self, request: bytes) -> Reply:
+        try:
+            return await self._client.send(self._hostport, request)
+        except ConnectFailed as exc:
+            raise exc.os_error from exc
 
     async def close(self) -> None:
-        self._writer.close()
-        with contextlib.suppress(OSError, ConnectionError):
-            await self._writer.wait_closed()
+        await self._client.close()
 
 
-async def post_once(host: str, port: int, path: str, body: bytes) -> Response:
+async def post_once(host: str, port: int, path: str, body: bytes) -> Reply:
     """One POST on a connection of its own (a path's check before it is timed)."""
     conn = await HttpConnection.open(host, port)
     try:
@@ -178,7 +143,7 @@ async def closed_loop(
                 return
             try:
                 resp = await conn.send(request)
-            except (OSError, asyncio.IncompleteReadError, HttpError):
+            except (OSError, Http1Error):
                 errors += 1
                 return
             t1 = clock()
@@ -228,7 +193,7 @@ async def paced(
             t0 = clock()
             try:
                 resp = await conn.send(request)
-            except (OSError, asyncio.IncompleteReadError, HttpError):
+            except (OSError, Http1Error):
                 errors += 1
                 return
             if resp.status == expect_status:

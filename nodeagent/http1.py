@@ -384,14 +384,19 @@ class Http1Client:
 
     def __init__(self, connect_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.connections_made = 0  # every connection this client opened, the first to each host included
         self._idle: dict[str, list[_Exchange]] = {}
 
     async def request(
         self, method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]
     ) -> Reply:
         """Send a request and read its whole reply."""
-        request = _encode(method, hostport, target, body, headers)
-        conn, reply = await self._exchange(hostport, request, False, method == "HEAD")
+        return await self.send(hostport, encode_request(method, hostport, target, body, headers), method == "HEAD")
+
+    async def send(self, hostport: str, request: bytes, head_only: bool = False) -> Reply:
+        """Send a request encoded already (:func:`encode_request`: a load generator encodes each
+        request once and sends it many times) and read its whole reply; ``head_only`` for a HEAD."""
+        conn, reply = await self._exchange(hostport, request, False, head_only)
         assert isinstance(reply, Reply)
         if conn.reusable():
             self._release(hostport, conn)
@@ -403,10 +408,20 @@ class Http1Client:
         self, method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]
     ) -> Response:
         """Send a request and return once the reply's head is in; the caller reads and closes it."""
-        request = _encode(method, hostport, target, body, headers)
+        request = encode_request(method, hostport, target, body, headers)
         conn, head = await self._exchange(hostport, request, True, method == "HEAD")
         assert isinstance(head, Head)
         return Response(self, hostport, conn, head)
+
+    async def connect(self, hostport: str) -> None:
+        """Open a connection to ``hostport`` now and keep it for the next request (whose time then
+        holds no handshake)."""
+        self._release(hostport, await self._connect(hostport))
+
+    def idle(self, hostport: str) -> int:
+        """How many kept-alive connections to ``hostport`` are open, waiting for a request (one
+        the server closed meanwhile is not)."""
+        return sum(1 for conn in self._idle.get(hostport, ()) if not conn.closed)
 
     async def close(self) -> None:
         for conns in self._idle.values():
@@ -459,10 +474,13 @@ class Http1Client:
             if isinstance(exc, TimeoutError):
                 raise
             raise ConnectFailed(hostport, exc) from exc
+        self.connections_made += 1
         return conn
 
 
-def _encode(method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]) -> bytes:
+def encode_request(
+    method: str, hostport: str, target: str, body: bytes | None, headers: Iterable[tuple[str, str]]
+) -> bytes:
     """The request as one buffer: Host and (with a body) Content-Length set here, not by the caller."""
     head = [f"{method} {target} HTTP/1.1", f"Host: {hostport}"]
     if body is not None:

@@ -7,7 +7,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from bench.loadgen import HttpConnection, build_request
+from kairos.launcher.processes import free_port
 from tests.waiting import eventually
 
 REPLY = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -62,7 +65,7 @@ async def client(close_after_reply: bool) -> AsyncIterator[tuple[HttpConnection,
 async def test_a_connection_the_server_closed_while_idle_is_reopened() -> None:
     async with client(close_after_reply=True) as (conn, request):
         assert (await conn.send(request)).body == b"ok"
-        await eventually(lambda: conn._reader.at_eof(), timeout_s=20)
+        await eventually(lambda: conn.server_closed, timeout_s=20)
         assert (await conn.send(request)).body == b"ok"
         assert conn.reconnects == 1
 
@@ -71,3 +74,8 @@ async def test_a_close_that_crosses_the_request_is_retried_once_on_a_new_connect
     async with client(close_after_reply=False) as (conn, request):
         assert [(await conn.send(request)).body for _ in range(3)] == [b"ok"] * 3
         assert conn.reconnects == 2  # every second request on a connection met its close
+
+
+async def test_no_server_is_an_os_error_as_a_socket_says_it() -> None:
+    with pytest.raises(ConnectionRefusedError):
+        await HttpConnection.open("127.0.0.1", free_port())  # reserved: nothing listens there
