@@ -16,10 +16,10 @@ from kairos.common.contracts import (
     HeartbeatField,
     MalformedHeartbeat,
     Role,
-    _parse_heartbeat_checked,
     encode_heartbeat,
     parse_heartbeat,
 )
+from kairos.common.contracts.heartbeat import _parse_heartbeat_checked
 
 BEAT = Heartbeat(
     node_id="d0",

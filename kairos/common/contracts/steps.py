@@ -1,0 +1,191 @@
+"""Step records: one JSON object per engine step."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kairos.common.contracts._checks import is_int
+from kairos.common.contracts.role import Role
+
+# ---------------------------------------------------------------------------------------------
+# Step records: one JSON object per engine step, written by the vLLM step recorder (JSONL and
+# STEPS_PATH), the emulated node (STEPS_PATH) and the profiler's virtual engine; read by the
+# profiler. Times are model seconds (wall seconds on real vLLM).
+# ---------------------------------------------------------------------------------------------
+STEPS_PATH = "/kairos/steps"  # GET ?since=N: a page of the node's newest step records
+STEPS_SINCE = "since"  # the query parameter: the first step index wanted
+
+
+class StepField:
+    """Fields of one step record (the first six required; extra keys are allowed)."""
+
+    INDEX = "index"  # int, the engine's step counter (per node)
+    START = "start"  # float, model seconds when the step started
+    DURATION = "duration"  # float > 0, model seconds the step took
+    DECODE_TOKENS = "decode_tokens"  # B: running decodes in the step, one token each
+    KV_TOKENS = "kv_tokens"  # K: KV tokens held by the node at the step's start
+    CHUNKS = "chunks"  # list of ChunkField objects: the step's prefill chunks
+    NODE = "node"  # optional: the node's id
+    ROLE = "role"  # optional: the node's role (decides how a chunk-only step is costed)
+
+    REQUIRED = (INDEX, START, DURATION, DECODE_TOKENS, KV_TOKENS, CHUNKS)
+
+
+class ChunkField:
+    """Fields of one prefill chunk of a step record."""
+
+    REQUEST_ID = "request_id"
+    TOKENS = "tokens"  # prompt tokens of this request processed in the step (>= 1)
+    CACHED = "cached"  # this request's prompt tokens already computed before the step
+
+
+class StepsPageField:
+    """Fields of the :data:`STEPS_PATH` answer."""
+
+    NODE_ID = "node_id"
+    NEXT_INDEX = "next_index"  # one past the newest step's index
+    STEPS = "steps"  # the records with index >= since that the node still holds, oldest first
+
+
+class MalformedStepRecord(ValueError):
+    """A step record (or page of them) that does not follow the contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepChunk:
+    request_id: str
+    tokens: int
+    cached: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """One engine step (every :class:`StepField`)."""
+
+    index: int
+    start: float
+    duration: float
+    decode_tokens: int
+    kv_tokens: int
+    chunks: tuple[StepChunk, ...]
+    node: str | None = None
+    role: Role | None = None
+
+
+def encode_step_record(step: EngineStep) -> dict[str, Any]:
+    """The step's JSON object (dump it as one JSONL line or in a steps page); node and role only when set."""
+    f, ch = StepField, ChunkField
+    out: dict[str, Any] = {
+        f.INDEX: step.index,
+        f.START: step.start,
+        f.DURATION: step.duration,
+        f.DECODE_TOKENS: step.decode_tokens,
+        f.KV_TOKENS: step.kv_tokens,
+        f.CHUNKS: [{ch.REQUEST_ID: c.request_id, ch.TOKENS: c.tokens, ch.CACHED: c.cached} for c in step.chunks],
+    }
+    if step.node is not None:
+        out[f.NODE] = step.node
+    if step.role is not None:
+        out[f.ROLE] = str(step.role)
+    return out
+
+
+def _step_int(obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
+    if key not in obj:
+        raise MalformedStepRecord(f"{where}missing key {key!r}")
+    value = obj[key]
+    if not is_int(value) or value < minimum:
+        raise MalformedStepRecord(f"{where}{key} must be an integer >= {minimum}, got {json.dumps(value)}")
+    return value
+
+
+def parse_step_record(obj: Any) -> EngineStep:
+    """Check one decoded step record; the message of a :class:`MalformedStepRecord` names the field."""
+    f, ch = StepField, ChunkField
+    if not isinstance(obj, dict):
+        raise MalformedStepRecord(f"a step record is a JSON object, got {type(obj).__name__}")
+    index = _step_int(obj, f.INDEX, "", 0)
+    for key in (f.START, f.DURATION):
+        if key not in obj:
+            raise MalformedStepRecord(f"missing key {key!r}")
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise MalformedStepRecord(f"{key} must be a finite number of seconds, got {json.dumps(value)}")
+    if obj[f.DURATION] <= 0:
+        raise MalformedStepRecord(f"duration must be > 0 seconds, got {obj[f.DURATION]}")
+    decode_tokens = _step_int(obj, f.DECODE_TOKENS, "", 0)
+    kv_tokens = _step_int(obj, f.KV_TOKENS, "", 0)
+    raw_chunks = obj.get(f.CHUNKS)
+    if not isinstance(raw_chunks, list):
+        raise MalformedStepRecord(f"chunks must be a list, got {json.dumps(raw_chunks)}")
+    chunks = []
+    for i, chunk in enumerate(raw_chunks):
+        at = f"{f.CHUNKS}[{i}]"
+        if not isinstance(chunk, dict):
+            raise MalformedStepRecord(f"{at} must be an object, got {json.dumps(chunk)}")
+        rid = chunk.get(ch.REQUEST_ID)
+        if not isinstance(rid, str):
+            raise MalformedStepRecord(f"{at}.{ch.REQUEST_ID} must be a string, got {json.dumps(rid)}")
+        tokens = _step_int(chunk, ch.TOKENS, f"{at}: ", 1)
+        chunks.append(StepChunk(rid, tokens, _step_int(chunk, ch.CACHED, f"{at}: ", 0)))
+    role = obj.get(f.ROLE)
+    if role is not None and role not in tuple(Role):
+        raise MalformedStepRecord(f"role must be one of {[str(r) for r in Role]}, got {json.dumps(role)}")
+    node = obj.get(f.NODE)
+    return EngineStep(
+        index=index,
+        start=float(obj[f.START]),
+        duration=float(obj[f.DURATION]),
+        decode_tokens=decode_tokens,
+        kv_tokens=kv_tokens,
+        chunks=tuple(chunks),
+        node=None if node is None else str(node),
+        role=None if role is None else Role(role),
+    )
+
+
+def parse_steps_since(value: str) -> int:
+    """The :data:`STEPS_SINCE` query value; ValueError unless a non-negative integer."""
+    try:
+        since = int(value)
+    except ValueError:
+        since = -1
+    if since < 0:
+        raise ValueError(f"{STEPS_SINCE} must be a non-negative integer, got {value!r}")
+    return since
+
+
+@dataclass(frozen=True, slots=True)
+class StepsPage:
+    """One :data:`STEPS_PATH` answer; the records stay JSON objects (check each with
+    :func:`parse_step_record`), so a reader can keep them as the node wrote them."""
+
+    node_id: str | None
+    next_index: int
+    steps: tuple[dict[str, Any], ...]
+
+
+def encode_steps_page(node_id: str, next_index: int, steps: Iterable[dict[str, Any]]) -> str:
+    """The :data:`STEPS_PATH` answer's JSON; ``steps`` are :func:`encode_step_record` objects."""
+    f = StepsPageField
+    return json.dumps({f.NODE_ID: node_id, f.NEXT_INDEX: next_index, f.STEPS: list(steps)}, separators=(",", ":"))
+
+
+def parse_steps_page(raw: bytes | str) -> StepsPage:
+    f = StepsPageField
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedStepRecord(f"a steps page is not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get(f.STEPS), list) or not is_int(data.get(f.NEXT_INDEX)):
+        raise MalformedStepRecord(
+            f"not a step log (expected {{{f.STEPS!r}: [...], {f.NEXT_INDEX!r}: N}}), got {str(raw)[:200]}"
+        )
+    if not all(isinstance(s, dict) for s in data[f.STEPS]):
+        raise MalformedStepRecord("a steps page holds JSON objects only")
+    node_id = data.get(f.NODE_ID)
+    return StepsPage(None if node_id is None else str(node_id), data[f.NEXT_INDEX], tuple(data[f.STEPS]))
