@@ -1,4 +1,4 @@
-"""bench/e2e_prefix.py's pure parts: the comparison with prefix-aware P/D, the table with missing
+"""bench/live/prefix.py's pure parts: the comparison with prefix-aware P/D, the table with missing
 figures, and the traffic it replays (the workload, or a trace rescaled and cut)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.e2e_prefix import comparison, print_table, traffic
+from bench.live.prefix import comparison, print_table, traffic
 
 
 def _record(policy: str, rps: float, p95: float, turn2: float | None, attainment: float) -> dict[str, Any]:

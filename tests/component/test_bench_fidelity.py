@@ -1,4 +1,4 @@
-"""bench/e2e_replay.py's comparisons of a replay with the simulator: request by request, and the
+"""bench/live/replay.py's comparisons of a replay with the simulator: request by request, and the
 keep path's two halves from the sidecars' histograms."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import msgspec
 import pytest
 
-from bench.e2e_replay import (
+from bench.live.replay import (
     SimOutcome,
     decode_step_calibrations,
     fidelity,

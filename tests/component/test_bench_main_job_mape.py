@@ -1,4 +1,4 @@
-"""bench/main_job_mape.py's own logic: the traffic it sends, where it finds the sidecars, and how it
+"""bench/live/main_job_mape.py's own logic: the traffic it sends, where it finds the sidecars, and how it
 reads the dispatcher's metrics and ``kairos top``'s alerts into per-path figures and the target."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.main_job_mape import (
+from bench.live.main_job_mape import (
     MAX_TOKENS,
     MAX_WORDS,
     MIN_TOKENS,

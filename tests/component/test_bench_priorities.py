@@ -1,6 +1,6 @@
-"""bench/_common.py's ``Priorities``, the "fair" harness of bench/scale.py and bench/e2e_replay.py:
-the stand-ins for other machines go above the gateway and come back down, and a stand-in that
-died on the way does not stop the others from being restored."""
+"""bench/harness/priorities.py's ``Priorities``, the "fair" harness of bench/live/scale.py and
+bench/live/replay.py: the stand-ins for other machines go above the gateway and come back down,
+and a stand-in that died on the way does not stop the others from being restored."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench._common import Priorities
+from bench.harness.priorities import Priorities
 
 
 def _may_raise_priorities() -> bool:

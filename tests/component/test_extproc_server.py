@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from bench.noop_extproc import NOOP_ROUTE, FixedRoute
+from bench.harness.noop_extproc import NOOP_ROUTE, FixedRoute
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
@@ -679,7 +679,7 @@ def test_the_gateway_allows_the_dispatcher_exactly_its_drop_mode() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The benchmark's no-op ext_proc server (the transport floor in bench/gateway_overhead.py)
+# The benchmark's no-op ext_proc server (the transport floor in bench/micro/gateway_overhead.py)
 # ---------------------------------------------------------------------------------------------
 async def test_the_no_op_server_routes_every_request_to_its_fixed_upstream() -> None:
     """Same service and answer encoding as the real dispatcher's, with nothing decided: the

@@ -1,4 +1,4 @@
-"""The benchmarks' HTTP/1.1 client (bench/loadgen.py) against a server that closes idle
+"""The benchmarks' HTTP/1.1 client (bench/harness/loadgen.py) against a server that closes idle
 connections, as vLLM's does after 5 s: no request is lost to a connection the server closed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from bench.loadgen import HttpConnection, build_request
+from bench.harness.loadgen import HttpConnection, build_request
 from kairos.launcher.processes import free_port
 from tests.waiting import eventually
 

@@ -1,7 +1,8 @@
-"""The live benchmarks' cluster (bench/e2e_replay.py ``live_cluster``, which e2e_prefix.py and
-live_keep_estimate.py start theirs with too): a real local 2P2D cluster that serves through
-Envoy with its stand-ins for other machines above the gateway under the fair harness, and that
-gives every priority back and stops every process when the benchmark is done with it."""
+"""The live benchmarks' cluster (bench/harness/live_cluster.py ``live_cluster``, which
+bench.live.replay, prefix, keep_estimate and slo_classes start theirs with): a real local 2P2D
+cluster that serves through Envoy with its stand-ins for other machines above the gateway under
+the fair harness, and that gives every priority back and stops every process when the benchmark
+is done with it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e_replay import live_cluster, stand_in_pids
+from bench.harness.live_cluster import live_cluster, stand_in_pids
 from kairos.common.contracts import Role
 from tests.e2e.conftest import post_json
 

@@ -2,7 +2,7 @@
 real local cluster (Envoy, one dispatcher, 2P2D emulated nodes at 20x), each answered within 60 s by a
 complete 200 stream or a JSON 429/503 with Retry-After; none hangs or is reset, Envoy's and the
 dispatcher's memory stay bounded, every 429 is counted in kairos_dispatcher_shed_total, and the
-cluster serves afterwards. The clients are bench/spike.py's, whose JSON has the figures.
+cluster serves afterwards. The clients are bench/live/spike.py's, whose JSON has the figures.
 
 The test raises its own soft open-file limit (resource.setrlimit, inherited by the cluster it
 starts): each stream holds a client socket here, and a downstream and an upstream socket in Envoy.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from bench.spike import spike, summarize
+from bench.live.spike import spike, summarize
 from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from tests.e2e.conftest import EQ7, post_json

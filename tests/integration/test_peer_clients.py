@@ -2,7 +2,7 @@
 ``.venv-vllm``) and inference-perf (from ``.venv-inference-perf``, Python 3.12) through Envoy to
 an emulated 2P2D cluster, each client's completed requests and input/output tokens equal to the
 dispatchers' decisions and the decode nodes' vLLM counters over its run. A short run of
-``bench/peer_clients.py`` (which also prints the latency figures side by side)."""
+``bench/live/peer_clients.py`` (which also prints the latency figures side by side)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer_clients import MODEL, Load, format_report, inference_perf_binary, run_clients
+from bench.live.peer_clients import MODEL, Load, format_report, inference_perf_binary, run_clients
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.integration.conftest import _vllm_python

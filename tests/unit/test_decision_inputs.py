@@ -567,7 +567,7 @@ def test_a_keep_carries_its_decode_nodes_step_budget() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The keep path's estimate on the inputs it has (bench/sim_prediction_error.py measures it)
+# The keep path's estimate on the inputs it has (bench/sim/prediction_error.py measures it)
 # ---------------------------------------------------------------------------------------------
 UNCACHED_PREFILL = make_models(prefill_knee=600.0, prefill_over_knee=5e-5)  # no cached term: exact packing
 

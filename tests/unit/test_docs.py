@@ -5,7 +5,7 @@
   reproduces it, and is dated by one of its runs;
 - the README is a user's guide of at most 450 lines; the metric names it gives are the code's;
   the repository paths it gives exist;
-- bench/README.md maps every benchmark script and every committed result file;
+- bench/README.md maps every benchmark module and every committed result file;
 - every relative link of the README, bench/README.md and docs/ leads to a file.
 
 Files only: nothing is run.
@@ -22,6 +22,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from tests.bench_modules import runnable_bench_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -147,9 +149,9 @@ def test_a_measurement_page_names_its_json_and_command(page: Path) -> None:
         line
         for block in _FENCE.findall(text)
         for line in block.splitlines()
-        if re.match(r"^\s*(?:\.venv/bin/)?(?:python \S*bench/|kairos )", line)
+        if re.match(r"^\s*(?:\.venv/bin/)?(?:python \S*bench/|python -m bench\.|kairos )", line)
     ]
-    assert commands, f"{page.name} gives no command (python bench/... or kairos ...) in a code block"
+    assert commands, f"{page.name} gives no command (python -m bench.<kind>.<name> or kairos ...) in a code block"
     dates = {str(doc["when"])[:10] for doc in map(_load, names) if isinstance(doc, dict) and "when" in doc}
     if dates:
         page_date = _DATED_PAGE.match(page.name).group(1)  # type: ignore[union-attr]
@@ -223,14 +225,15 @@ def test_every_repository_path_the_readme_names_exists() -> None:
 # ---------------------------------------------------------------------------------------------
 # bench/README.md and links
 # ---------------------------------------------------------------------------------------------
-def test_bench_readme_maps_every_script_and_every_result_file() -> None:
+def test_bench_readme_maps_every_benchmark_and_every_result_file() -> None:
     text = BENCH_README.read_text()
-    scripts = sorted(p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_"))
-    unmapped = [s for s in scripts if f"bench/{s}" not in text and f"`{s}`" not in text]
-    assert not unmapped, f"bench/README.md does not say what these scripts answer: {unmapped}"
-    results = sorted(p.name for p in RESULTS.glob("*.json"))
+    modules = runnable_bench_modules()
+    assert len(modules) >= 20, f"the walk of bench/ found only {modules}"
+    unmapped = [m for m in modules if not re.search(rf"(?<![\w.]){re.escape(m)}(?![\w.])", text)]
+    assert not unmapped, f"bench/README.md does not say what these modules answer: {unmapped}"
+    results = sorted(p.name for p in RESULTS.rglob("*.json"))
     unlisted = [r for r in results if r not in text]
-    assert not unlisted, f"bench/README.md lists neither a page nor 'unnamed' for: {unlisted}"
+    assert not unlisted, f"bench/README.md lists neither a page nor an archive line for: {unlisted}"
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s#]+)(?:#[^)]*)?\)")
