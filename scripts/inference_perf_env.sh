@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A virtual environment of its own, .venv-inference-perf, with inference-perf (the Gateway API
 # Inference Extension's and llm-d's benchmark tool). It needs Python >= 3.12, newer than the
-# project's, so it takes pyenv's 3.12 when present. bench/peer_clients.py runs it against the
+# project's, so it takes pyenv's 3.12 when present. bench/live/peer_clients.py runs it against the
 # gateway. Idempotent: a stamp skips the install when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A virtual environment of its own, .venv-router, with vLLM's Rust router (vllm-router), the peer
-# that bench/gateway_overhead.py puts beside Kairos on the P/D path. Never a Kairos dependency.
+# that bench/micro/gateway_overhead.py puts beside Kairos on the P/D path. Never a Kairos dependency.
 # Idempotent: a stamp skips the install when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

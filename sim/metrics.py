@@ -72,7 +72,7 @@ class SimMetrics:
     deflections: int = 0
     # Decode steps (with TBT samples) that carried a deflected prefill's chunk, and how many of them
     # went over tau: the probability the node's step calibration keeps under 1%. Not in the summary
-    # (its records stay as they were); bench/sim_calibration.py reads them.
+    # (its records stay as they were); bench/sim/calibration.py reads them.
     deflect_steps: int = 0
     deflect_steps_over_tau: int = 0
     steps: dict[str, _NodeSteps] = field(default_factory=dict)

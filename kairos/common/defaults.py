@@ -49,7 +49,7 @@ DECODE_PRESSURE_SHARE: float | None = 0.85
 # that the decodes beside its chunks pay in TBT (live, a multi-turn replay at low load: 404
 # deflections, TBT violations 0.57% against P/D's 0.01%, attainment 99.0% against 100%). None:
 # Eq. 7 decides alone (the paper). With it, Kairos meets the never-worse limits at all 15 points of
-# bench/sim_never_worse.py (one miss without), and keeps every knee (docs/design/never-worse.md).
+# bench/sim/never_worse.py (one miss without), and keeps every knee (docs/design/never-worse.md).
 DEFLECT_GATE_SHARE: float | None = 0.25
 
 # The keep path's TTFT estimate (Eq. 1 plus what the paper leaves out; kairos.core.algorithm).

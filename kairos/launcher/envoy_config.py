@@ -49,7 +49,7 @@ class EnvoySettings:
     # How often Envoy health-checks each dispatcher replica (grpc.health.v1), and how long an
     # answer may take: a stopped (frozen) replica is out after one missed check, ~0.75 s, where
     # 1 s and two checks let it hold requests for 2.5 s (8 of 90 lost to a 2 s message timeout
-    # at 6 RPS, bench/fault_counts.py frozen-dispatcher).
+    # at 6 RPS, bench/live/fault_counts.py frozen-dispatcher).
     health_check_interval: str = "0.5s"
     health_check_timeout: str = "0.25s"
     # Retries in flight per cluster (Envoy's default is 3): one per request that a dead

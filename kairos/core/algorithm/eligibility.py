@@ -44,7 +44,7 @@ def decode_pressure_refusal(
     margin already, in the calibrated overload line and step budget. Divided by the calibration
     too, the error counted twice: at a 10% step error (a 99th-percentile ratio near 1.29) the line
     fell to 46 ms, under Bursty's 48 ms decode-only steps, and refused nearly every deflection
-    (``bench/sim_calibration.py``). With no error (calibration 1) nothing changes. It is taken at
+    (``bench/sim/calibration.py``). With no error (calibration 1) nothing changes. It is taken at
     the node's tau (its tightest TPOT in flight, when tighter than the request's), as the
     overload line is.
 

@@ -35,7 +35,7 @@ def keep_handoff_s(
       that queue when this prefill ends. Without ``now`` (the estimate as it was before the
       arrivals were kept) the pulls alone, the first one whole. (Leaving the incoming keeps out
       left the link's wait at a third of the truth on Bursty 2P2D with exact inputs:
-      bench/sim_prediction_error.py.)
+      bench/sim/prediction_error.py.)
     - W_adm: a transfer starts only when the node's KV can hold the prompt. Free KV = capacity -
       K - what the backlog, the incoming keeps and the pulls ahead will take. When short by D
       tokens, the node frees them as its decodes finish: k / (M x T0) tokens per second with k

@@ -19,7 +19,7 @@ def prefill_queue_wait_s(models: LatencyModels, node: PrefillNodeState) -> float
     queue. Under sustained load it held keep-path requests incoming on their decode node long
     after they had arrived, until the overload line and the promised KV barred every deflection,
     and the prefill queue grew further (Bursty 8 RPS 2P2D: 710 deflections, attainment 21.6%;
-    keep-path MAPE 8.5 for P/D, bench/sim_keep_estimate.py). One queued prompt: the paper's, to
+    keep-path MAPE 8.5 for P/D, bench/sim/keep_estimate.py). One queued prompt: the paper's, to
     the bit."""
     outstanding = node.outstanding_tokens
     if outstanding == 0:
@@ -56,7 +56,7 @@ def packed_prefill_s(
     boundaries fall on them at their mean) and the prompt's own, whose boundaries the queue fixes.
     Eq. 2 and 3 instead cost the queue as whole steps over each prompt's half and start the
     prompt's chunks at a step of their own (Bursty 2P2D with exact inputs: the keep path's prefill
-    end off by 3.5% of its TTFT that way, 2.2% this way: bench/sim_prediction_error.py).
+    end off by 3.5% of its TTFT that way, 2.2% this way: bench/sim/prediction_error.py).
 
     Less what the node has run since its heartbeat (``reported_at``): the step it was running
     then, half done on average, and the heartbeat's age since, as far as the queue the heartbeat
