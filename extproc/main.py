@@ -25,7 +25,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import defaults
 from kairos.common.errors import ConfigError
 from kairos.common.redis_client import redact_url
-from kairos.common.runtime import Service, flag_overrides, freeze_startup_heap
+from kairos.common.runtime import Service, announce_listening, flag_overrides, freeze_startup_heap
 from kairos.core.admission import AdmissionLimits
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, profile_path
@@ -238,7 +238,7 @@ async def serve(config: DispatcherConfig, stop: asyncio.Event) -> None:
         "from the nodes' KV events" if kv_events is not None else "not read (the policy is cache-blind)",
     )
     freeze_startup_heap()  # before the ready line: Envoy may send traffic at once
-    print(f"listening on {config.host}:{port}", flush=True)
+    announce_listening(config.host, port)
     try:
         await stop.wait()
     finally:

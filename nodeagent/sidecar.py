@@ -89,7 +89,7 @@ from kairos.common.errors import (
 )
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.redis_client import check_redis_url, fail_fast_client, redact_url
-from kairos.common.runtime import Service, flag_overrides, freeze_startup_heap
+from kairos.common.runtime import Service, announce_listening, flag_overrides, freeze_startup_heap, serving
 from kairos.core.slo import (
     DEFAULT_CLASSES,
     DEFAULT_SLO,
@@ -1372,14 +1372,9 @@ def app_runner(
 
 
 async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
-    runner = app_runner(config)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+    async with serving(app_runner(config), config.host, config.port) as (host, port):
         freeze_startup_heap()  # before the ready line: a supervisor may send traffic at once
-        print(f"listening on {host}:{port}", flush=True)
+        announce_listening(host, port)
         log.info(
             "sidecar for local vLLM %s; static prefill allowlist %s; TTFT feedback %s",
             config.local_vllm,
@@ -1388,8 +1383,6 @@ async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
         )
         await stop.wait()
         log.info("stopping: finishing in-flight requests (up to %gs)", _SHUTDOWN_GRACE_S)
-    finally:
-        await runner.cleanup()
 
 
 SERVICE = Service("sidecar", __doc__.split("\n\n")[0], SidecarConfig, "sidecar", "KAIROS_SIDECAR_", serve, uvloop=True)

@@ -70,7 +70,7 @@ from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.kv_events import KvEventsConfig
-from kairos.common.runtime import Service, flag_overrides
+from kairos.common.runtime import Service, announce_listening, flag_overrides, serving
 from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.latency import DEFAULT_PROFILE, LatencyModels, load_profile
 from kairos.sim.engine import Engine, EngineConfig, model_step_time
@@ -1395,17 +1395,10 @@ def app_runner(config: EmulatedNodeConfig) -> web.AppRunner:
 
 
 async def serve(config: EmulatedNodeConfig, stop: asyncio.Event) -> None:
-    runner = app_runner(config)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = runner.addresses[0][1]  # the bound port (port 0 picks one)
-        print(f"listening on {config.host}:{port}", flush=True)
+    async with serving(app_runner(config), config.host, config.port) as (host, port):
+        announce_listening(host, port)
         await stop.wait()
         log.info("node %s: signal received, shutting down", config.node_id)
-    finally:
-        await runner.cleanup()
 
 
 SERVICE = Service(

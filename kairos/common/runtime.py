@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from aiohttp import web
 
 from kairos.common.config import load_config
 from kairos.common.errors import KairosError
@@ -27,6 +30,25 @@ T = TypeVar("T")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # what every component's --log-level takes
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def announce_listening(host: str, port: int) -> None:
+    """The line a supervisor (``kairos up``, the tests) waits for, on stdout: the service takes
+    requests from now on."""
+    print(f"listening on {host}:{port}", flush=True)
+
+
+@contextlib.asynccontextmanager
+async def serving(runner: web.AppRunner, host: str, port: int) -> AsyncIterator[tuple[str, int]]:
+    """An aiohttp service's app, listening on ``host:port`` (port 0: any free one) while the
+    block runs, which gets the address it is bound to; cleaned up on the way out."""
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        yield bound_host, bound_port
+    finally:
+        await runner.cleanup()
 
 
 def stop_on_signals() -> asyncio.Event:
