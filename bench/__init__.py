@@ -1,0 +1,1 @@
+"""The benchmarks: a shared harness and the benchmarks grouped by kind; see bench/README.md."""

@@ -14,7 +14,7 @@ sent (seconds after the fault).
 - ``up-engine``: d1's engine under ``kairos up`` itself (the launcher's reaction counts).
 
     python -m bench.live.fault_counts [--cases dispatcher,frozen-dispatcher,engine,prefill-engine,sidecar,up-engine]
-                                 [--rps 6] [--after 15]
+                                      [--rps 6] [--after 15]
 """
 
 from __future__ import annotations

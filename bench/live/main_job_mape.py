@@ -3,7 +3,7 @@ streamed and half plain (non-streamed) completions, then what ``kairos top --pla
 dispatcher's ``/metrics`` say: the live MAPE and observed/predicted per path, and the alerts line.
 
     python -m bench.live.main_job_mape [--requests 40] [--concurrency 2] [--seed 1] [--up 'KAIROS UP FLAGS']
-                                  [--label after] [--json PATH]
+                                       [--label after] [--json PATH]
 
 Prompts of 50 to 1,500 words and ``max_tokens`` of 32 to 96 (seeded), the two kinds shuffled
 together. The script starts the cluster (``python -m kairos.launcher.cli up`` on free ports, in a

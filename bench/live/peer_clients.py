@@ -21,7 +21,7 @@ through to a decode node without a decision or a counter. So each client's compl
 must equal the decisions, and its tokens the decode nodes' counters, exactly.
 
     python -m bench.live.peer_clients [--prompts 50] [--rate 2] [--input-len 256] [--output-len 16]
-                                 [--ip-rate 2] [--ip-duration 20] [--skip-inference-perf]
+                                      [--ip-rate 2] [--ip-duration 20] [--skip-inference-perf]
 
 vLLM runs from ``.venv-vllm`` (``scripts/vllm_env.sh``) or ``$KAIROS_VLLM_PYTHON``; inference-perf
 from ``.venv-inference-perf`` (``scripts/inference_perf_env.sh``) or ``$KAIROS_INFERENCE_PERF``.

@@ -3,9 +3,9 @@ real local cluster (Envoy, Redis, the dispatcher, sidecars, emulated 2P2D vLLM n
 and P/D each prefix-aware and cache-blind, from low load up.
 
     python -m bench.live.prefix [--rates 4,8,12,16] [--duration 120] [--time-scale 1] [--seed 12]
-                               [--policies kairos,kairos:prefix=off,pd,pd:prefix=off]
-                               [--trace FILE] [--dispatchers 1] [--harness fair|shared]
-                               [--json PATH] [--plots DIR]
+                                [--policies kairos,kairos:prefix=off,pd,pd:prefix=off]
+                                [--trace FILE] [--dispatchers 1] [--harness fair|shared]
+                                [--json PATH] [--plots DIR]
 
 Each (policy, rate) point gets a fresh cluster, so every run starts with cold caches. ``kairos
 replay`` sends the sessions as conversations: each first turn at its arrival time, each later

@@ -26,7 +26,7 @@ simulator's prediction for the very same requests and policy.
    and decode node, and measured/simulated TTFT where it did).
 
     python -m bench.live.replay [--duration 240] [--time-scale 1] [--seed 1] [--rates 5,5.5,6,6.5,7]
-                               [--harness fair|shared]
+                                [--harness fair|shared]
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ Targets (issue 13): decision p99 <= 2 ms with 1,000 nodes in the view; no heartb
 (the JSON records them and the load average).
 
     python -m bench.live.scale [--nodes 1000] [--prefill-nodes 100] [--publishers 4]
-                          [--dispatchers 1,2,4] [--gateway-nice 10,0] [--idle-s 10] [--load-s 15]
-                          [--connections 16] [--steady-rps 100] [--baseline-tree PATH] [--json PATH]
+                               [--dispatchers 1,2,4] [--gateway-nice 10,0] [--idle-s 10] [--load-s 15]
+                               [--connections 16] [--steady-rps 100] [--baseline-tree PATH] [--json PATH]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Every request carries the SLO headers the dispatcher sets (the SLOs it decided b
 each token chunk's arrival for the request's SLO judgement) instead of one JSON answer of one.
 
     python -m bench.micro.sidecar_ab [--base main] [--requests 600] [--size 2048] [--stream-tokens N] [--gateway]
-                               [--json PATH]
+                                     [--json PATH]
 """
 
 from __future__ import annotations
