@@ -19,7 +19,8 @@ from kairos.common.contracts import (
     encode_heartbeat,
     parse_heartbeat,
 )
-from kairos.common.contracts.heartbeat import _parse_heartbeat_checked
+from kairos.common.contracts._schema import FieldNames, decode_fields
+from kairos.common.contracts.heartbeat import Count, _parse_heartbeat_checked
 
 BEAT = Heartbeat(
     node_id="d0",
@@ -56,7 +57,7 @@ def test_encode_then_parse_is_the_identity() -> None:
 
 
 def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -> None:
-    assert set(json.loads(encode_heartbeat(BEAT))) == set(HeartbeatField.ALL)
+    assert set(json.loads(encode_heartbeat(BEAT))) == set(HeartbeatField.REQUIRED)
     full = Heartbeat(
         **{
             **_fields(BEAT),
@@ -74,7 +75,7 @@ def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -
         }
     )
     raw = encode_heartbeat(full)
-    assert set(json.loads(raw)) == set(HeartbeatField.ALL) | set(HeartbeatField.OPTIONAL)
+    assert set(json.loads(raw)) == set(HeartbeatField.REQUIRED) | set(HeartbeatField.OPTIONAL)
     assert parse_heartbeat(raw, "d0") == full
 
 
@@ -146,8 +147,8 @@ _ANY_JSON = st.one_of(
 
 @settings(max_examples=400, derandomize=True, deadline=None)
 @given(
-    changes=st.dictionaries(st.sampled_from((*HeartbeatField.ALL, *HeartbeatField.OPTIONAL)), _ANY_JSON, max_size=3),
-    dropped=st.sets(st.sampled_from(HeartbeatField.ALL), max_size=1),
+    changes=st.dictionaries(st.sampled_from(Heartbeat.__struct_fields__), _ANY_JSON, max_size=3),
+    dropped=st.sets(st.sampled_from(HeartbeatField.REQUIRED), max_size=1),
 )
 def test_the_fast_decoder_and_the_checked_one_give_the_same_verdict(changes: dict[str, Any], dropped: set[str]) -> None:
     """parse_heartbeat decodes with msgspec and falls back to the Python checks only for a value
@@ -175,3 +176,56 @@ def test_a_heartbeat_without_step_calibration_reads_as_not_reported() -> None:
     assert "step_calibration" not in json.loads(encode_heartbeat(BEAT))
     assert parse_heartbeat(encode_heartbeat(BEAT), "d0").step_calibration is None
     assert parse_heartbeat(_raw(step_calibration=1), "d0").step_calibration == 1.0
+
+
+# -- one declaration: the names, the encoder and the checked decoder's messages come from the struct
+
+
+class _Extended(Heartbeat, frozen=True, gc=False, omit_defaults=True):
+    """The heartbeat with one more field, as a change to the contract would add it."""
+
+    rejected_requests: Count | None = None
+
+
+class _ExtendedField(FieldNames, struct=_Extended):
+    pass
+
+
+def test_a_field_added_to_the_struct_is_named_encoded_and_checked_with_no_other_edit() -> None:
+    assert _ExtendedField.REJECTED_REQUESTS == "rejected_requests"
+    assert (*HeartbeatField.OPTIONAL, "rejected_requests") == _ExtendedField.OPTIONAL
+    assert _ExtendedField.REQUIRED == HeartbeatField.REQUIRED
+    extended = _Extended(**_fields(BEAT), rejected_requests=3)
+    assert encode_heartbeat(extended) == encode_heartbeat(BEAT)[:-1] + ',"rejected_requests":3}'
+    assert encode_heartbeat(_Extended(**_fields(BEAT))) == encode_heartbeat(BEAT)  # None: left out
+    raw = json.loads(encode_heartbeat(extended)) | {"rejected_requests": -1}
+    with pytest.raises(MalformedHeartbeat, match=r"^rejected_requests must be an int >= 0, got -1$"):
+        decode_fields(raw, _Extended, MalformedHeartbeat)
+
+
+def test_the_names_are_the_structs_fields_in_wire_order() -> None:
+    assert (*HeartbeatField.REQUIRED, *HeartbeatField.OPTIONAL) == Heartbeat.__struct_fields__
+    assert list(json.loads(encode_heartbeat(BEAT))) == list(HeartbeatField.REQUIRED)
+    assert HeartbeatField.KV_EVENTS == ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")
+    with pytest.raises(TypeError, match="is not Heartbeat's field 'seq'"):
+
+        class _Wrong(FieldNames, struct=Heartbeat):
+            SEQ = "sequence"
+
+
+@pytest.mark.parametrize("name", Heartbeat.__struct_fields__)
+def test_every_fields_refusal_names_the_field_and_what_it_must_be(name: str) -> None:
+    """A value of no field's type (an object) is refused by the fast decoder and the checked one
+    alike, with a message naming that field, whichever field it is."""
+    with pytest.raises(MalformedHeartbeat, match=rf"^{name} must be (a|an|'prefill') .*, got \{{\}}$"):
+        parse_heartbeat(_raw(**{name: {}}), "d0")
+
+
+def test_a_float_field_is_never_nan_or_infinite() -> None:
+    """msgspec refuses both on the fast path; the checked decoder (for a heartbeat it takes there,
+    here one with a 65-bit seq) refuses them too."""
+    for value in ("NaN", "Infinity", "1e400"):
+        raw = _raw(seq=2**65).replace('"kv_usage"', '"x"').replace("}", f',"kv_usage":{value}}}')
+        with pytest.raises(MalformedHeartbeat, match="kv_usage must be a number >= 0"):
+            parse_heartbeat(raw, "d0")
+    assert parse_heartbeat(_raw(seq=2**65), "d0").seq == 2**65

@@ -326,7 +326,7 @@ CASES = [
                     "rejected b1 malformed",
                     "malformed b1: not JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0))",
                     "rejected b2 malformed",
-                    "malformed b2: missing fields " + str([f for f in HeartbeatField.ALL if f != "node_id"]),
+                    "malformed b2: missing fields " + str([f for f in HeartbeatField.REQUIRED if f != "node_id"]),
                     "rejected b3 key_mismatch",
                     "malformed b3: key_mismatch: node_id 'someone-else' in the key of 'b3'",
                     "rejected b4 malformed",

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kairos.common.contracts._checks import is_int, json_object, list_or_none
-from kairos.common.contracts.heartbeat import HeartbeatField, check_prefixes, check_step_calibration, check_tpot_slo_ms
+from kairos.common.contracts.heartbeat import (
+    STEP_CALIBRATION_MAX,
+    STEP_CALIBRATION_MIN,
+    HeartbeatField,
+    check_prefixes,
+)
 from kairos.common.errors import KairosError
 
 # ---------------------------------------------------------------------------------------------
@@ -171,3 +176,29 @@ def parse_engine_state(raw: bytes | str) -> EngineState:
                 raise EngineStateError(f"engine state: {name} must be a list, got {listed!r}")
             values[name] = tuple(listed)
     return EngineState(**values)
+
+
+def check_step_calibration(value: Any, error: type[Exception]) -> float | None:
+    """A reported step calibration: None when absent, else a number within
+    [STEP_CALIBRATION_MIN, STEP_CALIBRATION_MAX]."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (STEP_CALIBRATION_MIN <= value <= STEP_CALIBRATION_MAX)
+    ):
+        raise error(
+            f"{HeartbeatField.STEP_CALIBRATION} must be a number in [{STEP_CALIBRATION_MIN}, "
+            f"{STEP_CALIBRATION_MAX}], got {value!r}"
+        )
+    return float(value)
+
+
+def check_tpot_slo_ms(value: Any, error: type[Exception]) -> float | None:
+    """A reported tightest TPOT SLO: None when absent, else a finite number of ms > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+        raise error(f"{HeartbeatField.TPOT_SLO_MS} must be a number of milliseconds > 0, got {value!r}")
+    return float(value)
