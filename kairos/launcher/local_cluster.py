@@ -27,7 +27,7 @@ from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
 from kairos.common.runtime import LOG_LEVELS
 from kairos.core.policies import validate_gateway_policy
-from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.processes import (
     ManagedProcess,
     ProcessError,
@@ -38,7 +38,7 @@ from kairos.launcher.processes import (
     tcp_ready,
 )
 from kairos.launcher.redis_setup import DISPATCHER_ENV, RedisSetup
-from kairos.launcher.servers import envoy_process, redis_process
+from kairos.launcher.servers import gateway_process, redis_process
 
 LOOPBACK = "127.0.0.1"
 
@@ -405,9 +405,8 @@ class LocalCluster:
             dispatchers=tuple(f"{LOOPBACK}:{p}" for p in self.dispatcher_ports),
             sidecars=tuple(n.sidecar_url for n in self.nodes if n.role == Role.DECODE),
         )
-        path = self.workdir / "envoy.yaml"
-        path.write_text(render_envoy_config(settings))
-        return self.group.start(envoy_process("envoy", path, self._log("envoy"), admin_port), timeout_s)
+        envoy = gateway_process("envoy", settings, self.workdir / "envoy.yaml", self._log("envoy"))
+        return self.group.start(envoy, timeout_s)
 
     def prometheus_targets(self) -> list[dict[str, Any]]:
         """Every metrics endpoint of the cluster in Prometheus's ``file_sd`` format: dispatchers,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kairos.common.errors import ConfigError
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.processes import ManagedProcess, http_ready
 from kairos.launcher.redis_setup import LOOPBACK
 
@@ -50,6 +51,15 @@ def envoy_process(
         log_path,
         ready=http_ready(f"http://{admin_host}:{admin_port}/ready"),
     )
+
+
+def gateway_process(
+    name: str, settings: EnvoySettings, config: Path, log_path: Path, *, prefix: Sequence[str] = ()
+) -> ManagedProcess:
+    """Envoy as the Kairos gateway: ``settings`` rendered (:func:`render_envoy_config`) into the
+    file ``config``, then :func:`envoy_process` on it, ready when its admin listener says so."""
+    config.write_text(render_envoy_config(settings))
+    return envoy_process(name, config, log_path, settings.admin_port, admin_host=settings.admin_host, prefix=prefix)
 
 
 # ---------------------------------------------------------------------------------------------

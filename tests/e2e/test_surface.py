@@ -24,10 +24,10 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.contracts import Role
-from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.processes import free_port
-from kairos.launcher.servers import envoy_process
+from kairos.launcher.servers import gateway_process
 from tests.e2e.conftest import http, post_json, text_of
 from tests.waiting import wait_until
 
@@ -432,9 +432,7 @@ def short_timeout_gateway(cluster: LocalCluster, tmp_path_factory: pytest.TempPa
         sidecars=tuple(n.sidecar_url for n in cluster.nodes if n.role == Role.DECODE),
         request_timeout="2s",
     )
-    config = workdir / "envoy.yaml"
-    config.write_text(render_envoy_config(settings))
-    proc = envoy_process("envoy-short", config, workdir / "envoy.log", admin)
+    proc = gateway_process("envoy-short", settings, workdir / "envoy.yaml", workdir / "envoy.log")
     proc.start()
     try:
         proc.wait_ready(60.0)

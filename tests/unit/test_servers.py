@@ -8,6 +8,7 @@ import pytest
 
 from kairos.common.errors import ConfigError
 from kairos.launcher import servers
+from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 
 
 def test_a_missing_binary_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -52,3 +53,11 @@ def test_a_throwaway_redis_keeps_nothing_and_listens_where_asked(tmp_path: Path)
         "--daemonize": "no",
         "--protected-mode": "yes",
     }
+
+
+def test_the_gateway_is_envoy_on_its_rendered_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(servers, "find_envoy", lambda: "/venv/bin/envoy")
+    settings = EnvoySettings(listen_port=8080, admin_port=9902, dispatchers=("127.0.0.1:9000",), sidecars=("h:8201",))
+    proc = servers.gateway_process("envoy", settings, tmp_path / "envoy.yaml", tmp_path / "envoy.log")
+    assert (tmp_path / "envoy.yaml").read_text() == render_envoy_config(settings)
+    assert list(proc.argv)[:3] == ["/venv/bin/envoy", "-c", str(tmp_path / "envoy.yaml")]
