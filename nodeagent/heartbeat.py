@@ -61,6 +61,7 @@ from kairos.common.contracts import (
     encode_heartbeat,
     parse_engine_state,
 )
+from kairos.common.contracts.engine_state import heartbeat_load
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised_endpoints, host_of
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
@@ -279,21 +280,7 @@ def build_heartbeat(
         sidecar=config.sidecar,
         seq=seq,
         sent_at=sent_at,
-        decode_tokens=state.decode_tokens,
-        kv_tokens=state.kv_tokens,
-        kv_capacity_tokens=state.kv_capacity_tokens,
-        queued_prefill_tokens=state.queued_prefill_tokens,
-        scheduled_prefill_tokens=state.scheduled_prefill_tokens,
-        max_step_tokens=state.max_step_tokens,
-        model=state.model,
-        running_requests=state.running_requests,
-        waiting_requests=state.waiting_requests,
-        kv_usage=state.kv_usage,
-        step_calibration=state.step_calibration,
-        pending_kv_pull_tokens=state.pending_kv_pull_tokens,
-        scheduled_prefill_computed_tokens=state.scheduled_prefill_computed_tokens,
-        tpot_slo_ms=state.tpot_slo_ms,
-        queued_prefill_computed_tokens=state.queued_prefill_computed_tokens,
+        **heartbeat_load(state),
         kv_events_endpoint=None if kv_events is None else kv_events.pub,
         kv_events_replay_endpoint=None if kv_events is None else kv_events.replay,
         kv_events_topic=None if kv_events is None else kv_events.topic,

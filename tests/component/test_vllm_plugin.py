@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kairos.common import defaults
@@ -108,7 +109,7 @@ def test_request_tpots_hold_chunks_to_the_decodes_beside_them_and_report_the_tig
     )
     parsed = parse_engine_state(encode_engine_state(state).encode())
     assert parsed == state and parsed.tpot_slo_ms == pytest.approx(defaults.TBT_SLO_S * 1e3)
-    idle = dataclasses.replace(state, tpot_slo_ms=None)
+    idle = msgspec.structs.replace(state, tpot_slo_ms=None)
     assert "tpot_slo_ms" not in json.loads(encode_engine_state(idle))
 
 

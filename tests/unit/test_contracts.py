@@ -162,18 +162,24 @@ def test_engine_state_fields_are_the_heartbeats() -> None:
         (b"\xff", "engine state: not JSON"),
         ("[1, 2]", "engine state: expected a JSON object, got list"),
         ('{"decode_tokens": 1}', "engine state: missing fields ['kv_tokens',"),
-        (c.encode_engine_state(BARE_STATE).replace("[]", "5", 1), "queued_prefill_tokens must be a list, got 5"),
+        (
+            c.encode_engine_state(BARE_STATE).replace("[]", "5", 1),
+            "queued_prefill_tokens must be a list of ints >= 0, got 5",
+        ),
         (c.encode_engine_state(BARE_STATE).replace('"kv_tokens":0', '"kv_tokens":-1'), "kv_tokens must be an int >= 0"),
         (
             c.encode_engine_state(BARE_STATE).replace('"max_step_tokens":1', '"max_step_tokens":0'),
-            "max_step_tokens must be >= 1",
+            "engine state: max_step_tokens must be an int >= 1, got 0",
         ),
         (c.encode_engine_state(FULL_STATE).replace("0.0312", "1.5"), "kv_usage must be a number in [0, 1]"),
         (
             c.encode_engine_state(FULL_STATE).replace("[3000,0]", "3000"),
-            "pending_kv_pull_tokens must be a list, got 3000",
+            "pending_kv_pull_tokens must be a list of ints >= 0, got 3000",
         ),
-        (c.encode_engine_state(FULL_STATE).replace("[3000,0]", "[3000,-1]"), "pending_kv_pull_tokens must be a tuple"),
+        (
+            c.encode_engine_state(FULL_STATE).replace("[3000,0]", "[3000,-1]"),
+            "pending_kv_pull_tokens must be a list of ints >= 0, got [3000, -1]",
+        ),
         (
             c.encode_engine_state(FULL_STATE).replace('"running_requests":4', '"running_requests":true'),
             "running_requests",
@@ -185,6 +191,46 @@ def test_engine_state_rejects(raw: str | bytes, message: str) -> None:
         c.parse_engine_state(raw)
     assert message in err.value.message
     assert err.value.code == "engine_state_unavailable"
+
+
+def test_the_engine_state_is_the_heartbeats_load_declared_once() -> None:
+    """The engine state's fields are the heartbeat's less the publisher's own, in the heartbeat's
+    order, then as_of: a load field added to the heartbeat is in the engine state, its names, its
+    encoder and its decoder (and the publisher's copy, heartbeat_load) with no other edit."""
+    from kairos.common.contracts.engine_state import PUBLISHER_FIELDS, engine_state_fields, heartbeat_load
+
+    class Extended(c.Heartbeat, frozen=True, gc=False, omit_defaults=True):
+        rejected_requests: int | None = None
+
+    names = [field[0] for field in engine_state_fields(Extended)]
+    assert names == [n for n in Extended.__struct_fields__ if n not in PUBLISHER_FIELDS] + ["as_of"]
+    assert names[-2:] == ["rejected_requests", "as_of"]
+    assert (*c.EngineStateField.REQUIRED, *c.EngineStateField.OPTIONAL) == EngineState.__struct_fields__
+    publisher = {"node_id": "d0", "role": Role.DECODE, "url": "h:1", "sidecar": "h:2", "seq": 0, "sent_at": 0.0}
+    beat = c.Heartbeat(**publisher, **heartbeat_load(FULL_STATE))
+    assert {n: getattr(beat, n) for n in heartbeat_load(FULL_STATE)} == heartbeat_load(FULL_STATE)
+    assert c.EngineStateField.AS_OF not in heartbeat_load(FULL_STATE)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kv_usage": 1.5}, "engine state: kv_usage must be a number in [0, 1], got 1.5"),
+        ({"queued_prefill_tokens": [1]}, "engine state: queued_prefill_tokens must be a list of ints >= 0, got [1]"),
+        ({"tpot_slo_ms": 0.0}, "engine state: tpot_slo_ms must be a number of milliseconds > 0, got 0.0"),
+        ({"model": None}, "engine state: model must be a string, got None"),
+        ({"scheduled_prefill_computed_tokens": (1, 2)}, "scheduled_prefill_computed_tokens has 2 entries for 1"),
+    ],
+)
+def test_an_engine_state_built_in_python_is_checked_as_one_read_off_the_wire(
+    changes: dict[str, Any], message: str
+) -> None:
+    """The vLLM plugin and the emulated node build the state in Python, where msgspec checks
+    nothing: building it checks it against the same declaration, in the same words."""
+    fields = {n: getattr(FULL_STATE, n) for n in EngineState.__struct_fields__}
+    with pytest.raises(EngineStateError) as err:
+        EngineState(**(fields | changes))
+    assert message in err.value.message
 
 
 def test_engine_state_ignores_unknown_fields_and_null_optionals() -> None:

@@ -62,18 +62,19 @@ def decode_fields(
         if value is None and not field.required:
             continue
         try:
-            values[field.name] = _convert(field.type, value)
+            values[field.name] = _convert(field.type, value, list)
         except _Invalid:
             raise error(f"{prefix}{field.encode_name} must be {describe(field.type)}, got {value!r}") from None
     return values
 
 
 def check_fields(struct: msgspec.Struct, error: type[Exception], prefix: str = "") -> None:
-    """Check a struct built in Python (where msgspec checks nothing) against its declared types."""
+    """Check a struct built in Python (where msgspec checks nothing) against its declared types
+    (a sequence as the tuple msgspec would hold)."""
     for field in fields(type(struct)):
         value = getattr(struct, field.name)
         try:
-            _convert(field.type, value)
+            _convert(field.type, value, tuple)
         except _Invalid:
             raise error(f"{prefix}{field.encode_name} must be {describe(field.type)}, got {value!r}") from None
 
@@ -82,16 +83,16 @@ class _Invalid(Exception):
     pass
 
 
-def _convert(t: mi.Type, value: Any) -> Any:
-    """``value`` as the field holds it (a JSON list as a tuple, an int as a float where a float
-    is declared), or :class:`_Invalid`."""
+def _convert(t: mi.Type, value: Any, sequence: type[list] | type[tuple]) -> Any:
+    """``value`` as the field holds it (a ``sequence``, a JSON list, as a tuple; an int as a float
+    where a float is declared), or :class:`_Invalid`."""
     if isinstance(t, mi.Metadata):
-        return _convert(t.type, value)
+        return _convert(t.type, value, sequence)
     if isinstance(t, mi.UnionType):
         if value is None and any(isinstance(u, mi.NoneType) for u in t.types):
             return None
         (other,) = [u for u in t.types if not isinstance(u, mi.NoneType)]
-        return _convert(other, value)
+        return _convert(other, value, sequence)
     if isinstance(t, mi.IntType):
         if not isinstance(value, int) or isinstance(value, bool) or not _within(t, value):
             raise _Invalid
@@ -112,9 +113,9 @@ def _convert(t: mi.Type, value: Any) -> Any:
         except ValueError:
             raise _Invalid from None
     if isinstance(t, mi.VarTupleType):
-        if not isinstance(value, list | tuple):
+        if not isinstance(value, sequence):
             raise _Invalid
-        return tuple(_convert(t.item_type, x) for x in value)
+        return tuple(_convert(t.item_type, x, sequence) for x in value)
     raise TypeError(f"a contract field of type {t} has no checked decoding")
 
 
