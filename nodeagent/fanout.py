@@ -39,7 +39,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kairos.api import batch
-from kairos.api.openai_request import CHAT_COMPLETIONS_PATH, choices_per_prompt, completion_prompts
+from kairos.api.openai_request import CHAT_COMPLETIONS_PATH, choices_per_prompt, completion_prompts, request_streams
 from kairos.common import contracts as c
 from kairos.common.errors import KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body
@@ -85,7 +85,7 @@ async def serve(
     echoed = {name: request.headers[name] for name in _ECHOED if name in request.headers}
     log.debug("request %s: %d prompts x %d choices, each through the gateway at %s", rid, len(per_prompt), n, gateway)
     try:
-        if body.get("stream") is True:
+        if request_streams(body):
             return await fan.stream(request, parts, echoed)
         return await fan.whole(parts, echoed)
     except _PartFailed as failed:

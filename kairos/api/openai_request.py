@@ -174,7 +174,7 @@ def parse_request(
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"model must be a string, got {json_type(model)}", "model")
-    stream = _optional_bool(data, "stream", False)
+    stream = request_streams(data)
     include_usage = _include_usage(data, stream)
 
     # Cheap field checks first: a bad max_tokens should not cost a tokenization.
@@ -226,13 +226,43 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _optional_bool(data: Mapping[str, Any], name: str, default: bool, where: str = "") -> bool:
+# The strings pydantic's lax mode reads as a boolean (vLLM's request schema), in any case.
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """``value`` as pydantic's lax mode reads a boolean field: a boolean, 0 or 1 (an integer or a
+    float), or one of its true/false strings; None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE_STRINGS:
+            return True
+        if text in _FALSE_STRINGS:
+            return False
+    return None
+
+
+def _optional_bool(data: Mapping[str, Any], name: str, default: bool, where: str = "", strict: bool = False) -> bool:
+    """A boolean field as vLLM's schema reads it (laxly); ``strict``: a JSON boolean only, for
+    values no schema reads (chat_template_kwargs go to the template as sent)."""
     value = data.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
+    flag = value if isinstance(value, bool) else None if strict else _lax_bool(value)
+    if flag is None:
         raise RequestError(f"{where}{name} must be a boolean, got {json_type(value)}", f"{where}{name}")
-    return value
+    return flag
+
+
+def request_streams(data: Mapping[str, Any]) -> bool:
+    """Whether the request asks for a stream, as vLLM reads its ``stream`` field (a 400 if it
+    cannot be read as a boolean)."""
+    return _optional_bool(data, "stream", False)
 
 
 def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
@@ -246,6 +276,11 @@ def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
     return _optional_bool(options, "include_usage", False, "stream_options.")
 
 
+# A string pydantic's lax mode reads as an integer: a sign, ASCII digits (single underscores
+# between them) and a fraction of zeros ("5", "+5", "1_000", "5.00"; not "5.", "5.5", "1e3").
+_INT_STRING = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
+
+
 def _lax_int(value: Any) -> int | None:
     """``value`` as pydantic's lax mode reads an integer field (vLLM's request schema): an
     integer, a boolean, a float with no fraction, or a string of one; None for anything else."""
@@ -254,8 +289,8 @@ def _lax_int(value: Any) -> int | None:
     if isinstance(value, float):
         return int(value) if math.isfinite(value) and value.is_integer() else None
     if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        return int(text) if text.lstrip("+-").isdecimal() and text.isascii() else None
+        text = value.strip()
+        return int(text.partition(".")[0].replace("_", "")) if _INT_STRING.fullmatch(text) else None
     return None
 
 
@@ -281,9 +316,8 @@ def choices_per_prompt(data: Mapping[str, Any]) -> int:
         raise RequestError(f"n must be at least 1, got {n}.", "n")
     if n > MAX_N:
         raise RequestError(f"n must be at most {MAX_N}, got {n}.", "n")
-    temperature = data.get("temperature")
-    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool)
-    if n > 1 and greedy and temperature < GREEDY_TEMPERATURE:
+    temperature = _lax_float(data.get("temperature"))  # as vLLM reads it: "0" is greedy too
+    if n > 1 and temperature is not None and temperature < GREEDY_TEMPERATURE:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", "n")
     return n
 
@@ -294,11 +328,12 @@ def _max_tokens_field(data: Mapping[str, Any], names: tuple[str, ...]) -> tuple[
         value = data.get(name)
         if value is None:
             continue
-        if not _is_int(value):
+        tokens = _lax_int(value)
+        if tokens is None:
             raise RequestError(f"{name} must be an integer, got {json_type(value)}", name)
-        if value < 1:
-            raise RequestError(f"{name} must be at least 1, got {value}", name)
-        return name, value
+        if tokens < 1:
+            raise RequestError(f"{name} must be at least 1, got {tokens}", name)
+        return name, tokens
     return None, None
 
 
@@ -442,7 +477,7 @@ def _chat_prompt_tokens(
     template_kwargs = dict(extra or {})
     for name in flags:
         if name in template_kwargs:
-            flags[name] = _optional_bool(template_kwargs, name, flags[name], "chat_template_kwargs.")
+            flags[name] = _optional_bool(template_kwargs, name, flags[name], "chat_template_kwargs.", strict=True)
             del template_kwargs[name]
     text = tokenizer.render_chat(
         messages,
@@ -493,8 +528,13 @@ def check_sampling_params(data: Mapping[str, Any], kind: RequestKind, caps: list
                 raise RequestError(f"{name} must be a number, got {json_type(data[name])}", name)
             num[name] = value
     ints: dict[str, int] = {}
-    int_fields = ("top_k", "min_tokens", "prompt_logprobs", "logprobs" if kind == "completion" else "top_logprobs")
-    for name in int_fields:
+    logprob_fields = ("prompt_logprobs", "logprobs" if kind == "completion" else "top_logprobs")
+    for name in logprob_fields:
+        # vLLM checks these on the raw body, before its schema's lax reading: only a number passes.
+        raw = data.get(name)
+        if raw is not None and not isinstance(raw, int | float):
+            raise RequestError(f"`{name}` must be an integer.", name)
+    for name in ("top_k", "min_tokens", *logprob_fields):
         if name in data and (data[name] is not None or name == "min_tokens"):  # min_tokens: int = 0
             value = _lax_int(data[name])
             if value is None:

@@ -218,6 +218,18 @@ async def test_a_streamed_batch_relays_each_prompts_chunks_with_batch_indices_on
     assert all(list(a) == list(b) for a, b in zip(chunks, expected, strict=True))  # vLLM's field order
 
 
+@pytest.mark.parametrize(("flag", "content_type"), [("true", "text/event-stream"), ("no", "application/json")])
+async def test_a_batchs_stream_flag_is_read_as_vllm_reads_it(rig: Rig, flag: str, content_type: str) -> None:
+    """vLLM's schema reads "true" as true and "no" as false: the batch streams (or not) as a node would."""
+    resp = await rig.post({"model": MODEL, "prompt": PROMPTS, "max_tokens": 2, "stream": flag})
+    assert resp.status == 200 and resp.content_type == content_type
+    body = await resp.read()
+    if content_type == "text/event-stream":
+        assert events(body)[-1] == "[DONE]"
+    else:
+        assert [ch["index"] for ch in json.loads(body)["choices"]] == [0, 1, 2]
+
+
 async def test_a_part_refused_before_its_answer_is_the_batchs_answer_and_the_others_are_abandoned(
     rig: Rig,
 ) -> None:

@@ -17,6 +17,7 @@ from kairos.api.openai_request import (
     PayloadTooLargeError,
     RequestLimits,
     parse_request,
+    request_streams,
 )
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.config import load_config
@@ -138,6 +139,48 @@ def test_n_is_read_as_vllm_reads_it(tok: PromptTokenizer, n: Any, value: int) ->
     assert parse(tok, CHAT, {"messages": MESSAGES, "n": n, "temperature": 1}).n == value
     assert parse(tok, COMPLETIONS, {"prompt": PROMPT}).n == 1
     assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "n": 1, "temperature": 0}).n == 1  # greedy takes n 1
+
+
+# What vLLM 0.32's request schema (pydantic, lax mode) reads from each value, checked against it
+# (CompletionRequest / ChatCompletionRequest.model_validate_json): a value vLLM serves must not be
+# refused here, and one it refuses must not be routed.
+@pytest.mark.parametrize(
+    ("value", "tokens"),
+    [("5", 5), (5.0, 5), (True, 1), (" +5 ", 5), ("5.00", 5), ("1_0", 10), ("05", 5), ("\t5\n", 5)],
+)
+def test_max_tokens_is_read_as_vllm_reads_it(tok: PromptTokenizer, value: Any, tokens: int) -> None:
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": value}).max_tokens == tokens
+    assert parse(tok, CHAT, {"messages": MESSAGES, "max_completion_tokens": value}).max_tokens == tokens
+
+
+@pytest.mark.parametrize("value", ["5.5", "5.", "1e3", "0x5", "5 5", "", "١٢", 5.5, [5], {"n": 5}])
+def test_max_tokens_vllm_cannot_read_is_a_400(tok: PromptTokenizer, value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens must be an integer") as refused:
+        parse(tok, COMPLETIONS, {"prompt": PROMPT, "max_tokens": value})
+    assert refused.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("value", "streams"),
+    [
+        *[(v, True) for v in (True, "true", "True", "yes", "on", "1", "t", "y", 1, 1.0)],
+        *[(v, False) for v in (False, "false", "no", "off", "0", "f", "n", 0, 0.0, None)],
+    ],
+)
+def test_stream_is_read_as_vllm_reads_it(tok: PromptTokenizer, value: Any, streams: bool) -> None:
+    assert parse(tok, COMPLETIONS, {"prompt": PROMPT, "stream": value}).stream is streams
+    assert request_streams({"stream": value}) is streams
+
+
+@pytest.mark.parametrize("value", ["2", "", "maybe", 2, 0.5, [True]])
+def test_a_stream_flag_vllm_cannot_read_is_a_400(tok: PromptTokenizer, value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^stream must be a boolean"):
+        parse(tok, COMPLETIONS, {"prompt": PROMPT, "stream": value})
+
+
+def test_a_greedy_temperature_given_as_a_string_still_takes_n_1(tok: PromptTokenizer) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^n must be 1 when using greedy sampling, got 2\.$"):
+        parse(tok, COMPLETIONS, {"prompt": PROMPT, "n": 2, "temperature": "0"})
 
 
 def test_stream_and_usage(tok: PromptTokenizer) -> None:
@@ -349,10 +392,10 @@ BAD = [
     Bad(
         "max_tokens 0", C, {"prompt": "x", "max_tokens": 0}, InvalidRequestError, 400, "max_tokens", "at least 1, got 0"
     ),
-    Bad("max_tokens str", C, {"prompt": "x", "max_tokens": "9"}, InvalidRequestError, 400, "max_tokens", "an integer"),
+    Bad("max_tokens str", C, {"prompt": "x", "max_tokens": "9.5"}, InvalidRequestError, 400, "max_tokens", "integer"),
     Bad("max_tokens float", C, {"prompt": "x", "max_tokens": 1.5}, InvalidRequestError, 400, "max_tokens", "integer"),
-    Bad("max_tokens bool", C, {"prompt": "x", "max_tokens": True}, InvalidRequestError, 400, "max_tokens", "integer"),
-    Bad("stream not bool", C, {"prompt": "x", "stream": "yes"}, InvalidRequestError, 400, "stream", "boolean"),
+    Bad("max_tokens list", C, {"prompt": "x", "max_tokens": [9]}, InvalidRequestError, 400, "max_tokens", "integer"),
+    Bad("stream not bool", C, {"prompt": "x", "stream": "maybe"}, InvalidRequestError, 400, "stream", "boolean"),
     Bad(
         "stream_options without stream",
         C,
@@ -374,7 +417,7 @@ BAD = [
     Bad(
         "include_usage not bool",
         C,
-        {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": "sometimes"}},
         InvalidRequestError,
         400,
         "stream_options.include_usage",
@@ -450,7 +493,7 @@ BAD = [
     Bad(
         "generation prompt not bool",
         M,
-        {"messages": MESSAGES, "add_generation_prompt": "no"},
+        {"messages": MESSAGES, "add_generation_prompt": "nope"},
         InvalidRequestError,
         400,
         "add_generation_prompt",
@@ -654,7 +697,10 @@ def test_sampling_parameters_vllm_refuses_are_400s(
             "logprobs",
             "Requested sample logprobs of 4096, which is greater than max allowed: 20",
         ),
-        (COMPLETIONS, {"logprobs": "x"}, "logprobs", "logprobs must be an integer, got a string"),
+        (COMPLETIONS, {"logprobs": "x"}, "logprobs", "`logprobs` must be an integer."),
+        (COMPLETIONS, {"logprobs": "2"}, "logprobs", "`logprobs` must be an integer."),
+        (COMPLETIONS, {"prompt_logprobs": "1"}, "prompt_logprobs", "`prompt_logprobs` must be an integer."),
+        (CHAT, {"top_logprobs": "2", "logprobs": True}, "top_logprobs", "`top_logprobs` must be an integer."),
         (
             COMPLETIONS,
             {"prompt_logprobs": 21},
