@@ -64,7 +64,7 @@ def stop_on_signals() -> asyncio.Event:
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on uvloop's event loop where uvloop is installed (a dependency on
     Linux and macOS), else on asyncio's own. uvloop halves the loop's share of a request's time
-    in the aiohttp sidecar (bench/gateway_overhead.py, sidecar_pd and sidecar_deflect)."""
+    in the aiohttp sidecar (bench/micro/gateway_overhead.py, sidecar_pd and sidecar_deflect)."""
     try:
         import uvloop
     except ImportError:
