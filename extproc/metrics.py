@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kairos.common.contracts import Role
+from kairos.common.contracts.routes import Route
 from kairos.core.decision import Decision
 from kairos.core.state import ClusterView
 
@@ -18,7 +19,7 @@ _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 # The sidecar's kairos_sidecar_ttft_observed_over_predicted buckets, so the two line up.
 _RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
-FEEDBACK_PATHS = ("keep", "deflect")
+FEEDBACK_PATHS = tuple(route.value for route in Route)  # the TTFT feedback stream's paths
 
 
 class DispatcherMetrics:
@@ -82,7 +83,7 @@ class DispatcherMetrics:
             ["route"],
             registry=r,
         )
-        for route, role in (("keep", Role.PREFILL), ("keep", Role.DECODE), ("deflect", Role.DECODE)):
+        for route, role in ((Route.KEEP, Role.PREFILL), (Route.KEEP, Role.DECODE), (Route.DEFLECT, Role.DECODE)):
             self.prefix_hit_tokens.labels(route=route, role=role)
             self.prefix_lookup_prompt_tokens.labels(route=route)
         # Batches (several prompts in one completions body) and n > 1 go to a decode sidecar whole;
@@ -184,7 +185,7 @@ class DispatcherMetrics:
             self.class_decisions.labels(slo_class, decision.route.value).inc()
         self.decision_seconds.observe(seconds)
         predicted = (
-            decision.predicted_ttft_decode_s if decision.route.value == "deflect" else decision.predicted_ttft_prefill_s
+            decision.predicted_ttft_decode_s if decision.route is Route.DEFLECT else decision.predicted_ttft_prefill_s
         )
         if predicted is not None:
             self.predicted_ttft.labels(route=decision.route.value).observe(predicted)
@@ -193,7 +194,7 @@ class DispatcherMetrics:
         """A decision made with the nodes' prefix hits; ``decode_hit``: its decode node's."""
         route = decision.route.value
         self.prefix_lookup_prompt_tokens.labels(route=route).inc(decision.prompt_tokens)
-        if decision.route.value == "keep":
+        if decision.route is Route.KEEP:
             self.prefix_hit_tokens.labels(route=route, role=Role.PREFILL).inc(decision.cached_tokens)
             self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decode_hit)
         else:

@@ -79,6 +79,8 @@ from redis.exceptions import RedisError
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.aio import cancel_and_wait
+from kairos.common.contracts.api import HEALTH_PATH, INFERENCE_PATHS
+from kairos.common.contracts.routes import Route
 from kairos.common.errors import (
     ConfigError,
     InvalidRequestError,
@@ -106,11 +108,8 @@ from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Respo
 
 log = logging.getLogger(__name__)
 
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-ROUTE_KEEP = "keep"
-ROUTE_DEFLECT = "deflect"
 PATH_LOCAL = "local"  # metrics label of requests served without a routing decision
-PATHS = (ROUTE_KEEP, ROUTE_DEFLECT, PATH_LOCAL)
+PATHS = (*Route, PATH_LOCAL)
 # Why a completion request has no TTFT sample (kairos_sidecar_ttft_unobserved_total's reasons).
 NOT_STREAMED = "not_streamed"  # one JSON body after the last token: no first token to see
 UNOBSERVED_ERROR = "error"  # an error status, a failed hop, or an error event first in the stream
@@ -327,8 +326,8 @@ class SidecarMetrics:
         # looked up here once, not per request (labels() takes a lock and hashes its labels).
         self.ttfb = {path: self.ttfb_seconds.labels(path) for path in PATHS}
         self.ttft = {path: self.ttft_seconds.labels(path) for path in PATHS}
-        self.hop1 = self.hop1_seconds.labels(ROUTE_KEEP)  # only the keep path has a hop 1
-        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (ROUTE_KEEP, ROUTE_DEFLECT)}
+        self.hop1 = self.hop1_seconds.labels(Route.KEEP)  # only the keep path has a hop 1
+        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (Route.KEEP, Route.DEFLECT)}
         self.unobserved = {
             (path, reason): self.ttft_unobserved.labels(path, reason) for path in PATHS for reason in UNOBSERVED
         }
@@ -586,7 +585,7 @@ def _slo_outcome(timing: _Timing) -> tuple[str, int]:
 
 
 def _predicted_ttft_s(headers: Mapping[str, str], route: str | None) -> float | None:
-    name = {ROUTE_KEEP: c.H_PRED_TTFT_PREFILL_MS, ROUTE_DEFLECT: c.H_PRED_TTFT_DECODE_MS}.get((route or "").lower())
+    name = {Route.KEEP: c.H_PRED_TTFT_PREFILL_MS, Route.DEFLECT: c.H_PRED_TTFT_DECODE_MS}.get((route or "").lower())
     try:
         return float(headers[name]) / 1e3 if name and name in headers else None
     except ValueError:
@@ -634,15 +633,15 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
             await state.feedback.stop()
 
         app.cleanup_ctx.append(feedback)
-    for path in COMPLETION_PATHS:
+    for path in INFERENCE_PATHS:
         app.router.add_post(path, _completion)
     app.router.add_get(c.SIDECAR_METRICS_PATH, _metrics)
     app.router.add_get(c.SIDECAR_PROBE_PATH, _probe)
-    app.router.add_get("/health", _health)
+    app.router.add_get(HEALTH_PATH, _health)
     # Of the local vLLM, only the public API is relayed: its /metrics, /kairos/state, step log
     # and KV endpoints are served on the node's own port, never through this one.
     for path, methods in c.PUBLIC_ENDPOINTS.items():
-        if path not in COMPLETION_PATHS and path != "/health":
+        if path not in INFERENCE_PATHS and path != HEALTH_PATH:
             for method in methods:
                 app.router.add_route(method, path, _pass_through)
     app.router.add_route("*", "/{tail:.*}", _not_public)
@@ -680,7 +679,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
                     c.H_ROUTE,
                 )
             data = raw if scrubbed is None else _dumps(scrubbed)
-        elif timing.path == ROUTE_KEEP:
+        elif timing.path == Route.KEEP:
             prefill_host = _prefill_host(state, request.headers, rid)
             try:
                 prefilled = await _hop1(state, request.path, prefill_host, clean, headers, rid, timing)
@@ -698,12 +697,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             local = _local_prefill_body(state, clean, request.headers, rid) if prefilled is None else None
             hop2 = {**clean, c.KV_TRANSFER_PARAMS: prefilled} if local is None else local
             data = _dumps(_with_tpot_slo(state, hop2, request.headers, rid))
-        elif timing.path == ROUTE_DEFLECT:
+        elif timing.path == Route.DEFLECT:
             deflected = _deflect_body(state, clean, request.headers, rid)
             data = _dumps(_with_tpot_slo(state, deflected, request.headers, rid))
         else:
             _count(state, "2", "bad_routing_headers")
-            raise _bad_routing(rid, f"{c.H_ROUTE}={route!r} is neither {ROUTE_KEEP!r} nor {ROUTE_DEFLECT!r}")
+            routes = f"{Route.KEEP.value!r} nor {Route.DEFLECT.value!r}"
+            raise _bad_routing(rid, f"{c.H_ROUTE}={route!r} is neither {routes}")
         if data is not raw:
             headers[hdrs.CONTENT_TYPE] = "application/json"  # we wrote this body
         response = await _relay(request, state, data, headers, rid, timing)
@@ -750,7 +750,7 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            reply = await state.local.request("GET", state.config.local_vllm, "/health", None, ())
+            reply = await state.local.request("GET", state.config.local_vllm, HEALTH_PATH, None, ())
         if reply.status == 200:
             return web.json_response({"status": "ok", "local_vllm": state.config.local_vllm})
         detail = f"local vLLM /health answered {reply.status}"
@@ -1132,7 +1132,7 @@ async def _relay(
             now = time.perf_counter()
             timing.ttfb_s = now - started
             timing.ttft_s = now - timing.started
-            if feedback and timing.predicted_s and timing.path in (ROUTE_KEEP, ROUTE_DEFLECT):
+            if feedback and timing.predicted_s and timing.path in (Route.KEEP, Route.DEFLECT):
                 # Queued now; the writer runs at its next wait, after this chunk is written.
                 feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
 

@@ -38,6 +38,7 @@ import aiohttp
 import numpy as np
 
 from kairos.common import contracts as c
+from kairos.common.contracts.api import COMPLETIONS_PATH, MODELS_PATH
 from kairos.common.errors import ConfigError, KairosError
 from kairos.profiling.plan import MicroPhase, Phase, PlanConfig, TracePhase, plan_phases
 from kairos.profiling.records import MANIFEST_FILE, RecordsError, file_sha256, parse_step
@@ -225,7 +226,7 @@ class Collector:
 
     # -- node ------------------------------------------------------------------------------
     async def probe_node(self) -> None:
-        url = f"{self.cfg.node}/v1/models"
+        url = f"{self.cfg.node}{MODELS_PATH}"
         try:
             async with self.http.get(url) as resp:
                 if resp.status != 200:
@@ -277,7 +278,7 @@ class Collector:
         self, rid: str, prompt_tokens: int, max_tokens: int, st: PhaseState, xargs: dict[str, Any] | None = None
     ) -> bool:
         st.sent += 1
-        url = f"{self.cfg.node}/v1/completions"
+        url = f"{self.cfg.node}{COMPLETIONS_PATH}"
         try:
             async with self.http.post(
                 url, json=self._body(prompt_tokens, max_tokens, False, xargs), headers={c.H_REQUEST_ID: rid}
@@ -298,7 +299,7 @@ class Collector:
         """A long streaming request of the microbenchmark's decode batch; ``first`` is set at its
         first token. Runs until cancelled (closing the connection aborts it on the node)."""
         st.sent += 1
-        url = f"{self.cfg.node}/v1/completions"
+        url = f"{self.cfg.node}{COMPLETIONS_PATH}"
         try:
             async with self.http.post(
                 url, json=self._body(prompt_tokens, max_tokens, True, None), headers={c.H_REQUEST_ID: rid}

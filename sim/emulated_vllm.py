@@ -67,6 +67,7 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.block_hash import block_keys
 from kairos.common.contracts import Role
+from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, HEALTH_PATH, MODELS_PATH
 from kairos.common.errors import ConfigError, InvalidRequestError, KairosError, NoHealthyNodeError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body, error_json, error_status
 from kairos.common.kv_events import KvEventsConfig
@@ -1316,10 +1317,10 @@ def build_app(config: EmulatedNodeConfig) -> web.Application:
         await node.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/completions", node.completions)
-    app.router.add_post("/v1/chat/completions", node.completions)
-    app.router.add_get("/v1/models", node.models_list)
-    app.router.add_get("/health", node.health)
+    app.router.add_post(COMPLETIONS_PATH, node.completions)
+    app.router.add_post(CHAT_COMPLETIONS_PATH, node.completions)
+    app.router.add_get(MODELS_PATH, node.models_list)
+    app.router.add_get(HEALTH_PATH, node.health)
     app.router.add_get("/version", node.version)
     app.router.add_post("/tokenize", node.tokenize)
     app.router.add_post("/detokenize", node.detokenize)

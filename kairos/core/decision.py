@@ -5,12 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kairos.common.contracts.routes import Route  # a Decision's route, imported from here too
 from kairos.core.slo import RequestSLO
-
-
-class Route(StrEnum):
-    KEEP = "keep"  # prefill on a prefill node, KV transfer, decode on a decode node
-    DEFLECT = "deflect"  # chunked prefill in place on a decode node, no transfer
 
 
 class Reason(StrEnum):

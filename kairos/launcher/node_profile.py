@@ -36,6 +36,7 @@ from typing import Any
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.contracts import Role
+from kairos.common.contracts.api import COMPLETIONS_PATH, MODELS_PATH
 from kairos.common.errors import KairosError, ProfileError
 from kairos.core.latency import LatencyModels, load_profile
 from kairos.launcher.vllm_node import VllmNodeSpec
@@ -371,10 +372,10 @@ async def _warm_up(target: FitTarget, log: Callable[[str], None]) -> None:
     base = f"http://{target.url}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
-            async with http.get(f"{base}/v1/models") as resp:
+            async with http.get(f"{base}{MODELS_PATH}") as resp:
                 model = (await resp.json())["data"][0]["id"]
             body = {"model": model, "prompt": list(range(3, 35)), "max_tokens": 2}
-            async with http.post(f"{base}/v1/completions", json=body) as resp:
+            async with http.post(f"{base}{COMPLETIONS_PATH}", json=body) as resp:
                 await resp.read()
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError) as exc:
         log(f"{target.node_id}: warm-up request failed ({exc!r}); collecting anyway")

@@ -62,6 +62,8 @@ import numpy as np
 from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.common.config import load_config
+from kairos.common.contracts.api import COMPLETIONS_PATH
+from kairos.common.contracts.routes import Route
 from kairos.common.errors import ConfigError
 from kairos.core.slo import DEFAULT_CLASSES, classify, meets_slo
 from kairos.launcher.replay_prompts import PromptBuilder, Turn, chain_deadline, shared_prefix, turn_chains
@@ -70,7 +72,7 @@ from kairos.sim.metrics import per_class_figures
 from kairos.sim.prefix_cache import BLOCK_TOKENS
 from kairos.sim.requests import RequestSpec
 
-ROUTES = ("keep", "deflect")
+ROUTES = tuple(route.value for route in Route)
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ async def _one(
             res.decode_node = resp.headers.get(c.H_DECODE_NODE, "")
             res.reason = resp.headers.get(c.H_REASON, "")
             res.slo_class = resp.headers.get(c.H_SLO_CLASS, "")
-            if res.route == "deflect":
+            if res.route == Route.DEFLECT:
                 progress.deflections += 1
             if resp.status != 200:
                 raw = await resp.read()
@@ -368,7 +370,7 @@ async def replay_async(
         spec = chain[0].spec
         prompt: str | list[int] = builder.text(spec) if is_conversation else builder.ids(spec)
         heads.append((prompt, PromptBuilder.body(config.model, prompt, spec.output_tokens)))
-    url = config.url.rstrip("/") + "/v1/completions"
+    url = config.url.rstrip("/") + COMPLETIONS_PATH
     scale = config.time_scale
     first = reqs[0].arrival_s
     progress = _Progress(len(reqs), stream)
@@ -510,7 +512,7 @@ def per_class(results: Sequence[RequestResult], config: ReplayConfig, span_s: fl
         names,
         np.array([_meets_slo(r, config) for r in results], dtype=bool),
         np.array([r.output_tokens for r in results], dtype=np.int64),
-        np.array([r.route == "deflect" for r in results], dtype=bool),
+        np.array([r.route == Route.DEFLECT for r in results], dtype=bool),
         np.array([math.nan if not r.ok or r.ttft_s is None else r.ttft_s for r in results], dtype=float),
         span_s,
         DEFAULT_CLASSES,
@@ -589,8 +591,8 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
             errors[key] = errors.get(key, 0) + 1
     return {
         **overall,
-        "deflections": sum(r.route == "deflect" for r in results),
-        "keeps": sum(r.route == "keep" for r in results),
+        "deflections": sum(r.route == Route.DEFLECT for r in results),
+        "keeps": sum(r.route == Route.KEEP for r in results),
         "tbt_violation_rate": (sum(g > config.tbt_slo_ms for g in gaps) / len(gaps)) if gaps else None,
         "ttft_slo_s": config.ttft_slo_s,
         "tbt_slo_ms": config.tbt_slo_ms,

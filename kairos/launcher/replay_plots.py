@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from kairos.common.contracts.routes import Route
 from kairos.sim.plots import DPI
 
 ROUTE_STYLE: dict[str, dict[str, Any]] = {
-    "keep": {"color": "#4e79a7", "marker": "o"},
-    "deflect": {"color": "#e15759", "marker": "^"},
+    Route.KEEP: {"color": "#4e79a7", "marker": "o"},
+    Route.DEFLECT: {"color": "#e15759", "marker": "^"},
     "": {"color": "#999999", "marker": "x"},
 }
 

@@ -34,6 +34,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kairos.common.contracts import SIDECAR_METRICS_PATH, HeartbeatField
+from kairos.common.contracts.routes import Route
 from kairos.core.slo import DEFAULT_CLASSES
 
 DEFAULT_DISPATCHER = "http://127.0.0.1:9100"  # the dispatcher's default --metrics-port
@@ -47,7 +48,7 @@ TTFT_MIN_SAMPLES = 10
 # heartbeat) is over this runs slower than its profile by more than a fitted profile's own error
 # explains (a held-out MAPE of 10% gives about 1.3): a loaded host, or a profile of other hardware.
 SLOW_STEP_CALIBRATION = 1.5
-PATHS = ("keep", "deflect")
+PATHS = tuple(route.value for route in Route)
 # The sidecars' per-class SLO counters (kairos.nodeagent.sidecar.SidecarMetrics).
 SLO_REQUESTS = "kairos_sidecar_slo_requests_total"
 SLO_GOODPUT_TOKENS = "kairos_sidecar_slo_goodput_tokens_total"
@@ -313,7 +314,7 @@ def render(frame: Frame) -> str:
 
     lines.append("")
     total = _rate(frame, "kairos_dispatcher_decisions_total")
-    deflected = _rate(frame, "kairos_dispatcher_decisions_total", route="deflect")
+    deflected = _rate(frame, "kairos_dispatcher_decisions_total", route=Route.DEFLECT)
     share = f", {deflected / total:.0%} deflected" if total and deflected is not None else ""
     latency = _mean(scrape, "kairos_dispatcher_decision_seconds")
     latency_ms = None if latency is None else latency * 1e3

@@ -364,3 +364,34 @@ def test_the_one_message_route_matches_what_the_dispatcher_reads(tmp_path: Any) 
             for name in (c.H_REQUEST_ID, *c.ROUTING_HEADERS)
         }
     assert "request_headers_to_add" not in rest  # the catch-all 404
+
+
+# -- route names and the public API's paths: spelled once, in the contracts -------------------------
+_PRODUCT = ("kairos", "extproc", "nodeagent", "sim", "profiling")
+# A string equal to one of these in product code outside the contracts is a second declaration.
+_SPELLED_ONCE = {str(route) for route in c.Route} | {c.ROUTE_FANOUT, *c.INFERENCE_PATHS, c.MODELS_PATH}
+# The same words that mean something else, and the one copy still to fold in.
+_OTHER_MEANINGS = {
+    ("kairos/core/policies/kairos.py", "keep"),  # the policy spec's keep-estimate parameter
+    ("sim/emulated_vllm.py", "deflect"),  # the emulated node's plan mode for a scheduled prefill
+    ("kairos/api/openai_request.py", "/v1/completions"),  # the request parser's own names: to fold in
+    ("kairos/api/openai_request.py", "/v1/chat/completions"),
+}
+
+
+def test_route_names_and_api_paths_are_imported_never_spelled_again() -> None:
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spelled = {
+        (str(path.relative_to(root)), node.value)
+        for folder in _PRODUCT
+        for path in (root / folder).rglob("*.py")
+        if "contracts" not in path.relative_to(root).parts
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in _SPELLED_ONCE
+    }
+    assert spelled - _OTHER_MEANINGS == set()
+    assert [str(route) for route in c.Route] == ["keep", "deflect"]  # the x-kairos-route values on the wire
+    assert c.INFERENCE_PATHS == ("/v1/completions", "/v1/chat/completions")

@@ -6,6 +6,7 @@ encoder and the one decoder each side calls):
 - :mod:`~kairos.common.contracts.role`: a node's role.
 - :mod:`~kairos.common.contracts.profile`: the latency profile file's schema.
 - :mod:`~kairos.common.contracts.api`: the public API's paths.
+- :mod:`~kairos.common.contracts.routes`: route names (keep, deflect, a batch's fanout).
 - :mod:`~kairos.common.contracts.headers`: the dispatcher's headers, Envoy's attributes and metadata.
 - :mod:`~kairos.common.contracts.schedule`: a deflection's chunk schedule, step budget and TPOT SLO.
 - :mod:`~kairos.common.contracts.redis_keys`: Redis keys, channels and reservations.
@@ -20,7 +21,11 @@ working; new code imports from the module that owns the contract.
 """
 
 from kairos.common.contracts.api import (
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
+    HEALTH_PATH,
     INFERENCE_PATHS,
+    MODELS_PATH,
     PUBLIC_ENDPOINTS,
 )
 from kairos.common.contracts.engine_state import (
@@ -61,7 +66,6 @@ from kairos.common.contracts.headers import (
     H_STEP_BUDGET_MS,
     HEAD_ATTRIBUTES,
     HEADER_PREFIX,
-    ROUTE_FANOUT,
     ROUTING_HEADERS,
     ROUTING_METADATA_NAMESPACE,
     SLO_HEADERS,
@@ -105,6 +109,10 @@ from kairos.common.contracts.redis_keys import (
 )
 from kairos.common.contracts.role import (
     Role,
+)
+from kairos.common.contracts.routes import (
+    ROUTE_FANOUT,
+    Route,
 )
 from kairos.common.contracts.schedule import (
     BUDGET_PARAM,
@@ -162,6 +170,8 @@ __all__ = [
     "ATTR_REQUEST_ID",
     "ATTR_TOTAL_BYTES",
     "BUDGET_PARAM",
+    "CHAT_COMPLETIONS_PATH",
+    "COMPLETIONS_PATH",
     "DECODE_STEP",
     "ECHOED_RESPONSE_HEADERS",
     "ENVOY_DESTINATION_KEY",
@@ -170,6 +180,7 @@ __all__ = [
     "EXT_PROC_HEALTH_SERVICE",
     "HEADER_PREFIX",
     "HEAD_ATTRIBUTES",
+    "HEALTH_PATH",
     "HEARTBEAT_PERIOD_S",
     "HEARTBEAT_TTL_S",
     "H_CACHED_TOKENS",
@@ -196,6 +207,7 @@ __all__ = [
     "LINEAR_MODEL_FEATURES",
     "MAX_SCHEDULE_CHUNKS",
     "MIXED_INCREMENT",
+    "MODELS_PATH",
     "PREFILL_STEP",
     "PROFILE_KEYS",
     "PROFILE_SCHEMA_VERSION",
@@ -244,6 +256,7 @@ __all__ = [
     "MalformedSchedule",
     "MalformedStepRecord",
     "Role",
+    "Route",
     "StepChunk",
     "StepField",
     "StepsPage",

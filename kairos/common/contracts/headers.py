@@ -11,10 +11,7 @@ from __future__ import annotations
 # prefix that it does not set itself.
 HEADER_PREFIX = "x-kairos-"
 H_REQUEST_ID = "x-request-id"  # one id for the whole request, on both sidecar hops
-H_ROUTE = "x-kairos-route"  # "keep" or "deflect" (the decision's route), or ROUTE_FANOUT
-# A batch (several prompts in one /v1/completions body): the sidecar sends each prompt back
-# through the gateway, where each gets a decision of its own, and merges the answers as vLLM.
-ROUTE_FANOUT = "fanout"
+H_ROUTE = "x-kairos-route"  # a Route (the decision's), or ROUTE_FANOUT (kairos.common.contracts.routes)
 H_REASON = "x-kairos-reason"  # the Decision's reason (kairos.core.decision.Reason value)
 H_DECODE_NODE = "x-kairos-decode-node"  # node id of the decode node chosen
 H_PREFILL_HOST = "x-kairos-prefill-host"  # keep: host:port of the prefill node's vLLM server
