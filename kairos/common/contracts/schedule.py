@@ -79,24 +79,27 @@ def encode_step_budget_ms(budget_ms: float) -> str:
 
 def parse_step_budget_ms(value: str) -> float:
     """Decode :data:`H_STEP_BUDGET_MS` (milliseconds, as ``vllm_xargs`` carries it)."""
-    try:
-        budget = float(value)
-    except ValueError:
-        budget = math.nan
-    if not 0 < budget < math.inf:
-        raise MalformedSchedule(f"{H_STEP_BUDGET_MS}={value!r} is not a positive number")
-    return budget
+    return _positive_header(H_STEP_BUDGET_MS, value)
 
 
 def parse_tpot_slo_ms(value: str) -> float:
     """Decode :data:`H_DECIDED_TPOT_SLO_MS` (milliseconds, as :data:`XARG_TPOT_SLO_MS` carries it)."""
+    return _positive_header(H_DECIDED_TPOT_SLO_MS, value)
+
+
+def _positive_header(header: str, value: str) -> float:
     try:
-        tpot = float(value)
+        number = float(value)
     except ValueError:
-        tpot = math.nan
-    if not 0 < tpot < math.inf:
-        raise MalformedSchedule(f"{H_DECIDED_TPOT_SLO_MS}={value!r} is not a positive number")
-    return tpot
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise MalformedSchedule(f"{header}={value!r} is not a positive number")
+    return number
+
+
+def _positive_number(value: Any) -> bool:
+    """A JSON number (never a bool) that is finite and > 0."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
 
 
 def schedule_xargs(sizes: Sequence[int], step_budget_ms: float | None = None) -> dict[str, Any]:
@@ -128,7 +131,7 @@ def parse_schedule_xargs(extra_args: Mapping[str, Any] | None) -> ChunkPlan | No
     _check_chunk_count(SCHEDULE_PARAM, len(raw))
     budget_s: float | None = None
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
+        if not _positive_number(budget):
             raise MalformedSchedule(f"{BUDGET_PARAM} must be a positive number of milliseconds, got {budget!r}")
         budget_s = float(budget) / 1e3
     return ChunkPlan(tuple(raw), budget_s)
@@ -145,6 +148,6 @@ def parse_tpot_xarg(extra_args: Mapping[str, Any] | None) -> float | None:
     raw = extra_args.get(XARG_TPOT_SLO_MS)
     if raw is None:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw < math.inf:
+    if not _positive_number(raw):
         raise MalformedSchedule(f"{TPOT_PARAM} must be a positive number of milliseconds, got {raw!r}")
     return float(raw) / 1e3
