@@ -8,12 +8,13 @@ file (line-buffered: a crash loses at most the line being written).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from collections import deque
 from pathlib import Path
 from typing import IO, Any
+
+import msgspec
 
 from kairos.common.contracts import EngineStep, StepField, encode_step_record
 
@@ -30,7 +31,7 @@ class StepRecorder:
             self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the engine
 
     def record(self, step: EngineStep) -> None:
-        rec = encode_step_record(dataclasses.replace(step, node=self.node))
+        rec = encode_step_record(msgspec.structs.replace(step, node=self.node))
         with self._lock:
             self._ring.append(rec)
             self.next_index = step.index + 1

@@ -292,6 +292,22 @@ def test_step_record_rejects(obj: Any, message: str) -> None:
     assert str(err.value) == message
 
 
+def test_a_field_added_to_the_step_record_is_named_and_encoded_with_no_other_edit() -> None:
+    from kairos.common.contracts._schema import FieldNames
+
+    class Extended(EngineStep, frozen=True, omit_defaults=True):
+        preempted: int | None = None
+
+    class ExtendedField(FieldNames, struct=Extended):
+        pass
+
+    assert ExtendedField.PREEMPTED == "preempted" and ExtendedField.REQUIRED == c.StepField.REQUIRED
+    fields = {n: getattr(STEP, n) for n in EngineStep.__struct_fields__}
+    assert c.encode_step_record(Extended(**fields, preempted=2)) == {**GOOD, "preempted": 2}
+    assert c.encode_step_record(Extended(**fields)) == GOOD
+    assert list(GOOD) == list(c.StepField.REQUIRED)
+
+
 def test_steps_page_round_trip() -> None:
     records = [c.encode_step_record(STEP)]
     page = c.parse_steps_page(c.encode_steps_page("d0", 18, records))

@@ -47,6 +47,21 @@ class FieldNames:
         cls.OPTIONAL = tuple(f.encode_name for f in fields(struct) if not f.required)
 
 
+def to_json_object(struct: msgspec.Struct) -> dict[str, Any]:
+    """The struct as the JSON object a caller dumps (or holds, as a record, to dump later): its
+    fields in order, those left at their default out where the struct omits defaults, an enum as
+    its value, a tuple as a list."""
+    return _with_lists(msgspec.to_builtins(struct))
+
+
+def _with_lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _with_lists(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_with_lists(item) for item in value]
+    return value
+
+
 def decode_fields(
     data: Mapping[str, Any], struct: type[msgspec.Struct], error: type[Exception], prefix: str = ""
 ) -> dict[str, Any]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kairos.common.contracts._checks import is_int
+from kairos.common.contracts._schema import FieldNames, to_json_object
 from kairos.common.contracts.role import Role
 
 # ---------------------------------------------------------------------------------------------
@@ -20,78 +22,43 @@ STEPS_PATH = "/kairos/steps"  # GET ?since=N: a page of the node's newest step r
 STEPS_SINCE = "since"  # the query parameter: the first step index wanted
 
 
-class StepField:
-    """Fields of one step record (the first six required; extra keys are allowed)."""
-
-    INDEX = "index"  # int, the engine's step counter (per node)
-    START = "start"  # float, model seconds when the step started
-    DURATION = "duration"  # float > 0, model seconds the step took
-    DECODE_TOKENS = "decode_tokens"  # B: running decodes in the step, one token each
-    KV_TOKENS = "kv_tokens"  # K: KV tokens held by the node at the step's start
-    CHUNKS = "chunks"  # list of ChunkField objects: the step's prefill chunks
-    NODE = "node"  # optional: the node's id
-    ROLE = "role"  # optional: the node's role (decides how a chunk-only step is costed)
-
-    REQUIRED = (INDEX, START, DURATION, DECODE_TOKENS, KV_TOKENS, CHUNKS)
-
-
-class ChunkField:
-    """Fields of one prefill chunk of a step record."""
-
-    REQUEST_ID = "request_id"
-    TOKENS = "tokens"  # prompt tokens of this request processed in the step (>= 1)
-    CACHED = "cached"  # this request's prompt tokens already computed before the step
-
-
-class StepsPageField:
-    """Fields of the :data:`STEPS_PATH` answer."""
-
-    NODE_ID = "node_id"
-    NEXT_INDEX = "next_index"  # one past the newest step's index
-    STEPS = "steps"  # the records with index >= since that the node still holds, oldest first
-
-
 class MalformedStepRecord(ValueError):
     """A step record (or page of them) that does not follow the contract."""
 
 
-@dataclass(frozen=True, slots=True)
-class StepChunk:
+class StepChunk(msgspec.Struct, frozen=True):
+    """One prefill chunk of a step record (every :class:`ChunkField`)."""
+
     request_id: str
-    tokens: int
-    cached: int
+    tokens: int  # prompt tokens of this request processed in the step (>= 1)
+    cached: int  # this request's prompt tokens already computed before the step
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStep:
-    """One engine step (every :class:`StepField`)."""
+class EngineStep(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One engine step, field by field in the record's order (every :class:`StepField`; extra
+    keys in a record are allowed and ignored). :func:`parse_step_record` checks the values."""
 
-    index: int
-    start: float
-    duration: float
-    decode_tokens: int
-    kv_tokens: int
-    chunks: tuple[StepChunk, ...]
-    node: str | None = None
-    role: Role | None = None
+    index: int  # the engine's step counter (per node)
+    start: float  # model seconds when the step started
+    duration: float  # > 0, model seconds the step took
+    decode_tokens: int  # B: running decodes in the step, one token each
+    kv_tokens: int  # K: KV tokens held by the node at the step's start
+    chunks: tuple[StepChunk, ...]  # the step's prefill chunks
+    node: str | None = None  # the node's id
+    role: Role | None = None  # the node's role (decides how a chunk-only step is costed)
+
+
+class StepField(FieldNames, struct=EngineStep):
+    """The step record's keys (:class:`EngineStep`'s fields; REQUIRED, the first six)."""
+
+
+class ChunkField(FieldNames, struct=StepChunk):
+    """The keys of one prefill chunk of a step record (:class:`StepChunk`'s fields)."""
 
 
 def encode_step_record(step: EngineStep) -> dict[str, Any]:
     """The step's JSON object (dump it as one JSONL line or in a steps page); node and role only when set."""
-    f, ch = StepField, ChunkField
-    out: dict[str, Any] = {
-        f.INDEX: step.index,
-        f.START: step.start,
-        f.DURATION: step.duration,
-        f.DECODE_TOKENS: step.decode_tokens,
-        f.KV_TOKENS: step.kv_tokens,
-        f.CHUNKS: [{ch.REQUEST_ID: c.request_id, ch.TOKENS: c.tokens, ch.CACHED: c.cached} for c in step.chunks],
-    }
-    if step.node is not None:
-        out[f.NODE] = step.node
-    if step.role is not None:
-        out[f.ROLE] = str(step.role)
-    return out
+    return to_json_object(step)
 
 
 def _step_int(obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
@@ -159,20 +126,22 @@ def parse_steps_since(value: str) -> int:
     return since
 
 
-@dataclass(frozen=True, slots=True)
-class StepsPage:
+class StepsPage(msgspec.Struct, frozen=True):
     """One :data:`STEPS_PATH` answer; the records stay JSON objects (check each with
     :func:`parse_step_record`), so a reader can keep them as the node wrote them."""
 
     node_id: str | None
-    next_index: int
-    steps: tuple[dict[str, Any], ...]
+    next_index: int  # one past the newest step's index
+    steps: tuple[dict[str, Any], ...]  # the records with index >= since that the node still holds, oldest first
+
+
+class StepsPageField(FieldNames, struct=StepsPage):
+    """The :data:`STEPS_PATH` answer's keys (:class:`StepsPage`'s fields)."""
 
 
 def encode_steps_page(node_id: str, next_index: int, steps: Iterable[dict[str, Any]]) -> str:
     """The :data:`STEPS_PATH` answer's JSON; ``steps`` are :func:`encode_step_record` objects."""
-    f = StepsPageField
-    return json.dumps({f.NODE_ID: node_id, f.NEXT_INDEX: next_index, f.STEPS: list(steps)}, separators=(",", ":"))
+    return json.dumps(to_json_object(StepsPage(node_id, next_index, tuple(steps))), separators=(",", ":"))
 
 
 def parse_steps_page(raw: bytes | str) -> StepsPage:
