@@ -10,11 +10,13 @@ only; ``tests/unit/test_layers.py`` checks it):
                           dispatch overlay; no clock, no I/O
 - :mod:`kairos.api`       the OpenAI surface: request parsing, limits, exact token counting,
                           batches split and merged as vLLM answers them
+- :mod:`kairos.traffic`   what a run sends: ``RequestSpec``, the seeded synthetic workloads and
+                          SLO class mixes, trace files
 - :mod:`kairos.extproc`   the gateway (folder ``extproc/``): Envoy ext_proc server, dispatcher,
                           cluster membership and its Redis poller, reservations, feedback
 - :mod:`kairos.nodeagent` what runs on a vLLM node (folder ``nodeagent/``): heartbeat publisher,
                           decode-side sidecar, vLLM plugins
-- :mod:`kairos.sim`       the engine model, simulator, emulated vLLM, workloads (folder ``sim/``)
+- :mod:`kairos.sim`       the engine model, simulator, emulated vLLM (folder ``sim/``)
 - :mod:`kairos.profiling` one-time profiling and model fitting (folder ``profiling/``)
 - :mod:`kairos.launcher`  the ``kairos`` CLI on top: ``kairos up``, replay, local clusters
 """

@@ -47,7 +47,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     col.add_argument("--time-scale", type=float, default=1.0, help="the emulated node's --time-scale (1)")
     col.add_argument("--step-log", type=Path, help="the vLLM step recorder's JSONL file (instead of /kairos/steps)")
     col.add_argument("--model", help="served model name (default: the first of GET /v1/models)")
-    col.add_argument("--workload", default="bursty", help="kairos.sim.workloads name for the traces (bursty)")
+    col.add_argument("--workload", default="bursty", help="kairos.traffic.workloads name for the traces (bursty)")
     col.add_argument("--seed", type=int, default=0)
     col.add_argument(
         "--max-prompt-tokens",

@@ -2,7 +2,7 @@
 
 Two kinds of phase (paper §5.1 and §3.2):
 
-- a *trace* phase: Bursty-like requests (``kairos.sim.workloads``) arriving at one rate. On a prefill
+- a *trace* phase: Bursty-like requests (``kairos.traffic.workloads``) arriving at one rate. On a prefill
   node every request is a prefill hop (``max_tokens`` = 1), so its steps are prefill-only; on a
   decode node requests decode too, giving decode-only and mixed steps.
 - a *microbenchmark* phase (decode nodes only): a fixed decode batch of B requests with K
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
-from kairos.sim.workloads import DEFAULT_MAX_CONTEXT, WORKLOAD_NAMES, make_workload
+from kairos.traffic.workloads import DEFAULT_MAX_CONTEXT, WORKLOAD_NAMES, make_workload
 
 DEFAULT_RATES = (1.0, 2.0, 4.0)
 DEFAULT_BATCH_SIZES = (4, 8, 16, 32)  # paper §3.2
@@ -90,7 +90,7 @@ class PlanConfig:
     role: str  # "prefill" or "decode"
     rates: tuple[float, ...] = DEFAULT_RATES  # one trace phase per rate (requests per model second)
     duration_s: float = 60.0  # model seconds of arrivals per trace phase
-    workload: str = "bursty"  # kairos.sim.workloads name for trace lengths and arrivals
+    workload: str = "bursty"  # kairos.traffic.workloads name for trace lengths and arrivals
     seed: int = 0
     max_model_len: int = DEFAULT_MAX_CONTEXT  # the node's context (prompt + output)
     # Longest prompt sent. Below the workload's context, every prompt (trace and microbenchmark

@@ -19,10 +19,10 @@ from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DEFAULT_CHUNK_CANDIDATES, DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE, load_profile
 from kairos.core.policies import create_policy, split_policy_list
-from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.traces import load_trace, rescale_to_rate, truncate
-from kairos.sim.workloads import CONVERSATION_NAMES, WORKLOAD_NAMES, make_workload
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.traces import load_trace, rescale_to_rate, truncate
+from kairos.traffic.workloads import CONVERSATION_NAMES, WORKLOAD_NAMES, make_workload
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 from kairos.core.decision import Route
 from kairos.core.slo import DEFAULT_CLASSES, SloClass, classify, meets_slo
 from kairos.sim.engine import Sequence, StepPlan
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import RequestSpec
 
 
 @dataclass(slots=True, eq=False)

@@ -10,9 +10,10 @@ when an allocation needs its memory. A request frees its blocks last block first
 prompt's tail is evicted before its head.
 
 Here a block is its hash alone: no block ids, no token ids. Callers give each request its
-chain of block hashes (see :func:`chain_hashes`); the cache counts references and keeps the
-free queue. What a block costs in KV memory is the engine's to count (``sim/engine.py``): a
-referenced block sits in some running request's KV, a free one only in :attr:`free_tokens`.
+chain of block hashes (see :func:`kairos.traffic.requests.chain_hashes`); the cache counts
+references and keeps the free queue. What a block costs in KV memory is the engine's to count
+(``sim/engine.py``): a referenced block sits in some running request's KV, a free one only in
+:attr:`free_tokens`.
 
 With an ``events`` list it records what vLLM's block pool queues for ``--kv-events-config``,
 as :mod:`kairos.common.kv_events` types: a ``BlockStored`` for each ``insert`` (the whole range
@@ -24,29 +25,10 @@ the caller has them, the blocks' token ids), a ``BlockRemoved`` per evicted bloc
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kairos.common import defaults
 from kairos.common.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-BLOCK_TOKENS = defaults.KV_BLOCK_TOKENS
-# The parent hash of a chain's first block (vLLM seeds it from a random NONE_HASH per process;
-# a fixed seed keeps runs reproducible, and only equality between hashes matters).
-ROOT_HASH = 0
-
-
-def chain_hashes(keys: Iterable[Hashable], parent: int = ROOT_HASH) -> tuple[int, ...]:
-    """One hash per block, each covering the one before it: ``h_i = hash((h_{i-1}, key_i))``.
-
-    ``key_i`` names the block's tokens. Keys must be ints or tuples of ints: Python hashes those
-    the same in every process, where a ``str`` hash changes with ``PYTHONHASHSEED``.
-    """
-    out: list[int] = []
-    h = parent
-    for key in keys:
-        h = hash((h, key))
-        out.append(h)
-    return tuple(out)
 
 
 def hit_blocks_cap(prompt_tokens: int, block_tokens: int) -> int:
@@ -62,7 +44,7 @@ class PrefixCache:
 
     __slots__ = ("_refs", "block_tokens", "events", "free_queue", "shared_blocks")
 
-    def __init__(self, block_tokens: int = BLOCK_TOKENS, events: list[KvEvent] | None = None) -> None:
+    def __init__(self, block_tokens: int = defaults.KV_BLOCK_TOKENS, events: list[KvEvent] | None = None) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block_tokens = block_tokens

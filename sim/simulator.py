@@ -52,7 +52,7 @@ from kairos.sim.engine import Engine, EngineConfig, EngineSnapshot, StepPlan, St
 from kairos.sim.engine import Sequence as EngineSeq
 from kairos.sim.metrics import RequestRecord, SimMetrics, summarize
 from kairos.sim.prefix_cache import hit_blocks_cap
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from kairos.common.contracts import REDIS_TTFT_FEEDBACK_STREAM
 from kairos.extproc.feedback import MalformedFeedback, parse_entry
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
-from kairos.sim.workloads import make_workload
+from kairos.traffic.workloads import make_workload
 
 
 def per_path(entries: list[tuple[Any, dict[Any, Any]]]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.launcher.vllm_cluster import default_vllm_python
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import RequestSpec
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "kairos-tiny-llama"

@@ -43,9 +43,9 @@ from kairos.core.policies import split_policy_list
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.plots import write_plots
-from kairos.sim.requests import RequestSpec
-from kairos.sim.traces import load_trace, rescale_to_rate, truncate
-from kairos.sim.workloads import make_workload
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.traces import load_trace, rescale_to_rate, truncate
+from kairos.traffic.workloads import make_workload
 
 WORKLOAD = "multiturn"
 POLICIES = "kairos,kairos:prefix=off,pd,pd:prefix=off"

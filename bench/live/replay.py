@@ -49,9 +49,9 @@ from kairos.core.policies import create_policy, split_policy_list
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.replay import ReplayConfig, RequestResult, format_summary, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
-from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_workload
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.workloads import make_workload
 
 TTFT_SLO_S = 4.0
 TBT_SLO_MS = 70.0

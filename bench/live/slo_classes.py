@@ -30,7 +30,7 @@ from kairos.core.policies import create_policy
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import SLO_CLASS_MIXES, make_class_mix
+from kairos.traffic.workloads import SLO_CLASS_MIXES, make_class_mix
 
 POLICIES = "pd,kairos:slo=off,kairos"
 CLASS_KEYS = ("requests", "slo_attainment", "goodput_tokens_per_s", "p95_ttft_s", "deflections")

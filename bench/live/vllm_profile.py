@@ -45,7 +45,7 @@ from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
-from kairos.sim.workloads import make_workload
+from kairos.traffic.workloads import make_workload
 
 MODEL_NAME = "kairos-tiny-llama"
 MAX_PROMPT = 3000  # the tiny model serves 4096; Bursty prompts are scaled by MAX_PROMPT / 32768

@@ -28,7 +28,8 @@ from kairos.core.algorithm import DeciderConfig, decide
 from kairos.core.latency import load_profile
 from kairos.core.prefix_index import PrefixIndex
 from kairos.core.state import ClusterView
-from kairos.sim.prefix_cache import chain_hashes, hit_blocks_cap
+from kairos.sim.prefix_cache import hit_blocks_cap
+from kairos.traffic.requests import chain_hashes
 
 PROMPT = 10240
 BS = defaults.KV_BLOCK_TOKENS

@@ -54,7 +54,7 @@ from kairos.core.state import ClusterView
 from kairos.sim import simulator as simmod
 from kairos.sim.experiment import SimSettings, requests_for
 from kairos.sim.metrics import RequestRecord, SimMetrics
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import RequestSpec
 
 
 @dataclass

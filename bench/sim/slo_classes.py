@@ -4,7 +4,7 @@ with one global SLO and Kairos with classes, from low load to past P/D's knee, i
     python -m bench.sim.slo_classes [--mix interactive_batch] [--rps 2,3,...] [--seeds 1,2]
                                     [--duration 1200] [--json PATH]
 
-The workload is a mixed-class one (kairos.sim.workloads.SLO_CLASS_MIXES): by default 30%
+The workload is a mixed-class one (kairos.traffic.workloads.SLO_CLASS_MIXES): by default 30%
 interactive chat (Azure conversation shape, TTFT 1 s, TPOT 60 ms) and 70% batch jobs (Bursty
 shape, TTFT 20 s, TPOT 150 ms), on the reference 2P2D cluster. Each request is judged by its own
 class's SLOs in every arm (joint: TTFT and its own P95 TBT). The arms:
@@ -34,7 +34,7 @@ from bench.harness.results import RESULTS_DIR, write_result
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import SLO_CLASS_MIXES, make_class_mix
+from kairos.traffic.workloads import SLO_CLASS_MIXES, make_class_mix
 
 POLICIES = ("pd", "kairos:slo=off", "kairos")
 RATES = (2.0, 3.0, 4.0, 4.5, 5.0, 5.5, 6.0, 7.0, 8.0)

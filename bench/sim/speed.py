@@ -23,7 +23,7 @@ from bench.harness.results import write_result
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.sim.simulator import Simulator
-from kairos.sim.workloads import make_workload
+from kairos.traffic.workloads import make_workload
 
 POLICIES = ("pd", "kairos")
 TARGET_PER_WALL_S = 5000.0

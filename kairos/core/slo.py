@@ -75,7 +75,7 @@ def check_classes(classes: Sequence[SloClass]) -> tuple[SloClass, ...]:
 
 
 # The classes the gateway and the simulator count by, unless configured: the mixed-class workload's
-# two (kairos.sim.workloads.SLO_CLASS_MIXES) and the cluster default between them. Interactive's
+# two (kairos.traffic.workloads.SLO_CLASS_MIXES) and the cluster default between them. Interactive's
 # TPOT is 60 ms, not the 50 ms often quoted: the packaged profile's decode-only step alone is 46 to
 # 53 ms over the batches the reference cluster runs (B 1 to 32), so a 50 ms TPOT fails on decode
 # steps whatever routes the prefills (P/D met it for 93% of interactive requests at 3 RPS).

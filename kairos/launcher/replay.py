@@ -27,7 +27,7 @@ definitions (TTFT, TPOT, ITL, E2EL, NTPOT, ``--goodput``; see
 (:mod:`kairos.launcher.replay_plots`).
 
 Per-request SLOs: a request that carries its own (the ``interactive_batch`` workload's classes,
-:data:`kairos.sim.workloads.SLO_CLASS_MIXES`) is sent with them as ``x-slo-ttft-ms`` /
+:data:`kairos.traffic.workloads.SLO_CLASS_MIXES`) is sent with them as ``x-slo-ttft-ms`` /
 ``x-slo-tpot-ms`` and judged by them (any other by ``--ttft-slo-s`` / ``--tbt-slo-ms``); the
 report then gives attainment and goodput per SLO class, the simulator's definition
 (:func:`kairos.sim.metrics.per_class_figures`), and records the class the gateway counted each in.
@@ -69,8 +69,7 @@ from kairos.core.slo import DEFAULT_CLASSES, classify, meets_slo
 from kairos.launcher.replay_prompts import PromptBuilder, Turn, chain_deadline, shared_prefix, turn_chains
 from kairos.launcher.serving_metrics import Goodput, duration_s, field_metrics, format_field_metrics
 from kairos.sim.metrics import per_class_figures
-from kairos.sim.prefix_cache import BLOCK_TOKENS
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import BLOCK_TOKENS, RequestSpec
 
 ROUTES = tuple(route.value for route in Route)
 
@@ -168,8 +167,8 @@ class RequestResult:
 # ---------------------------------------------------------------------------------------------
 def requests_for(config: ReplayConfig) -> list[RequestSpec]:
     """The requests ``config`` describes, in arrival order."""
-    from kairos.sim.traces import load_trace, rescale_to_rate, truncate
-    from kairos.sim.workloads import SLO_CLASS_MIXES, make_workload
+    from kairos.traffic.traces import load_trace, rescale_to_rate, truncate
+    from kairos.traffic.workloads import SLO_CLASS_MIXES, make_workload
 
     if config.trace:
         reqs = load_trace(config.trace)
@@ -194,7 +193,7 @@ def requests_for(config: ReplayConfig) -> list[RequestSpec]:
 def _class_mix(config: ReplayConfig) -> list[RequestSpec]:
     """A mixed-class workload (``SLO_CLASS_MIXES``): each class's stream at its share of
     ``--rps``; sized by duration (default 60 s), or its first ``num_requests`` arrivals."""
-    from kairos.sim.workloads import make_class_mix
+    from kairos.traffic.workloads import make_class_mix
 
     if config.rps is None:
         raise ConfigError(f"the {config.workload} workload needs --rps (the total rate of its classes)")

@@ -44,8 +44,7 @@ import numpy as np
 
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common.errors import ConfigError
-from kairos.sim.prefix_cache import BLOCK_TOKENS
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import BLOCK_TOKENS, RequestSpec
 
 # Without a tokenizer: BOS (id 1 in Llama-style vocabularies), then ids 100..199, valid in any
 # vocabulary of >= 200 ids.

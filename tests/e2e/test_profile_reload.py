@@ -22,8 +22,8 @@ from kairos.common import contracts as c
 from kairos.core.latency import load_profile
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.replay import ReplayConfig, RequestResult, replay
-from kairos.sim.requests import RequestSpec
-from kairos.sim.workloads import make_workload
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.workloads import make_workload
 from tests.e2e.conftest import http, start_cluster, wait_for_fresh_polls
 from tests.waiting import wait_until
 

@@ -15,9 +15,9 @@ import pytest
 from kairos.core.slo import classify
 from kairos.launcher.cli import main as kairos_main
 from kairos.launcher.replay import ReplayConfig, format_summary, replay, summarize
-from kairos.sim.requests import RequestSpec
-from kairos.sim.traces import write_jsonl
-from kairos.sim.workloads import (
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.traces import write_jsonl
+from kairos.traffic.workloads import (
     ConversationSpec,
     Geometric,
     LogNormal,

@@ -25,9 +25,9 @@ from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 from kairos.sim.engine import Engine, EngineConfig, Sequence, StepPlan
-from kairos.sim.prefix_cache import chain_hashes
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_workload
+from kairos.traffic.requests import chain_hashes
+from kairos.traffic.workloads import make_workload
 
 BS = 16
 

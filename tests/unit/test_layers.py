@@ -16,10 +16,11 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
     "kairos.common": ("kairos/common", frozenset()),
     "kairos.core": ("kairos/core", frozenset({"kairos.common"})),
     "kairos.api": ("kairos/api", frozenset({"kairos.common"})),
+    "kairos.traffic": ("kairos/traffic", frozenset({"kairos.common"})),
     "kairos.extproc": ("extproc", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
     "kairos.nodeagent": ("nodeagent", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
-    "kairos.sim": ("sim", frozenset({"kairos.common", "kairos.core", "kairos.api"})),
-    "kairos.profiling": ("profiling", frozenset({"kairos.common", "kairos.core", "kairos.sim"})),
+    "kairos.sim": ("sim", frozenset({"kairos.common", "kairos.core", "kairos.api", "kairos.traffic"})),
+    "kairos.profiling": ("profiling", frozenset({"kairos.common", "kairos.core", "kairos.traffic"})),
     "kairos.launcher": (
         "kairos/launcher",
         frozenset(
@@ -27,6 +28,7 @@ LAYERS: dict[str, tuple[str, frozenset[str]]] = {
                 "kairos.common",
                 "kairos.core",
                 "kairos.api",
+                "kairos.traffic",
                 "kairos.extproc",
                 "kairos.nodeagent",
                 "kairos.sim",

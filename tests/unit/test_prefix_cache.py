@@ -7,7 +7,8 @@ import pytest
 
 from kairos.common.contracts import Role
 from kairos.sim.engine import Engine, EngineConfig, Sequence, StepPlan
-from kairos.sim.prefix_cache import PrefixCache, chain_hashes, hit_blocks_cap
+from kairos.sim.prefix_cache import PrefixCache, hit_blocks_cap
+from kairos.traffic.requests import chain_hashes
 
 BS = 16
 

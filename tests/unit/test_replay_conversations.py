@@ -27,10 +27,9 @@ from kairos.launcher.replay_prompts import (
 )
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.sim.emulated_vllm import one_token_words
-from kairos.sim.prefix_cache import BLOCK_TOKENS
-from kairos.sim.requests import RequestSpec
-from kairos.sim.traces import mooncake_block_hashes
-from kairos.sim.workloads import ConversationSpec, Geometric, LogNormal, generate_conversations, make_workload
+from kairos.traffic.requests import BLOCK_TOKENS, RequestSpec
+from kairos.traffic.traces import mooncake_block_hashes
+from kairos.traffic.workloads import ConversationSpec, Geometric, LogNormal, generate_conversations, make_workload
 
 # Small conversations: shared system prompts (one of them not a whole number of blocks), long
 # enough to span many blocks, several turns each.

@@ -21,7 +21,7 @@ from kairos.launcher.replay import (
     summarize,
 )
 from kairos.sim.metrics import per_class_figures
-from kairos.sim.workloads import SLO_CLASS_MIXES, make_class_mix
+from kairos.traffic.workloads import SLO_CLASS_MIXES, make_class_mix
 
 
 def test_the_class_mix_workload_is_the_simulators_with_every_request_carrying_its_classes_slos() -> None:

@@ -6,10 +6,9 @@ import pytest
 
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
-from kairos.sim.prefix_cache import chain_hashes
-from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import CONVERSATIONS, generate_conversations, make_workload
+from kairos.traffic.requests import RequestSpec, chain_hashes
+from kairos.traffic.workloads import CONVERSATIONS, generate_conversations, make_workload
 
 MODELS = load_profile()
 BS = 16

@@ -9,9 +9,9 @@ from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
-from kairos.sim.requests import RequestSpec
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_workload
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.workloads import make_workload
 from tests.builders import make_models
 
 MODELS = load_profile()

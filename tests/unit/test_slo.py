@@ -39,7 +39,7 @@ from kairos.extproc.metrics import DispatcherMetrics
 from kairos.sim.engine import Engine, EngineConfig, model_step_time
 from kairos.sim.engine import Sequence as EngineSeq
 from kairos.sim.simulator import ClusterConfig, Simulator
-from kairos.sim.workloads import make_class_mix
+from kairos.traffic.workloads import make_class_mix
 from tests.builders import decode_node, flat_models, heartbeat_json, prefill_node, view
 
 MODELS = flat_models()

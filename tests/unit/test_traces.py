@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kairos.sim.prefix_cache import PrefixCache
-from kairos.sim.requests import RequestSpec
-from kairos.sim.traces import (
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.traces import (
     TraceError,
     load_trace,
     mooncake_block_hashes,
@@ -21,7 +21,7 @@ from kairos.sim.traces import (
     truncate,
     write_jsonl,
 )
-from kairos.sim.workloads import make_workload
+from kairos.traffic.workloads import make_workload
 
 AZURE_CSV = """\
 TIMESTAMP,ContextTokens,GeneratedTokens

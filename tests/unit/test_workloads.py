@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from kairos.sim.requests import RequestSpec
-from kairos.sim.workloads import (
+from kairos.traffic.requests import RequestSpec
+from kairos.traffic.workloads import (
     COMPLETION_P25,
     COMPLETION_P90,
     PROMPT_P25,

@@ -32,8 +32,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kairos.sim.prefix_cache import BLOCK_TOKENS, chain_hashes
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import BLOCK_TOKENS, RequestSpec, chain_hashes
 
 __all__ = [
     "TRACE_FORMATS",

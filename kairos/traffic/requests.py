@@ -1,8 +1,31 @@
-"""The unit of work every workload, trace and simulator run shares."""
+"""The unit of work every workload, trace and simulator run shares, and the block hashes by which
+a request names its prompt's content to the engines' prefix caches."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+
+from kairos.common import defaults
+
+BLOCK_TOKENS = defaults.KV_BLOCK_TOKENS
+# The parent hash of a chain's first block (vLLM seeds it from a random NONE_HASH per process;
+# a fixed seed keeps runs reproducible, and only equality between hashes matters).
+ROOT_HASH = 0
+
+
+def chain_hashes(keys: Iterable[Hashable], parent: int = ROOT_HASH) -> tuple[int, ...]:
+    """One hash per block, each covering the one before it: ``h_i = hash((h_{i-1}, key_i))``.
+
+    ``key_i`` names the block's tokens. Keys must be ints or tuples of ints: Python hashes those
+    the same in every process, where a ``str`` hash changes with ``PYTHONHASHSEED``.
+    """
+    out: list[int] = []
+    h = parent
+    for key in keys:
+        h = hash((h, key))
+        out.append(h)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,9 +37,9 @@ class RequestSpec:
     prompt_tokens: int  # >= 1
     output_tokens: int  # >= 1, the completion length including the first token
     # What the engines' prefix caches key on, instead of token ids: the chained hashes
-    # (kairos.sim.prefix_cache.chain_hashes) of the full KV blocks of the prompt, then of the
-    # output where the workload knows what the output is (a conversation's answer, which its
-    # next turn resends). () never hits a cache.
+    # (:func:`chain_hashes`) of the full KV blocks of the prompt, then of the output where the
+    # workload knows what the output is (a conversation's answer, which its next turn resends).
+    # () never hits a cache.
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     session_id: str | None = None  # the conversation it belongs to, if any
     turn: int = 0  # its turn in that conversation, from 1; 0 outside any conversation

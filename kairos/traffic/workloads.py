@@ -31,8 +31,7 @@ from statistics import NormalDist
 import numpy as np
 
 from kairos.common import defaults
-from kairos.sim.prefix_cache import BLOCK_TOKENS, chain_hashes
-from kairos.sim.requests import RequestSpec
+from kairos.traffic.requests import BLOCK_TOKENS, RequestSpec, chain_hashes
 
 __all__ = [
     "AZURE_CONV_COMPLETION",
