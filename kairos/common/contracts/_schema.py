@@ -76,11 +76,29 @@ def decode_fields(
         value = data.get(field.encode_name)
         if value is None and not field.required:
             continue
-        try:
-            values[field.name] = _convert(field.type, value, list)
-        except _Invalid:
-            raise error(f"{prefix}{field.encode_name} must be {describe(field.type)}, got {value!r}") from None
+        values[field.name] = _decode_value(field.type, value, field.encode_name, error, prefix)
     return values
+
+
+def _decode_value(t: mi.Type, value: Any, where: str, error: type[Exception], prefix: str) -> Any:
+    try:
+        return _convert(t, value, list)
+    except _Invalid:
+        pass
+    # Wrong somewhere inside a nested object, or a list of them: say where.
+    inner = _without_none(t)
+    if isinstance(inner, mi.StructType) and isinstance(value, dict):
+        return inner.cls(**decode_fields(value, inner.cls, error, f"{prefix}{where}: "))
+    if isinstance(inner, mi.VarTupleType) and isinstance(inner.item_type, mi.StructType) and isinstance(value, list):
+        return tuple(_decode_value(inner.item_type, x, f"{where}[{i}]", error, prefix) for i, x in enumerate(value))
+    raise error(f"{prefix}{where} must be {describe(t)}, got {value!r}")
+
+
+def _without_none(t: mi.Type) -> mi.Type:
+    if isinstance(t, mi.UnionType):
+        (other,) = [u for u in t.types if not isinstance(u, mi.NoneType)]
+        return other
+    return t
 
 
 def check_fields(struct: msgspec.Struct, error: type[Exception], prefix: str = "") -> None:
@@ -131,6 +149,13 @@ def _convert(t: mi.Type, value: Any, sequence: type[list] | type[tuple]) -> Any:
         if not isinstance(value, sequence):
             raise _Invalid
         return tuple(_convert(t.item_type, x, sequence) for x in value)
+    if isinstance(t, mi.StructType):
+        if isinstance(value, t.cls) and sequence is tuple:  # built in Python: checked field by field
+            check_fields(value, _Invalid)
+            return value
+        if not isinstance(value, dict):
+            raise _Invalid
+        return t.cls(**decode_fields(value, t.cls, _Invalid))
     raise TypeError(f"a contract field of type {t} has no checked decoding")
 
 
@@ -163,6 +188,8 @@ def describe(t: mi.Type, plural: bool = False) -> str:
         return " or ".join(repr(member.value) for member in t.cls)
     if isinstance(t, mi.VarTupleType):
         return f"a list of {describe(t.item_type, plural=True)}"
+    if isinstance(t, mi.StructType):
+        return "objects" if plural else "an object"
     raise TypeError(f"a contract field of type {t} has no description")
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import Annotated, Any
 
 import msgspec
 
 from kairos.common.contracts._checks import is_int
-from kairos.common.contracts._schema import FieldNames, to_json_object
+from kairos.common.contracts._schema import FieldNames, decode_fields, to_json_object
 from kairos.common.contracts.role import Role
 
 # ---------------------------------------------------------------------------------------------
@@ -26,23 +25,32 @@ class MalformedStepRecord(ValueError):
     """A step record (or page of them) that does not follow the contract."""
 
 
+# The contract's checks on a record's values, as msgspec constraints (parse_step_record's messages
+# say them in words): counts >= 0, a chunk of >= 1 token, times in seconds, a duration > 0.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+ChunkTokens = Annotated[int, msgspec.Meta(ge=1)]
+Seconds = Annotated[float, msgspec.Meta(extra={"unit": "seconds"})]
+Duration = Annotated[float, msgspec.Meta(gt=0, extra={"unit": "seconds"})]
+
+
 class StepChunk(msgspec.Struct, frozen=True):
     """One prefill chunk of a step record (every :class:`ChunkField`)."""
 
     request_id: str
-    tokens: int  # prompt tokens of this request processed in the step (>= 1)
-    cached: int  # this request's prompt tokens already computed before the step
+    tokens: ChunkTokens  # prompt tokens of this request processed in the step
+    cached: Count  # this request's prompt tokens already computed before the step
 
 
 class EngineStep(msgspec.Struct, frozen=True, omit_defaults=True):
     """One engine step, field by field in the record's order (every :class:`StepField`; extra
-    keys in a record are allowed and ignored). :func:`parse_step_record` checks the values."""
+    keys in a record are allowed and ignored). Building one in Python checks nothing;
+    :func:`parse_step_record` checks a record against these types."""
 
-    index: int  # the engine's step counter (per node)
-    start: float  # model seconds when the step started
-    duration: float  # > 0, model seconds the step took
-    decode_tokens: int  # B: running decodes in the step, one token each
-    kv_tokens: int  # K: KV tokens held by the node at the step's start
+    index: Count  # the engine's step counter (per node)
+    start: Seconds  # model seconds when the step started
+    duration: Duration  # model seconds the step took
+    decode_tokens: Count  # B: running decodes in the step, one token each
+    kv_tokens: Count  # K: KV tokens held by the node at the step's start
     chunks: tuple[StepChunk, ...]  # the step's prefill chunks
     node: str | None = None  # the node's id
     role: Role | None = None  # the node's role (decides how a chunk-only step is costed)
@@ -61,58 +69,12 @@ def encode_step_record(step: EngineStep) -> dict[str, Any]:
     return to_json_object(step)
 
 
-def _step_int(obj: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
-    if key not in obj:
-        raise MalformedStepRecord(f"{where}missing key {key!r}")
-    value = obj[key]
-    if not is_int(value) or value < minimum:
-        raise MalformedStepRecord(f"{where}{key} must be an integer >= {minimum}, got {json.dumps(value)}")
-    return value
-
-
 def parse_step_record(obj: Any) -> EngineStep:
-    """Check one decoded step record; the message of a :class:`MalformedStepRecord` names the field."""
-    f, ch = StepField, ChunkField
+    """Check one decoded step record against :class:`EngineStep`; the message of a
+    :class:`MalformedStepRecord` names the field (``chunks[0]: tokens must be an int >= 1, got 0``)."""
     if not isinstance(obj, dict):
         raise MalformedStepRecord(f"a step record is a JSON object, got {type(obj).__name__}")
-    index = _step_int(obj, f.INDEX, "", 0)
-    for key in (f.START, f.DURATION):
-        if key not in obj:
-            raise MalformedStepRecord(f"missing key {key!r}")
-        value = obj[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise MalformedStepRecord(f"{key} must be a finite number of seconds, got {json.dumps(value)}")
-    if obj[f.DURATION] <= 0:
-        raise MalformedStepRecord(f"duration must be > 0 seconds, got {obj[f.DURATION]}")
-    decode_tokens = _step_int(obj, f.DECODE_TOKENS, "", 0)
-    kv_tokens = _step_int(obj, f.KV_TOKENS, "", 0)
-    raw_chunks = obj.get(f.CHUNKS)
-    if not isinstance(raw_chunks, list):
-        raise MalformedStepRecord(f"chunks must be a list, got {json.dumps(raw_chunks)}")
-    chunks = []
-    for i, chunk in enumerate(raw_chunks):
-        at = f"{f.CHUNKS}[{i}]"
-        if not isinstance(chunk, dict):
-            raise MalformedStepRecord(f"{at} must be an object, got {json.dumps(chunk)}")
-        rid = chunk.get(ch.REQUEST_ID)
-        if not isinstance(rid, str):
-            raise MalformedStepRecord(f"{at}.{ch.REQUEST_ID} must be a string, got {json.dumps(rid)}")
-        tokens = _step_int(chunk, ch.TOKENS, f"{at}: ", 1)
-        chunks.append(StepChunk(rid, tokens, _step_int(chunk, ch.CACHED, f"{at}: ", 0)))
-    role = obj.get(f.ROLE)
-    if role is not None and role not in tuple(Role):
-        raise MalformedStepRecord(f"role must be one of {[str(r) for r in Role]}, got {json.dumps(role)}")
-    node = obj.get(f.NODE)
-    return EngineStep(
-        index=index,
-        start=float(obj[f.START]),
-        duration=float(obj[f.DURATION]),
-        decode_tokens=decode_tokens,
-        kv_tokens=kv_tokens,
-        chunks=tuple(chunks),
-        node=None if node is None else str(node),
-        role=None if role is None else Role(role),
-    )
+    return EngineStep(**decode_fields(obj, EngineStep, MalformedStepRecord))
 
 
 def parse_steps_since(value: str) -> int:
