@@ -11,6 +11,7 @@ constraint the words cannot be derived from carries them in ``Meta(description=.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -20,8 +21,10 @@ import msgspec
 from msgspec import inspect as mi
 
 
+@functools.cache
 def fields(struct: type[msgspec.Struct]) -> tuple[mi.Field, ...]:
-    """The struct's fields, in declaration (and wire) order."""
+    """The struct's fields, in declaration (and wire) order (inspected once: type_info costs
+    hundreds of microseconds, a checked decode a few)."""
     info = mi.type_info(struct)
     assert isinstance(info, mi.StructType)
     return info.fields
