@@ -287,12 +287,20 @@ GOOD = c.encode_step_record(STEP)
         ({**GOOD, "chunks": [{**GOOD["chunks"][0], "tokens": 0}]}, "chunks[0]: tokens must be an int >= 1, got 0"),
         ({**GOOD, "chunks": [{**GOOD["chunks"][0], "request_id": 3}]}, "chunks[0]: request_id must be a string, got 3"),
         ({**GOOD, "node": 5}, "node must be a string, got 5"),
+        # Python's JSON reader makes NaN and infinities, which msgspec's check lets through
+        ({**GOOD, "start": float("nan")}, "start must be a number of seconds, got nan"),
+        ({**GOOD, "duration": float("inf")}, "duration must be a number of seconds > 0, got inf"),
     ],
 )
 def test_step_record_rejects(obj: Any, message: str) -> None:
     with pytest.raises(MalformedStepRecord) as err:
         c.parse_step_record(obj)
     assert str(err.value) == message
+
+
+def test_a_step_index_beyond_64_bits_is_taken_as_json_allows() -> None:
+    """msgspec refuses it; the checked decoder, which gives the verdict then, takes it."""
+    assert c.parse_step_record({**GOOD, "index": 2**64}).index == 2**64
 
 
 def test_a_field_added_to_the_step_record_is_named_and_encoded_with_no_other_edit() -> None:

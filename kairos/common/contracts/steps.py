@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kairos.common.contracts._checks import is_int
-from kairos.common.contracts._schema import FieldNames, decode_fields, to_json_object
+from kairos.common.contracts._schema import FieldNames, decode_object, to_json_object
 from kairos.common.contracts.role import Role
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def parse_step_record(obj: Any) -> EngineStep:
     :class:`MalformedStepRecord` names the field (``chunks[0]: tokens must be an int >= 1, got 0``)."""
     if not isinstance(obj, dict):
         raise MalformedStepRecord(f"a step record is a JSON object, got {type(obj).__name__}")
-    return EngineStep(**decode_fields(obj, EngineStep, MalformedStepRecord))
+    return decode_object(obj, EngineStep, MalformedStepRecord)
 
 
 def parse_steps_since(value: str) -> int:
