@@ -11,14 +11,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -50,12 +48,12 @@ _PR_SET_PDEATHSIG = 1
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _PLANNED_PORTS_FLOOR = 15_000  # below the usual ephemeral range (32768-60999), above the well-known services
-# One file for the whole host: byte N locked = port N reserved by the process holding the lock.
-_RESERVATIONS = Path(tempfile.gettempdir()) / "kairos-ports.lock"
+# A port reserved host-wide = an abstract Unix socket of this name bound (Linux).
+_RESERVATION_NAME = "\0kairos-port-reservation-{port}"
 _handed_out: set[int] = set()  # this process's ports: never the same one twice
 _pick = random.Random()
-_picking = threading.Lock()  # threads of one process pick one at a time (POSIX locks are per process)
-_reservations_fd: int | None = None  # kept open for the process's life: closing it drops every lock
+_picking = threading.Lock()  # threads of one process pick one at a time
+_reservations: list[socket.socket] = []  # kept open for the process's life: closing one frees its port
 
 
 def _ephemeral_low() -> int:
@@ -75,38 +73,19 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def _open_reservations() -> int | None:
-    """The host-wide reservation file, opened once per process; where it cannot be opened (a
-    read-only temp folder, another user's file), this user's own one; None where neither can."""
-    global _reservations_fd
-    if _reservations_fd is None:
-        shared = _RESERVATIONS
-        for path in (shared, shared.with_name(f"{shared.stem}-{os.getuid()}{shared.suffix}")):
-            try:
-                try:  # an existing file is opened, never created again: another user may own it
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-                    with contextlib.suppress(OSError):
-                        os.fchmod(fd, 0o666)  # past the umask: every user's picks share the file
-            except OSError:
-                continue
-            _reservations_fd = fd
-            break
-    return _reservations_fd
-
-
 def _reserve(port: int) -> bool:
-    """Lock byte ``port`` of the reservation file for this process; False if another holds it."""
-    fd = _open_reservations()
-    if fd is None:
-        return True  # nothing to lock: this process's own bookkeeping is all there is
+    """Reserve ``port`` host-wide for this process; False if another process holds it."""
+    if sys.platform != "linux":
+        return True  # no abstract sockets: this process's own bookkeeping is all there is
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        holder.bind(_RESERVATION_NAME.format(port=port))
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EAGAIN):
-            return False  # another process picked it and still runs
-        raise
+        holder.close()
+        # EADDRINUSE: another process picked it and still runs. Any other error: abstract
+        # sockets are refused here (a sandbox), and there is nothing to hold.
+        return exc.errno != errno.EADDRINUSE
+    _reservations.append(holder)
     return True
 
 
@@ -119,12 +98,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The port is also reserved host-wide until this process exits, so that two processes picking
     at once (test sessions side by side, a benchmark beside a test run, ``kairos up`` beside the
-    test that started it) never hand out the same one: a POSIX record lock on byte ``port`` of
-    one file in the temp folder. The kernel drops a process's record locks when it exits, however
-    it exits (SIGKILL too), so no reservation outlives its owner and nothing needs cleaning up;
-    one file serves every port, where a lock file per port would leave thousands behind, and a
-    port block per PID cannot keep 4 million PIDs apart in 17,000 ports. Record locks are not
-    inherited: a child started with the port does not hold it, its parent does."""
+    test that started it) never hand out the same one: this process binds an abstract Unix
+    socket named after the port (Linux's abstract namespace, per network namespace as the ports
+    are). The kernel drops it when the process exits, however it exits (SIGKILL too), and it is
+    no file: nothing is left behind in the temp folder or anywhere else (a lock file there was,
+    and ``kairos up`` promises to leave nothing). The socket is not inherited: a child started
+    with the port does not hold it, its parent does."""
     with _picking:
         low = _ephemeral_low()
         if low - _PLANNED_PORTS_FLOOR >= 1000:

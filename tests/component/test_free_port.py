@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -117,3 +118,13 @@ from kairos.launcher import processes
 print(processes.free_port(), flush=True)
 sys.stdin.readline()
 """
+
+
+def test_reserving_ports_writes_nothing_to_the_temp_folder(tmp_path: Path) -> None:
+    """kairos up promises to leave nothing behind: its ports' reservations are no files."""
+    script = "from kairos.launcher.processes import free_port\nprint([free_port() for _ in range(20)])"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []
