@@ -39,8 +39,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kairos.api import batch
-from kairos.api.openai_request import CHAT_COMPLETIONS_PATH, choices_per_prompt, completion_prompts, request_streams
+from kairos.api.openai_request import choices_per_prompt, completion_prompts, request_streams
 from kairos.common import contracts as c
+from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH
 from kairos.common.errors import KairosError
 from kairos.common.http_errors import UpstreamError, UpstreamTimeoutError, error_body
 from kairos.nodeagent.http1 import ConnectFailed, Http1Client, Http1Error, Response

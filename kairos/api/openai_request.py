@@ -31,14 +31,13 @@ from typing import Any, Literal
 from kairos.api import batch
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.common import defaults
+from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH
 from kairos.common.errors import (  # NotFoundError: re-exported, callers know it from here
     ConfigError,
     InvalidRequestError,
     NotFoundError,
 )
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 RequestKind = Literal["completion", "chat"]
 _ROUTES: dict[str, RequestKind] = {COMPLETIONS_PATH: "completion", CHAT_COMPLETIONS_PATH: "chat"}
 # vLLM's bounds (its VLLM_MAX_COMPLETION_PROMPTS and VLLM_MAX_N_SEQUENCES defaults), and the

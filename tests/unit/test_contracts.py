@@ -397,12 +397,10 @@ def test_the_one_message_route_matches_what_the_dispatcher_reads(tmp_path: Any) 
 _PRODUCT = ("kairos", "extproc", "nodeagent", "sim", "profiling")
 # A string equal to one of these in product code outside the contracts is a second declaration.
 _SPELLED_ONCE = {str(route) for route in c.Route} | {c.ROUTE_FANOUT, *c.INFERENCE_PATHS, c.MODELS_PATH}
-# The same words that mean something else, and the one copy still to fold in.
+# The same words that mean something else.
 _OTHER_MEANINGS = {
     ("kairos/core/policies/kairos.py", "keep"),  # the policy spec's keep-estimate parameter
     ("sim/emulated_vllm.py", "deflect"),  # the emulated node's plan mode for a scheduled prefill
-    ("kairos/api/openai_request.py", "/v1/completions"),  # the request parser's own names: to fold in
-    ("kairos/api/openai_request.py", "/v1/chat/completions"),
 }
 
 
