@@ -23,7 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-import kairos.nodeagent.sidecar as sidecar_module
+import kairos.nodeagent.sidecar.app as sidecar_app
 from kairos.common import contracts as c
 from kairos.common.errors import ConfigError
 from kairos.launcher.processes import free_port
@@ -1045,7 +1045,7 @@ async def test_ttft_feedback_without_a_redis_url_uses_no_redis(rig: Rig, redis: 
 async def test_a_redis_that_never_answers_never_delays_a_request(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Redis that accepts connections and never replies: each XADD would wait the full (here
     10 s) timeout; requests must not notice."""
-    monkeypatch.setattr(sidecar_module, "_FEEDBACK_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(sidecar_app, "FEEDBACK_TIMEOUT_S", 10.0)
     held: list[asyncio.StreamWriter] = []
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -1072,10 +1072,10 @@ async def test_a_redis_that_never_answers_never_delays_a_request(rig: Rig, monke
 async def test_redis_down_is_counted_logged_once_and_recovers(
     rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(sidecar_module, "_FEEDBACK_RETRY_S", 0.2)
+    monkeypatch.setattr(sidecar_app, "FEEDBACK_RETRY_S", 0.2)
     # The first sample after the restart must get through: a busy CI machine once took longer
     # than the default 0.25 s bound to connect, and that sample was (rightly) lost.
-    monkeypatch.setattr(sidecar_module, "_FEEDBACK_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(sidecar_app, "FEEDBACK_TIMEOUT_S", 5.0)
     caplog.set_level(logging.INFO, logger="kairos.nodeagent.sidecar")
     server = RedisServer()  # its port; not started yet: Redis is down
     try:

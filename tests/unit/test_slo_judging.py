@@ -11,7 +11,7 @@ from kairos.common import contracts as c
 from kairos.common import defaults
 from kairos.core.slo import DEFAULT_CLASSES, TBT_OVER_SLO_SHARE, RequestSLO, meets_slo, parse_classes
 from kairos.launcher.replay import ReplayConfig, RequestResult, _meets_slo
-from kairos.nodeagent.sidecar import _gaps_over, _judged_by, _output_tokens
+from kairos.nodeagent.sidecar.judgement import _gaps_over, _output_tokens, judged_by
 
 
 def test_a_request_within_both_slos_meets_them() -> None:
@@ -61,7 +61,7 @@ def _headers(**values: str) -> CIMultiDict[str]:
 
 def test_the_sidecar_judges_a_request_by_its_own_slos_and_the_dispatchers_class() -> None:
     decided = {c.H_DECIDED_TTFT_SLO_MS: "20000", c.H_DECIDED_TPOT_SLO_MS: "150", c.H_SLO_CLASS: "batch"}
-    assert _judged_by(_headers(**decided), DEFAULT_CLASSES) == ("batch", RequestSLO(20.0, 0.150))
+    assert judged_by(_headers(**decided), DEFAULT_CLASSES) == ("batch", RequestSLO(20.0, 0.150))
     # An SLO-blind policy decides by the cluster's SLOs; the request is judged by its own.
     blind = {
         c.H_DECIDED_TTFT_SLO_MS: "4000",
@@ -70,25 +70,25 @@ def test_the_sidecar_judges_a_request_by_its_own_slos_and_the_dispatchers_class(
         c.H_SLO_TTFT_MS: "1000",
         c.H_SLO_TPOT_MS: "60",
     }
-    assert _judged_by(_headers(**blind), DEFAULT_CLASSES) == ("interactive", RequestSLO(1.0, 0.060))
+    assert judged_by(_headers(**blind), DEFAULT_CLASSES) == ("interactive", RequestSLO(1.0, 0.060))
     # One own SLO: the other is the decided one.
-    assert _judged_by(_headers(**decided, **{c.H_SLO_TTFT_MS: "900"}), DEFAULT_CLASSES)[1] == RequestSLO(0.9, 0.150)
+    assert judged_by(_headers(**decided, **{c.H_SLO_TTFT_MS: "900"}), DEFAULT_CLASSES)[1] == RequestSLO(0.9, 0.150)
 
 
 def test_the_sidecar_never_labels_with_a_class_it_does_not_know() -> None:
     default = RequestSLO(defaults.TTFT_SLO_S, defaults.TBT_SLO_S)
     # Sent straight to the sidecar: no headers, the cluster's defaults and their class.
-    assert _judged_by(_headers(), DEFAULT_CLASSES) == ("standard", default)
+    assert judged_by(_headers(), DEFAULT_CLASSES) == ("standard", default)
     # A class name that is none of the configured ones: the class its SLOs fall in.
     forged = _headers(**{c.H_SLO_CLASS: "vip\n{evil}", c.H_SLO_TTFT_MS: "900", c.H_SLO_TPOT_MS: "50"})
-    assert _judged_by(forged, DEFAULT_CLASSES) == ("interactive", RequestSLO(0.9, 0.050))
+    assert judged_by(forged, DEFAULT_CLASSES) == ("interactive", RequestSLO(0.9, 0.050))
     # Malformed SLO values: the decided ones, else the defaults.
     bad = _headers(**{c.H_SLO_TTFT_MS: "soon", c.H_DECIDED_TTFT_SLO_MS: "nan", c.H_SLO_CLASS: "batch"})
-    assert _judged_by(bad, DEFAULT_CLASSES) == ("batch", default)
+    assert judged_by(bad, DEFAULT_CLASSES) == ("batch", default)
     # A sidecar configured with other classes counts by those.
     mine = parse_classes("gold=500/40,bronze=30000/200")
-    assert _judged_by(_headers(**{c.H_SLO_CLASS: "batch"}), mine) == ("bronze", default)
-    assert _judged_by(_headers(**{c.H_SLO_CLASS: "gold"}), mine)[0] == "gold"
+    assert judged_by(_headers(**{c.H_SLO_CLASS: "batch"}), mine) == ("bronze", default)
+    assert judged_by(_headers(**{c.H_SLO_CLASS: "gold"}), mine)[0] == "gold"
 
 
 def test_gaps_are_measured_from_the_first_token_chunk() -> None:
