@@ -400,7 +400,7 @@ _SPELLED_ONCE = {str(route) for route in c.Route} | {c.ROUTE_FANOUT, *c.INFERENC
 # The same words that mean something else.
 _OTHER_MEANINGS = {
     ("kairos/core/policies/kairos.py", "keep"),  # the policy spec's keep-estimate parameter
-    ("sim/emulated_vllm.py", "deflect"),  # the emulated node's plan mode for a scheduled prefill
+    ("sim/emulated_vllm/node.py", "deflect"),  # the emulated node's plan mode for a scheduled prefill
 }
 
 

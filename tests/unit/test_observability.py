@@ -16,7 +16,7 @@ from kairos.extproc.metrics import ClusterCollector, DispatcherMetrics, promises
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig, NodeProcs
 from kairos.launcher.vllm_cluster import VllmCluster
 from kairos.nodeagent.sidecar import SidecarMetrics
-from kairos.sim.emulated_vllm import _Metrics as EmulatedNodeMetrics
+from kairos.sim.emulated_vllm.metrics import Metrics as EmulatedNodeMetrics
 from tests.observability import dashboard, dashboard_queries, metric_names, recorded_names, rules
 
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}

@@ -1,0 +1,101 @@
+"""An emulated vLLM node's settings (:class:`EmulatedNodeConfig`), and the vLLM release it follows."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kairos.common import defaults
+from kairos.common.contracts import Role
+from kairos.common.errors import ConfigError
+from kairos.common.kv_events import KvEventsConfig
+from kairos.core.latency import DEFAULT_PROFILE
+
+PULL_TIMEOUT_S = 10.0  # wall seconds for the pull call itself (validation only, no data moves)
+PULL_KEEPALIVE_S = 1.0  # wall seconds a decode node reuses an idle pull connection (nodes close at 5)
+
+
+@dataclass(frozen=True)
+class EmulatedNodeConfig:
+    """One emulated vLLM node. Durations are model seconds (divided by ``time_scale`` on the wall)."""
+
+    node_id: str  # unique in the cluster, e.g. "d0"
+    role: Role  # prefill: serves hop 1 and holds KV for pulls; decode: pulls KV, runs deflected prefills
+    model_dir: str  # Hugging Face model directory with tokenizer.json (and a chat template)
+    host: str = "127.0.0.1"  # bind address
+    port: int = 0  # 0 = any free port (printed at start-up)
+    model: str = ""  # served model id (vLLM's --served-model-name); empty = model_dir, as vLLM does
+    profile: str = DEFAULT_PROFILE  # latency profile, packaged name or JSON path
+    max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens per request (vLLM's --max-model-len)
+    max_step_tokens: int = 2048  # tokens per engine step (vLLM's --max-num-batched-tokens)
+    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV cache size in tokens
+    max_running: int = 256  # resident sequences (vLLM's --max-num-seqs)
+    time_scale: float = 1.0  # 10 = ten times faster than real time
+    # Prefill node: wall seconds it keeps KV nobody has pulled (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+    # and its default). Wall, not model time, as in vLLM: at --time-scale 1000 a model-time hold
+    # lasted 120 ms, less than a gateway's hops on a loaded host take to send the decode request.
+    kv_hold_timeout_s: float = 480.0
+    # Wall seconds the server keeps an idle kept-alive connection open (vLLM's
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE and its default): a client that reuses a connection after a
+    # pause races this close, on a real node and so here. Over PULL_KEEPALIVE_S.
+    keep_alive_timeout_s: float = 5.0
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    step_log_size: int = 10_000  # engine steps kept for /kairos/steps
+    prefix_caching: bool = True  # vLLM's --enable-prefix-caching (its default) / --no-enable-prefix-caching
+    block_size: int = defaults.KV_BLOCK_TOKENS  # vLLM's --block-size: tokens per KV block (and per hash)
+    enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details.cached_tokens
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (KvEventsConfig)
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ConfigError("EmulatedNodeConfig.node_id must not be empty")
+        if not self.model_dir:
+            raise ConfigError("EmulatedNodeConfig.model_dir must not be empty")
+        object.__setattr__(self, "role", Role(self.role))
+        if not self.model:
+            object.__setattr__(self, "model", self.model_dir)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ConfigError(f"time_scale must be a positive number, got {self.time_scale}")
+        if not (self.kv_hold_timeout_s > 0 and math.isfinite(self.kv_hold_timeout_s)):
+            raise ConfigError(f"kv_hold_timeout_s must be a positive number, got {self.kv_hold_timeout_s}")
+        if not (self.keep_alive_timeout_s > PULL_KEEPALIVE_S and math.isfinite(self.keep_alive_timeout_s)):
+            raise ConfigError(
+                f"keep_alive_timeout_s must be a number over {PULL_KEEPALIVE_S:g} (the decode nodes reuse a KV pull "
+                f"connection that long), got {self.keep_alive_timeout_s}"
+            )
+        for name in (
+            "max_model_len",
+            "max_step_tokens",
+            "kv_capacity_tokens",
+            "max_running",
+            "max_body_bytes",
+            "step_log_size",
+            "block_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2 (one prompt and one output token), got {self.max_model_len}")
+        # The engine admits a prompt only when it and its first token fit, and never preempts:
+        # a request the context allows must always fit an empty cache.
+        if self.kv_capacity_tokens < self.max_model_len:
+            raise ConfigError(
+                f"kv_capacity_tokens={self.kv_capacity_tokens} must be >= max_model_len={self.max_model_len}"
+            )
+        _ = self.kv_events  # refuse a malformed --kv-events-config at start-up, as vLLM does
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """The parsed ``kv_events_config``; None when the node publishes no events."""
+        if self.kv_events_config is None:
+            return None
+        try:
+            parsed = KvEventsConfig.from_json(self.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return parsed if parsed.publishes else None
+
+
+EMULATED_VLLM_VERSION = "0.32.0"  # the vLLM release whose wire behaviour this node follows
