@@ -424,7 +424,17 @@ class Dispatcher:
         full_view = view = self.cluster.view()
         if policies.no_prefill is not None and self._prefill_pool_gone_from(view, policies.no_prefill):
             t0 = time.perf_counter()
-            decision = self._without_prefill_pool(policies.no_prefill, prompt_tokens, view, slo)
+            try:
+                decision = self._without_prefill_pool(policies.no_prefill, prompt_tokens, view, slo)
+            except NoHealthyNodeError:
+                if not view.prefill:
+                    raise
+                # No decode node can take it within bounds, but prefill nodes are known, only late:
+                # on a starved host their beats lag (a CI run got this 503 from a live p0). P/D to
+                # the last one seen serves it; were it dead, the sidecar's hop 1 fails over to
+                # prefilling locally. A 503 would lose a request that could be served.
+                decision = _run(policies.keep_policy, prompt_tokens, view, self._clock(), cached, slo)
+                self.cluster.record(decision, self._clock())
             self.metrics.policy_seconds.observe(time.perf_counter() - t0)
             return decision
         if self._prefill_pool_gone:

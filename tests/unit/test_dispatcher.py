@@ -887,6 +887,39 @@ async def test_a_redis_outage_is_not_mistaken_for_a_dead_prefill_pool(
     assert (headers[c.H_ROUTE], headers[c.H_REASON]) == (route, reason)
 
 
+async def test_late_prefill_nodes_and_no_decode_node_within_bounds_route_pd_not_503(
+    harness: HarnessFactory, models: LatencyModels
+) -> None:
+    """Prefill beats late on a starved host while the decode nodes are past their overload line:
+    the degraded mode cannot place the request, but the prefill nodes are known, so it goes P/D
+    to them (their sidecar hop fails over if one is really gone) rather than a 503."""
+    h = harness(
+        make_cluster(prefill_age_s=0.5),
+        create_policy("kairos", models),
+        no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
+    )
+    tight = {c.H_SLO_TPOT_MS: "1"}  # every decode node's decode-only step is over a 1 ms line
+    routed = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, tight), completion_body(3000))
+
+    assert isinstance(routed, Routed), routed
+    headers = dict(routed.set_headers)
+    assert headers[c.H_ROUTE] == "keep" and routed.decision.prefill_node in ("p0", "p1")
+
+
+async def test_no_prefill_node_known_and_no_decode_node_within_bounds_is_503(
+    harness: HarnessFactory, models: LatencyModels
+) -> None:
+    h = harness(
+        make_cluster(prefill=False),
+        create_policy("kairos", models),
+        no_prefill_policy=NoPrefillPoolPolicy(models, DeciderConfig()),
+    )
+    tight = {c.H_SLO_TPOT_MS: "1"}
+    rejected = await h.dispatcher.route(RequestHead.of("POST", COMPLETIONS, tight), completion_body(3000))
+    assert isinstance(rejected, Rejected) and rejected.status == 503
+    assert "over its overload line" in error_of(rejected)["message"]
+
+
 async def test_no_prefill_node_without_the_degraded_policy_is_503(harness: HarnessFactory) -> None:
     rejected = await harness(make_cluster(prefill=False)).dispatcher.route(
         RequestHead.of("POST", COMPLETIONS, {}), completion_body(50)
