@@ -310,7 +310,7 @@ def test_a_field_added_to_the_step_record_is_named_and_encoded_with_no_other_edi
         preempted: int | None = None
 
     class ExtendedField(FieldNames, struct=Extended):
-        pass
+        """Its names, derived from Extended alone."""
 
     assert ExtendedField.PREEMPTED == "preempted" and ExtendedField.REQUIRED == c.StepField.REQUIRED
     fields = {n: getattr(STEP, n) for n in EngineStep.__struct_fields__}

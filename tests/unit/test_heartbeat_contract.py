@@ -188,7 +188,7 @@ class _Extended(Heartbeat, frozen=True, gc=False, omit_defaults=True):
 
 
 class _ExtendedField(FieldNames, struct=_Extended):
-    pass
+    """Its names, derived from _Extended alone."""
 
 
 def test_a_field_added_to_the_struct_is_named_encoded_and_checked_with_no_other_edit() -> None:

@@ -11,6 +11,7 @@ constraint the words cannot be derived from carries them in ``Meta(description=.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
@@ -71,11 +72,8 @@ def decode_object(data: Mapping[str, Any], struct: type[S], error: type[Exceptio
     """``data`` (a decoded JSON object) as the struct. msgspec checks it in C; what it refuses,
     or a NaN or an infinity it lets through (Python's JSON reader makes them), goes to
     :func:`decode_fields`, for the same verdict as always and a message naming the field."""
-    try:
+    with contextlib.suppress(msgspec.ValidationError):  # refused: the checked decoder says why
         value = msgspec.convert(data, struct)
-    except msgspec.ValidationError:
-        pass
-    else:
         if _finite(value):
             return value
     return struct(**decode_fields(data, struct, error, prefix))
@@ -110,10 +108,8 @@ def decode_fields(
 
 
 def _decode_value(t: mi.Type, value: Any, where: str, error: type[Exception], prefix: str) -> Any:
-    try:
+    with contextlib.suppress(_Invalid):
         return _convert(t, value, list)
-    except _Invalid:
-        pass
     # Wrong somewhere inside a nested object, or a list of them: say where.
     inner = _without_none(t)
     if isinstance(inner, mi.StructType) and isinstance(value, dict):
@@ -142,7 +138,7 @@ def check_fields(struct: msgspec.Struct, error: type[Exception], prefix: str = "
 
 
 class _Invalid(Exception):
-    pass
+    """A value that is not what its field declares (raised by :func:`_convert`, never escapes)."""
 
 
 def _convert(t: mi.Type, value: Any, sequence: type[list] | type[tuple]) -> Any:
