@@ -87,10 +87,10 @@ from kairos.common.contracts import (
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.extproc.membership import Membership, MembershipConfig
-from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
 from kairos.launcher.servers import (
-    envoy_process,
+    gateway_process,
     redis_answers,
     redis_process,
     throwaway_redis_options,
@@ -470,22 +470,16 @@ def start_dispatchers(
         metrics_ports.append(metrics_port)
         pids[f"dispatcher-{i}"] = proc.pid
     port, admin = free_port(), free_port()
-    cfg = logs / f"k{k}-envoy.yaml"
-    cfg.write_text(
-        render_envoy_config(
-            EnvoySettings(
-                listen_host=HOST,
-                listen_port=port,
-                admin_host=HOST,
-                admin_port=admin,
-                dispatchers=tuple(f"{HOST}:{p}" for p in grpc_ports),
-                sidecars=(upstream,),
-            )
-        )
+    settings = EnvoySettings(
+        listen_host=HOST,
+        listen_port=port,
+        admin_host=HOST,
+        admin_port=admin,
+        dispatchers=tuple(f"{HOST}:{p}" for p in grpc_ports),
+        sidecars=(upstream,),
     )
-    envoy = group.start(
-        envoy_process("envoy", cfg, logs / f"k{k}-envoy.log", admin, admin_host=HOST, prefix=below), timeout_s=60
-    )
+    gateway = gateway_process("envoy", settings, logs / f"k{k}-envoy.yaml", logs / f"k{k}-envoy.log", prefix=below)
+    envoy = group.start(gateway, timeout_s=60)
     pids["envoy"] = envoy.pid
     return port, metrics_ports, pids
 

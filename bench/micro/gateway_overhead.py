@@ -92,10 +92,10 @@ from kairos.api.openai_request import RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.block_hash import block_keys
-from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
+from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, tcp_ready
-from kairos.launcher.servers import envoy_process
+from kairos.launcher.servers import envoy_process, gateway_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -431,20 +431,16 @@ def start_noop_gateway(
         ),
         timeout_s=60,
     )
-    cfg = workdir / f"{name}-envoy.yaml"
-    cfg.write_text(
-        render_envoy_config(
-            EnvoySettings(
-                listen_host=HOST,
-                listen_port=port,
-                admin_host=HOST,
-                admin_port=admin,
-                dispatchers=(f"{HOST}:{grpc_port}",),
-                sidecars=(upstream,),
-            )
-        )
+    settings = EnvoySettings(
+        listen_host=HOST,
+        listen_port=port,
+        admin_host=HOST,
+        admin_port=admin,
+        dispatchers=(f"{HOST}:{grpc_port}",),
+        sidecars=(upstream,),
     )
-    start_envoy(group, workdir, f"{name}-envoy", cfg, admin)
+    name = f"{name}-envoy"
+    group.start(gateway_process(name, settings, workdir / f"{name}.yaml", workdir / f"{name}.log"), timeout_s=60)
     return HOST, port
 
 
