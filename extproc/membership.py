@@ -584,6 +584,7 @@ class Membership:
                     hb.max_step_tokens,
                     reported_at=reported_at,
                     computed_tokens=hb.queued_prefill_computed_tokens or (),
+                    running_step_elapsed_s=hb.running_step_elapsed_s,
                 )
             )
         else:
@@ -600,6 +601,7 @@ class Membership:
                     step_calibration=1.0 if hb.step_calibration is None else hb.step_calibration,
                     pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),
                     tpot_slo_s=_tpot_slo_s(hb),
+                    running_step_elapsed_s=hb.running_step_elapsed_s,
                 )
             )
         return events

@@ -179,6 +179,8 @@ class EngineSnapshot:
     # Decode nodes: the tightest TPOT SLO among the requests in flight (None: none)
     tpot_slo_s: float | None = None
     queued_prefill_computed_tokens: tuple[int, ...] = ()  # likewise, per queued_prefill_tokens entry
+    # How long the step in flight had run at the snapshot (None: none in flight, or no time given)
+    running_step_elapsed_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -245,6 +247,7 @@ class Engine:
     kv_prefill_pending: int = 0  # prompt tokens admitted prefills will still add
     kv_pinned: int = 0  # cached prompt tokens of sequences not yet resident (queued, or awaiting a transfer)
     step_index: int = 0
+    step_started_at: float | None = None  # the start of the step planned and not yet finished (None: none)
     unstarted_decodes: int = 0  # in ``decoding`` with no token yet (joined by transfer, no step since)
     # Remaining prompt tokens of the prefills without and with a schedule, kept as they change,
     # so a heartbeat of a long queue costs one C-level copy, not a Python loop.
@@ -466,6 +469,7 @@ class Engine:
             prefill += n
         if b == 0 and not chunks:
             return None
+        self.step_started_at = now
         return StepPlan(self.step_index, now, b, self.kv_used, tuple(chunks), self.unstarted_decodes, prefill)
 
     def step_duration(self, plan: StepPlan) -> float:
@@ -538,6 +542,7 @@ class Engine:
         if cache is not None and cache.free_queue and plan.decode_tokens:
             self._make_room()  # the decodes' new tokens may need a free cached block's room
         self.step_index += 1
+        self.step_started_at = None
         return StepOutcome(plan, duration, tuple(first), tuple(done), tuple(emitted))
 
     def release(self, seq: Sequence) -> None:
@@ -556,7 +561,14 @@ class Engine:
         queue = self._unscheduled
         return len(queue.tokens), queue.total, queue.squared, queue.attention
 
-    def snapshot(self) -> EngineSnapshot:
+    def running_step_elapsed_s(self, now: float) -> float | None:
+        """How long the step in flight has run at ``now`` (the driver's time base); None: no step
+        in flight (the engine is idle, or between a step's end and the next one's plan)."""
+        started = self.step_started_at
+        return None if started is None else max(0.0, now - started)
+
+    def snapshot(self, now: float | None = None) -> EngineSnapshot:
+        """What a heartbeat reports; with ``now``, how long the step in flight has run by then."""
         return EngineSnapshot(
             node_id=self.config.node_id,
             role=self.config.role,
@@ -570,6 +582,7 @@ class Engine:
             scheduled_prefill_computed_tokens=tuple(self._scheduled.computed),
             tpot_slo_s=self.tightest_tpot_s() if self.config.role is Role.DECODE else None,
             queued_prefill_computed_tokens=tuple(self._unscheduled.computed),
+            running_step_elapsed_s=None if now is None else self.running_step_elapsed_s(now),
         )
 
     def tightest_tpot_s(self) -> float | None:

@@ -305,7 +305,7 @@ class Simulator:
     def _fresh_view(self, now: float) -> ClusterView:
         return ClusterView(
             prefill=tuple(_prefill_state(e, now) for e in self.prefill),
-            decode=tuple(_decode_state(e.snapshot(), now, self.links[e.config.node_id]) for e in self.decode),
+            decode=tuple(_decode_state(e.snapshot(now), now, self.links[e.config.node_id]) for e in self.decode),
         )
 
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:
@@ -498,13 +498,20 @@ class Simulator:
         if engine.config.role is Role.PREFILL:
             self.tracker.update_prefill(_prefill_state(engine, now))
         else:
-            self.tracker.update_decode(_decode_state(engine.snapshot(), now, self.links[node_id]))
+            self.tracker.update_decode(_decode_state(engine.snapshot(now), now, self.links[node_id]))
 
 
 def _prefill_state(engine: Engine, now: float) -> PrefillNodeState:
     count, tokens, squared, attention = engine.queue_load()
     return PrefillNodeState(
-        engine.config.node_id, count, tokens, squared, engine.config.max_step_tokens, now, attention_tokens=attention
+        engine.config.node_id,
+        count,
+        tokens,
+        squared,
+        engine.config.max_step_tokens,
+        now,
+        attention_tokens=attention,
+        running_step_elapsed_s=engine.running_step_elapsed_s(now),
     )
 
 
@@ -520,6 +527,7 @@ def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeSt
         step_calibration=1.0 if snap.step_calibration is None else snap.step_calibration,
         pending_kv_pull_tokens=link.pending_tokens(),
         tpot_slo_s=_tighter(snap.tpot_slo_s, link.tightest_tpot_s()),
+        running_step_elapsed_s=snap.running_step_elapsed_s,
     )
 
 

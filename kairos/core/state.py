@@ -33,6 +33,10 @@ class PrefillNodeState:
     # Of outstanding_tokens, those the dispatcher sent since the heartbeat (the view's overlay):
     # the node has been running only the rest since it reported.
     overlay_tokens: int = 0
+    # How long the node had been running its step in flight at the heartbeat (reported_at): the
+    # queue still counts that step's tokens. None: none in flight, or not reported (a node older
+    # than the field): the keep estimate takes it as half done.
+    running_step_elapsed_s: float | None = None
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use, as DecodeNodeState.derived). Not part of the state's value.
     derived: Any = field(default=None, init=False, repr=False, compare=False)
@@ -50,6 +54,7 @@ class PrefillNodeState:
                 f"prefill node {self.node_id}: attention_tokens={self.attention_tokens} must be >= 0 and "
                 f"overlay_tokens={self.overlay_tokens} within 0..outstanding_tokens={self.outstanding_tokens}"
             )
+        _check_elapsed(self.node_id, "prefill", self.running_step_elapsed_s)
 
     @classmethod
     def from_queue(
@@ -59,16 +64,31 @@ class PrefillNodeState:
         chunk_tokens: int,
         reported_at: float,
         computed_tokens: Sequence[int] = (),
+        running_step_elapsed_s: float | None = None,
     ) -> PrefillNodeState:
         """The state of a node whose queue holds these remaining prefill tokens, one per request,
         each over the prompt tokens ``computed_tokens`` says it computed already (none where the
-        list is shorter)."""
+        list is shorter), running a step for ``running_step_elapsed_s`` (None: not known)."""
         queue = tuple(queued_prefill_tokens)
         attention = sum(
             prompt_attention_tokens(n, computed_tokens[i] if i < len(computed_tokens) else 0, chunk_tokens)
             for i, n in enumerate(queue)
         )
-        return cls(node_id, len(queue), sum(queue), sum(n * n for n in queue), chunk_tokens, reported_at, attention)
+        return cls(
+            node_id,
+            len(queue),
+            sum(queue),
+            sum(n * n for n in queue),
+            chunk_tokens,
+            reported_at,
+            attention,
+            running_step_elapsed_s=running_step_elapsed_s,
+        )
+
+
+def _check_elapsed(node_id: str, role: str, elapsed: float | None) -> None:
+    if elapsed is not None and not (0 <= elapsed < math.inf):
+        raise ValueError(f"{role} node {node_id}: running_step_elapsed_s must be a number >= 0, got {elapsed}")
 
 
 def prompt_attention_tokens(remaining: int, computed: int, chunk_tokens: int) -> float:
@@ -186,6 +206,13 @@ class DecodeNodeState:
     # a batch request never loosens the steps an interactive one runs in. None: none known (the
     # node holds nothing, or reports none): the request's own TPOT alone.
     tpot_slo_s: float | None = None
+    # How long the node had been running its step in flight at the heartbeat (reported_at): a
+    # deflection joins the node's batch when it ends. None: none in flight, or not reported (a
+    # node older than the field): taken as half done.
+    running_step_elapsed_s: float | None = None
+    # Of prefill_backlog_tokens, the last ones were sent since the heartbeat (the view's overlay):
+    # none of them was running then.
+    overlay_backlog: int = 0
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
@@ -205,6 +232,12 @@ class DecodeNodeState:
         tpot = self.tpot_slo_s
         if tpot is not None and not (0 < tpot < float("inf")):
             raise ValueError(f"decode node {self.node_id}: tpot_slo_s must be > 0, got {tpot}")
+        _check_elapsed(self.node_id, "decode", self.running_step_elapsed_s)
+        if not 0 <= self.overlay_backlog <= len(self.prefill_backlog_tokens):
+            raise ValueError(
+                f"decode node {self.node_id}: overlay_backlog={self.overlay_backlog} must be within "
+                f"0..{len(self.prefill_backlog_tokens)} (the backlog's entries)"
+            )
         computed = self.prefill_backlog_computed_tokens
         if len(computed) > len(self.prefill_backlog_tokens) or any(c < 0 for c in computed):
             raise ValueError(

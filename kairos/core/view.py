@@ -364,6 +364,7 @@ class ClusterTracker:
             tpot_slo_s=None if tpot == math.inf else tpot,
             kv_tokens=s.kv_tokens + prefixes,
             prefill_backlog_tokens=s.prefill_backlog_tokens + tuple(d.tokens for d in extra),
+            overlay_backlog=s.overlay_backlog + len(extra),
             prefill_backlog_computed_tokens=computed,
             incoming_keeps=s.incoming_keeps + keeps,
             incoming_keep_tokens=s.incoming_keep_tokens + keep_tokens,

@@ -66,10 +66,12 @@ def build_state(
     step_calibration: float | None = None,
     kv_pulls: Iterable[int] | None = None,
     tpot_slo_s: float | None = None,
+    running_step_elapsed_s: float | None = None,
 ) -> EngineState:
     """The snapshot; ``kv_pulls``: on a decode node, the prompt tokens of each request whose KV it
     has yet to receive from a prefill node, in queue order (None on a prefill node);
-    ``tpot_slo_s``: on a decode node, the tightest TPOT SLO among its requests (None: none)."""
+    ``tpot_slo_s``: on a decode node, the tightest TPOT SLO among its requests (None: none);
+    ``running_step_elapsed_s``: how long the step in flight has run (None: no step in flight)."""
     queued: list[int] = []
     scheduled: list[int] = []
     scheduled_computed: list[int] = []
@@ -94,5 +96,6 @@ def build_state(
         queued_prefill_computed_tokens=tuple(queued_computed),
         pending_kv_pull_tokens=None if kv_pulls is None else tuple(kv_pulls),
         tpot_slo_ms=None if tpot_slo_s is None else tpot_slo_s * 1e3,
+        running_step_elapsed_s=running_step_elapsed_s,
         as_of=time.time(),
     )

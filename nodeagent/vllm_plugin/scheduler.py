@@ -362,7 +362,18 @@ class KairosScheduler(Scheduler):
             step_calibration=None if self._calibration is None else self._calibration.value,
             kv_pulls=None if self.kairos.role == Role.PREFILL else pulls,
             tpot_slo_s=None if self.kairos.role == Role.PREFILL else self._tpots.tightest_s(self.requests),
+            running_step_elapsed_s=self._next_step_elapsed_s(),
         )
+
+    def _next_step_elapsed_s(self) -> float | None:
+        """How long the step in flight has run at this snapshot, as far as the scheduler can see:
+        approximate. vLLM's engine loop calls the scheduler only between steps (this class runs
+        synchronously), so a snapshot never sees a step in flight; with requests running, the next
+        one starts once this call returns (after schedule() and the inputs' preparation, a
+        millisecond or so, which this leaves out), and the snapshot's queues still count its
+        tokens: 0. None with none running (idle, or only waiting for KV room or a KV transfer):
+        no step follows at once. The heartbeat publisher adds the time since the snapshot (as_of)."""
+        return 0.0 if self.running else None
 
     def _pending(self, r: Request, computed: int | None = None) -> PendingPrefill:
         done = r.num_computed_tokens if computed is None else computed

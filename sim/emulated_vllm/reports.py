@@ -35,7 +35,8 @@ class NodeReports:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def state(self, request: web.Request) -> web.Response:
-        snap = self.engine.engine.snapshot()
+        rt = self.engine
+        snap = rt.engine.snapshot(rt.now())  # its step in flight's run so far in model seconds, as every time here
         state = c.EngineState(
             decode_tokens=snap.decode_tokens,
             kv_tokens=snap.kv_tokens,
@@ -49,6 +50,7 @@ class NodeReports:
             scheduled_prefill_computed_tokens=snap.scheduled_prefill_computed_tokens,
             tpot_slo_ms=None if snap.tpot_slo_s is None else snap.tpot_slo_s * 1e3,
             queued_prefill_computed_tokens=snap.queued_prefill_computed_tokens,
+            running_step_elapsed_s=snap.running_step_elapsed_s,
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

@@ -618,7 +618,11 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
             "scheduled_prefill_computed_tokens",  # one per deflected prefill: none here
             "tpot_slo_ms",  # the tightest TPOT in flight: requests without one hold the cluster's
             "queued_prefill_computed_tokens",  # one per queued prefill
+            "running_step_elapsed_s",  # two decoding: a step is always in flight
         }
+        # In model seconds, as every time the node reports (on a starved host the loop can trail
+        # the clock, so no upper bound here; tests/unit/test_step_phase.py checks the engine's).
+        assert isinstance(state["running_step_elapsed_s"], float) and state["running_step_elapsed_s"] >= 0
         assert state["tpot_slo_ms"] == pytest.approx(defaults.TBT_SLO_S * 1e3)
         # The node calibrates on its steps as its readers saw them (wall time, late wakes on a
         # busy host included): never under the prior (1.0, the packaged profile has no measured
@@ -643,6 +647,7 @@ async def test_state_and_metrics_follow_a_concurrent_load(model_dir: Path, http:
         state = await get_json(http, f"{d.url}/kairos/state")
         assert (state["decode_tokens"], state["kv_tokens"], state["queued_prefill_tokens"]) == (0, 0, [])
         assert "tpot_slo_ms" not in state  # none in flight
+        assert "running_step_elapsed_s" not in state  # idle: no step in flight
 
 
 async def test_client_disconnect_mid_stream_stops_the_sequence(decode: Node, http: aiohttp.ClientSession) -> None:

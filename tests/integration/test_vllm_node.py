@@ -209,7 +209,7 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     cluster = vllm_cluster
     node = cluster.node("d0")
     client = redis.Redis.from_url(cluster.redis_url)
-    period_s = cluster.config.heartbeat_ms / 1e3
+    period_s = cluster.config.heartbeat_period_s
     beats: list[tuple[float, dict[str, Any]]] = []
     samples: list[tuple[float, float, float, float, float]] = []  # scrape start, end, running, waiting, usage
     stop = threading.Event()
@@ -331,6 +331,13 @@ def test_heartbeat_agrees_with_vllm_metrics_under_load(vllm_cluster: VllmCluster
     # The last beat the watcher saw, not a fresh read: with a 0.5 s TTL the key can lapse for a
     # moment on a starved host (CI once read None here right after the load stopped).
     assert beats, "no heartbeat of d0 seen while sampling"
+    # The step in flight: the plugin's snapshot is taken between steps, a step follows at once
+    # while any request runs (none otherwise), and the publisher counts the time since it.
+    elapsed = c.HeartbeatField.RUNNING_STEP_ELAPSED_S
+    for _, b in fresh_beats():
+        assert (elapsed in b) == (b[c.HeartbeatField.RUNNING_REQUESTS] > 0), b
+        assert b.get(elapsed, 0.0) >= 0.0, b
+    assert any(elapsed in b for _, b in fresh_beats()), "no beat under load said how long its step had run"
     last = beats[-1][1]
     capacity = last[c.HeartbeatField.KV_CAPACITY_TOKENS]
     assert capacity > 0 and last[c.HeartbeatField.MAX_STEP_TOKENS] == 512

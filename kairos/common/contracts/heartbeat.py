@@ -40,6 +40,9 @@ Amount = Annotated[float, msgspec.Meta(ge=0)]
 StepTokens = Annotated[int, msgspec.Meta(ge=1)]
 Calibration = Annotated[float, msgspec.Meta(ge=STEP_CALIBRATION_MIN, le=STEP_CALIBRATION_MAX)]
 SloMs = Annotated[float, msgspec.Meta(gt=0, extra={"unit": "milliseconds"})]
+# A duration the engine measured, in seconds: as sent_at and as_of (and the step records' start and
+# duration) are. Only the TPOT SLO is in milliseconds, the unit an SLO is set in.
+ElapsedS = Annotated[float, msgspec.Meta(ge=0, extra={"unit": "seconds"})]
 Endpoint = Annotated[
     str,
     msgspec.Meta(
@@ -99,6 +102,12 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     # prefill has computed already (a prefill node's head, part done, or a prefix cache hit),
     # which its remaining chunks attend to (the keep path's queue estimate).
     queued_prefill_computed_tokens: tuple[Count, ...] | None = None
+    # How long the engine step in flight had been running when the state was read (in the
+    # heartbeat: when it was sent), seconds. The state's queues still count that step's tokens; the
+    # dispatcher takes what is left of the step from this instead of half a step on average. A
+    # duration, not a time: no clock is shared with the dispatcher. None: no step in flight (an idle
+    # engine), or a node older than the field (the dispatcher then assumes half a step, as before).
+    running_step_elapsed_s: ElapsedS | None = None
     # From the publisher's config, not the engine's state: where the node publishes vLLM's KV
     # cache events (--kv-events-config), and their topic. None: no events, the dispatcher reads
     # the node's prefix hits as zero.
