@@ -89,7 +89,7 @@ def path_estimate(
             return alg.keep_ttft_s(models, config, prefill_s, decode, d.prompt_tokens), prefill_s
         prefill_s = keep_prefill_s(models, config, prefill, d.prompt_tokens, 0, now)
         return alg.keep_ttft_s(models, config, prefill_s, decode, d.prompt_tokens, 0, now), prefill_s
-    plan = alg.plan_on_decode_node(models, config, decode, d.prompt_tokens, math.inf)
+    plan = alg.plan_on_decode_node(models, config, decode, d.prompt_tokens, math.inf, 0, now)
     return (math.nan if isinstance(plan, str) else plan.ttft_s), math.nan
 
 
@@ -109,7 +109,7 @@ class ProbedSimulator(simmod.Simulator):
         for e in self.prefill:
             tracker.update_prefill(simmod._prefill_state(e, now))
         for e in self.decode:
-            tracker.update_decode(simmod._decode_state(e.snapshot(), now, self.links[e.config.node_id]))
+            tracker.update_decode(simmod._decode_state(e.snapshot(now), now, self.links[e.config.node_id]))
         return tracker.view()
 
     def _on_arrival(self, now: float, spec: RequestSpec) -> None:

@@ -604,7 +604,7 @@ def test_the_packed_queue_is_the_prefill_nodes_own_schedule(queue: list[int], pr
     """The node packs its token budget across prompts: after the step it runs at the heartbeat,
     the prompt's first chunk fills what the queue leaves of its last step. With truth = model, the
     estimate is the engine's prefill end, less half the step running at the heartbeat (its phase,
-    unknown to a heartbeat)."""
+    which a node older than running_step_elapsed_s does not say: tests/unit/test_step_phase.py)."""
     end, first = _prefill_end_on_the_engine(UNCACHED_PREFILL, queue, prompt, 2048)
     node = PrefillNodeState.from_queue("p1", queue, 2048, reported_at=0.0)
     estimate = alg.packed_prefill_s(UNCACHED_PREFILL, node, prompt, now=0.0)

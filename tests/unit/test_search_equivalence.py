@@ -112,12 +112,13 @@ def reference_decide(prompt: int, view: ClusterView, models: LatencyModels, conf
     memo: dict[tuple[object, ...], object] = {}
     for node in sorted(eligible, key=lambda n: n.node_id):
         key = (node.decode_tokens, node.kv_tokens, node.prefill_backlog_tokens, node.step_calibration)
+        key += (node.running_step_elapsed_s, node.reported_at, node.overlay_backlog)  # where the node's step is
         if config.plan_with_pulls:  # plan_on_decode_node plans beside the pulls: they are part of the node's plan
             key += (node.pending_kv_pull_tokens,)
         give_up = bound if best is None else min(bound, best[0])
         plan = memo.get(key)
         if plan is None:
-            plan = memo[key] = alg.plan_on_decode_node(models, config, node, prompt, give_up)
+            plan = memo[key] = alg.plan_on_decode_node(models, config, node, prompt, give_up, 0, NOW)
         if plan == "too_slow":
             any_too_slow = True
         elif not isinstance(plan, str) and (best is None or plan.ttft_s < best[0]):
@@ -174,6 +175,7 @@ def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
     nodes = []
     for i in ids:
         b, k = draw(st.sampled_from(pool) | shapes)
+        backlog = tuple(draw(st.lists(st.integers(1, 6000), max_size=2)))
         nodes.append(
             DecodeNodeState(
                 f"d{i}",
@@ -181,11 +183,15 @@ def decode_nodes(draw: st.DrawFn, n: int) -> tuple[DecodeNodeState, ...]:
                 k,
                 kv_capacity_tokens=draw(st.sampled_from([10_000_000, k + 20_000, k])),
                 reported_at=draw(st.sampled_from([0.0, 0.0, 0.0, -1.0])),  # -1.0: stale
-                prefill_backlog_tokens=tuple(draw(st.lists(st.integers(1, 6000), max_size=2))),
+                prefill_backlog_tokens=backlog,
                 incoming_keeps=draw(st.integers(0, 2)),
                 incoming_keep_tokens=draw(st.integers(0, 8000)),
                 step_calibration=draw(st.sampled_from([1.0, 1.0, 1.0, 0.8, 1.3])),
                 pending_kv_pull_tokens=tuple(draw(st.lists(st.integers(1, 30_000), max_size=3))),
+                # How long its step in flight had run (None: a node older than the field), and
+                # how many of its backlog were sent since its heartbeat.
+                running_step_elapsed_s=draw(st.sampled_from([None, 0.0]) | st.floats(0.0, 0.3)),
+                overlay_backlog=draw(st.integers(0, len(backlog))),
             )
         )
     return tuple(nodes)
@@ -236,8 +242,8 @@ def test_any_valid_bound_gives_the_same_decision(
     rng = random.Random(seed)
     real = deflection_search.lower_bound_from_facts  # what the search calls: ttft_lower_bound_s from the node's facts
 
-    def loose(facts: Any, node: DecodeNodeState, prompt: int) -> float:
-        bound = real(facts, node, prompt)
+    def loose(facts: Any, node: DecodeNodeState, prompt: int, now: float | None = None) -> float:
+        bound = real(facts, node, prompt, now)
         if math.isinf(bound):
             return rng.choice([math.inf, rng.uniform(0.0, 10.0)])
         return bound * rng.choice([0.0, 1.0, rng.random()])
@@ -260,17 +266,18 @@ def test_lower_bound_never_exceeds_the_schedules_ttft(
     node: DecodeNodeState, prompt: int, config: alg.DeciderConfig, name: str
 ) -> None:
     models = MODELS[name]
-    plan = alg.plan_on_decode_node(models, config, node, prompt, math.inf)
-    bound = alg.ttft_lower_bound_s(models, config, node, prompt)
-    if isinstance(plan, str):
-        assert plan == "infeasible"
-    else:
-        assert 0 < bound <= plan.ttft_s * (1 + 1e-12), (bound, plan.ttft_s)
+    for now in (None, NOW):  # from the heartbeat, and shifted to now by the node's step phase
+        plan = alg.plan_on_decode_node(models, config, node, prompt, math.inf, 0, now)
+        bound = alg.ttft_lower_bound_s(models, config, node, prompt, now)
+        if isinstance(plan, str):
+            assert plan == "infeasible"
+        else:
+            assert 0 < bound <= plan.ttft_s * (1 + 1e-12), (bound, plan.ttft_s)
 
 
 @EXAMPLES
 @given(
-    node=decode_nodes(1).map(lambda nodes: replace(nodes[0], prefill_backlog_tokens=())),
+    node=decode_nodes(1).map(lambda nodes: replace(nodes[0], prefill_backlog_tokens=(), overlay_backlog=0)),
     prompt=prompts,
     config=configs,
     name=st.sampled_from(sorted(n for n, m in MODELS.items() if m.mixed_nonnegative)),
@@ -280,8 +287,9 @@ def test_a_schedule_read_off_the_nodes_path_is_the_greedys_to_the_bit(
     node: DecodeNodeState, prompt: int, config: alg.DeciderConfig, name: str, give_up: float
 ) -> None:
     models = MODELS[name]
-    expected = alg.plan_on_decode_node(models, config, node, prompt, give_up)
-    assert plan_on_path(models, config, node, prompt, give_up) == expected
+    for now in (None, NOW):
+        expected = alg.plan_on_decode_node(models, config, node, prompt, give_up, 0, now)
+        assert plan_on_path(models, config, node, prompt, give_up, 0, now) == expected
 
 
 @pytest.mark.parametrize("name", sorted(n for n, m in MODELS.items() if m.mixed_nonnegative))

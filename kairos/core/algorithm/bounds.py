@@ -23,6 +23,7 @@ from kairos.core.algorithm.schedule import (
     greedy_steps,
     plan_on_decode_node,
     safe_steps,
+    start_shift_s,
     step_table,
 )
 from kairos.core.latency import LatencyModels
@@ -176,14 +177,19 @@ def plan_on_path(
     prompt_tokens: int,
     give_up_after_s: float,
     cached_tokens: int = 0,
+    now: float | None = None,
 ) -> Plan | str:
     """``plan_on_decode_node``, to the bit, on a monotone profile: for a node without a backlog
     the greedy's steps along the node's path are read from it, and the greedy runs on from where
-    the prompt's tail starts. (The path starts from nothing cached: a cached prefix plans directly.)"""
+    the prompt's tail starts. (The path starts from nothing cached: a cached prefix plans directly.)
+    The path runs from the heartbeat; the TTFT from ``now`` is shifted after (``start_shift_s``),
+    as ``plan_on_decode_node``'s is."""
     if node.prefill_backlog_tokens or cached_tokens:
-        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s, cached_tokens)
+        return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s, cached_tokens, now)
     facts = node_facts(models, config, node)
     tail = _tail_start(facts, node, prompt_tokens)
+    shift = start_shift_s(models, config, node, facts.wait_s, now)
+    give_up_after_s += shift  # on the path's clock, from the heartbeat
     if tail is None:  # the greedy follows the whole path (read to its end), then finds no safe candidate
         return TOO_SLOW if facts.runs and facts.end_s > give_up_after_s else INFEASIBLE
     cached, t, r, j = tail
@@ -204,11 +210,11 @@ def plan_on_path(
     )
     if isinstance(done, str):
         return done
-    return Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=facts.budget_s)
+    return Plan(decode_tokens=facts.b, runs=tuple(done[0]), ttft_s=done[1] - shift, step_budget_s=facts.budget_s)
 
 
 def ttft_lower_bound_s(
-    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, prompt_tokens: int, now: float | None = None
 ) -> float:
     """A TTFT no schedule ``plan_on_decode_node`` finds on ``node`` for this prompt beats
     (``math.inf``: it finds none), valid when ``models.mixed_nonnegative``.
@@ -217,12 +223,14 @@ def ttft_lower_bound_s(
     until at most ``largest`` tokens remain, at cached c*; that time is exact. Each step after
     costs at least ``a0 + a_c c* + p (b0 + b1 c*)`` for its p tokens, only the last one carries
     more than the run's chunk at c* (the greedy's candidate index only grows), and the last one
-    carries no more than a TBT-safe step at c* can.
+    carries no more than a TBT-safe step at c* can. From ``now``, shifted as the schedule's TTFT is.
     """
-    return lower_bound_from_facts(node_facts(models, config, node), node, prompt_tokens)
+    return lower_bound_from_facts(node_facts(models, config, node), node, prompt_tokens, now)
 
 
-def lower_bound_from_facts(facts: NodeFacts, node: DecodeNodeState, prompt_tokens: int) -> float:
+def lower_bound_from_facts(
+    facts: NodeFacts, node: DecodeNodeState, prompt_tokens: int, now: float | None = None
+) -> float:
     """``ttft_lower_bound_s`` from the node's facts (the search has them at hand)."""
     tail = _tail_start(facts, node, prompt_tokens)
     if tail is None:
@@ -239,4 +247,7 @@ def lower_bound_from_facts(facts: NodeFacts, node: DecodeNodeState, prompt_token
         last_max = (facts.bound_step_s - head) / per_token
         if rest > last_max:  # integers from here: the count must not round up
             steps += -((math.floor(max(0.0, last_max)) - rest) // chunk)
-    return t + steps * head + rest * per_token
+    bound = t + steps * head + rest * per_token
+    if now is None or node.running_step_elapsed_s is None:
+        return bound
+    return bound - start_shift_s(facts.models, facts.config, node, facts.wait_s, now)

@@ -90,7 +90,7 @@ def decide(
 
     margin_s = config.alpha * ttft_pf
     bound = min(margin_s, config.ttft_slo_s)
-    best, any_too_slow = best_deflection(models, config, eligible, prompt_tokens, bound, facts, cached, refused)
+    best, any_too_slow = best_deflection(models, config, eligible, prompt_tokens, bound, facts, cached, refused, now)
 
     if best is None:
         if not any_too_slow:
@@ -143,7 +143,7 @@ def decide_without_prefill_pool(
         raise NoHealthyNodeError("no prefill or decode node is registered")
     _, eligible, facts, any_can_take = scan_decode_nodes(models, view, now, config, prompt_tokens)
     bound = config.ttft_slo_s
-    best, any_too_slow = best_deflection(models, config, eligible, prompt_tokens, bound, facts)
+    best, any_too_slow = best_deflection(models, config, eligible, prompt_tokens, bound, facts, now=now)
     if best is None:
         if not any(is_fresh(n.reported_at, now, config) for n in view.decode):
             why = "no decode node is fresh either"

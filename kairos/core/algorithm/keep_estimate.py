@@ -43,7 +43,7 @@ def keep_handoff_s(
       (``mean_output_tokens``), so D x M x T0 / k from now, less the time already to pass
       before the transfer could start.
     - T_join: the request joins the node's next step; its first token is that step's, T0(b+1,
-      k+prompt), after the step running then (half a step on average; none on an idle node).
+      k+prompt), after the step running then (``join_wait_s``; none on an idle node).
 
     b and k are the node's decodes and KV once the backlog, the incoming keeps and the pulls
     ahead have joined."""
@@ -64,8 +64,30 @@ def keep_handoff_s(
     deficit = prompt_tokens - (node.kv_capacity_tokens - k)
     if deficit > 0 and k > 0:
         admission = max(0.0, deficit * config.mean_output_tokens * t0 / k - prefill_s - link_wait)
-    join = models.decode_step_s(b + 1, k + prompt_tokens) + (0.5 * t0 if b > 0 else 0.0)
-    return link_wait + transfer + admission + join
+    wait = link_wait + transfer + admission
+    join = models.decode_step_s(b + 1, k + prompt_tokens) + (
+        join_wait_s(models, node, t0, prefill_s + wait, now) if b > 0 else 0.0
+    )
+    return wait + join
+
+
+def join_wait_s(
+    models: LatencyModels, node: DecodeNodeState, step_s: float, lands_s: float, now: float | None
+) -> float:
+    """From the KV's landing on decode node ``node`` (``lands_s`` from ``now``) to the end of the
+    step the node runs then, which the request joins after. The node's decodes run step after step:
+    where it said how long its step in flight had run at its heartbeat (``running_step_elapsed_s``)
+    and runs no deflected prefill, their train is projected to then at that step's time, T0 of its
+    batch as reported. With truth = model that is exact while the batch holds; where it changes
+    (a decode ends or joins, a chunk runs) or steps vary, the phase drifts, as unknown as it is
+    without the field. Else half of ``step_s`` (T0 of the batch then) on average."""
+    elapsed = node.running_step_elapsed_s
+    if elapsed is None or now is None or node.prefill_backlog_tokens or not node.decode_tokens:
+        return 0.5 * step_s
+    step = models.decode_step_s(node.decode_tokens, node.kv_tokens)
+    if step <= 0.0:
+        return 0.5 * step_s
+    return step - (elapsed + max(0.0, now - node.reported_at) + lands_s) % step
 
 
 def keep_ttft_s(

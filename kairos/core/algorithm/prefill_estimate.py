@@ -58,10 +58,13 @@ def packed_prefill_s(
     prompt's chunks at a step of their own (Bursty 2P2D with exact inputs: the keep path's prefill
     end off by 3.5% of its TTFT that way, 2.2% this way: bench/sim/prediction_error.py).
 
-    Less what the node has run since its heartbeat (``reported_at``): the step it was running
-    then, half done on average, and the heartbeat's age since, as far as the queue the heartbeat
-    showed lasts (the view's overlay, ``overlay_tokens``, is work sent since; a node idle at its
-    heartbeat starts it at once). With ``now`` None the heartbeat is taken as current."""
+    Less what the node has run of the queue it showed (the view's overlay, ``overlay_tokens``, is
+    work sent since; a node idle at its heartbeat starts it at once), as far as that queue lasts:
+    the step it was running at its heartbeat (``reported_at``) for as long as the node says it had
+    (``running_step_elapsed_s``; half the step on average where it does not say), and the
+    heartbeat's age since. With ``now`` None the heartbeat is taken as current. (Half a step for
+    every node left the keep path's prefill end off by 2.0-2.2% of its TTFT on Bursty 2P2D with
+    exact inputs: bench/sim/prediction_error.py.)"""
     chi = node.chunk_tokens
     facts = node.derived
     if facts is None or facts[0] is not models:
@@ -78,7 +81,9 @@ def packed_prefill_s(
     if running_s == 0.0:
         return after
     age = 0.0 if now is None else max(0.0, now - node.reported_at)
-    return running_s + after - min(0.5 * running_s + age, shown_s)
+    elapsed = node.running_step_elapsed_s
+    ran = (0.5 * running_s if elapsed is None else elapsed) + age
+    return running_s + after - (ran if ran < shown_s else shown_s)
 
 
 def _queue_facts(models: LatencyModels, node: PrefillNodeState) -> tuple[LatencyModels, int, float, float, float]:

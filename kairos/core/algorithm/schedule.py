@@ -216,28 +216,45 @@ def _backlog_schedule(
     )
 
 
+def decode_step_left_s(models: LatencyModels, node: DecodeNodeState, elapsed: float | None) -> float:
+    """What is left of the decode-only step ``node`` is running, ``elapsed`` after one of them
+    began: its decodes' steps run back to back, each T0(B, K) of its batch as reported (half a
+    step where ``elapsed`` is None: the phase unknown)."""
+    step = models.decode_step_s(node.decode_tokens, node.kv_tokens)
+    if elapsed is None or step <= 0.0:
+        return 0.5 * step
+    return step - elapsed % step
+
+
 def backlog_end(
     models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, give_up_after_s: float = math.inf
 ) -> tuple[int, int, float | str]:
     """Where a new request's own steps start on ``node``: the decodes and KV tokens beside them
-    (the planning batch, with the node's backlog decoding by then), and when, from now; or, for
-    the time, why the backlog has no schedule (``INFEASIBLE``, or ``TOO_SLOW`` past
-    ``give_up_after_s``).
+    (the planning batch, with the node's backlog decoding by then), and when, from its heartbeat
+    (``start_shift_s`` takes it to now); or, for the time, why the backlog has no schedule
+    (``INFEASIBLE``, or ``TOO_SLOW`` past ``give_up_after_s``).
 
-    The engine takes a request in at a step boundary: the node's running step ends half a step
-    from now on average, as the keep path's full estimate counts at its join (``keep_handoff_s``;
-    with ``keep_estimate="eq1"``, whose Eq. 1 has no join, both start at once, as in the paper).
-    Without a backlog, the running step is the node's decodes' (none on an idle node: it starts
-    at once); with one, it is the backlog head's chunk, which its schedule counts whole, so the
-    backlog ends half of that first step earlier. Then each backlog prefill runs in turn (only
-    with the pending-deflection limit lifted), over its computed prefix."""
+    The engine takes a request in at a step boundary: after the step it is running (with
+    ``keep_estimate="eq1"``, whose Eq. 1 has no join on the keep path either, both start at once,
+    as in the paper). The node says how long that step had run at its heartbeat
+    (``running_step_elapsed_s``); one that does not is taken to be half through it, on average.
+    If the heartbeat showed a backlog, that step is the backlog head's chunk, which its schedule
+    counts whole, so the backlog ends that much earlier (at most the head's whole schedule). Else
+    it is the node's decodes' (none on an idle node: it starts at once), one of a train of equal
+    steps (``decode_step_left_s``), and a backlog sent since the heartbeat (the view's overlay,
+    ``overlay_backlog``) starts after it. Then each backlog prefill runs in turn (only with the
+    pending-deflection limit lifted), over its computed prefix."""
     b, k = planning_batch(config, node)
     backlog = node.prefill_backlog_tokens
-    half = 0.0 if config.keep_estimate == "eq1" else 0.5
-    if not backlog:
-        return b, k, half * models.decode_step_s(node.decode_tokens, node.kv_tokens) if node.decode_tokens else 0.0
-    cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
+    eq1 = config.keep_estimate == "eq1"
+    elapsed = node.running_step_elapsed_s
+    running_chunk = not eq1 and len(backlog) > node.overlay_backlog  # the reported head's
     t: float | str = 0.0
+    if not (eq1 or running_chunk or not node.decode_tokens):
+        t = decode_step_left_s(models, node, elapsed)
+    if not backlog:
+        return b, k, t
+    cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
     for i, tokens in enumerate(backlog):
         if not isinstance(t, str):
             done = _backlog_schedule(
@@ -246,11 +263,37 @@ def backlog_end(
             if isinstance(done, str):
                 t = done
             else:
-                t = done[1] - (half * done[0][0][2] if i == 0 else 0.0)
+                t = done[1]
+                if i == 0 and running_chunk:  # less what the node has run of the head's chunk
+                    t -= 0.5 * done[0][0][2] if elapsed is None else min(elapsed, t)
                 if t > give_up_after_s:
                     t = TOO_SLOW
         b, k = b + 1, k + tokens  # the backlog request decodes on the node from then on
     return b, k, t
+
+
+def start_shift_s(
+    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, start_s: float, now: float | None
+) -> float:
+    """How much sooner than ``start_s`` (``backlog_end``'s, from the heartbeat) a new request's
+    own steps start on ``node``, seen from ``now``: the node has run for the heartbeat's age
+    since. Running a backlog the heartbeat showed, that much of it, as far as it lasts; else its
+    train of decode steps, whose phase at ``now`` the step in flight then says (the shift is
+    negative where a step began since). 0.0 without ``now``, for an idle node, for a node that
+    does not say how long its step had run (planned from its heartbeat, as before the field), and
+    with ``keep_estimate="eq1"`` (the paper's: from the heartbeat, at once)."""
+    elapsed = node.running_step_elapsed_s
+    if now is None or elapsed is None or config.keep_estimate == "eq1":
+        return 0.0
+    age = now - node.reported_at
+    if age <= 0.0:
+        return 0.0
+    if len(node.prefill_backlog_tokens) > node.overlay_backlog:
+        return age if age < start_s else start_s
+    if not node.decode_tokens:
+        return 0.0
+    step = models.decode_step_s(node.decode_tokens, node.kv_tokens)
+    return (elapsed + age) % step - elapsed % step if step > 0.0 else 0.0
 
 
 def plan_on_decode_node(
@@ -260,14 +303,19 @@ def plan_on_decode_node(
     prompt_tokens: int,
     give_up_after_s: float,
     cached_tokens: int = 0,
+    now: float | None = None,
 ) -> Plan | str:
     """Schedule the request on one decode node from its next step (``backlog_end``), behind any
-    deflected prefills already there, over the prompt's tokens the node does not have cached."""
-    b, k, t = backlog_end(models, config, node, give_up_after_s)
+    deflected prefills already there, over the prompt's tokens the node does not have cached;
+    its TTFT from ``now`` (``start_shift_s``; None: from the heartbeat). The schedule is planned
+    from the heartbeat and shifted after, so that ``plan_on_path``'s sums are the same floats."""
+    age = 0.0 if now is None else max(0.0, now - node.reported_at)  # no shift of a backlog exceeds it
+    b, k, t = backlog_end(models, config, node, give_up_after_s + age)
     if isinstance(t, str):
         return t
+    shift = start_shift_s(models, config, node, t, now)
     cands, budget = config.chunk_candidates, node_step_budget_s(config, node)
-    done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s, t, cached_tokens)
+    done = greedy_schedule(models, prompt_tokens, b, k, cands, budget, give_up_after_s + shift, t, cached_tokens)
     if isinstance(done, str):
         return done
-    return Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1], step_budget_s=budget)
+    return Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1] - shift, step_budget_s=budget)

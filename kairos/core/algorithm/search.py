@@ -23,7 +23,10 @@ BOUNDED_SEARCH_MIN_NODES = 4
 # the lowest node id on a tie (then the first in the view), and whether any node's schedule
 # was abandoned for running past the bound (rather than finding no TBT-safe chunk).
 Best = tuple[float, str, Plan]
-_PlanMemo = dict[tuple[int, int, tuple[int, ...], tuple[int, ...], float, int], "Plan | str"]
+_PlanMemo = dict[
+    tuple[int, int, tuple[int, ...], tuple[int, ...], int, float, float | None, float | None, float | None, int],
+    "Plan | str",
+]
 
 
 def _cutoff(limit_s: float) -> float:
@@ -34,28 +37,34 @@ def _cutoff(limit_s: float) -> float:
 
 def _memo_plan(
     memo: _PlanMemo,
-    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float, int], Plan | str],
+    planner: Callable[[LatencyModels, DeciderConfig, DecodeNodeState, int, float, int, float | None], Plan | str],
     models: LatencyModels,
     config: DeciderConfig,
     node: DecodeNodeState,
     prompt_tokens: int,
     give_up: float,
     cached_tokens: int = 0,
+    now: float | None = None,
 ) -> Plan | str:
     """``planner`` (``plan_on_decode_node`` or its equal), once per distinct node state (and
     cached prefix) in a search. Bounds only tighten during a search, and a schedule too slow for
-    a looser bound is too slow for a tighter one."""
+    a looser bound is too slow for a tighter one. A node that says how long its step had run is
+    planned from its heartbeat's time too (``start_shift_s``)."""
+    elapsed = node.running_step_elapsed_s
     key = (
         *planning_batch(config, node),
         node.prefill_backlog_tokens,
         node.prefill_backlog_computed_tokens,
+        node.overlay_backlog,
         node.step_calibration,
         node.tpot_slo_s,
+        elapsed,
+        None if elapsed is None else node.reported_at,
         cached_tokens,
     )
     plan = memo.get(key)
     if plan is None:
-        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up, cached_tokens)
+        plan = memo[key] = planner(models, config, node, prompt_tokens, give_up, cached_tokens, now)
     return plan
 
 
@@ -67,6 +76,7 @@ def search_in_id_order(
     bound: float,
     cached: Mapping[str, int] | None = None,
     refused: Callable[[DecodeNodeState], bool] | None = None,
+    now: float | None = None,
 ) -> tuple[Best | None, bool]:
     """Every node in id order, each schedule search abandoned once slower than both the bound
     and the best node so far (§4.4); none that ``refused`` (the decode pressure rule) refuses.
@@ -79,7 +89,7 @@ def search_in_id_order(
             continue
         give_up = bound if best is None else min(bound, best[0])
         hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
-        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up, hit)
+        plan = _memo_plan(memo, plan_on_decode_node, models, config, node, prompt_tokens, give_up, hit, now)
         if plan == TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, Plan) and (best is None or plan.ttft_s < best[0]):
@@ -96,6 +106,7 @@ def search_bounded(
     facts: list[NodeFacts],
     cached: Mapping[str, int] | None = None,
     refused: Callable[[DecodeNodeState], bool] | None = None,
+    now: float | None = None,
 ) -> tuple[Best | None, bool]:
     """``search_in_id_order``'s result, visiting only the nodes whose TTFT lower bound
     (``ttft_lower_bound_s``) can still beat the best so far, lowest bound first, and asking
@@ -113,7 +124,7 @@ def search_bounded(
     lower_bound = lower_bound_from_facts
     for i, node in enumerate(eligible):
         hit = cached_prefix(cached, node.node_id, prompt_tokens) if cached else 0
-        lb = 0.0 if hit else lower_bound(facts[i], node, prompt_tokens)
+        lb = 0.0 if hit else lower_bound(facts[i], node, prompt_tokens, now)
         if lb > cutoff:
             beyond.append(node)
         else:
@@ -129,7 +140,7 @@ def search_bounded(
         if refused is not None and refused(node):
             continue
         hit = cached_prefix(cached, node_id, prompt_tokens) if cached else 0
-        plan = _memo_plan(memo, plan_on_path, models, config, node, prompt_tokens, limit, hit)
+        plan = _memo_plan(memo, plan_on_path, models, config, node, prompt_tokens, limit, hit, now)
         if plan == TOO_SLOW:
             any_too_slow = True
         elif isinstance(plan, Plan) and (best is None or (plan.ttft_s, node_id, i) < best[:3]):
@@ -138,7 +149,7 @@ def search_bounded(
             cutoff = _cutoff(limit)
     if best is None:
         any_too_slow = any_too_slow or any(
-            _memo_plan(memo, plan_on_path, models, config, node, prompt_tokens, bound) == TOO_SLOW
+            _memo_plan(memo, plan_on_path, models, config, node, prompt_tokens, bound, 0, now) == TOO_SLOW
             for node in beyond  # no cached prefix there: those nodes had a bound
             if refused is None or not refused(node)
         )
@@ -155,10 +166,12 @@ def best_deflection(
     facts: list[NodeFacts],
     cached: Mapping[str, int] | None = None,
     refused: Callable[[DecodeNodeState], bool] | None = None,
+    now: float | None = None,
 ) -> tuple[Best | None, bool]:
     """The deflection search's result (``Best``, or None when no node's schedule fits ``bound``)
     and whether any node's schedule ran past the bound: ``search_bounded`` where the profile
-    allows a lower bound and the nodes are enough to pay for it, else ``search_in_id_order``."""
+    allows a lower bound and the nodes are enough to pay for it, else ``search_in_id_order``. TTFTs
+    from ``now`` (None: from each node's heartbeat)."""
     if models.mixed_nonnegative and len(eligible) >= BOUNDED_SEARCH_MIN_NODES:
-        return search_bounded(models, config, eligible, prompt_tokens, bound, facts, cached, refused)
-    return search_in_id_order(models, config, eligible, prompt_tokens, bound, cached, refused)
+        return search_bounded(models, config, eligible, prompt_tokens, bound, facts, cached, refused, now)
+    return search_in_id_order(models, config, eligible, prompt_tokens, bound, cached, refused, now)
