@@ -602,6 +602,7 @@ class Membership:
                     pending_kv_pull_tokens=hb.pending_kv_pull_tokens or (),
                     tpot_slo_s=_tpot_slo_s(hb),
                     running_step_elapsed_s=hb.running_step_elapsed_s,
+                    running_kv_pull_elapsed_s=hb.running_kv_pull_elapsed_s,
                 )
             )
         return events

@@ -275,10 +275,12 @@ def build_heartbeat(
     """The node's heartbeat for this beat (encode it with :func:`encode_heartbeat`);
     ``kv_events``: ``config.kv_event_endpoints()``, read once by the caller.
 
-    The engine's load as it reported it, but for how long its step in flight has run: as of
-    ``sent_at`` (:func:`step_elapsed_at`), the instant the dispatcher's heartbeat age counts from."""
+    The engine's load as it reported it, but for how long its step and its KV pull in flight have
+    run: as of ``sent_at`` (:func:`elapsed_at`), the instant the dispatcher's heartbeat age counts
+    from."""
     load = heartbeat_load(state)
-    load[HeartbeatField.RUNNING_STEP_ELAPSED_S] = step_elapsed_at(state, sent_at)
+    load[HeartbeatField.RUNNING_STEP_ELAPSED_S] = elapsed_at(state.running_step_elapsed_s, state, sent_at)
+    load[HeartbeatField.RUNNING_KV_PULL_ELAPSED_S] = elapsed_at(state.running_kv_pull_elapsed_s, state, sent_at)
     return Heartbeat(
         node_id=config.node_id,
         role=Role(config.role),
@@ -293,13 +295,14 @@ def build_heartbeat(
     )
 
 
-def step_elapsed_at(state: EngineState, sent_at: float) -> float | None:
-    """How long the engine's step in flight has run at ``sent_at``: what the state says, plus the
-    time since the state was taken (``as_of``, the engine's unix time on this host). The vLLM
-    plugin's state is a snapshot taken between steps and served until the next one, so it can be
-    a few steps old when read; the emulated node's is taken as it is read, and says no as_of.
-    Without an as_of, or one later than ``sent_at`` (another host's clock), the state's own."""
-    elapsed, as_of = state.running_step_elapsed_s, state.as_of
+def elapsed_at(elapsed: float | None, state: EngineState, sent_at: float) -> float | None:
+    """How long something the state says had been running ``elapsed`` (its step in flight, its KV
+    pull in flight) has run at ``sent_at``: that, plus the time since the state was taken
+    (``as_of``, the engine's unix time on this host). The vLLM plugin's state is a snapshot taken
+    between steps and served until the next one, so it can be a few steps old when read; the
+    emulated node's is taken as it is read, and says no as_of. Without an as_of, or one later
+    than ``sent_at`` (another host's clock), the state's own."""
+    as_of = state.as_of
     if elapsed is None or as_of is None or not sent_at > as_of:
         return elapsed
     return elapsed + (sent_at - as_of)

@@ -158,6 +158,7 @@ class _Link:
     queue: deque[RequestRecord] = field(default_factory=deque)
     busy: bool = False
     current_tokens: int = 0  # the running transfer's prompt tokens (0: none)
+    current_started: float = 0.0  # when the running transfer started
     current_tpot_s: float | None = None  # the running transfer's request's TPOT SLO
 
     def tightest_tpot_s(self) -> float | None:
@@ -449,6 +450,7 @@ class Simulator:
         link.busy = True
         link.current_tokens = rec.spec.prompt_tokens
         link.current_tpot_s = rec.tpot_slo_s
+        link.current_started = now
         rec.transfer_start = now
         rec.seq = seq
         rec.transfer_tokens = missing
@@ -528,6 +530,7 @@ def _decode_state(snap: EngineSnapshot, now: float, link: _Link) -> DecodeNodeSt
         pending_kv_pull_tokens=link.pending_tokens(),
         tpot_slo_s=_tighter(snap.tpot_slo_s, link.tightest_tpot_s()),
         running_step_elapsed_s=snap.running_step_elapsed_s,
+        running_kv_pull_elapsed_s=now - link.current_started if link.busy else None,
     )
 
 

@@ -86,9 +86,9 @@ class PrefillNodeState:
         )
 
 
-def _check_elapsed(node_id: str, role: str, elapsed: float | None) -> None:
+def _check_elapsed(node_id: str, role: str, elapsed: float | None, name: str = "running_step_elapsed_s") -> None:
     if elapsed is not None and not (0 <= elapsed < math.inf):
-        raise ValueError(f"{role} node {node_id}: running_step_elapsed_s must be a number >= 0, got {elapsed}")
+        raise ValueError(f"{role} node {node_id}: {name} must be a number >= 0, got {elapsed}")
 
 
 def prompt_attention_tokens(remaining: int, computed: int, chunk_tokens: int) -> float:
@@ -213,6 +213,9 @@ class DecodeNodeState:
     # Of prefill_backlog_tokens, the last ones were sent since the heartbeat (the view's overlay):
     # none of them was running then.
     overlay_backlog: int = 0
+    # How long the first of pending_kv_pull_tokens had been crossing the link at the heartbeat.
+    # None: none in flight, or not reported: taken as half done.
+    running_kv_pull_elapsed_s: float | None = None
     # What the decider derives from this state alone (kairos.core.algorithm fills it on first
     # use): a state lives from one heartbeat or dispatch to the next, and every decision in
     # between reads it. Not part of the state's value: equality, repr and replace() ignore it.
@@ -233,6 +236,7 @@ class DecodeNodeState:
         if tpot is not None and not (0 < tpot < float("inf")):
             raise ValueError(f"decode node {self.node_id}: tpot_slo_s must be > 0, got {tpot}")
         _check_elapsed(self.node_id, "decode", self.running_step_elapsed_s)
+        _check_elapsed(self.node_id, "decode", self.running_kv_pull_elapsed_s, "running_kv_pull_elapsed_s")
         if not 0 <= self.overlay_backlog <= len(self.prefill_backlog_tokens):
             raise ValueError(
                 f"decode node {self.node_id}: overlay_backlog={self.overlay_backlog} must be within "

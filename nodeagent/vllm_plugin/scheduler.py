@@ -337,7 +337,11 @@ class KairosScheduler(Scheduler):
             else:
                 prefills.append(self._pending(r))
         hits: dict[str, int] = {}
-        pulls: list[int] = []  # KV on its way from a prefill node: loading, then queued to load
+        # KV on its way from a prefill node: loading, then queued to load. No running_kv_pull_elapsed_s:
+        # vLLM's connector reads the KV of every request waiting for it at once, not one transfer
+        # after another on a FIFO link, so there is no one pull in flight to time (the dispatcher
+        # takes the first as half done).
+        pulls: list[int] = []
         for queue in (self.kv_holding_waiting, self.waiting):
             for r in queue:
                 if _kv_arrives_by_transfer(r):

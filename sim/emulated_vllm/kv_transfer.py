@@ -54,6 +54,7 @@ class KvTransfer:
     _block_ids: Iterator[int]
     _transferring: int
     _pulls: list[int]
+    _pull_started: float | None
     _link: asyncio.Lock
 
     # -- P/D: prefill side -------------------------------------------------------------------
@@ -166,9 +167,13 @@ class KvTransfer:
             self._transferring += 1
             try:
                 async with self._link:
-                    if claim:
-                        await self._claim(prefill, params, tokens, missing, rid)
-                    await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(missing)))
+                    self._pull_started = rt.now()  # the state says how long the transfer has run
+                    try:
+                        if claim:
+                            await self._claim(prefill, params, tokens, missing, rid)
+                        await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(missing)))
+                    finally:
+                        self._pull_started = None
             except BaseException:
                 rt.unreserve_transfer(seq, missing)
                 raise

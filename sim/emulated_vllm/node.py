@@ -99,6 +99,7 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
         # decode node: prompt tokens of each KV pull from its arrival until its transfer ends, FIFO
         # (waiting for KV room, for the link, or transferring): what its heartbeat reports
         self._pulls: list[int] = []
+        self._pull_started: float | None = None  # decode node: when the transfer holding the link began (model time)
         # One inbound KV link per decode node, FIFO, as the simulator models it: concurrent pulls
         # queue on the link instead of overlapping.
         self._link = asyncio.Lock()

@@ -23,6 +23,7 @@ class NodeReports:
     engine: RealtimeEngine
     _transferring: int
     _pulls: list[int]
+    _pull_started: float | None
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         rt = self.engine
@@ -51,6 +52,7 @@ class NodeReports:
             tpot_slo_ms=None if snap.tpot_slo_s is None else snap.tpot_slo_s * 1e3,
             queued_prefill_computed_tokens=snap.queued_prefill_computed_tokens,
             running_step_elapsed_s=snap.running_step_elapsed_s,
+            running_kv_pull_elapsed_s=None if self._pull_started is None else max(0.0, rt.now() - self._pull_started),
         )
         return web.Response(text=c.encode_engine_state(state), content_type="application/json")
 

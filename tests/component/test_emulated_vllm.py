@@ -4,6 +4,7 @@ the P/D two-hop protocol, deflected chunk schedules, state/metrics, errors and t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -328,6 +329,36 @@ async def test_the_state_reports_the_kv_pulls_the_decode_node_has_yet_to_finish(
         assert state["pending_kv_pull_tokens"] == [300, 200]
     assert [status for status, _ in await asyncio.gather(*hops)] == [200, 200]
     assert (await get_json(http, f"{decode.url}/kairos/state"))["pending_kv_pull_tokens"] == []
+
+
+async def test_the_state_says_how_long_the_kv_pull_in_flight_has_run(
+    model_dir: Path, prefill: Node, http: aiohttp.ClientSession
+) -> None:
+    """While a pull holds the decode node's link, the state says how long it has (model seconds,
+    as the node's every time). The node runs slow enough that the transfer lasts a minute of wall
+    time, however starved the host; it is cancelled once seen. None while the link is free."""
+    hop1 = {"model": MODEL, "prompt": ids(300), "max_tokens": 1, "stream": False}
+    hop1["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    status, reply = await post(http, f"{prefill.url}/v1/completions", hop1, **{"X-Request-Id": "slow-pull"})
+    assert status == 200, reply
+    transfer_s = prefill.node.models.kv_transfer_s(300)
+    async with running(model_dir, "d7", Role.DECODE, time_scale=transfer_s / 60.0) as slow:
+        assert "running_kv_pull_elapsed_s" not in await get_json(http, f"{slow.url}/kairos/state")
+        body = {"model": MODEL, "prompt": ids(300), "max_tokens": 1, "kv_transfer_params": reply["kv_transfer_params"]}
+        hop2 = asyncio.create_task(post(http, f"{slow.url}/v1/completions", body, **{"X-Request-Id": "slow-pull"}))
+
+        async def transferring() -> dict[str, Any] | None:
+            state = await get_json(http, f"{slow.url}/kairos/state")
+            return state if "running_kv_pull_elapsed_s" in state else None
+
+        try:
+            state = await eventually(transferring, what="the pull in flight in the state")
+            assert state["pending_kv_pull_tokens"] == [300]
+            assert state["running_kv_pull_elapsed_s"] >= 0.0  # in model seconds, as the node reports every time
+        finally:
+            hop2.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await hop2
 
 
 async def _two_pulls(prefill: Node, decode: Node, http: aiohttp.ClientSession, time_scale: float) -> None:

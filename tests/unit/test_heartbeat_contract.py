@@ -70,6 +70,7 @@ def test_optional_fields_are_left_out_when_unknown_and_round_trip_when_known() -
             "tpot_slo_ms": 60.0,
             "queued_prefill_computed_tokens": (100, 0),
             "running_step_elapsed_s": 0.0125,
+            "running_kv_pull_elapsed_s": 0.25,
             "kv_events_endpoint": "tcp://10.0.0.1:5557",
             "kv_events_replay_endpoint": "tcp://10.0.0.1:5558",
             "kv_events_topic": "kv-events",

@@ -39,7 +39,7 @@ from kairos.core.policies import create_policy
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from kairos.core.view import ClusterTracker
 from kairos.extproc.membership import Membership, MembershipConfig
-from kairos.nodeagent.heartbeat import build_heartbeat, step_elapsed_at
+from kairos.nodeagent.heartbeat import build_heartbeat, elapsed_at
 from kairos.nodeagent.vllm_plugin.engine_state import build_state
 from kairos.sim.engine import Engine, EngineConfig, Sequence, model_step_time
 from kairos.sim.simulator import ClusterConfig, Simulator, _decode_state, _Link, _prefill_state
@@ -49,6 +49,7 @@ from tests.builders import heartbeat_json as beat
 
 UNLIMITED = DeciderConfig(max_pending_deflections=None)
 ELAPSED = HeartbeatField.RUNNING_STEP_ELAPSED_S
+PULL_ELAPSED = HeartbeatField.RUNNING_KV_PULL_ELAPSED_S
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,25 +59,30 @@ def test_the_heartbeat_carries_how_long_the_running_step_has_run() -> None:
     older = beat("d0", decode_tokens=20)
     assert ELAPSED not in json.loads(older)
     assert parse_heartbeat(older, "d0").running_step_elapsed_s is None  # a node older than the field
+    assert PULL_ELAPSED not in json.loads(older)
     for value in (0, 0.0125, 7.5):
         hb = parse_heartbeat(beat("d0", decode_tokens=20, running_step_elapsed_s=value), "d0")
         assert hb.running_step_elapsed_s == value
         assert parse_heartbeat(encode_heartbeat(hb), "d0") == hb
         assert json.loads(encode_heartbeat(hb))[ELAPSED] == value
+    hb = parse_heartbeat(beat("d0", pending_kv_pull_tokens=[3000], running_kv_pull_elapsed_s=0.04), "d0")
+    assert hb.running_kv_pull_elapsed_s == 0.04 and parse_heartbeat(encode_heartbeat(hb), "d0") == hb
 
 
+@pytest.mark.parametrize("field", [ELAPSED, PULL_ELAPSED])
 @pytest.mark.parametrize("value", [-0.001, "0.01", True, [0.01], {}])
-def test_a_heartbeat_with_a_bad_elapsed_time_is_refused(value: object) -> None:
-    with pytest.raises(MalformedHeartbeat, match=r"^running_step_elapsed_s must be a number of seconds >= 0, got "):
-        parse_heartbeat(beat("d0", running_step_elapsed_s=value), "d0")
+def test_a_heartbeat_with_a_bad_elapsed_time_is_refused(field: str, value: object) -> None:
+    with pytest.raises(MalformedHeartbeat, match=rf"^{field} must be a number of seconds >= 0, got "):
+        parse_heartbeat(beat("d0", **{field: value}), "d0")
 
 
+@pytest.mark.parametrize("field", [ELAPSED, PULL_ELAPSED])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e400"])
-def test_a_heartbeat_with_a_non_finite_elapsed_time_is_refused(value: str) -> None:
+def test_a_heartbeat_with_a_non_finite_elapsed_time_is_refused(field: str, value: str) -> None:
     """JSON has no NaN nor infinity; Python's reader makes them, and the checked decoder refuses them."""
-    raw = beat("d0", running_step_elapsed_s=0.5).replace(f'"{ELAPSED}": 0.5', f'"{ELAPSED}": {value}')
+    raw = beat("d0", **{field: 0.5}).replace(f'"{field}": 0.5', f'"{field}": {value}')
     assert value in raw
-    with pytest.raises(MalformedHeartbeat, match="running_step_elapsed_s must be a number of seconds >= 0"):
+    with pytest.raises(MalformedHeartbeat, match=f"{field} must be a number of seconds >= 0"):
         parse_heartbeat(raw, "d0")
 
 
@@ -101,6 +107,10 @@ def test_the_engine_state_carries_it_and_refuses_what_no_step_can_have_run() -> 
     for bad in (-1.0, math.nan, math.inf):
         with pytest.raises(EngineStateError, match="engine state: running_step_elapsed_s must be a number of seconds"):
             _state(running_step_elapsed_s=bad)
+        with pytest.raises(
+            EngineStateError, match="engine state: running_kv_pull_elapsed_s must be a number of seconds"
+        ):
+            _state(pending_kv_pull_tokens=(10,), running_kv_pull_elapsed_s=bad)
     raw = json.loads(encode_engine_state(state)) | {ELAPSED: -0.5}
     with pytest.raises(EngineStateError, match="engine state: running_step_elapsed_s must be a number of seconds"):
         parse_engine_state(json.dumps(raw))
@@ -127,13 +137,15 @@ def test_the_publisher_counts_the_time_since_the_state_was_taken() -> None:
     """A state taken at as_of (the plugin's, between two steps) is sent later: the step has run
     that much longer by then, the instant the dispatcher's heartbeat age counts from."""
     snapshot = _state(running_step_elapsed_s=0.0, as_of=1000.0)
-    assert step_elapsed_at(snapshot, 1000.035) == pytest.approx(0.035)
-    assert step_elapsed_at(_state(running_step_elapsed_s=0.01), 1000.035) == 0.01  # no as_of: taken as read
-    assert step_elapsed_at(msgspec.structs.replace(snapshot, as_of=1000.5), 1000.035) == 0.0  # another clock
-    assert step_elapsed_at(_state(as_of=1000.0), 1000.035) is None  # idle
+    assert elapsed_at(0.0, snapshot, 1000.035) == pytest.approx(0.035)
+    assert elapsed_at(0.01, _state(), 1000.035) == 0.01  # no as_of: taken as it was read
+    assert elapsed_at(0.0, msgspec.structs.replace(snapshot, as_of=1000.5), 1000.035) == 0.0  # another clock
+    assert elapsed_at(None, snapshot, 1000.035) is None  # nothing in flight
     node = SimpleNamespace(node_id="d0", role="decode", url="127.0.0.1:8101", sidecar="127.0.0.1:8201")
-    hb = parse_heartbeat(encode_heartbeat(build_heartbeat(node, snapshot, 7, 1000.035)), "d0")  # type: ignore[arg-type]
+    pulling = msgspec.structs.replace(snapshot, pending_kv_pull_tokens=(500,), running_kv_pull_elapsed_s=0.1)
+    hb = parse_heartbeat(encode_heartbeat(build_heartbeat(node, pulling, 7, 1000.035)), "d0")  # type: ignore[arg-type]
     assert hb.running_step_elapsed_s == pytest.approx(0.035)
+    assert hb.running_kv_pull_elapsed_s == pytest.approx(0.135)
     assert ELAPSED not in json.loads(encode_heartbeat(build_heartbeat(node, _state(), 8, 1000.0)))  # type: ignore[arg-type]
 
 
@@ -141,7 +153,7 @@ def test_membership_hands_it_to_the_decision_state() -> None:
     m = Membership(MembershipConfig())
     m.poll_succeeded(
         [
-            ("d0", beat("d0", decode_tokens=20, running_step_elapsed_s=0.011)),
+            ("d0", beat("d0", decode_tokens=20, running_step_elapsed_s=0.011, running_kv_pull_elapsed_s=0.2)),
             ("d1", beat("d1", decode_tokens=20)),
             ("p0", beat("p0", queued_prefill_tokens=[3000], max_step_tokens=2048, running_step_elapsed_s=0.07)),
         ],
@@ -149,6 +161,7 @@ def test_membership_hands_it_to_the_decision_state() -> None:
     )
     v = m.tracker.view()
     assert {n.node_id: n.running_step_elapsed_s for n in v.decode} == {"d0": 0.011, "d1": None}
+    assert {n.node_id: n.running_kv_pull_elapsed_s for n in v.decode} == {"d0": 0.2, "d1": None}
     assert v.prefill[0].running_step_elapsed_s == 0.07
 
 
@@ -156,6 +169,8 @@ def test_a_state_refuses_a_bad_elapsed_time_and_the_overlay_keeps_it() -> None:
     for bad in (-0.1, math.nan, math.inf):
         with pytest.raises(ValueError, match="running_step_elapsed_s must be a number >= 0"):
             dataclasses.replace(decode_node("d1"), running_step_elapsed_s=bad)
+        with pytest.raises(ValueError, match="running_kv_pull_elapsed_s must be a number >= 0"):
+            dataclasses.replace(decode_node("d1"), running_kv_pull_elapsed_s=bad)
         with pytest.raises(ValueError, match="running_step_elapsed_s must be a number >= 0"):
             PrefillNodeState.from_queue("p1", [10], 2048, 0.0, running_step_elapsed_s=bad)
     with pytest.raises(ValueError, match=r"overlay_backlog=2 must be within 0\.\.1"):
@@ -487,4 +502,35 @@ def test_the_keep_path_joins_at_the_decode_steps_projected_to_the_kvs_landing() 
     idle = dataclasses.replace(decode_node("d1", reported_at=10.0), running_step_elapsed_s=None)
     assert alg.keep_handoff_s(models, cfg, idle, 500, prefill_s, now=now) == pytest.approx(
         transfer + models.decode_step_s(1, 500)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The keep path's link: the KV pull in flight
+# ---------------------------------------------------------------------------------------------
+def test_the_simulators_decode_node_says_how_long_its_kv_pull_has_run() -> None:
+    link = _Link()
+    engine = Engine(EngineConfig("d1", Role.DECODE), model_step_time(FLAT), FLAT)
+    assert _decode_state(engine.snapshot(5.0), 5.0, link).running_kv_pull_elapsed_s is None
+    link.busy, link.current_tokens, link.current_started = True, 3000, 4.8
+    state = _decode_state(engine.snapshot(5.0), 5.0, link)
+    assert state.pending_kv_pull_tokens == (3000,) and state.running_kv_pull_elapsed_s == pytest.approx(0.2)
+
+
+def test_the_keep_estimate_takes_the_rest_of_the_kv_pull_in_flight() -> None:
+    """A 2000-token pull (2.001 s on the builders' link) 0.3 s into its transfer at a heartbeat
+    0.1 s old: 1.601 s of it is left, of which a prefill ending 0.3 s from now leaves 1.301 s to
+    wait; a node that does not say is taken to be half through it."""
+    models, cfg = make_models(), DeciderConfig()
+    node = dataclasses.replace(
+        decode_node("d1", reported_at=9.9), pending_kv_pull_tokens=(2000,), running_kv_pull_elapsed_s=0.3
+    )
+    b, k = alg.committed_batch(node)
+    join = models.decode_step_s(b + 1, k + 500) + 0.5 * models.decode_step_s(b, k)
+    transfer = models.kv_transfer_s(500)
+    exact = alg.keep_handoff_s(models, cfg, node, 500, 0.3, now=10.0)
+    assert exact == pytest.approx((2.001 - 0.3 - 0.1 - 0.3) + transfer + join)
+    older = dataclasses.replace(node, running_kv_pull_elapsed_s=None)
+    assert alg.keep_handoff_s(models, cfg, older, 500, 0.3, now=10.0) == pytest.approx(
+        (2.001 - 0.5 * 2.001 - 0.1 - 0.3) + transfer + join
     )

@@ -65,8 +65,8 @@ def engine_state_fields(heartbeat: type[Heartbeat]) -> list[tuple[str, Any] | tu
 # What the engine reports each beat: decode_tokens (B), kv_tokens (K), kv_capacity_tokens, the
 # queued and scheduled prefills (tuples, FIFO), max_step_tokens (max_num_batched_tokens), model;
 # optionally (None: the engine does not say) what real vLLM's /metrics report, the node's step
-# calibration, its KV pulls, the computed prefixes, the tightest TPOT SLO, how long the step in
-# flight has run, and as_of. Building one checks it (EngineStateError naming the field).
+# calibration, its KV pulls, the computed prefixes, the tightest TPOT SLO, how long the step and
+# the KV pull in flight have run, and as_of. Building one checks it (EngineStateError naming the field).
 EngineState = msgspec.defstruct(
     "EngineState",
     engine_state_fields(Heartbeat),

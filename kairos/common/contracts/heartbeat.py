@@ -108,6 +108,10 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     # duration, not a time: no clock is shared with the dispatcher. None: no step in flight (an idle
     # engine), or a node older than the field (the dispatcher then assumes half a step, as before).
     running_step_elapsed_s: ElapsedS | None = None
+    # Decode nodes: how long the KV transfer in flight, the first of pending_kv_pull_tokens, had
+    # been running then, seconds as above; the keep path's estimate takes what is left of it. None:
+    # none in flight (the first waits for KV room), or a node older than the field (half done).
+    running_kv_pull_elapsed_s: ElapsedS | None = None
     # From the publisher's config, not the engine's state: where the node publishes vLLM's KV
     # cache events (--kv-events-config), and their topic. None: no events, the dispatcher reads
     # the node's prefix hits as zero.

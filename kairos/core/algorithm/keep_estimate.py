@@ -29,7 +29,8 @@ def keep_handoff_s(
     - W_link: the link is FIFO, one transfer at a time. Ahead of this one: the pulls the node
       reports (pending_kv_pull_tokens, prefilled keeps whose KV it has yet to take), less what
       the link has run of them since the heartbeat (with ``now``: the first one, running then,
-      half done on average, and the heartbeat's age); then, with ``now``, the keeps this dispatcher sent
+      for as long as the node says, ``running_kv_pull_elapsed_s``, or half done on average, and
+      the heartbeat's age); then, with ``now``, the keeps this dispatcher sent
       the node whose prefill still runs (``incoming_link``), each joining the link at its
       predicted prefill end, those that end before this prefill does. The wait is what is left of
       that queue when this prefill ends. Without ``now`` (the estimate as it was before the
@@ -52,8 +53,11 @@ def keep_handoff_s(
     pulls = node.pending_kv_pull_tokens
     clear = len(pulls) * t.latency_s + sum(pulls) * per_token  # from now, when the link is free
     if now is not None:
-        if pulls:  # the link has run since the heartbeat: its first transfer then, half done, and since
-            clear -= min(0.5 * (t.latency_s + pulls[0] * per_token) + max(0.0, now - node.reported_at), clear)
+        if pulls:  # the link has run: its first transfer, as long as the node says (else half of it), and since
+            ran = node.running_kv_pull_elapsed_s
+            if ran is None:
+                ran = 0.5 * (t.latency_s + pulls[0] * per_token)
+            clear -= min(ran + max(0.0, now - node.reported_at), clear)
         if node.incoming_link is not None:  # in closed form: O(log n) however many are on their way
             clear = node.incoming_link.clear_s(now + clear, now + prefill_s) - now
     link_wait = max(0.0, clear - prefill_s)
