@@ -63,8 +63,9 @@ def packed_prefill_s(
     the step it was running at its heartbeat (``reported_at``) for as long as the node says it had
     (``running_step_elapsed_s``; half the step on average where it does not say), and the
     heartbeat's age since. With ``now`` None the heartbeat is taken as current. (Half a step for
-    every node left the keep path's prefill end off by 2.0-2.2% of its TTFT on Bursty 2P2D with
-    exact inputs: bench/sim/prediction_error.py.)"""
+    every node left the keep path's prefill end off by 1.7-2.2% of its TTFT on Bursty 2P2D at 3-8
+    RPS with exact inputs; with the step's phase said, 0.2%: bench/sim/prediction_error.py,
+    docs/measurements/2026-12-07-sim-step-phase.md.)"""
     chi = node.chunk_tokens
     facts = node.derived
     if facts is None or facts[0] is not models:
