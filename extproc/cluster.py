@@ -41,7 +41,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -49,6 +49,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from redis.client import Redis as SyncRedis
 
 from kairos.common.aio import cancel_and_wait
+from kairos.common.config import part, setting
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     REDIS_NODE_KEY,
@@ -106,19 +107,27 @@ _Read = tuple[list[str], list[bytes | None]] | Exception
 class ClusterViewConfig:
     """How the dispatcher keeps its cluster view fresh from Redis."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0",
+        help="redis:// or rediss:// URL of the heartbeats; with a password, better in the environment (not in ps)",
+        flags=("--redis", "--redis-url"),
+    )
     # One MGET of all heartbeats per poll, two polls per heartbeat period: a beat enters the view
     # at most poll_s after it was written, so no heartbeat is older than period + poll_s.
-    poll_s: float = HEARTBEAT_PERIOD_S / 2
-    scan_every_polls: int = 4  # SCAN kairos:node:* every this many polls (new nodes join this late at most)
-    redis_timeout_s: float = 0.2  # command timeout of each round trip (a connect: redis_client.connect_timeout_s)
+    poll_s: float = setting(HEARTBEAT_PERIOD_S / 2, help="read every heartbeat this often")
+    scan_every_polls: int = setting(4, help="SCAN for new nodes every this many polls (they join this late at most)")
+    # A connect: redis_client.connect_timeout_s.
+    redis_timeout_s: float = setting(0.2, help="command timeout of each Redis round trip")
     # Long enough for the deflected request to reach its node and show in a heartbeat the
     # dispatchers have read (hop + one beat + one poll, with slack on a loaded host).
-    reservation_ttl_s: float = 3 * HEARTBEAT_PERIOD_S
-    # Hear the other replicas' promises as they are made (``reservations.PromiseListener``); off,
-    # they reach the view only through refused promises.
-    hear_promises: bool = True
-    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    reservation_ttl_s: float = setting(
+        3 * HEARTBEAT_PERIOD_S, help="how long a decode node's reservation for a deflection holds"
+    )
+    # Off, the other replicas' promises reach the view only through refused promises.
+    hear_promises: bool = setting(
+        True, help="hear the other dispatcher replicas' promises as they are made (reservations.PromiseListener)"
+    )
+    membership: MembershipConfig = part(MembershipConfig, help="the membership rules")
 
     def __post_init__(self) -> None:
         check_redis_url("redis_url", self.redis_url)

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kairos.api.openai_request import (
@@ -38,6 +38,7 @@ from kairos.api.openai_request import (
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
+from kairos.common.config import internal, part, setting
 from kairos.common.errors import (
     ConfigError,
     KairosError,
@@ -180,21 +181,25 @@ class Policies:
 class DispatchSettings:
     """Request-level knobs of the dispatcher."""
 
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    tokenize_inline_bytes: int = 16_384  # larger bodies are parsed off the event loop, except:
-    # ASCII bodies up to this size when the tokenizer's exact counter applies, which counts ASCII
-    # in Python holding the GIL: a pool thread would count no faster and start only after the
-    # interpreter's switch interval (5 ms), so the hop only adds latency (about 100 KB a 2 ms count).
-    count_inline_bytes: int = 262_144
-    # A parse in the pool that takes longer is answered 413 (the prompt is too long to count in
-    # time) before Envoy's ext_proc message timeout (2 s) answers a bare 504; the exact counter
-    # stops past the context, so only tokenizers counted by a whole Rust encode get near it.
-    parse_timeout_s: float = 1.5
-    reservation_attempts: int = 2  # decode nodes tried for a deflection before keeping
-    dispatcher_id: str = ""  # owner name in reservations; a uuid when empty
-    # The SLO classes requests are counted by (kairos_dispatcher_class_decisions' class label and
-    # the x-kairos-slo-class header): a request's class is read off its SLO pair against these.
-    slo_classes: tuple[SloClass, ...] = DEFAULT_CLASSES
+    limits: RequestLimits = part(RequestLimits, help="what the gateway accepts")
+    tokenize_inline_bytes: int = setting(
+        16_384, help="bodies up to this size are parsed on the event loop, larger ones in a worker thread"
+    )
+    # The tokenizer's exact counter counts ASCII in Python holding the GIL: a pool thread would
+    # count no faster and start only after the interpreter's switch interval (5 ms), so the hop
+    # only adds latency (about 100 KB a 2 ms count).
+    count_inline_bytes: int = setting(
+        262_144, help="ASCII bodies up to this size are counted on the event loop when the exact counter applies"
+    )
+    # Answered 413 (too long to count in time) before Envoy's ext_proc message timeout (2 s)
+    # answers a bare 504; the exact counter stops past the context, so only tokenizers counted by
+    # a whole Rust encode get near it.
+    parse_timeout_s: float = setting(1.5, help="a prompt whose parse takes longer is answered 413")
+    reservation_attempts: int = setting(2, help="decode nodes tried for a deflection before keeping")
+    dispatcher_id: str = setting("", help="this replica's name in reservations and metrics; a random id when empty")
+    # Set in code only, for now: the classes every sidecar counts by (kairos_dispatcher_class_decisions'
+    # class label and the x-kairos-slo-class header): a request's class is read off its SLO pair.
+    slo_classes: tuple[SloClass, ...] = internal(DEFAULT_CLASSES)
 
     def __post_init__(self) -> None:
         if self.reservation_attempts < 1:

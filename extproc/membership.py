@@ -58,7 +58,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, TypeVar
 
 from kairos.common import defaults
-from kairos.common.config import check_hostport
+from kairos.common.config import check_hostport, setting
 from kairos.common.contracts import (
     HEARTBEAT_TTL_S,
     Heartbeat,
@@ -112,16 +112,36 @@ ADMIT_NODES = ("any", "listed")  # MembershipConfig.admit_nodes
 class MembershipConfig:
     """The membership rules' time limits (seconds), the static node lists and who is admitted."""
 
-    stale_after_s: float = defaults.STALE_AFTER_S  # no new seq for this long: stale (the decider's value too)
+    # The decider's value too (DeciderConfig.stale_after_s: the dispatcher's one setting sets both).
+    stale_after_s: float = setting(
+        defaults.STALE_AFTER_S,
+        help="a node whose heartbeat has not changed for this long is stale: no deflection to it",
+    )
     # Publishers need up to one period to re-publish into a restarted, empty Redis.
-    recovery_grace_s: float = HEARTBEAT_TTL_S
-    forget_malformed_after_s: float = HEARTBEAT_TTL_S
-    last_resort_s: float = 30.0
-    fallback_prefill: tuple[str, ...] = ()  # "id=host:port" of each prefill vLLM
-    fallback_decode: tuple[str, ...] = ()  # "id=sidecar_host:port" or "id=vllm_host:port+sidecar_host:port"
-    # "any": a heartbeat of a node the lists do not name joins (the lists are a fallback only);
-    # "listed": only listed nodes join (kairos up, compose: the gateway knows its nodes).
-    admit_nodes: str = "any"
+    recovery_grace_s: float = setting(
+        HEARTBEAT_TTL_S, help="after Redis answers again following an outage, nodes whose keys are gone stay this long"
+    )
+    forget_malformed_after_s: float = setting(
+        HEARTBEAT_TTL_S,
+        help="a node whose heartbeat breaks the contract keeps its last good state this long, then leaves",
+    )
+    last_resort_s: float = setting(
+        30.0, help="when every key of a role is gone at once, its nodes stay, stale, this long after their last beat"
+    )
+    fallback_prefill: tuple[str, ...] = setting(
+        (), help="id=host:port of each prefill vLLM, comma-separated: used only before Redis first answers"
+    )
+    fallback_decode: tuple[str, ...] = setting(
+        (),
+        help="id=sidecar_host:port or id=vllm_host:port+sidecar_host:port of each decode node, comma-separated: "
+        "used only before Redis first answers",
+    )
+    # kairos up and compose: the gateway knows its nodes.
+    admit_nodes: str = setting(
+        "any",
+        help="any: a heartbeat of a node the lists do not name joins (the lists are a fallback only); "
+        "listed: only listed nodes join, with their listed role and addresses",
+    )
 
     def __post_init__(self) -> None:
         if self.admit_nodes not in ADMIT_NODES:

@@ -29,14 +29,12 @@ cleanly and removes the node's key (if it still holds this publisher's last beat
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
@@ -46,7 +44,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from kairos.common.aio import cancel_and_wait
-from kairos.common.config import check_hostport
+from kairos.common.config import ConfigSource, check_hostport, setting
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     HEARTBEAT_TTL_S,
@@ -66,7 +64,7 @@ from kairos.common.contracts.engine_state import heartbeat_load
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventEndpoints, KvEventsConfig, advertised_endpoints, host_of
 from kairos.common.redis_client import Outage, check_redis_url, describe, fail_fast_client, redact_url
-from kairos.common.runtime import Service, flag_overrides
+from kairos.common.runtime import Service
 
 log = logging.getLogger(__name__)
 
@@ -185,32 +183,39 @@ class SidecarProbe:
 class PublisherConfig:
     """One node's heartbeat publisher."""
 
-    node_id: str  # unique in the cluster; the Redis key is kairos:node:{node_id}
-    role: str  # "prefill" or "decode"
-    url: str  # host:port of the node's vLLM (or emulated vLLM) OpenAI server
-    sidecar: str = ""  # host:port of the decode sidecar; required on decode nodes, "" on prefill nodes
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    period_s: float = HEARTBEAT_PERIOD_S  # Δh: one beat per period, on a monotonic grid
-    ttl_s: float = HEARTBEAT_TTL_S  # key expiry: a node that stops beating vanishes after this
-    state_url: str = ""  # where to read the engine state (host:port or URL); "" = url
-    state_timeout_s: float = 0.25  # a state read slower than this counts as a failure (no beat)
-    redis_timeout_s: float = 0.25  # command timeout of each Redis round trip (a connect: connect_timeout_s)
-    deregister_on_stop: bool = True  # stop() deletes the key (if still ours) so the node leaves at once
-    check_sidecar: bool = True  # decode nodes: no beat while the sidecar refuses connections or hangs
-    # A sidecar that accepts connections but has answered no probe for this long is down (stopped,
-    # hung); a shorter silence is a loaded event loop, and the node keeps beating through it.
-    sidecar_hang_s: float = 1.0
-    # An engine whose state read times out is busy, not dead (a refused connection is dead): for
-    # this long its last beat is kept alive unchanged, so the node stays in the view, stale (keep
-    # routing only, no deflection), instead of expiring while it serves. 0 = a timeout is down.
-    busy_hold_s: float = 60.0
-    # The node's vLLM --kv-events-config JSON, verbatim (the same string the engine is started
-    # with): its beats advertise where the engine publishes its KV cache events, so that the
-    # dispatchers index the node's prefix cache. "" (or events off in it): nothing advertised.
-    kv_events_config: str = ""
-    # The host advertised for a wildcard bind (tcp://*:5557): the address dispatchers reach the
-    # node's event sockets at; "" = the host of ``url``.
-    kv_events_host: str = ""
+    node_id: str = setting(help="this node's id, unique in the cluster (its Redis key is kairos:node:ID)")
+    role: Role = setting(help="the node's role")
+    url: str = setting(help="host:port of the node's vLLM (or emulated vLLM) OpenAI server")
+    sidecar: str = setting("", help="host:port of the decode sidecar: required on decode nodes, empty on prefill nodes")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0",
+        help="Redis URL; with a password, better in the environment (not in ps)",
+        flags=("--redis", "--redis-url"),
+    )
+    period_s: float = setting(HEARTBEAT_PERIOD_S, help="heartbeat period: one beat per period, on a monotonic grid")
+    ttl_s: float = setting(HEARTBEAT_TTL_S, help="key expiry: a node that stops beating vanishes after this")
+    state_url: str = setting("", help=f"where {STATE_PATH} is served (host:port or URL); empty: --url")
+    state_timeout_s: float = setting(0.25, help="a state read slower than this counts as a failure (no beat)")
+    # A connect: redis_client.connect_timeout_s.
+    redis_timeout_s: float = setting(0.25, help="command timeout of each Redis round trip")
+    deregister_on_stop: bool = setting(True, help="on stop, delete the key (if still ours): the node leaves at once")
+    check_sidecar: bool = setting(True, help="decode nodes: no beat while the sidecar refuses connections or hangs")
+    # A shorter silence is a loaded event loop, and the node keeps beating through it.
+    sidecar_hang_s: float = setting(
+        1.0, help="a sidecar that accepts connections but has answered no probe for this long is down"
+    )
+    # A refused connection is dead; a timeout is a busy engine: its node stays in the view, stale
+    # (keep routing only, no deflection), instead of expiring while it serves.
+    busy_hold_s: float = setting(
+        60.0, help="an engine whose state read times out keeps its last beat alive this long (0: a timeout is down)"
+    )
+    # The same string the engine is started with; "" (or events off in it): nothing advertised.
+    kv_events_config: str = setting(
+        "", help="the node's vLLM --kv-events-config JSON, verbatim: its beats advertise the event sockets"
+    )
+    kv_events_host: str = setting(
+        "", help="host advertised for a wildcard KV events bind (tcp://*:5557); empty: the host of --url"
+    )
 
     def __post_init__(self) -> None:
         if not self.node_id or any(ch.isspace() or ch in "*?[]" for ch in self.node_id):
@@ -263,6 +268,11 @@ class PublisherConfig:
     @property
     def state_endpoint(self) -> str:
         return state_endpoint(self.state_url or self.url)
+
+
+SOURCE = ConfigSource(
+    PublisherConfig, section="heartbeat", env_prefix="KAIROS_HEARTBEAT_", module="kairos.nodeagent.heartbeat"
+)
 
 
 def build_heartbeat(
@@ -532,50 +542,14 @@ async def serve(config: PublisherConfig, stop: asyncio.Event) -> None:
 
 
 SERVICE = Service(
-    "heartbeat",
-    "Publish this node's engine state to Redis every heartbeat period. Settings come from "
+    name="heartbeat",
+    description="Publish this node's engine state to Redis every heartbeat period. Settings come from "
     "defaults < --config YAML (section 'heartbeat') < KAIROS_HEARTBEAT_* environment < flags.",
-    PublisherConfig,
-    "heartbeat",
-    "KAIROS_HEARTBEAT_",
-    serve,
+    source=SOURCE,
+    serve=serve,
 )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = SERVICE.parser()
-    p.add_argument("--node-id", dest="node_id", help="node id, unique in the cluster")
-    p.add_argument("--role", choices=[str(r) for r in Role])
-    p.add_argument("--url", help="host:port of this node's vLLM server")
-    p.add_argument("--sidecar", help="host:port of the decode sidecar (decode nodes only)")
-    p.add_argument("--redis", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
-    p.add_argument("--state-url", dest="state_url", help=f"where {STATE_PATH} is served (default: --url)")
-    period = p.add_mutually_exclusive_group()
-    period.add_argument(
-        "--period-s", dest="period_s", type=float, help=f"heartbeat period (default {HEARTBEAT_PERIOD_S})"
-    )
-    period.add_argument("--period-ms", dest="period_ms", type=float, help="heartbeat period in milliseconds")
-    ttl = p.add_mutually_exclusive_group()
-    ttl.add_argument("--ttl-s", dest="ttl_s", type=float, help=f"key expiry (default {HEARTBEAT_TTL_S})")
-    ttl.add_argument("--ttl-ms", dest="ttl_ms", type=float, help="key expiry in milliseconds")
-    p.add_argument("--state-timeout-s", dest="state_timeout_s", type=float, help="state read timeout (default 0.25)")
-    p.add_argument(
-        "--kv-events-config",
-        dest="kv_events_config",
-        help="the node's vLLM --kv-events-config JSON, verbatim: its beats advertise the event sockets "
-        "(a wildcard bind such as tcp://*:5557 as --kv-events-host, or the host of --url)",
-    )
-    p.add_argument("--kv-events-host", dest="kv_events_host", help="host advertised for a wildcard KV events bind")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    overrides = flag_overrides(args)
-    for unit in ("period", "ttl"):  # --period-ms and --ttl-ms: the same settings in milliseconds
-        if (ms := overrides.pop(f"{unit}_ms", None)) is not None:
-            overrides[f"{unit}_s"] = ms / 1000
-    return SERVICE.run(args, overrides)
+build_parser = SERVICE.parser
+main = SERVICE.main
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.harness.priorities import FAIR_NICE_GAP, Priorities
-from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.core.policies.kairos import gateway_settings
+from kairos.launcher.local_cluster import LocalCluster, cluster_config
 
 RESYNC_RE = re.compile(r"step loop fell .* \((\d+) times so far\)")
 HARNESSES = ("fair", "shared")  # the default first
@@ -56,13 +57,15 @@ def live_cluster(
     stand-ins run at, then puts the priorities back and stops every process."""
     if harness not in HARNESSES:
         raise ValueError(f"harness must be one of {HARNESSES}, got {harness!r}")
-    config = LocalClusterConfig(
+    gateway_policy, decider = gateway_settings(policy)  # a spec's decider knobs are the dispatchers' settings
+    config = cluster_config(
         gateway_port=0,
         model_dir=str(model_dir),
         time_scale=scale,
-        policy=policy,
+        policy=gateway_policy,
         dispatchers=dispatchers,
         log_level="WARNING",
+        **decider,
     )
     cluster = LocalCluster(config, workdir)
     try:

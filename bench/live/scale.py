@@ -78,6 +78,7 @@ from bench.harness.priorities import FAIR_NICE_GAP, CpuMeter, Priorities, harnes
 from bench.harness.results import percentiles_us, write_result
 from bench.harness.scrape import histogram_summary, scrape_decisions, scrape_histogram
 from bench.harness.waiting import wait_until
+from kairos.common.config import with_settings
 from kairos.common.contracts import (
     HEARTBEAT_PERIOD_S,
     REDIS_HEARTBEAT_CHANNEL,
@@ -86,6 +87,9 @@ from kairos.common.contracts import (
 )
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
+from kairos.core.policies.kairos import gateway_settings
+from kairos.extproc.config import SOURCE as DISPATCHER
+from kairos.extproc.config import DispatcherConfig
 from kairos.extproc.membership import Membership, MembershipConfig
 from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
@@ -434,31 +438,24 @@ def start_dispatchers(
         tree, tree_py = ROOT, py
         if baseline is not None and i % 2 == 0:
             tree, tree_py = baseline, str(baseline / ".venv" / "bin" / "python")
+        gateway_policy, decider = gateway_settings(policy)  # the spec's decider knobs are the dispatcher's settings
+        dispatcher = with_settings(
+            DispatcherConfig(),
+            host=HOST,
+            port=grpc_port,
+            metrics_port=metrics_port,
+            model_dir=str(model_dir),
+            policy=gateway_policy,
+            redis_url=redis_url,
+            dispatcher_id=f"scale-{i}",
+            **decider,
+        )
+        config_file = DISPATCHER.write(logs / f"k{k}-dispatcher-{i}.yaml", dispatcher)
+        # The command's interpreter is the tree's (this one's, or the baseline checkout's).
         proc = group.start(
             ManagedProcess(
                 f"dispatcher-{i}",
-                [
-                    *below,
-                    tree_py,
-                    "-m",
-                    "kairos.extproc",
-                    "--host",
-                    HOST,
-                    "--port",
-                    str(grpc_port),
-                    "--metrics-port",
-                    str(metrics_port),
-                    "--redis",
-                    redis_url,
-                    "--model-dir",
-                    str(model_dir),
-                    "--dispatcher-id",
-                    f"scale-{i}",
-                    "--policy",
-                    policy,
-                    "--log-level",
-                    "WARNING",
-                ],
+                [*below, tree_py, *DISPATCHER.command(config_file, "WARNING")[1:]],
                 logs / f"k{k}-dispatcher-{i}.log",
                 ready=http_ready(f"http://{HOST}:{metrics_port}/health"),
                 env={"PYTHONPATH": str(tree), **({} if hear_promises else {HEAR_PROMISES_ENV: "false"})},

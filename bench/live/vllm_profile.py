@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from bench.harness.results import write_result
+from kairos.common.config import with_settings
 from kairos.core.latency import load_profile, read_profile_text
-from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.local_cluster import cluster_config
 from kairos.launcher.replay import ReplayConfig, replay, summarize
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
@@ -97,7 +98,7 @@ def main() -> int:
     model_dir = build_tiny_model(workdir / "model")
     profile_file = workdir / "profile.json"
     write_atomic(profile_file, read_profile_text()[0])  # the packaged default until the fit lands
-    config = LocalClusterConfig(
+    config = cluster_config(
         prefill_nodes=1,
         decode_nodes=1,
         gateway_port=0,
@@ -206,8 +207,8 @@ def main() -> int:
         }
         time.sleep(1.5)  # both watchers check once a second
         cluster.dispatcher_procs[0].stop()
-        cluster.config = dataclasses.replace(
-            config, policy="kairos", tbt_slo_ms=tau_s * 1e3, beta=args.beta, alpha=args.alpha, ttft_slo_s=2.0
+        cluster.config = with_settings(
+            config, policy="kairos", tbt_slo_s=tau_s, beta=args.beta, alpha=args.alpha, ttft_slo_s=2.0
         )
         cluster.dispatcher_procs[0] = cluster.start_dispatcher(0, timeout_s=60)
         time.sleep(0.5)

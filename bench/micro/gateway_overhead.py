@@ -93,7 +93,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.block_hash import block_keys
 from kairos.launcher.envoy_config import EnvoySettings
-from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig, cluster_config
 from kairos.launcher.processes import ManagedProcess, ProcessGroup, free_port, tcp_ready
 from kairos.launcher.servers import envoy_process, gateway_process
 
@@ -392,8 +392,8 @@ def hostport(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def cluster_config(policy: str) -> LocalClusterConfig:
-    return LocalClusterConfig(
+def gateway_cluster_config(policy: str) -> LocalClusterConfig:
+    return cluster_config(
         prefill_nodes=1,
         decode_nodes=1,
         dispatchers=1,
@@ -564,12 +564,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         contextlib.ExitStack() as clusters,
     ):
         workdir = Path(tmp)
-        pd = clusters.enter_context(LocalCluster(cluster_config("pd"), workdir / "pd"))
-        pd_count = clusters.enter_context(LocalCluster(cluster_config(PD_COUNT_ONLY), workdir / "pd-count"))
+        pd = clusters.enter_context(LocalCluster(gateway_cluster_config("pd"), workdir / "pd"))
+        pd_count = clusters.enter_context(LocalCluster(gateway_cluster_config(PD_COUNT_ONLY), workdir / "pd-count"))
         name, value = RESERVATION_TTL_ENV
         os.environ[name] = value  # read by the deflect cluster's dispatcher when it starts
         try:
-            deflect = clusters.enter_context(LocalCluster(cluster_config(DEFLECT_EVERYTHING), workdir / "deflect"))
+            deflect = clusters.enter_context(
+                LocalCluster(gateway_cluster_config(DEFLECT_EVERYTHING), workdir / "deflect")
+            )
         finally:
             del os.environ[name]
         for cluster in (pd, pd_count, deflect):

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from kairos.api import batch
 from kairos.api.tokenizer import PromptTokenizer, json_type, text_part_key
 from kairos.common import defaults
+from kairos.common.config import setting
 from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH
 from kairos.common.errors import (  # NotFoundError: re-exported, callers know it from here
     ConfigError,
@@ -66,9 +67,14 @@ class PayloadTooLargeError(RequestError):
 class RequestLimits:
     """What the gateway accepts; ``max_model_len`` must equal the served model's."""
 
-    max_body_bytes: int = defaults.MAX_REQUEST_BODY_BYTES  # larger bodies get 413 before JSON parsing
-    max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens, vLLM's --max-model-len
-    default_max_tokens: int = 16  # completions without max_tokens (vLLM's default); chat uses the rest of the context
+    max_body_bytes: int = setting(
+        defaults.MAX_REQUEST_BODY_BYTES, help="larger request bodies are answered 413 before they are parsed"
+    )
+    max_model_len: int = setting(
+        defaults.MAX_MODEL_LEN, help="prompt + output tokens per request: the served model's (vLLM's --max-model-len)"
+    )
+    # vLLM's default; a chat request uses the rest of the context.
+    default_max_tokens: int = setting(16, help="output tokens of a completion that sets no max_tokens")
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_model_len", "default_max_tokens"):

@@ -51,7 +51,7 @@ _INTERNAL = "kairos.internal"  # a field's metadata key: set by code, not a user
 class Help:
     """What a setting tells its users, and how its flag reads a value."""
 
-    text: str
+    text: str | Callable[[], str]  # a callable: text known only when the parser is built (a registry's names)
     flags: tuple[str, ...] = ()  # the flag's names; () = --field-name (a known spelling, or vLLM's aliases)
     # "value" (default): the flag takes a value; "switch": a bare flag that turns it on (vLLM's
     # store_true flags); "negatable": --flag / --no-flag (argparse's BooleanOptionalAction).
@@ -262,13 +262,41 @@ def load_config(
             raise ConfigError(f"unknown setting {name!r}; known: {sorted(known)}")
         if value is not None:
             raw[name] = value
+    return _build(cls, _converted_by_path(cls, raw))
+
+
+def _converted_by_path(cls: type, settings: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
+    known = settings_of(cls)
     values: dict[tuple[str, ...], Any] = {}
-    for name, value in raw.items():
-        s = known[name]
+    for name, value in settings.items():
+        s = known.get(name)
+        if s is None:
+            raise ConfigError(f"unknown setting {name!r}; known: {sorted(known)}")
         converted = _convert(f"{cls.__name__}.{name}", s.hint, value, s.help)
         for path in s.paths:
             values[path] = converted
-    return _build(cls, values)
+    return values
+
+
+def _replace(config: T, values: Mapping[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> T:
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        here = (*path, f.name)
+        if _PART in f.metadata:
+            if any(p[: len(here)] == here for p in values):
+                changes[f.name] = _replace(getattr(config, f.name), values, here)
+        elif here in values:
+            changes[f.name] = values[here]
+    try:
+        return dataclasses.replace(config, **changes) if changes else config
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{type(config).__name__}: {exc}") from exc
+
+
+def with_settings(config: T, **settings: Any) -> T:
+    """``config`` with settings changed by name (as :func:`settings_of` names them), its parts
+    rebuilt and each checked again: how a launcher gives each child its own port and peers."""
+    return _replace(config, _converted_by_path(type(config), settings))
 
 
 def _get(config: Any, path: tuple[str, ...]) -> Any:
@@ -374,7 +402,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     for s in settings_of(cls).values():
         if s.help is None:
             raise TypeError(f"{cls.__name__}: setting {s.name!r} has no help text (declare it with setting())")
-        text = f"{s.help.text} ({_describe_default(s)})"
+        said = s.help.text() if callable(s.help.text) else s.help.text
+        text = f"{said} ({_describe_default(s)})"
         if s.help.form == "switch":
             parser.add_argument(*s.flag_names(), dest=s.name, action="store_const", const=True, help=text)
         elif s.help.form == "negatable":

@@ -1,10 +1,11 @@
 """Process plumbing shared by the long-running components: how each service starts.
 
 Every service module (the dispatcher, the sidecar, the heartbeat publisher, the emulated node)
-declares its :class:`Service` and exposes ``build_parser()``, which starts from
-:meth:`Service.parser`, and ``main(argv)``, which hands the parsed flags to :meth:`Service.run`:
-logging, the settings (defaults < YAML < environment < flags), the event loop, SIGTERM/SIGINT
-and the exit status are the same for all.
+declares its :class:`Service`: its configuration dataclass (whose flags, environment variables and
+YAML section :mod:`kairos.common.config` derives) and its ``serve``. :meth:`Service.main` is the
+whole command line: logging, the settings (defaults < YAML < environment < flags), the event loop,
+SIGTERM/SIGINT and the exit status are the same for all. A launcher starts a service with
+:meth:`Service.command` and a YAML file of its settings, never a hand-built argv.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from kairos.common.config import load_config
+from kairos.common.config import ConfigSource, add_flags, flag_values
 from kairos.common.errors import KairosError
 
 T = TypeVar("T")
@@ -99,39 +100,39 @@ def configure_logging(level: str | None) -> None:
     logging.basicConfig(level=level or "INFO", format=LOG_FORMAT)
 
 
-def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings given on the command line, for a parser whose flags are named as the
-    config's fields (the flags every service has left out)."""
-    return {k: v for k, v in vars(args).items() if k not in ("config", "log_level") and v is not None}
-
-
 @dataclass(frozen=True)
 class Service(Generic[T]):
-    """How one service starts: its ``kairos`` command name, its settings (``config_class``, read
-    from defaults < --config YAML (``section`` of it) < ``env_prefix`` environment < flags) and
-    ``serve(config, stop)``, run until ``stop`` is set by SIGTERM or SIGINT."""
+    """How one service starts: its ``kairos`` command name, its settings (``source``: read from
+    defaults < --config YAML < environment < flags) and ``serve(config, stop)``, run until
+    ``stop`` is set by SIGTERM or SIGINT."""
 
     name: str
     description: str
-    config_class: type[T]
-    section: str | None
-    env_prefix: str
+    source: ConfigSource[T]
     serve: Callable[[T, asyncio.Event], Coroutine[Any, Any, None]]
     uvloop: bool = False  # serve on uvloop's event loop (see :func:`run`)
 
     def parser(self) -> argparse.ArgumentParser:
-        """The parser the service's ``build_parser()`` starts from, named as the ``kairos``
-        command runs it, with the flags every service has: --config and --log-level."""
+        """The command line, named as the ``kairos`` command runs it: the flags every service has
+        (--config and --log-level), then one per setting of its configuration."""
         p = argparse.ArgumentParser(prog=f"kairos {self.name}", description=self.description)
-        where = f"with a '{self.section}' section" if self.section else "of its settings"
-        p.add_argument("--config", type=Path, help=f"YAML file {where}")
+        section = self.source.section
+        p.add_argument(
+            "--config", type=Path, help=f"YAML file of its settings{f' (section {section})' if section else ''}"
+        )
         p.add_argument(
             "--log-level",
             type=str.upper,
             choices=LOG_LEVELS,
             help="DEBUG, INFO, WARNING or ERROR, in any case (default INFO, or the kairos command's --log-level)",
         )
+        add_flags(p, self.source.config_class)
         return p
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """The service run from its command line until SIGTERM or SIGINT."""
+        args = self.parser().parse_args(argv)
+        return self.run(args, flag_values(args, self.source.config_class))
 
     def run(self, args: argparse.Namespace, overrides: Mapping[str, Any]) -> int:
         """The service's ``main`` once its flags are parsed (``overrides``: the settings they
@@ -142,9 +143,7 @@ class Service(Generic[T]):
         signal as soon as it reads the "listening on" line."""
         configure_logging(args.log_level)
         try:
-            config = load_config(
-                self.config_class, args.config, section=self.section, env_prefix=self.env_prefix, overrides=overrides
-            )
+            config = self.source.load(args.config, overrides)
 
             async def serve_until_stopped() -> None:
                 await self.serve(config, stop_on_signals())

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from kairos.common import defaults
+from kairos.common.config import setting
 from kairos.common.errors import ConfigError
 from kairos.core.state import ClusterView
 
@@ -34,10 +35,16 @@ class Verdict(enum.Enum):
 class AdmissionLimits:
     """The budget's knobs (``kairos.common.defaults``, which says why each value)."""
 
-    seats_per_decode_node: int = defaults.MAX_RUNNING_REQUESTS
-    queue_per_seat: float = defaults.ADMISSION_QUEUE_PER_SEAT
-    max_wait_s: float = defaults.ADMISSION_MAX_WAIT_S
-    waiting_per_seat: float = defaults.ADMISSION_WAITING_PER_SEAT
+    seats_per_decode_node: int = setting(
+        defaults.MAX_RUNNING_REQUESTS, help="requests in flight the budget allows per decode node"
+    )
+    queue_per_seat: float = setting(
+        defaults.ADMISSION_QUEUE_PER_SEAT, help="the cluster's queue past its seats, per seat, in the budget"
+    )
+    max_wait_s: float = setting(defaults.ADMISSION_MAX_WAIT_S, help="longest wait for a seat before a 429")
+    waiting_per_seat: float = setting(
+        defaults.ADMISSION_WAITING_PER_SEAT, help="requests waiting at the dispatcher for a seat, per decode seat"
+    )
 
     def __post_init__(self) -> None:
         if self.seats_per_decode_node < 1:

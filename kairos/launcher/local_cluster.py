@@ -10,8 +10,8 @@ deployment: killing a node, Redis or the dispatcher is a real fault. Redis requi
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
 import threading
 import time
 import urllib.error
@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from kairos.common import defaults
+from kairos.common.config import ConfigSource, internal, load_config, part, setting, with_settings
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
 from kairos.common.runtime import LOG_LEVELS
-from kairos.core.policies import validate_gateway_policy
+from kairos.extproc.config import SOURCE as DISPATCHER
+from kairos.extproc.config import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings
 from kairos.launcher.processes import (
     ManagedProcess,
@@ -39,43 +41,66 @@ from kairos.launcher.processes import (
 )
 from kairos.launcher.redis_setup import DISPATCHER_ENV, RedisSetup
 from kairos.launcher.servers import gateway_process, redis_process
+from kairos.nodeagent.heartbeat import SOURCE as HEARTBEAT
+from kairos.nodeagent.heartbeat import PublisherConfig
+from kairos.nodeagent.sidecar.config import SOURCE as SIDECAR
+from kairos.nodeagent.sidecar.config import SidecarConfig
+from kairos.sim.emulated_vllm.config import SOURCE as EMULATED_NODE
+from kairos.sim.emulated_vllm.config import EmulatedNodeConfig
 
 LOOPBACK = "127.0.0.1"
 
 
+# What the cluster gives each dispatcher replica and each sidecar itself: their addresses, their
+# peers and Redis (its credential in their environment), not a user's settings.
+_PER_DISPATCHER = (
+    "host",
+    "port",
+    "metrics_port",
+    "model_dir",
+    "redis_url",
+    "dispatcher_id",
+    "fallback_prefill",
+    "fallback_decode",
+    "admit_nodes",
+)
+_PER_SIDECAR = ("host", "port", "local_vllm", "allowed_prefill_hosts", "redis_url", "gateway")
+
+
 @dataclass(frozen=True)
 class LocalClusterConfig:
-    """Topology and knobs of a local cluster; port 0 means "pick a free one"."""
+    """Topology and knobs of a local cluster; port 0 means "pick a free one". Its settings are
+    ``kairos up``'s flags, ``KAIROS_CLUSTER_*`` variables and the YAML section ``cluster``; the
+    dispatchers' and the sidecars' own settings join them by name (``--alpha``, ``--hop1-timeout-s``)."""
 
-    prefill_nodes: int = 2
-    decode_nodes: int = 2
-    dispatchers: int = 1
-    gateway_port: int = 8000
-    model_dir: str = ""  # tokenizer of the served model (built by kairos.launcher.tinymodel when empty)
-    model_name: str = "kairos-tiny-llama"
-    profile: str = defaults.PROFILE  # packaged name, or a JSON path the dispatchers watch
-    profile_reload_s: float = 1.0  # how often the dispatchers check a profile file (0 = SIGHUP only)
-    time_scale: float = 1.0  # emulated nodes run this many times faster than real time
-    policy: str = "kairos"  # the dispatchers' policy spec (any but oracle)
-    alpha: float = defaults.ALPHA
-    beta: float = defaults.BETA
-    tbt_slo_ms: float = defaults.TBT_SLO_S * 1e3  # the flag's unit
-    ttft_slo_s: float = defaults.TTFT_SLO_S
-    max_model_len: int = defaults.MAX_MODEL_LEN
-    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS
-    prefill_step_tokens: int = defaults.PREFILL_STEP_TOKENS
-    decode_step_tokens: int = defaults.DECODE_STEP_TOKENS
-    heartbeat_ms: float = HEARTBEAT_PERIOD_S * 1e3  # the flag's unit
-    redis_port: int = 0
+    prefill_nodes: int = setting(2, help="prefill nodes")
+    decode_nodes: int = setting(2, help="decode nodes, each with its sidecar")
+    dispatchers: int = setting(1, help="dispatcher replicas behind Envoy")
+    gateway_port: int = setting(8000, help="the gateway's (Envoy's) port (0: any free port)", flags=("--port",))
     # Loopback unless nodes on other machines must reach Redis (their publishers) and clients
     # must reach Envoy: then 0.0.0.0 or this machine's address.
-    redis_host: str = LOOPBACK
-    redis_tls: bool = False  # TLS only (rediss://), with a CA made for this cluster
-    gateway_host: str = LOOPBACK
-    log_level: str = "INFO"  # every process's: dispatchers, engines, sidecars, publishers
-    # Every node publishes its KV cache events (vLLM's --kv-events-config, on two free ports)
-    # and its heartbeat advertises them, so the dispatchers see each node's prefix cache.
-    kv_events: bool = True
+    gateway_host: str = setting(LOOPBACK, help="Envoy's listen address", flags=("--host",))
+    model_dir: str = setting("", help="the served model's tokenizer directory (a tiny Llama is built when empty)")
+    model_name: str = setting("kairos-tiny-llama", help="the served model's name", flags=("--model",))
+    time_scale: float = setting(1.0, help="emulated nodes run this many times faster than real time")
+    kv_capacity_tokens: int = setting(defaults.KV_CAPACITY_TOKENS, help="each emulated node's KV cache, in tokens")
+    prefill_step_tokens: int = setting(defaults.PREFILL_STEP_TOKENS, help="tokens per engine step on prefill nodes")
+    decode_step_tokens: int = setting(defaults.DECODE_STEP_TOKENS, help="tokens per engine step on decode nodes")
+    heartbeat_period_s: float = setting(HEARTBEAT_PERIOD_S, help="every node's heartbeat period")
+    redis_port: int = setting(0, help="Redis port (0: any free port)")
+    redis_host: str = setting(
+        LOOPBACK, help="Redis listen address; other machines' heartbeat publishers need a reachable one"
+    )
+    redis_tls: bool = setting(
+        False, help="Redis over TLS only (rediss://), with a CA made for this cluster (needs openssl)", form="switch"
+    )
+    # vLLM's --kv-events-config on two free ports per node, advertised in its heartbeat.
+    kv_events: bool = setting(
+        True, help="every node publishes its KV cache events, so the dispatchers see each node's prefix cache"
+    )
+    log_level: str = internal("INFO")  # every process's: the kairos command's --log-level
+    dispatcher: DispatcherConfig = part(DispatcherConfig, help="every dispatcher replica", omit=_PER_DISPATCHER)
+    sidecar: SidecarConfig = part(SidecarConfig, help="every decode node's sidecar", omit=_PER_SIDECAR)
 
     def __post_init__(self) -> None:
         level = self.log_level.upper()
@@ -89,9 +114,29 @@ class LocalClusterConfig:
             )
         if self.time_scale <= 0:
             raise ConfigError(f"time_scale must be > 0, got {self.time_scale}")
-        validate_gateway_policy(self.policy)  # before any process starts
-        if self.profile_reload_s < 0:
-            raise ConfigError(f"profile_reload_s must be >= 0 (0 = off), got {self.profile_reload_s}")
+        if not self.heartbeat_period_s > 0:
+            raise ConfigError(f"heartbeat_period_s must be > 0, got {self.heartbeat_period_s}")
+
+    # What the engines share with the dispatchers: the model they predict is the one they run.
+    @property
+    def profile(self) -> str:
+        return self.dispatcher.profile
+
+    @property
+    def policy(self) -> str:
+        return self.dispatcher.policy
+
+    @property
+    def max_model_len(self) -> int:
+        return self.dispatcher.requests.limits.max_model_len
+
+
+SOURCE = ConfigSource(LocalClusterConfig, section="cluster", env_prefix="KAIROS_CLUSTER_", module="kairos")
+
+
+def cluster_config(*, log_level: str = "INFO", **settings: Any) -> LocalClusterConfig:
+    """A cluster's config from settings by name (``cluster_config(policy="pd", alpha=1.3)``)."""
+    return dataclasses.replace(load_config(LocalClusterConfig, overrides=settings), log_level=log_level)
 
 
 def kv_events_config(pub_port: int, replay_port: int) -> KvEventsConfig:
@@ -204,9 +249,6 @@ class LocalCluster:
 
         return build_tiny_model(self.workdir / "model")
 
-    def _py(self, module: str, *args: str) -> list[str]:
-        return [sys.executable, "-m", module, *args]
-
     def _log(self, name: str) -> Path:
         return self.workdir / "logs" / f"{name}.log"
 
@@ -240,65 +282,53 @@ class LocalCluster:
 
     def engine_process(self, node: NodeProcs) -> ManagedProcess:
         cfg = self.config
-        step_tokens = cfg.prefill_step_tokens if node.role == Role.PREFILL else cfg.decode_step_tokens
+        engine = EmulatedNodeConfig(
+            node_id=node.node_id,
+            role=node.role,
+            model_dir=str(self.model_dir),
+            host=LOOPBACK,
+            port=node.vllm_port,
+            model=cfg.model_name,
+            profile=cfg.profile,
+            time_scale=cfg.time_scale,
+            max_model_len=cfg.max_model_len,
+            max_step_tokens=cfg.prefill_step_tokens if node.role == Role.PREFILL else cfg.decode_step_tokens,
+            kv_capacity_tokens=cfg.kv_capacity_tokens,
+            kv_events_config=None if node.kv_events is None else node.kv_events.to_json(),
+            enable_prompt_tokens_details=True,  # as every real node Kairos launches: usage says what it found cached
+        )
+        name = f"{node.node_id}-vllm"
         return ManagedProcess(
-            f"{node.node_id}-vllm",
-            self._py(
-                "kairos.sim.emulated_vllm",
-                "--node-id",
-                node.node_id,
-                "--role",
-                node.role,
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(node.vllm_port),
-                "--model-dir",
-                str(self.model_dir),
-                "--model",
-                cfg.model_name,
-                "--profile",
-                cfg.profile,
-                "--time-scale",
-                str(cfg.time_scale),
-                "--max-model-len",
-                str(cfg.max_model_len),
-                "--max-step-tokens",
-                str(step_tokens),
-                "--kv-capacity-tokens",
-                str(cfg.kv_capacity_tokens),
-                *self._kv_events_args(node),
-                # As every real node Kairos launches: usage says what the node found cached.
-                "--enable-prompt-tokens-details",
-                "--log-level",
-                cfg.log_level,
-            ),
-            self._log(f"{node.node_id}-vllm"),
+            name,
+            self.service_command(EMULATED_NODE, engine, name),
+            self._log(name),
             ready=http_ready(f"http://{node.url}/health"),
         )
+
+    def service_command(self, source: ConfigSource[Any], config: Any, name: str, *, secret: str = "") -> list[str]:
+        """A service's process reading ``config`` from its YAML file (``workdir/config/NAME.yaml``);
+        ``secret``: the setting its environment gives instead (a Redis URL with its password)."""
+        path = self.workdir / "config" / f"{name}.yaml"
+        source.write(path, config, skip=(secret,) if secret else ())
+        return source.command(path, self.config.log_level)
 
     def start_agents(self, node: NodeProcs, timeout_s: float = 30.0) -> None:
         """The sidecar (decode nodes) and the heartbeat publisher beside a running engine."""
         if node.role == Role.DECODE:
+            sidecar = with_settings(
+                self.config.sidecar,
+                host=LOOPBACK,
+                port=node.sidecar_port,
+                local_vllm=node.url,
+                allowed_prefill_hosts=tuple(n.url for n in self.nodes if n.role == Role.PREFILL),
+                gateway=self.gateway_url.removeprefix("http://"),
+            )
+            name = f"{node.node_id}-sidecar"
             node.sidecar = self.group.start(
                 ManagedProcess(
-                    f"{node.node_id}-sidecar",
-                    self._py(
-                        "kairos.nodeagent.sidecar",
-                        "--host",
-                        LOOPBACK,
-                        "--port",
-                        str(node.sidecar_port),
-                        "--local-vllm",
-                        node.url,
-                        "--allow-prefill",
-                        ",".join(n.url for n in self.nodes if n.role == Role.PREFILL),
-                        "--gateway",
-                        self.gateway_url.removeprefix("http://"),
-                        "--log-level",
-                        self.config.log_level,
-                    ),
-                    self._log(f"{node.node_id}-sidecar"),
+                    name,
+                    self.service_command(SIDECAR, sidecar, name, secret="redis_url"),
+                    self._log(name),
                     ready=tcp_ready(LOOPBACK, node.sidecar_port or 0),
                     env=self.agent_env(node),  # its Redis URL: TTFT feedback for the dispatchers
                 ),
@@ -318,30 +348,16 @@ class LocalCluster:
         )
 
     def publisher_argv(self, node: NodeProcs) -> list[str]:
-        return self._py(
-            "kairos.nodeagent.heartbeat",
-            "--node-id",
-            node.node_id,
-            "--role",
-            node.role,
-            "--url",
-            node.url,
-            "--sidecar",
-            node.sidecar_url,
-            "--state-url",
-            self.state_url(node),
-            "--period-ms",
-            str(self.config.heartbeat_ms),
-            *self._kv_events_args(node),
-            "--log-level",
-            self.config.log_level,
+        publisher = PublisherConfig(
+            node_id=node.node_id,
+            role=node.role,
+            url=node.url,
+            sidecar=node.sidecar_url,
+            state_url=self.state_url(node),
+            period_s=self.config.heartbeat_period_s,
+            kv_events_config="" if node.kv_events is None else node.kv_events.to_json(),
         )
-
-    @staticmethod
-    def _kv_events_args(node: NodeProcs) -> list[str]:
-        """The engine's flag and its publisher's, the same JSON: the publisher advertises the
-        sockets the engine binds, at the node's host."""
-        return [] if node.kv_events is None else ["--kv-events-config", node.kv_events.to_json()]
+        return self.service_command(HEARTBEAT, publisher, f"{node.node_id}-heartbeat", secret="redis_url")
 
     def agent_env(self, node: NodeProcs) -> dict[str, str]:
         """The environment of a node's publisher and sidecar: the Redis URL of the node's own
@@ -351,45 +367,21 @@ class LocalCluster:
     def start_dispatcher(self, index: int, timeout_s: float = 60.0) -> ManagedProcess:
         cfg = self.config
         port, metrics_port = self.dispatcher_ports[index], self.dispatcher_metrics_ports[index]
+        name = f"dispatcher{index}"
+        dispatcher = with_settings(
+            cfg.dispatcher,
+            host=LOOPBACK,
+            port=port,
+            metrics_port=metrics_port,
+            model_dir=str(self.model_dir),
+            dispatcher_id=name,
+            fallback_prefill=tuple(f"{n.node_id}={n.url}" for n in self.nodes if n.role == Role.PREFILL),
+            fallback_decode=tuple(f"{n.node_id}={n.url}+{n.sidecar_url}" for n in self.nodes if n.role == Role.DECODE),
+            admit_nodes="listed",  # the cluster's own nodes only, at their own addresses
+        )
         proc = ManagedProcess(
-            f"dispatcher{index}",
-            self._py(
-                "kairos.extproc",
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(port),
-                "--metrics-port",
-                str(metrics_port),
-                "--model-dir",
-                str(self.model_dir),
-                "--profile",
-                cfg.profile,
-                "--profile-reload-s",
-                str(cfg.profile_reload_s),
-                "--policy",
-                cfg.policy,
-                "--alpha",
-                str(cfg.alpha),
-                "--beta",
-                str(cfg.beta),
-                "--tbt-slo-ms",
-                str(cfg.tbt_slo_ms),
-                "--ttft-slo-s",
-                str(cfg.ttft_slo_s),
-                "--max-model-len",
-                str(cfg.max_model_len),
-                "--dispatcher-id",
-                f"dispatcher{index}",
-                "--fallback-prefill",
-                ",".join(f"{n.node_id}={n.url}" for n in self.nodes if n.role == Role.PREFILL),
-                "--fallback-decode",
-                ",".join(f"{n.node_id}={n.url}+{n.sidecar_url}" for n in self.nodes if n.role == Role.DECODE),
-                "--admit-nodes",  # the cluster's own nodes only, at their own addresses
-                "listed",
-                "--log-level",
-                cfg.log_level,
-            ),
+            name,
+            self.service_command(DISPATCHER, dispatcher, name, secret="redis_url"),
             self._log(f"dispatcher{index}"),
             ready=http_ready(f"http://{LOOPBACK}:{metrics_port}/health"),
             env={DISPATCHER_ENV: self._redis_setup().dispatcher_url},

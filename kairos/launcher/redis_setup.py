@@ -32,13 +32,16 @@ from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.common.redis_acl import ADMIN_USER, DISPATCHER_USER, acl_file, check_node_id, node_user
 from kairos.common.redis_client import with_credentials
+from kairos.extproc.config import SOURCE as DISPATCHER
+from kairos.nodeagent.heartbeat import SOURCE as HEARTBEAT
+from kairos.nodeagent.sidecar.config import SOURCE as SIDECAR
 
 LOOPBACK = "127.0.0.1"
 
-# The environment variables each component reads its Redis URL from (load_config's prefixes).
-DISPATCHER_ENV = "KAIROS_DISPATCHER_REDIS_URL"
-HEARTBEAT_ENV = "KAIROS_HEARTBEAT_REDIS_URL"
-SIDECAR_ENV = "KAIROS_SIDECAR_REDIS_URL"
+# The environment variables each component reads its Redis URL from (its setting redis_url).
+DISPATCHER_ENV = DISPATCHER.env_var("redis_url")
+HEARTBEAT_ENV = HEARTBEAT.env_var("redis_url")
+SIDECAR_ENV = SIDECAR.env_var("redis_url")
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -4,6 +4,7 @@ their sidecars and heartbeat publishers) until Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -11,12 +12,10 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
-from kairos.common.config import load_config
+from kairos.common.config import add_flags, flag_values
 from kairos.common.errors import KairosError
-from kairos.core.policies import policy_synopsis
-from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.local_cluster import SOURCE, LocalCluster, LocalClusterConfig
 from kairos.launcher.node_profile import describe_given, profile_cache_dir, wants_fitted_profile
 from kairos.launcher.observability import DASHBOARD, write_observability
 from kairos.launcher.processes import ProcessError, Supervisor
@@ -32,38 +31,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "< --config YAML (section 'cluster') < KAIROS_CLUSTER_* environment < flags.",
     )
     p.add_argument("--config", type=Path, help="YAML file with a 'cluster' section")
-    p.add_argument("--prefill-nodes", type=int)
-    p.add_argument("--decode-nodes", type=int)
-    p.add_argument("--dispatchers", type=int)
-    p.add_argument("--port", dest="gateway_port", type=int, help="gateway port (default 8000)")
-    p.add_argument("--profile", help="latency profile: packaged name or JSON path")
-    p.add_argument("--model", dest="model_name", help="served model name (default kairos-tiny-llama)")
-    p.add_argument(
-        "--policy",
-        help=f"one policy spec (default kairos): {policy_synopsis(gateway=True)}",
-    )
-    p.add_argument("--alpha", type=float)
-    p.add_argument("--beta", type=float)
-    p.add_argument("--tbt-slo-ms", type=float)
-    p.add_argument("--ttft-slo-s", type=float)
-    p.add_argument("--time-scale", type=float, help="emulated nodes run this many times faster than real time")
-    p.add_argument("--model-dir", help="served model's tokenizer dir (a tiny Llama is built when omitted)")
     p.add_argument(
         "--workdir", type=Path, help="logs and generated files (default: a temporary folder, removed on exit)"
     )
     p.add_argument(
         "--nodes", type=Path, help="YAML file of nodes running elsewhere: start only Redis, the dispatcher and Envoy"
     )
-    p.add_argument("--host", dest="gateway_host", help="Envoy's listen address (default 127.0.0.1)")
-    p.add_argument("--redis-host", help="Redis listen address; other machines' publishers need a reachable one")
-    p.add_argument("--redis-port", type=int, help="Redis port (default: any free port)")
-    p.add_argument(
-        "--redis-tls",
-        action="store_true",
-        default=None,
-        help="Redis over TLS only (rediss://), with a CA made for this cluster (needs openssl)",
-    )
-    p.add_argument("--profile-reload-s", type=float, help="how often the dispatcher checks a profile file")
     p.add_argument(
         "--backend",
         choices=("emulated", "vllm"),
@@ -75,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="python of the vLLM environment (default: $KAIROS_VLLM_PYTHON, else ./.venv-vllm, else this python "
         "if it has vLLM)",
     )
+    add_flags(p, LocalClusterConfig)  # the cluster's settings, the dispatchers' and the sidecars' among them
     p.set_defaults(handler=run_up)
 
 
@@ -137,33 +111,9 @@ def _print_redis(cluster: LocalCluster) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {
-        k: getattr(args, k)
-        for k in (
-            "prefill_nodes",
-            "decode_nodes",
-            "dispatchers",
-            "gateway_port",
-            "profile",
-            "policy",
-            "alpha",
-            "beta",
-            "tbt_slo_ms",
-            "ttft_slo_s",
-            "time_scale",
-            "model_dir",
-            "model_name",
-            "gateway_host",
-            "redis_host",
-            "redis_port",
-            "redis_tls",
-            "profile_reload_s",
-            "log_level",  # kairos --log-level, before the subcommand
-        )
-    }
-    config = load_config(
-        LocalClusterConfig, args.config, section="cluster", env_prefix="KAIROS_CLUSTER_", overrides=overrides
-    )
+    config = SOURCE.load(args.config, flag_values(args, LocalClusterConfig))
+    if args.log_level:  # kairos --log-level, before the subcommand: every process's
+        config = dataclasses.replace(config, log_level=args.log_level)
     stop = threading.Event()
     # Before the temporary folder exists, so that no signal can leave it behind. SIGHUP: the
     # terminal went away, which stops the cluster as Ctrl-C does.

@@ -61,7 +61,7 @@ def build_app(config: SidecarConfig, allowlist: Callable[[], Collection[str]] | 
     # auto_decompress off: a compressed body is refused (415) by the handler; aiohttp would
     # inflate it unbounded, or drop the connection on a body that is not what its label says.
     app = web.Application(client_max_size=config.max_body_bytes + 1, handler_args={"auto_decompress": False})
-    classes = config.classes
+    classes = config.slo_classes
     state = State(config=config, allowlist=allowlist, metrics=SidecarMetrics(classes), classes=classes)
     app[STATE] = state
     app[METRICS] = state.metrics

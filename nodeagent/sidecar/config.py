@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kairos.common import defaults
+from kairos.common.config import ConfigSource, setting
 from kairos.common.errors import ConfigError
 from kairos.common.redis_client import check_redis_url
-from kairos.core.slo import DEFAULT_CLASSES, SloClass, parse_classes
+from kairos.core.slo import DEFAULT_CLASSES, SloClass, format_classes, parse_classes
 
 # host:port, nothing else; underscores allowed for docker-compose service names.
 _HOSTPORT = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?):([0-9]{1,5})")
@@ -29,31 +31,42 @@ def normalize_hostport(value: str) -> str | None:
 class SidecarConfig:
     """Settings of one decode node's sidecar."""
 
-    host: str = "127.0.0.1"  # listen address (0.0.0.0 to take Envoy's traffic from other machines)
-    port: int = 8201  # listen port (0: any free port)
-    local_vllm: str = "127.0.0.1:8101"  # host:port of this decode node's vLLM OpenAI server
-    # host:port of prefill vLLMs hop 1 may always call; the live cluster view adds more at run time
-    allowed_prefill_hosts: tuple[str, ...] = field(default_factory=tuple)
-    hop1_connect_timeout_s: float = 1.0  # TCP connect to a prefill node
-    hop1_timeout_s: float = 30.0  # all of hop 1 (connect, prefill queue + execution, reply); then 504
-    # The local vLLM: bound on connect, on waiting for response headers, and on the silence
-    # between two body chunks. Not a total: a long generation may stream for minutes.
-    hop2_timeout_s: float = 300.0
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are answered 413
-    # Redis for the TTFT feedback stream (redis://host:port/db); empty: no feedback, no Redis.
-    redis_url: str = ""
-    # host:port of the gateway (Envoy's listener) a batch's prompts are sent back through, one
-    # request each (kairos.nodeagent.fanout); empty: a batch routed here is answered 502.
-    gateway: str = ""
-    # The SLO classes requests are counted by (name=TTFT_MS/TPOT_MS,...: the dispatcher's, as
-    # kairos.core.slo.parse_classes reads them); empty: kairos.core.slo.DEFAULT_CLASSES.
-    slo_classes: str = ""
+    host: str = setting("127.0.0.1", help="listen address (0.0.0.0 to take Envoy's traffic from other machines)")
+    port: int = setting(8201, help="listen port (0: any free port)")
+    local_vllm: str = setting("127.0.0.1:8101", help="host:port of this decode node's vLLM OpenAI server")
+    # The live cluster view adds more at run time.
+    allowed_prefill_hosts: tuple[str, ...] = setting(
+        (), help="host:port of prefill vLLMs hop 1 may always call, comma-separated", flags=("--allow-prefill",)
+    )
+    hop1_connect_timeout_s: float = setting(1.0, help="TCP connect to a prefill node")
+    hop1_timeout_s: float = setting(30.0, help="all of hop 1 (connect, prefill queue and execution, reply); then 504")
+    # Not a total: a long generation may stream for minutes.
+    hop2_timeout_s: float = setting(
+        300.0,
+        help="the local vLLM: bound on connect, on waiting for response headers and on the silence between two "
+        "body chunks",
+    )
+    max_body_bytes: int = setting(
+        defaults.MAX_REQUEST_BODY_BYTES, help="larger request bodies are answered 413 before they are parsed"
+    )
+    redis_url: str = setting(
+        "", help="redis://host:port/db for the TTFT feedback stream (empty: no feedback, no Redis)", flags=("--redis",)
+    )
+    # kairos.nodeagent.fanout sends them one request each.
+    gateway: str = setting(
+        "", help="host:port of the gateway (Envoy) a batch's prompts are sent back through; empty: a batch gets 502"
+    )
+    # The dispatcher's, as kairos.core.slo.parse_classes reads them.
+    slo_classes: tuple[SloClass, ...] = setting(
+        DEFAULT_CLASSES,
+        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated",
+        parse=parse_classes,
+        format=format_classes,
+    )
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("host must not be empty")
-        if self.slo_classes.strip():
-            parse_classes(self.slo_classes)  # a malformed list fails here, at startup
         if self.redis_url:
             check_redis_url("redis_url", self.redis_url)
         if not (0 <= self.port <= 65535):
@@ -86,6 +99,5 @@ class SidecarConfig:
                 raise ConfigError(f"gateway must be host:port, got {self.gateway!r}")
             object.__setattr__(self, "gateway", gateway)
 
-    @property
-    def classes(self) -> tuple[SloClass, ...]:
-        return parse_classes(self.slo_classes) if self.slo_classes.strip() else DEFAULT_CLASSES
+
+SOURCE = ConfigSource(SidecarConfig, section="sidecar", env_prefix="KAIROS_SIDECAR_", module="kairos.nodeagent.sidecar")

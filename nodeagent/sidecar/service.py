@@ -5,19 +5,17 @@ kairos.nodeagent.sidecar``, ``kairos sidecar``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 
 from aiohttp import web
 
 from kairos.common import defaults
 from kairos.common.redis_client import redact_url
-from kairos.common.runtime import Service, announce_listening, flag_overrides, freeze_startup_heap, serving
-from kairos.core.slo import DEFAULT_CLASSES, format_classes
+from kairos.common.runtime import Service, announce_listening, freeze_startup_heap, serving
 from kairos.nodeagent.sidecar.app import build_app
-from kairos.nodeagent.sidecar.config import SidecarConfig
+from kairos.nodeagent.sidecar.config import SOURCE, SidecarConfig
 
 log = logging.getLogger(__package__)
 
@@ -26,42 +24,6 @@ _SHUTDOWN_GRACE_S = 30.0  # in-flight streams get this long to finish on SIGTERM
 # of up to 60 KiB (its max_request_headers_kb default) and vLLM's server reads 4 MiB, so the
 # sidecar is never the one to refuse a request, with aiohttp's bare text/plain 400.
 _MAX_REQUEST_LINE_BYTES = 64 * 1024
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = SERVICE.parser()
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8201; 0 for any free port)")
-    p.add_argument("--local-vllm", help="host:port of this decode node's vLLM (default 127.0.0.1:8101)")
-    p.add_argument(
-        "--allow-prefill",
-        dest="allowed_prefill_hosts",
-        metavar="ALLOW_PREFILL",
-        help="comma-separated host:port of prefill vLLMs hop 1 may call",
-    )
-    p.add_argument("--hop1-connect-timeout-s", type=float)
-    p.add_argument("--hop1-timeout-s", type=float)
-    p.add_argument("--hop2-timeout-s", type=float)
-    p.add_argument("--max-body-bytes", type=int)
-    p.add_argument(
-        "--redis",
-        dest="redis_url",
-        metavar="REDIS",
-        help="redis://host:port/db for the TTFT feedback stream (default: off)",
-    )
-    p.add_argument("--gateway", help="host:port of the gateway (Envoy) a batch's prompts are sent back through")
-    p.add_argument(
-        "--slo-classes",
-        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated, as the "
-        f"dispatcher's (default {format_classes(DEFAULT_CLASSES)})",
-    )
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a sidecar until SIGTERM or SIGINT. Settings: defaults < YAML < KAIROS_SIDECAR_* env < flags."""
-    args = build_parser().parse_args(argv)
-    return SERVICE.run(args, flag_overrides(args))
 
 
 def app_runner(
@@ -101,4 +63,12 @@ async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
         log.info("stopping: finishing in-flight requests (up to %gs)", _SHUTDOWN_GRACE_S)
 
 
-SERVICE = Service("sidecar", __doc__.split("\n\n")[0], SidecarConfig, "sidecar", "KAIROS_SIDECAR_", serve, uvloop=True)
+SERVICE = Service(
+    name="sidecar",
+    description=__doc__.split("\n\n")[0],
+    source=SOURCE,
+    serve=serve,
+    uvloop=True,
+)
+build_parser = SERVICE.parser
+main = SERVICE.main  # until SIGTERM or SIGINT; settings: defaults < YAML < KAIROS_SIDECAR_* env < flags

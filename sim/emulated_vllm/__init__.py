@@ -50,13 +50,18 @@ module that defines them.
 """
 
 from kairos.sim.emulated_vllm.app import NODE_KEY, build_app
-from kairos.sim.emulated_vllm.config import EMULATED_VLLM_VERSION, PULL_KEEPALIVE_S, PULL_TIMEOUT_S, EmulatedNodeConfig
+from kairos.sim.emulated_vllm.config import (
+    EMULATED_VLLM_VERSION,
+    PULL_KEEPALIVE_S,
+    PULL_TIMEOUT_S,
+    SOURCE,
+    EmulatedNodeConfig,
+)
 from kairos.sim.emulated_vllm.kv_transfer import KV_PULL_PATH
 from kairos.sim.emulated_vllm.metrics import PROMPT_SOURCES
 from kairos.sim.emulated_vllm.node import TOKENIZE_INLINE_BYTES, EmulatedNode
 from kairos.sim.emulated_vllm.responses import one_token_words
 from kairos.sim.emulated_vllm.service import (
-    ENV_PREFIX,
     SERVICE,
     VLLM_MAX_HEAD_BYTES,
     VLLM_MAX_HEADERS,
@@ -68,13 +73,13 @@ from kairos.sim.emulated_vllm.service import (
 
 __all__ = [
     "EMULATED_VLLM_VERSION",
-    "ENV_PREFIX",
     "KV_PULL_PATH",
     "NODE_KEY",
     "PROMPT_SOURCES",
     "PULL_KEEPALIVE_S",
     "PULL_TIMEOUT_S",
     "SERVICE",
+    "SOURCE",
     "TOKENIZE_INLINE_BYTES",
     "VLLM_MAX_HEADERS",
     "VLLM_MAX_HEAD_BYTES",

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kairos.common import defaults
+from kairos.common.config import ConfigSource, setting
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventsConfig
@@ -19,32 +20,42 @@ PULL_KEEPALIVE_S = 1.0  # wall seconds a decode node reuses an idle pull connect
 class EmulatedNodeConfig:
     """One emulated vLLM node. Durations are model seconds (divided by ``time_scale`` on the wall)."""
 
-    node_id: str  # unique in the cluster, e.g. "d0"
-    role: Role  # prefill: serves hop 1 and holds KV for pulls; decode: pulls KV, runs deflected prefills
-    model_dir: str  # Hugging Face model directory with tokenizer.json (and a chat template)
-    host: str = "127.0.0.1"  # bind address
-    port: int = 0  # 0 = any free port (printed at start-up)
-    model: str = ""  # served model id (vLLM's --served-model-name); empty = model_dir, as vLLM does
-    profile: str = DEFAULT_PROFILE  # latency profile, packaged name or JSON path
-    max_model_len: int = defaults.MAX_MODEL_LEN  # prompt + output tokens per request (vLLM's --max-model-len)
-    max_step_tokens: int = 2048  # tokens per engine step (vLLM's --max-num-batched-tokens)
-    kv_capacity_tokens: int = defaults.KV_CAPACITY_TOKENS  # KV cache size in tokens
-    max_running: int = 256  # resident sequences (vLLM's --max-num-seqs)
-    time_scale: float = 1.0  # 10 = ten times faster than real time
-    # Prefill node: wall seconds it keeps KV nobody has pulled (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
-    # and its default). Wall, not model time, as in vLLM: at --time-scale 1000 a model-time hold
-    # lasted 120 ms, less than a gateway's hops on a loaded host take to send the decode request.
-    kv_hold_timeout_s: float = 480.0
-    # Wall seconds the server keeps an idle kept-alive connection open (vLLM's
-    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE and its default): a client that reuses a connection after a
-    # pause races this close, on a real node and so here. Over PULL_KEEPALIVE_S.
-    keep_alive_timeout_s: float = 5.0
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
-    step_log_size: int = 10_000  # engine steps kept for /kairos/steps
-    prefix_caching: bool = True  # vLLM's --enable-prefix-caching (its default) / --no-enable-prefix-caching
-    block_size: int = defaults.KV_BLOCK_TOKENS  # vLLM's --block-size: tokens per KV block (and per hash)
-    enable_prompt_tokens_details: bool = False  # vLLM's flag: usage.prompt_tokens_details.cached_tokens
-    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (KvEventsConfig)
+    node_id: str = setting(help='this node\'s id, unique in the cluster (e.g. "d0")')
+    # prefill: serves hop 1 and holds KV for pulls; decode: pulls KV, runs deflected prefills.
+    role: Role = setting(help="the node's role in the cluster")
+    model_dir: str = setting(help="the served model's directory, with tokenizer.json (and a chat template)")
+    host: str = setting("127.0.0.1", help="listen address")
+    port: int = setting(0, help="listen port (0: any free port, printed at start-up)")
+    model: str = setting(
+        "", help="served model id (empty: --model-dir, as vLLM does)", flags=("--model", "--served-model-name")
+    )
+    profile: str = setting(DEFAULT_PROFILE, help="latency profile: a packaged name or a JSON path")
+    max_model_len: int = setting(defaults.MAX_MODEL_LEN, help="prompt + output tokens per request (vLLM's)")
+    max_step_tokens: int = setting(
+        2048, help="tokens per engine step", flags=("--max-step-tokens", "--max-num-batched-tokens")
+    )
+    kv_capacity_tokens: int = setting(defaults.KV_CAPACITY_TOKENS, help="KV cache size in tokens")
+    max_running: int = setting(256, help="resident sequences", flags=("--max-running", "--max-num-seqs"))
+    time_scale: float = setting(1.0, help="10 = ten times faster than real time (durations are model seconds)")
+    # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT and its default. Wall, not model time, as in vLLM:
+    # at --time-scale 1000 a model-time hold lasted 120 ms, less than a gateway's hops on a loaded
+    # host take to send the decode request.
+    kv_hold_timeout_s: float = setting(480.0, help="prefill node: wall seconds it keeps KV nobody has pulled")
+    # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE and its default: a client that reuses a connection after
+    # a pause races this close, on a real node and so here. Over PULL_KEEPALIVE_S.
+    keep_alive_timeout_s: float = setting(5.0, help="wall seconds an idle kept-alive connection stays open")
+    max_body_bytes: int = setting(
+        defaults.MAX_REQUEST_BODY_BYTES, help="larger request bodies are answered 413 before they are parsed"
+    )
+    step_log_size: int = setting(10_000, help="engine steps kept for /kairos/steps")
+    prefix_caching: bool = setting(
+        True, help="vLLM's prefix caching", flags=("--enable-prefix-caching",), form="negatable"
+    )
+    block_size: int = setting(defaults.KV_BLOCK_TOKENS, help="tokens per KV block (and per block hash)")
+    enable_prompt_tokens_details: bool = setting(
+        False, help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)", form="switch"
+    )
+    kv_events_config: str | None = setting(None, help="vLLM's KVEventsConfig as JSON: publish KV cache events")
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -99,3 +110,8 @@ class EmulatedNodeConfig:
 
 
 EMULATED_VLLM_VERSION = "0.32.0"  # the vLLM release whose wire behaviour this node follows
+
+
+SOURCE = ConfigSource(
+    EmulatedNodeConfig, section="emulated_node", env_prefix="KAIROS_EMU_", module="kairos.sim.emulated_vllm"
+)

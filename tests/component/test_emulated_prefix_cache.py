@@ -15,6 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kairos.common.config import flag_values
 from kairos.common.contracts import Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import (
@@ -28,7 +29,7 @@ from kairos.common.kv_events import (
 from kairos.core.prefix_index import PrefixIndex, prompt_prefix_hits
 from kairos.extproc.kv_events import KvEventConsumer
 from kairos.launcher.tinymodel import build_tiny_model
-from kairos.sim.emulated_vllm import EmulatedNodeConfig, build_parser, main
+from kairos.sim.emulated_vllm import SOURCE, EmulatedNodeConfig, build_parser, main
 from tests.component.test_emulated_vllm import MODEL, Node, metrics, post, running, sample
 from tests.waiting import eventually
 
@@ -226,8 +227,10 @@ async def test_caching_off_never_hits_and_publishes_nothing(
 
 def test_vllms_flags_configure_the_node(model_dir: Path) -> None:
     flags = ["--no-enable-prefix-caching", "--block-size", "32", "--enable-prompt-tokens-details"]
-    args = build_parser().parse_args([*flags, "--kv-events-config", EVENTS])
-    assert (args.prefix_caching, args.block_size, args.enable_prompt_tokens_details) == (False, 32, True)
+    node = ["--node-id", "d0", "--role", "decode", "--model-dir", str(model_dir)]
+    args = build_parser().parse_args([*node, *flags, "--kv-events-config", EVENTS])
+    flagged = SOURCE.load(overrides=flag_values(args, EmulatedNodeConfig), environ={})
+    assert (flagged.prefix_caching, flagged.block_size, flagged.enable_prompt_tokens_details) == (False, 32, True)
     assert build_parser().parse_args(["--enable-prefix-caching"]).prefix_caching is True
     cfg = EmulatedNodeConfig("d0", Role.DECODE, str(model_dir), kv_events_config=EVENTS)
     assert cfg.prefix_caching and cfg.block_size == BS and cfg.kv_events == KvEventsConfig.from_json(EVENTS)

@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from kairos.common import contracts as c
+from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
 from kairos.nodeagent.sidecar import SLO_OUTCOMES, SidecarConfig, app_runner
 from kairos.sim.emulated_vllm import VLLM_MAX_HEAD_BYTES
@@ -227,7 +228,7 @@ async def test_what_cannot_be_judged_is_unobserved_and_a_broken_stream_missed(ri
 
 
 def test_the_configured_classes_are_the_labels() -> None:
-    config = SidecarConfig(slo_classes="gold=500/40, bronze=30000/200")
-    assert [k.name for k in config.classes] == ["gold", "bronze"]
+    config = load_config(SidecarConfig, overrides={"slo_classes": "gold=500/40, bronze=30000/200"})
+    assert [k.name for k in config.slo_classes] == ["gold", "bronze"]
     with pytest.raises(ConfigError, match="name=TTFT_MS/TPOT_MS"):
-        SidecarConfig(slo_classes="gold")
+        load_config(SidecarConfig, overrides={"slo_classes": "gold"})

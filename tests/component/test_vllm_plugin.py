@@ -30,6 +30,7 @@ from kairos.core.latency import largest_chunk_within, load_profile
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster
 from kairos.launcher.vllm_node import SCHEDULER_CLS, VllmNodeSpec
+from kairos.nodeagent.heartbeat import SOURCE as HEARTBEAT
 from kairos.nodeagent.heartbeat import PublisherConfig
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, RequestTpots, build_state
@@ -314,11 +315,11 @@ def test_a_vllm_clusters_heartbeat_advertises_the_sockets_its_engine_binds(
     cluster.model_dir = tmp_path / "model"
     node = cluster.plan_nodes()[-1]
     cluster.engine_process(node)
-    beat = cluster.publisher_argv(node)
+    beat = HEARTBEAT.load(cluster.publisher_argv(node)[-3], environ={})  # its --config file (then --log-level L)
     if not prefix_caching:
-        assert node.kv_events is None and "--kv-events-config" not in beat
+        assert node.kv_events is None and beat.kv_events_config == ""
         return
-    config = beat[beat.index("--kv-events-config") + 1]
+    config = beat.kv_events_config
     publisher = PublisherConfig(node.node_id, node.role, node.url, node.sidecar_url, kv_events_config=config)
     assert publisher.kv_event_endpoints() == cluster.kv_event_endpoints(node) is not None
 

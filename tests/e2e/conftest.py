@@ -19,7 +19,7 @@ import pytest
 import redis as redis_sync
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
-from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.local_cluster import LocalCluster, cluster_config
 from kairos.launcher.tinymodel import build_tiny_model
 from tests.waiting import wait_until
 
@@ -60,12 +60,12 @@ def text_of(tokenizer: PromptTokenizer, tokens: int) -> str:
 # The paper's Eq. 7 (alpha 1.3, no deflection gate) unless a test says otherwise: these tests
 # exercise the deflection path on an idle cluster, where the default gate keeps every request
 # (its keep path meets the TTFT SLO with room; tests/unit/test_algorithm.py decides that part).
-EQ7 = {"alpha": 1.3, "policy": "kairos:gate=off"}
+EQ7 = {"alpha": 1.3, "policy": "kairos", "deflect_gate_share": None}
 
 
 def start_cluster(workdir: Path, model_dir: Path, **overrides: Any) -> LocalCluster:
     settings = {**EQ7, **overrides}
-    config = LocalClusterConfig(gateway_port=0, model_dir=str(model_dir), log_level="DEBUG", **settings)
+    config = cluster_config(gateway_port=0, model_dir=str(model_dir), log_level="DEBUG", **settings)
     cluster = LocalCluster(config, workdir)
     cluster.start()
     cluster.wait_for_heartbeats(timeout_s=60.0)  # generous: a starved host starts a dozen processes slowly

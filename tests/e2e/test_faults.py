@@ -303,7 +303,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Itera
     # effect visible from outside. (The default, no limit, schedules behind it instead:
     # tests/component/test_cluster.py races two processes' promises.) No deflection gate, as the
     # tier's EQ7: the chaos test's light traffic must deflect before Redis goes.
-    c = start_cluster(tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, policy="kairos:pending=1,gate=off")
+    c = start_cluster(tmp_path_factory.mktemp("replicas"), model_dir, dispatchers=2, max_pending_deflections=1)
     yield c
     c.stop()
 

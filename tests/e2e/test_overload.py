@@ -22,7 +22,7 @@ import pytest
 
 from bench.live.spike import spike, summarize
 from kairos.launcher.envoy_config import EnvoySettings
-from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
+from kairos.launcher.local_cluster import LocalCluster, cluster_config
 from tests.e2e.conftest import EQ7, post_json
 
 SPIKES = (2000, 5000)
@@ -45,7 +45,7 @@ def spike_cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> 
     if soft != resource.RLIM_INFINITY and soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     # INFO, not the e2e default DEBUG: a line per request per process would be most of the work.
-    config = LocalClusterConfig(gateway_port=0, model_dir=str(model_dir), time_scale=20.0, log_level="INFO", **EQ7)
+    config = cluster_config(gateway_port=0, model_dir=str(model_dir), time_scale=20.0, log_level="INFO", **EQ7)
     cluster = LocalCluster(config, tmp_path_factory.mktemp("spike"))
     try:
         cluster.start()

@@ -20,6 +20,7 @@ from typing import IO
 import pytest
 
 import redis
+from kairos.extproc.config import SOURCE as DISPATCHER
 from kairos.launcher.local_cluster import LocalCluster, LocalClusterConfig
 from kairos.launcher.processes import free_port
 from kairos.launcher.redis_setup import RedisSetup
@@ -242,20 +243,21 @@ def test_kairos_up_restarts_a_killed_engine_keeps_serving_and_refuses_a_second_g
     try:
         curl = shlex.split(out.until("curl ", 90).strip())
         _, dispatcher = _child(proc.pid, "kairos.extproc")
-        metrics_port = int(dispatcher.split("--metrics-port ")[1].split()[0])
+        config_file = dispatcher.split("--config ")[1].split()[0]  # the settings kairos up gave it
+        metrics_port = DISPATCHER.load(config_file, environ={}).metrics_port
 
         def fresh() -> set[str]:
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/nodes", timeout=10) as resp:
                 return {n["id"] for n in json.load(resp)["nodes"] if not n["stale"]}
 
-        engine, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "--node-id d1 ")
+        engine, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "/d1-vllm.yaml")
         os.kill(engine, signal.SIGKILL)
         wait_until(lambda: "d1" not in fresh(), what="d1 leaving the dispatcher's view")
         # Meanwhile the rest serves: the request goes to d0.
         served = subprocess.run(curl, capture_output=True, text=True, timeout=30, check=True).stdout
         assert "HTTP/1.1 200" in served and '"completion_tokens":16' in served
         wait_until(lambda: fresh() == {"p0", "p1", "d0", "d1"}, timeout_s=60, what="d1 back in the view")
-        restarted, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "--node-id d1 ")
+        restarted, _ = _child(proc.pid, "kairos.sim.emulated_vllm", "/d1-vllm.yaml")
         assert restarted != engine
         out.until("d1-vllm restarted", 10)
         assert any("d1-vllm exited with -9; restarting" in line for line in out.lines), out.lines

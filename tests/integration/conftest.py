@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kairos.launcher.local_cluster import LocalClusterConfig
+from kairos.launcher.local_cluster import cluster_config
 from kairos.launcher.processes import ProcessError
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.launcher.vllm_cluster import VllmBackend, VllmCluster, default_vllm_python
@@ -44,7 +44,7 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmClust
     started = time.monotonic()
     workdir = tmp_path_factory.mktemp("vllm-tier")
     model_dir = build_tiny_model(workdir / "model")
-    config = LocalClusterConfig(
+    config = cluster_config(
         prefill_nodes=1,
         decode_nodes=1,
         gateway_port=0,

@@ -13,7 +13,7 @@ from kairos.common.config import load_config
 from kairos.common.errors import ConfigError
 from kairos.core.view import ClusterTracker
 from kairos.extproc.cluster import ClusterViewConfig, RedisClusterView, redis_error_counter
-from kairos.extproc.main import DispatcherConfig
+from kairos.extproc.config import DispatcherConfig
 from kairos.extproc.membership import MembershipConfig
 
 
@@ -51,7 +51,7 @@ def test_views_sharing_a_registry_share_one_counter() -> None:
 
 
 def test_the_dispatchers_defaults_are_the_views() -> None:
-    assert DispatcherConfig(model_dir="m").cluster_view() == ClusterViewConfig()
+    assert DispatcherConfig(model_dir="m").view == ClusterViewConfig()
 
 
 def test_every_view_setting_is_reachable_from_the_dispatchers_yaml(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ def test_every_view_setting_is_reachable_from_the_dispatchers_yaml(tmp_path: Pat
         "  fallback_decode: d0=10.0.0.2:8201\n"
     )
     config = load_config(DispatcherConfig, yaml_file, section="dispatcher")
-    assert config.cluster_view() == ClusterViewConfig(
+    assert config.view == ClusterViewConfig(
         redis_url="redis://10.0.0.9:6380/1",
         poll_s=0.02,
         scan_every_polls=7,
@@ -89,10 +89,10 @@ def test_every_view_setting_is_reachable_from_the_dispatchers_yaml(tmp_path: Pat
         ),
     )
     assert config.dispatch_grace_s == 0.2
-    assert config.decider().stale_after_s == 0.25  # the decider and the view agree on staleness
+    assert config.decider.stale_after_s == 0.25  # one setting: the decider and the view agree on staleness
 
 
 def test_a_bad_view_setting_fails_at_start_up() -> None:
     with pytest.raises(ConfigError) as info:
-        DispatcherConfig(model_dir="m", poll_s=0.1, stale_after_s=0.05)
+        load_config(DispatcherConfig, overrides={"model_dir": "m", "poll_s": 0.1, "stale_after_s": 0.05})
     assert "stale_after_s=0.05 must exceed poll_s=0.1" in info.value.message

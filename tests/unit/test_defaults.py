@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from kairos.common import defaults
+from kairos.common.config import settings_of
 from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE
-from kairos.extproc.main import DispatcherConfig
+from kairos.extproc.config import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.replay import ReplayConfig
@@ -51,7 +52,14 @@ def test_the_papers_values() -> None:
 
 
 def fields(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    """A config's settings by name, its parts' included (a composite's own properties too)."""
+    out: dict[str, Any] = {}
+    for name, s in settings_of(type(obj)).items():
+        value = obj
+        for step in s.paths[0]:
+            value = getattr(value, step)
+        out[name] = value
+    return out | {name: getattr(obj, name) for name in ("profile", "max_model_len") if hasattr(obj, name)}
 
 
 @pytest.mark.parametrize(
@@ -73,7 +81,7 @@ def fields(obj: Any) -> dict[str, Any]:
             {
                 "alpha": defaults.ALPHA,
                 "beta": defaults.BETA,
-                "tbt_slo_ms": defaults.TBT_SLO_S * 1e3,
+                "tbt_slo_s": defaults.TBT_SLO_S,
                 "ttft_slo_s": defaults.TTFT_SLO_S,
                 "stale_after_s": defaults.STALE_AFTER_S,
                 "profile": defaults.PROFILE,
@@ -85,14 +93,14 @@ def fields(obj: Any) -> dict[str, Any]:
             {
                 "alpha": defaults.ALPHA,
                 "beta": defaults.BETA,
-                "tbt_slo_ms": defaults.TBT_SLO_S * 1e3,
+                "tbt_slo_s": defaults.TBT_SLO_S,
                 "ttft_slo_s": defaults.TTFT_SLO_S,
                 "profile": defaults.PROFILE,
                 "max_model_len": defaults.MAX_MODEL_LEN,
                 "kv_capacity_tokens": defaults.KV_CAPACITY_TOKENS,
                 "prefill_step_tokens": defaults.PREFILL_STEP_TOKENS,
                 "decode_step_tokens": defaults.DECODE_STEP_TOKENS,
-                "heartbeat_ms": HEARTBEAT_PERIOD_S * 1e3,
+                "heartbeat_period_s": HEARTBEAT_PERIOD_S,
             },
         ),
         (ReplayConfig(), {"ttft_slo_s": defaults.TTFT_SLO_S, "tbt_slo_ms": defaults.TBT_SLO_S * 1e3}),

@@ -27,6 +27,7 @@ from kairos.core.policies import (
     create_policy,
     parse_policy_spec,
 )
+from kairos.core.policies.kairos import gateway_settings
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 from tests.builders import decode_node, flat_models, make_models, prefill_node, view
 
@@ -1039,3 +1040,25 @@ def test_kairos_keep_estimate() -> None:
 def test_keep_estimate_param_is_checked(spec: str) -> None:
     with pytest.raises(UnknownPolicyError, match="keep"):
         create_policy(spec, FLAT)
+
+
+@pytest.mark.parametrize(
+    ("spec", "policy", "settings"),
+    [
+        ("kairos:alpha=1.3,gate=off,prefix=off", "kairos:prefix=off", {"alpha": 1.3, "deflect_gate_share": None}),
+        (
+            "kairos:keep=eq1,pending=2,chunks=512/256",
+            "kairos",
+            {"keep_estimate": "eq1", "max_pending_deflections": 2, "chunk_candidates": (512, 256)},
+        ),
+        ("kairos:alpha=1", "kairos", {"alpha": 1.0}),  # given, though the default: the variant says it
+        ("pd:prefix=off", "pd:prefix=off", {}),
+    ],
+)
+def test_a_simulator_spec_in_its_gateway_form(spec: str, policy: str, settings: dict[str, object]) -> None:
+    """A live benchmark runs a spec's variant on the gateway, which takes the decider's knobs as
+    the dispatcher's own settings: the same DeciderConfig either way."""
+    assert gateway_settings(spec) == (policy, settings)
+    simulated = create_policy(spec, FLAT)
+    gateway = create_policy(policy, FLAT, dataclasses.replace(DeciderConfig(), **settings))
+    assert getattr(simulated, "config", None) == getattr(gateway, "config", None)

@@ -16,10 +16,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kairos.common import contracts as c
-from kairos.common.config import load_config
+from kairos.common.config import flag_values, load_config
 from kairos.common.errors import ConfigError, ProfileError
 from kairos.core.latency import DEFAULT_PROFILE, load_profile, profile_path
-from kairos.extproc.main import DispatcherConfig, _on_sighup, build_parser
+from kairos.extproc.config import DispatcherConfig
+from kairos.extproc.main import _on_sighup, build_parser
 from kairos.extproc.metrics import DispatcherMetrics
 from kairos.extproc.profile_watch import LoadedProfile, ProfileWatcher, digest_of, load_initial
 from tests.waiting import eventually
@@ -295,7 +296,7 @@ def test_a_bad_profile_at_start_up_is_fatal(tmp_path: Path) -> None:
 
 
 def test_the_swap_rebuilds_both_policies_on_the_new_models(tmp_path: Path) -> None:
-    config = DispatcherConfig(model_dir="unused", policy="kairos:alpha=1.5")
+    config = load_config(DispatcherConfig, overrides={"model_dir": "unused", "policy": "kairos", "alpha": 1.5})
     models = load_initial(DEFAULT_PROFILE)[0].models
     policies = config.policies(models)
     assert policies.policy.models is models and policies.keep_policy.models is models  # type: ignore[attr-defined]
@@ -304,8 +305,7 @@ def test_the_swap_rebuilds_both_policies_on_the_new_models(tmp_path: Path) -> No
 
 def test_reload_settings_come_from_flags_and_are_checked() -> None:
     args = build_parser().parse_args(["--model-dir", "m", "--profile-reload-s", "0.25", "--ttft-feedback-window", "50"])
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}
-    config = load_config(DispatcherConfig, overrides=overrides, environ={})
+    config = load_config(DispatcherConfig, overrides=flag_values(args, DispatcherConfig), environ={})
     assert (config.profile_reload_s, config.ttft_feedback_window) == (0.25, 50)
     default = DispatcherConfig(model_dir="m")
     assert (default.profile_reload_s, default.ttft_feedback_window) == (1.0, 200)
@@ -329,7 +329,12 @@ def test_the_dispatcher_builds_the_fields_deciders(spec: str, label: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("spec", "fragment"), [("oracle", "true state"), ("aibrix:theta=1", "bad parameter 'theta=1'")]
+    ("spec", "fragment"),
+    [
+        ("oracle", "true state"),
+        ("aibrix:theta=1", "bad parameter 'theta=1'"),
+        ("kairos:alpha=1.5,prefix=off,gate=off", "set alpha= as alpha, gate= as deflect_gate_share"),
+    ],
 )
 def test_the_dispatcher_refuses_a_policy_it_cannot_run_at_startup(spec: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

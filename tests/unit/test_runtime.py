@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kairos.common.config import ConfigSource, setting
 from kairos.common.errors import ConfigError
 from kairos.common.runtime import Service, configure_logging, freeze_startup_heap, run
 
@@ -43,12 +44,12 @@ def test_freeze_startup_heap_collects_garbage_then_freezes_what_lives() -> None:
 
 @dataclass(frozen=True)
 class _Settings:
-    name: str = "default"
-    port: int = 1
+    name: str = setting("default", help="its name")
+    port: int = setting(1, help="its port")
 
 
 def _service(serve) -> Service[_Settings]:  # type: ignore[no-untyped-def]
-    return Service("toy", "a toy service", _Settings, "toy", "KAIROS_TOY_", serve)
+    return Service("toy", "a toy service", ConfigSource(_Settings, "toy", "KAIROS_TOY_", "toy"), serve)
 
 
 def test_a_service_serves_its_settings_from_yaml_environment_and_flags_until_stopped(
@@ -67,6 +68,9 @@ def test_a_service_serves_its_settings_from_yaml_environment_and_flags_until_sto
     assert args.log_level == "WARNING"
     assert service.run(args, {"name": "from-flags"}) == 0
     assert served == [(_Settings(name="from-flags", port=3), False)]
+    served.clear()
+    assert service.main(["--config", str(config), "--name", "from-main"]) == 0  # the flags derived from _Settings
+    assert served == [(_Settings(name="from-main", port=3), False)]
 
 
 @pytest.mark.parametrize(

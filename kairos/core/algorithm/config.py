@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from kairos.common import defaults
+from kairos.common.config import setting
 from kairos.common.errors import ConfigError
 from kairos.core.slo import RequestSLO
 from kairos.core.state import DecodeNodeState
@@ -28,57 +29,79 @@ KEEP_ESTIMATES = ("full", "eq1")  # DeciderConfig.keep_estimate
 class DeciderConfig:
     """Knobs of Algorithm 1. Defaults are the paper's (§6.1)."""
 
-    alpha: float = defaults.ALPHA  # deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1
-    beta: float = defaults.BETA  # TBT safety factor: every scheduled step <= beta x tau (Eq. 5)
-    tbt_slo_s: float = defaults.TBT_SLO_S  # tau
-    ttft_slo_s: float = defaults.TTFT_SLO_S  # TTFT SLO of Eq. 7
-    chunk_candidates: tuple[int, ...] = DEFAULT_CHUNK_CANDIDATES  # strictly decreasing step sizes
-    stale_after_s: float = defaults.STALE_AFTER_S  # a heartbeat older than this makes a node ineligible to deflect to
-    # Deflected prefills a decode node may hold in flight (reported backlog + dispatches since
-    # the heartbeat) for it to take another; None: no limit, a new deflection is scheduled behind
-    # the node's backlog. 1 is the paper's §5.3 rule.
-    max_pending_deflections: int | None = defaults.MAX_PENDING_DEFLECTIONS
-    # Send step_budget_s with each schedule so the decode node shrinks a chunk whose step would
-    # overrun it with the batch it actually has then (decodes join between heartbeats).
-    node_step_guard: bool = True
-    # Deflect to no node whose decode-only step is already over decode_overload_s; False (the
-    # paper's Algorithm 1) only to measure what the rule changes.
-    decode_overload_guard: bool = True
-    # With the overload guard, while the keep path meets the TTFT SLO: deflect to no node whose
-    # decode-only step with the request joined (decode_load_after_s) is over this share of
-    # decode_overload_s, uncalibrated (decode pressure: its decodes are the cluster's bottleneck,
-    # and the chunks would take their time to save a TTFT that meets its SLO anyway). None: no
-    # such rule.
-    decode_pressure_share: float | None = defaults.DECODE_PRESSURE_SHARE
-    # No deflection while the keep path's TTFT estimate is under this share of the TTFT SLO
-    # (deflection_gate_open): it meets the SLO with room. None: Eq. 7 decides alone (the paper).
-    deflect_gate_share: float | None = defaults.DEFLECT_GATE_SHARE
-    # The step model's mean absolute relative error against the node's real step times (a
-    # profile's held-out MAPE). Schedules planned to the budget's edge with an erring model
-    # overrun tau on about half their steps, where P/D's shorter decode-only steps rarely do:
-    # both step lines shrink by the error's P95 (see step_budget_s). 0 trusts the model.
-    model_error: float = 0.0
-    # Plan each decode node's steps to its own line: both step lines divided by the step
-    # calibration the node reports (DecodeNodeState.step_calibration, the 99th percentile of its
-    # actual / predicted step times), so its steps with deflected chunks stay under tau 99% of the
-    # time however far its model is off. It composes with beta and model_error (each an extra,
-    # optional margin). A node that reports none counts 1.0: the lines above, unchanged. False
-    # ignores the reports (to measure what calibration changes).
-    calibrate: bool = True
-    # The keep path's TTFT estimate that Eq. 7 compares with: "full" (keep_ttft_s: Eq. 1 + the
-    # KV transfer behind the decode node's link queue + its admission wait + its first decode
-    # step, after the half step the node is running then) or "eq1" (the paper's Eq. 1 alone, for
-    # comparison). The deflection's estimate is built alike: with "full" it starts at the decode
-    # node's next step (backlog_end), with "eq1" at once (the paper's Eq. 6).
-    keep_estimate: str = defaults.KEEP_ESTIMATE
-    # A running decode's mean remaining output tokens (memoryless): how fast a decode node frees
-    # KV, for the keep path's admission wait when the node's KV cannot take the prompt now.
-    mean_output_tokens: float = defaults.MEAN_OUTPUT_TOKENS
-    # Plan a deflection beside the decodes whose KV the node is pulling (pending_kv_pull_tokens:
-    # prefilled keeps, each joins its batch once pulled, within the link's time): the node's step
-    # guard shrinks each chunk to the batch it has then, so a plan on the heartbeat's B alone
-    # promised a first token they delayed. False plans on B alone (the paper).
-    plan_with_pulls: bool = True
+    alpha: float = setting(defaults.ALPHA, help="deflect when TTFT_dec <= alpha x TTFT_pf (Eq. 7); >= 1")
+    beta: float = setting(defaults.BETA, help="TBT safety factor: every scheduled step <= beta x tau (Eq. 5); (0, 2]")
+    tbt_slo_s: float = setting(
+        defaults.TBT_SLO_S, help="tau, the TBT (TPOT) SLO in seconds, for requests that set none"
+    )
+    ttft_slo_s: float = setting(
+        defaults.TTFT_SLO_S, help="the TTFT SLO of Eq. 7 in seconds, for requests that set none"
+    )
+    chunk_candidates: tuple[int, ...] = setting(
+        DEFAULT_CHUNK_CANDIDATES,
+        help="the chunk sizes a schedule picks from, strictly decreasing",
+        flags=("--chunk-candidates", "--chunks"),
+    )
+    stale_after_s: float = setting(
+        defaults.STALE_AFTER_S,
+        help="a node whose heartbeat has not changed for this long is stale: no deflection to it",
+    )
+    # 1 is the paper's §5.3 rule; None schedules a new deflection behind the node's backlog.
+    max_pending_deflections: int | None = setting(
+        defaults.MAX_PENDING_DEFLECTIONS,
+        help="deflected prefills a decode node may hold in flight (reported backlog + dispatches since its "
+        "heartbeat) for it to take another; none lifts the limit",
+    )
+    # Decodes join between heartbeats: the node shrinks a chunk whose step would overrun the
+    # budget with the batch it actually has then.
+    node_step_guard: bool = setting(True, help="send step_budget_s with each schedule, for the node's step guard")
+    # False is the paper's Algorithm 1: only to measure what the rule changes.
+    decode_overload_guard: bool = setting(
+        True, help="deflect to no node whose decode-only step is already over decode_overload_s"
+    )
+    # Its decodes are the cluster's bottleneck then, and the chunks would take their time to save
+    # a TTFT that meets its SLO anyway.
+    decode_pressure_share: float | None = setting(
+        defaults.DECODE_PRESSURE_SHARE,
+        help="with the overload guard, while the keep path meets the TTFT SLO: deflect to no node whose "
+        "decode-only step with the request joined is over this share of decode_overload_s; none: no such rule",
+    )
+    # None: Eq. 7 decides alone (the paper).
+    deflect_gate_share: float | None = setting(
+        defaults.DEFLECT_GATE_SHARE,
+        help="no deflection while the keep path's TTFT estimate is under this share of the TTFT SLO; none: no gate",
+    )
+    # Schedules planned to the budget's edge with an erring model overrun tau on about half their
+    # steps, where P/D's shorter decode-only steps rarely do: both step lines shrink by the
+    # error's P95 (see step_budget_s).
+    model_error: float = setting(
+        0.0,
+        help="the step model's mean absolute relative error against the nodes' real step times (a profile's "
+        "held-out MAPE); 0 trusts the model",
+    )
+    # Both step lines are divided by the node's reported calibration (DecodeNodeState.step_calibration,
+    # the 99th percentile of its actual / predicted step times), so its steps with deflected
+    # chunks stay under tau 99% of the time however far its model is off; it composes with beta
+    # and model_error. A node that reports none counts 1.0.
+    calibrate: bool = setting(True, help="plan each decode node's steps to its own reported step calibration")
+    # "full": keep_ttft_s, Eq. 1 + the KV transfer behind the decode node's link queue + its
+    # admission wait + its first decode step, after the step the node is running then; the
+    # deflection's estimate then starts at the node's next step (backlog_end). "eq1": the
+    # paper's Eq. 1 and Eq. 6 alone, for comparison.
+    keep_estimate: str = setting(
+        defaults.KEEP_ESTIMATE, help=f"the keep path's TTFT estimate Eq. 7 compares with: {' or '.join(KEEP_ESTIMATES)}"
+    )
+    # Memoryless: how fast a decode node frees KV, for the keep path's admission wait when the
+    # node's KV cannot take the prompt now.
+    mean_output_tokens: float = setting(
+        defaults.MEAN_OUTPUT_TOKENS, help="a running decode's mean remaining output tokens"
+    )
+    # Each pulled keep joins the batch within the link's time and the node's step guard shrinks
+    # each chunk to the batch it has then, so a plan on the heartbeat's B alone promised a first
+    # token they delayed. False plans on B alone (the paper).
+    plan_with_pulls: bool = setting(
+        True, help="plan a deflection beside the decodes whose KV the node is pulling (pending_kv_pull_tokens)"
+    )
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.

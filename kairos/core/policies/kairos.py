@@ -12,7 +12,7 @@ from kairos.common import defaults
 from kairos.core import algorithm as alg
 from kairos.core.decision import Decision
 from kairos.core.latency import LatencyModels
-from kairos.core.policies.registry import register
+from kairos.core.policies.registry import parse_policy_spec, register
 from kairos.core.policies.spec import PolicySpec, format_chunks
 from kairos.core.slo import RequestSLO
 from kairos.core.state import ClusterView
@@ -91,9 +91,22 @@ _SWITCHES = (
     ("pulls", "plan_with_pulls"),
 )
 _SHARES = (("pressure", "decode_pressure_share"), ("gate", "deflect_gate_share"))
+# Every parameter that sets a DeciderConfig field, and the field: the dispatcher takes those as its
+# own settings, one way each, and refuses them in its policy spec (the simulator compares specs).
+DECIDER_FIELDS: dict[str, str] = {
+    "alpha": "alpha",
+    "beta": "beta",
+    "error": "model_error",
+    "keep": "keep_estimate",
+    "chunks": "chunk_candidates",
+    "pending": "max_pending_deflections",
+    **dict(_SWITCHES),
+    **dict(_SHARES),
+}
 
 
-def build(spec: PolicySpec, models: LatencyModels, base: alg.DeciderConfig, *, oracle: bool) -> KairosPolicy:
+def decider_changes(spec: PolicySpec, base: alg.DeciderConfig, *, oracle: bool = False) -> dict[str, object]:
+    """The DeciderConfig fields ``spec``'s parameters set (every one checked), by field name."""
     changes: dict[str, object] = {
         "alpha": spec.number("alpha", base.alpha),
         "beta": spec.number("beta", base.beta),
@@ -120,13 +133,37 @@ def build(spec: PolicySpec, models: LatencyModels, base: alg.DeciderConfig, *, o
     elif "pending" in spec:
         pending = spec.params["pending"]
         changes["max_pending_deflections"] = None if pending.lower() == "none" else spec.value("pending", int)
+    return changes
+
+
+def build(spec: PolicySpec, models: LatencyModels, base: alg.DeciderConfig, *, oracle: bool) -> KairosPolicy:
     return KairosPolicy(
         models,
-        dataclasses.replace(base, **changes),
+        dataclasses.replace(base, **decider_changes(spec, base, oracle=oracle)),
         fresh_state=oracle,
         prefix_aware=spec.on_off("prefix"),
         slo_aware=spec.on_off("slo"),
     )
+
+
+def gateway_form(spec: PolicySpec) -> tuple[str, dict[str, object]]:
+    """A simulator's ``kairos`` spec as a gateway takes it: the spec less its decider parameters,
+    and those as the DeciderConfig settings they set (``kairos:alpha=1.3,prefix=off`` ->
+    ``("kairos:prefix=off", {"alpha": 1.3})``), for a live benchmark that runs a spec's variant."""
+    base = alg.DeciderConfig()
+    changes = {k: v for k, v in decider_changes(spec, base).items() if v != getattr(base, k) or k in _given(spec)}
+    rest = ",".join(f"{k}={v}" for k, v in spec.params.items() if k not in DECIDER_FIELDS)
+    return (f"{spec.name}:{rest}" if rest else spec.name), changes
+
+
+def _given(spec: PolicySpec) -> set[str]:
+    return {DECIDER_FIELDS[k] for k in spec.params if k in DECIDER_FIELDS}
+
+
+def gateway_settings(spec: str) -> tuple[str, dict[str, object]]:
+    """:func:`gateway_form` of a spec's text; any policy but ``kairos`` is its own gateway form."""
+    name, params = parse_policy_spec(spec)
+    return gateway_form(PolicySpec(name, params)) if name == "kairos" else (spec, {})
 
 
 register("kairos", partial(build, oracle=False), {"pending": "N|none", **DECIDER_PARAMS})
