@@ -38,7 +38,7 @@ from kairos.api.openai_request import (
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common import defaults
-from kairos.common.config import internal, part, setting
+from kairos.common.config import part, setting
 from kairos.common.errors import (
     ConfigError,
     KairosError,
@@ -52,7 +52,7 @@ from kairos.common.http_errors import error_json, error_status
 from kairos.core.algorithm import cached_prefix
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
-from kairos.core.slo import DEFAULT_CLASSES, RequestSLO, SloClass, classify, request_slo
+from kairos.core.slo import DEFAULT_CLASSES, RequestSLO, SloClass, classify, format_classes, parse_classes, request_slo
 from kairos.core.state import ClusterView
 from kairos.extproc.admission import AdmissionGate
 from kairos.extproc.metrics import DispatcherMetrics
@@ -197,9 +197,14 @@ class DispatchSettings:
     parse_timeout_s: float = setting(1.5, help="a prompt whose parse takes longer is answered 413")
     reservation_attempts: int = setting(2, help="decode nodes tried for a deflection before keeping")
     dispatcher_id: str = setting("", help="this replica's name in reservations and metrics; a random id when empty")
-    # Set in code only, for now: the classes every sidecar counts by (kairos_dispatcher_class_decisions'
-    # class label and the x-kairos-slo-class header): a request's class is read off its SLO pair.
-    slo_classes: tuple[SloClass, ...] = internal(DEFAULT_CLASSES)
+    # kairos_dispatcher_class_decisions' class label and the x-kairos-slo-class header: a request's
+    # class is read off its SLO pair. The sidecars' setting of the same name counts by them too.
+    slo_classes: tuple[SloClass, ...] = setting(
+        DEFAULT_CLASSES,
+        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated",
+        parse=parse_classes,
+        format=format_classes,
+    )
 
     def __post_init__(self) -> None:
         if self.reservation_attempts < 1:

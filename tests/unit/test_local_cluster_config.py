@@ -117,6 +117,7 @@ def test_every_child_reads_the_settings_the_cluster_gives_it(tmp_path: Path) -> 
     dispatcher = child_config(DISPATCHER, started[0].argv)
     assert (dispatcher.decider.alpha, dispatcher.admission_limits.max_wait_s, dispatcher.port) == (1.3, 0.5, 9000)
     assert dispatcher.view.membership.admit_nodes == "listed"
+    assert [k.name for k in dispatcher.requests.slo_classes] == ["gold"]  # one setting: the sidecars' classes too
     assert dispatcher.view.membership.fallback_decode == ("d0=127.0.0.1:8101+127.0.0.1:8201",)
     sidecar = child_config(SIDECAR, started[1].argv)
     assert (sidecar.hop1_timeout_s, [k.name for k in sidecar.slo_classes]) == (7.0, ["gold"])
