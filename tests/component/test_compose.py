@@ -1,6 +1,7 @@
 """compose/: the docker-compose topology, its rendered Envoy configs and the defaults of
-``kairos up`` agree. Pure parsing (no docker daemon; tests/compose runs it); Envoy validates the
-configs when its binary is installed."""
+``kairos up`` agree. Each Kairos service's settings are its environment, read as the service reads
+it (its ConfigSource); every variable must be one of its settings. Pure parsing (no docker daemon;
+tests/compose runs it); Envoy validates the configs when its binary is installed."""
 
 from __future__ import annotations
 
@@ -17,14 +18,22 @@ import yaml
 
 from kairos.common import contracts as c
 from kairos.common import defaults
+from kairos.common.config import ConfigSource, config_mapping, settings_of
 from kairos.common.contracts import REDIS_NODE_KEY
 from kairos.common.errors import ConfigError
 from kairos.common.http_errors import ERROR_TABLE
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig, advertised_endpoints
-from kairos.extproc.main import DispatcherConfig
+from kairos.common.runtime import Service
+from kairos.extproc.config import DispatcherConfig
+from kairos.extproc.main import SERVICE as DISPATCHER
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.servers import find_envoy
+from kairos.nodeagent.heartbeat import SERVICE as HEARTBEAT
+from kairos.nodeagent.heartbeat import PublisherConfig
+from kairos.nodeagent.sidecar import SERVICE as SIDECAR
+from kairos.nodeagent.sidecar.config import SidecarConfig
+from kairos.sim.emulated_vllm import SERVICE as EMULATED_NODE
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -35,6 +44,7 @@ LOOPBACK_ENVOY_FILE = COMPOSE_DIR / "envoy.loopback.yaml"
 REDIS_CONF = ROOT / "redis" / "redis.conf"
 LOOPBACK = "127.0.0.1"
 PASSWORD = re.compile(r"\$\{KAIROS_REDIS_PASSWORD:\?[^}]*\}")  # compose/.env's, required
+TEST_PASSWORD = "test-password"  # what compose/setup.sh would write to compose/.env
 
 PREFILL = ("p0", "p1")
 DECODE = ("d0", "d1")
@@ -44,6 +54,10 @@ HEARTBEATS = {node: f"{node}-heartbeat" for node in ENGINES}
 DISPATCHERS = ("dispatcher0", "dispatcher1")
 KAIROS_SERVICES = ("model", *DISPATCHERS, *ENGINES, *SIDECARS.values(), *HEARTBEATS.values(), "envoy")
 LONG_RUNNING = tuple(name for name in ("redis", *KAIROS_SERVICES) if name != "model")
+# What `kairos SUBCOMMAND` runs, by subcommand: each service reads its settings from its environment.
+KAIROS_COMMANDS: dict[str, Service[Any]] = {s.name: s for s in (DISPATCHER, SIDECAR, HEARTBEAT, EMULATED_NODE)}
+# Variables beside a service's settings, by subcommand, and why.
+NOT_SETTINGS = {"heartbeat": {"KAIROS_REDIS_PASSWORD"}}  # its healthcheck's AUTH, not the publisher's
 
 
 def _load_render() -> ModuleType:
@@ -77,18 +91,37 @@ def command(service: dict[str, Any]) -> list[str]:
     return cmd
 
 
-def flags(service: dict[str, Any]) -> dict[str, str]:
-    """``--flag value`` pairs of a service's command (after its subcommand)."""
-    args = command(service)[1:]
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        assert args[i].startswith("--"), f"expected a --flag at {args[i:]}"
-        assert i + 1 < len(args) and not args[i + 1].startswith("--"), f"{args[i]} has no value"
-        assert args[i] not in out, f"{args[i]} given twice"
-        out[args[i]] = args[i + 1]
-        i += 2
-    return out
+def kairos_source(service: dict[str, Any]) -> ConfigSource[Any]:
+    """Where the Kairos service's settings come from: its command is its subcommand alone."""
+    cmd = command(service)
+    assert len(cmd) == 1 and cmd[0] in KAIROS_COMMANDS, f"a subcommand alone, its settings in the environment: {cmd}"
+    return KAIROS_COMMANDS[cmd[0]].source
+
+
+def kairos_environment(service: dict[str, Any]) -> dict[str, str]:
+    """A Kairos service's environment, compose/.env's password in it; every variable a setting of
+    the service (``ConfigSource.env_var``) or one NOT_SETTINGS names, so a misspelt variable or
+    another service's fails here instead of being ignored by the service."""
+    source = kairos_source(service)
+    env = service.get("environment", {})
+    assert isinstance(env, dict), f"environment as a mapping: {env!r}"
+    for var, value in env.items():
+        assert isinstance(value, str), f"{var}: quote it ({value!r}), compose passes strings"
+    known = {source.env_var(name) for name in settings_of(source.config_class)}
+    others = NOT_SETTINGS.get(command(service)[0], set())
+    unknown = sorted(set(env) - known - others)
+    assert not unknown, f"not settings of kairos {command(service)[0]}: {unknown}; its settings: {sorted(known)}"
+    return {var: PASSWORD.sub(TEST_PASSWORD, value) for var, value in env.items()}
+
+
+def kairos_config(service: dict[str, Any]) -> Any:
+    """The Kairos service's configuration as it loads it at start-up: defaults < its environment."""
+    return kairos_source(service).load(environ=kairos_environment(service))
+
+
+def kairos_settings(service: dict[str, Any]) -> dict[str, Any]:
+    """Every setting of the Kairos service by name (defaults included), as plain values."""
+    return config_mapping(kairos_config(service), changed_only=False)
 
 
 def cluster(envoy: dict[str, Any], name: str) -> dict[str, Any]:
@@ -105,11 +138,11 @@ def endpoints(envoy: dict[str, Any], name: str) -> list[tuple[str, int]]:
 
 
 def engine_addr(services: dict[str, dict[str, Any]], node: str) -> str:
-    return f"{LOOPBACK}:{flags(services[node])['--port']}"
+    return f"{LOOPBACK}:{kairos_settings(services[node])['port']}"
 
 
 def sidecar_addr(services: dict[str, dict[str, Any]], node: str) -> str:
-    return f"{LOOPBACK}:{flags(services[SIDECARS[node]])['--port']}"
+    return f"{LOOPBACK}:{kairos_settings(services[SIDECARS[node]])['port']}"
 
 
 def redis_conf() -> dict[str, str]:
@@ -135,6 +168,30 @@ def test_compose_has_every_service_of_the_topology(services: dict[str, dict[str,
     }
     for name, sub in subcommands.items():
         assert command(services[name])[0] == sub, name
+
+
+@pytest.mark.parametrize("name", [name for name in KAIROS_SERVICES if name not in ("model", "envoy")])
+def test_kairos_services_take_their_settings_from_the_environment_only(
+    services: dict[str, dict[str, Any]], name: str
+) -> None:
+    config = kairos_config(services[name])  # every variable one of its settings, every value one it takes
+    if command(services[name]) == ["dispatcher"]:
+        config.check_serving()  # what only a running dispatcher needs: its tokenizer
+
+
+@pytest.mark.parametrize(
+    ("service", "message"),
+    [
+        ({"command": ["dispatcher"], "environment": {"KAIROS_DISPATCHER_TBT_SLO_MS": "70"}}, "TBT_SLO_MS"),
+        ({"command": ["dispatcher"], "environment": {"KAIROS_SIDECAR_GATEWAY": "127.0.0.1:8000"}}, "SIDECAR_GATEWAY"),
+        ({"command": ["sidecar"], "environment": {"KAIROS_REDIS_PASSWORD": "x"}}, "KAIROS_REDIS_PASSWORD"),
+        ({"command": ["heartbeat", "--period-s", "0.1"], "environment": {}}, "subcommand alone"),
+        ({"command": ["emulated-node"], "environment": {"KAIROS_EMU_PORT": 8100}}, "quote it"),
+    ],
+)
+def test_a_misspelt_or_misplaced_setting_fails_these_tests(service: dict[str, Any], message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        kairos_environment(service)
 
 
 def test_kairos_services_share_one_image_built_from_the_repo(services: dict[str, dict[str, Any]]) -> None:
@@ -178,9 +235,9 @@ def test_every_service_runs_on_the_hosts_network_with_a_restart_policy(
 def test_every_process_listens_on_loopback_on_its_own_port(services: dict[str, dict[str, Any]]) -> None:
     ports = [6379, 9901]  # redis, Envoy's admin
     for name in (*ENGINES, *SIDECARS.values(), *DISPATCHERS):
-        f = flags(services[name])
-        assert f["--host"] == LOOPBACK, name
-        ports += [int(f["--port"]), *([int(f["--metrics-port"])] if "--metrics-port" in f else [])]
+        s = kairos_settings(services[name])
+        assert s["host"] == LOOPBACK, name
+        ports += [s["port"], *([s["metrics_port"]] if "metrics_port" in s else [])]
     ports.append(LocalClusterConfig().gateway_port)
     assert len(ports) == len(set(ports)), sorted(ports)
     redis = command(services["redis"])[-1].split("<<")[0].split()  # sh -c "exec redis-server ... - <<EOF ..."
@@ -193,7 +250,7 @@ def test_the_tiny_model_is_built_once_before_its_readers_start(services: dict[st
     assert "models:/models" in services["model"]["volumes"]
     for name in (*ENGINES, *DISPATCHERS):
         svc = services[name]
-        assert flags(svc)["--model-dir"] == model_dir, name
+        assert kairos_settings(svc)["model_dir"] == model_dir, name
         assert "models:/models:ro" in svc["volumes"], name
         assert svc["depends_on"]["model"] == {"condition": "service_completed_successfully"}, name
 
@@ -244,30 +301,30 @@ def _health_probe(service: dict[str, Any]) -> str:
 def test_dispatchers_are_envoys_ext_proc_cluster(services: dict[str, dict[str, Any]], envoy: dict[str, Any]) -> None:
     expected = []
     for name in DISPATCHERS:
-        f = flags(services[name])
-        expected.append((LOOPBACK, int(f["--port"])))
-        assert _health_probe(services[name]) == f"{LOOPBACK}:{f['--metrics-port']}/health"
-        assert f["--dispatcher-id"] == name
+        s = kairos_settings(services[name])
+        expected.append((LOOPBACK, s["port"]))
+        assert _health_probe(services[name]) == f"{LOOPBACK}:{s['metrics_port']}/health"
+        assert s["dispatcher_id"] == name
     assert endpoints(envoy, "kairos_dispatcher") == expected
 
 
 def test_envoy_sidecars_are_the_sidecar_services(services: dict[str, dict[str, Any]], envoy: dict[str, Any]) -> None:
     expected = []
     for node in DECODE:
-        f = flags(services[SIDECARS[node]])
-        expected.append((LOOPBACK, int(f["--port"])))
-        assert _health_probe(services[SIDECARS[node]]) == f"{LOOPBACK}:{f['--port']}/health"
+        port = kairos_settings(services[SIDECARS[node]])["port"]
+        expected.append((LOOPBACK, port))
+        assert _health_probe(services[SIDECARS[node]]) == f"{LOOPBACK}:{port}/health"
     assert endpoints(envoy, "decode_sidecars") == expected
     for name in ("kairos_dispatcher", "decode_sidecars"):
         assert cluster(envoy, name)["type"] == "STATIC"  # as `kairos up`: addresses, no names
 
 
 def test_sidecars_call_their_own_engine_and_only_the_prefill_engines(services: dict[str, dict[str, Any]]) -> None:
-    prefill = ",".join(engine_addr(services, p) for p in PREFILL)
+    prefill = [engine_addr(services, p) for p in PREFILL]
     for node in DECODE:
-        f = flags(services[SIDECARS[node]])
-        assert f["--local-vllm"] == engine_addr(services, node)
-        assert f["--allow-prefill"] == prefill
+        s = kairos_settings(services[SIDECARS[node]])
+        assert s["local_vllm"] == engine_addr(services, node)
+        assert s["allowed_prefill_hosts"] == prefill
         assert services[SIDECARS[node]]["depends_on"][node] == {"condition": "service_healthy"}
 
 
@@ -276,31 +333,30 @@ def test_sidecars_send_a_batchs_prompts_back_through_envoys_listener(
 ) -> None:
     listener = envoy["static_resources"]["listeners"][0]["address"]["socket_address"]
     for node in DECODE:
-        assert flags(services[SIDECARS[node]])["--gateway"] == f"{LOOPBACK}:{listener['port_value']}"
+        assert kairos_settings(services[SIDECARS[node]])["gateway"] == f"{LOOPBACK}:{listener['port_value']}"
 
 
 def test_engines_serve_their_node_and_role(services: dict[str, dict[str, Any]]) -> None:
     for node in ENGINES:
-        f = flags(services[node])
+        s = kairos_settings(services[node])
         role = "prefill" if node in PREFILL else "decode"
-        assert (f["--node-id"], f["--role"]) == (node, role)
-        assert _health_probe(services[node]) == f"{LOOPBACK}:{f['--port']}/health"
+        assert (s["node_id"], s["role"]) == (node, role)
+        assert _health_probe(services[node]) == f"{LOOPBACK}:{s['port']}/health"
 
 
 def test_heartbeats_point_at_their_engine_and_sidecar(services: dict[str, dict[str, Any]]) -> None:
     for node in ENGINES:
         svc = services[HEARTBEATS[node]]
-        f = flags(svc)
-        assert (f["--node-id"], f["--role"]) == (node, flags(services[node])["--role"])
-        assert f["--url"] == f["--state-url"] == engine_addr(services, node)
-        assert float(f["--period-ms"]) == LocalClusterConfig().heartbeat_ms
+        s = kairos_settings(svc)
+        assert (s["node_id"], s["role"]) == (node, kairos_settings(services[node])["role"])
+        assert s["url"] == s["state_url"] == engine_addr(services, node)
         assert svc["depends_on"][node] == {"condition": "service_healthy"}
         if node in DECODE:
             # What Envoy's override_host matches: the decode_sidecars endpoint's address.
-            assert f["--sidecar"] == sidecar_addr(services, node)
+            assert s["sidecar"] == sidecar_addr(services, node)
             assert svc["depends_on"][SIDECARS[node]] == {"condition": "service_healthy"}
         else:
-            assert "--sidecar" not in f
+            assert s["sidecar"] == ""
         # Healthy while the node's heartbeat key lives in Redis.
         probe = " ".join(svc["healthcheck"]["test"])
         assert f"EXISTS {REDIS_NODE_KEY.format(node_id=node)}\\r" in probe
@@ -317,8 +373,8 @@ def test_each_node_publishes_its_kv_events_where_its_heartbeat_says_and_the_disp
     assert "kv-events" in compose["volumes"]
     folders = set()
     for node in ENGINES:
-        raw = flags(services[node])["--kv-events-config"]
-        assert flags(services[HEARTBEATS[node]])["--kv-events-config"] == raw
+        raw = kairos_settings(services[node])["kv_events_config"]
+        assert kairos_settings(services[HEARTBEATS[node]])["kv_events_config"] == raw
         config = KvEventsConfig.from_json(raw)
         advertised = advertised_endpoints(config, LOOPBACK)
         assert advertised is not None and advertised.topic == KV_EVENTS_TOPIC
@@ -335,18 +391,16 @@ def test_dispatcher_fallbacks_name_the_nodes_as_envoy_and_the_sidecars_see_them(
     services: dict[str, dict[str, Any]],
 ) -> None:
     for name in DISPATCHERS:
-        f = flags(services[name])
-        assert f["--fallback-prefill"] == ",".join(f"{p}={engine_addr(services, p)}" for p in PREFILL)
-        assert f["--fallback-decode"] == ",".join(
-            f"{d}={engine_addr(services, d)}+{sidecar_addr(services, d)}" for d in DECODE
-        )
+        s = kairos_settings(services[name])
+        assert s["fallback_prefill"] == [f"{p}={engine_addr(services, p)}" for p in PREFILL]
+        assert s["fallback_decode"] == [f"{d}={engine_addr(services, d)}+{sidecar_addr(services, d)}" for d in DECODE]
         # Only these nodes join, at exactly the addresses their heartbeats report.
-        assert f["--admit-nodes"] == "listed"
+        assert s["admit_nodes"] == "listed"
         for node in ENGINES:
-            beat = flags(services[HEARTBEATS[node]])
-            listed = f["--fallback-prefill" if node in PREFILL else "--fallback-decode"]
-            want = beat["--url"] if node in PREFILL else f"{beat['--url']}+{beat['--sidecar']}"
-            assert f"{node}={want}" in listed.split(","), (name, node)
+            beat = kairos_settings(services[HEARTBEATS[node]])
+            listed = s["fallback_prefill" if node in PREFILL else "fallback_decode"]
+            want = beat["url"] if node in PREFILL else f"{beat['url']}+{beat['sidecar']}"
+            assert f"{node}={want}" in listed, (name, node)
 
 
 def test_everyone_uses_the_redis_service_with_its_password(services: dict[str, dict[str, Any]]) -> None:
@@ -368,52 +422,74 @@ def test_everyone_uses_the_redis_service_with_its_password(services: dict[str, d
     assert PASSWORD.fullmatch(redis["environment"]["REDISCLI_AUTH"])
     # The heartbeats write the cluster view, the sidecars the TTFT feedback stream, the dispatchers
     # read both: one URL, password and database included, in each one's environment.
-    env_names = {
-        **dict.fromkeys(DISPATCHERS, "KAIROS_DISPATCHER_REDIS_URL"),
-        **dict.fromkeys(SIDECARS.values(), "KAIROS_SIDECAR_REDIS_URL"),
-        **dict.fromkeys(HEARTBEATS.values(), "KAIROS_HEARTBEAT_REDIS_URL"),
-    }
     urls = set()
-    for name, env_name in env_names.items():
-        raw = services[name]["environment"][env_name]
+    for name in (*DISPATCHERS, *SIDECARS.values(), *HEARTBEATS.values()):
+        raw = services[name]["environment"][kairos_source(services[name]).env_var("redis_url")]
         url = urlsplit(PASSWORD.sub("PW", raw))
         assert (url.scheme, url.password, url.hostname, url.port, url.path) == ("redis", "PW", LOOPBACK, 6379, "/0")
         assert PASSWORD.search(raw), name
+        assert kairos_settings(services[name])["redis_url"] == PASSWORD.sub(TEST_PASSWORD, raw), name
         assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}, name
         urls.add(raw)
     assert len(urls) == 1
-    for name in services:
-        assert "--redis" not in command(services[name]), name
+    for name in services:  # never in argv: the host's ps shows every container's command line
+        assert not any("redis://" in arg or "KAIROS_REDIS_PASSWORD" in arg for arg in command(services[name])), name
 
 
 # -- defaults -----------------------------------------------------------------------------
+def given_per_process(config_class: type, part: str) -> set[str]:
+    """The settings of ``config_class`` that ``kairos up`` gives each of its processes itself (its
+    address, peers, Redis): those its ``LocalClusterConfig`` part ``part`` omits."""
+    taken = {name for name, s in settings_of(LocalClusterConfig).items() if any(p[0] == part for p in s.paths)}
+    return set(settings_of(config_class)) - taken
+
+
 @pytest.mark.parametrize("name", DISPATCHERS)
-def test_dispatcher_settings_are_the_defaults(services: dict[str, dict[str, Any]], name: str) -> None:
-    f = flags(services[name])
-    d = DispatcherConfig(model_dir="unused")
+def test_dispatchers_run_what_kairos_up_runs(services: dict[str, dict[str, Any]], name: str) -> None:
+    """Every setting but a replica's own (its ports, peers, Redis) is the one ``kairos up`` gives
+    its dispatchers: LocalClusterConfig's defaults."""
+    ours = kairos_settings(services[name])
     local = LocalClusterConfig()
-    assert f["--profile"] == d.profile == local.profile
-    assert f["--policy"] == d.policy == local.policy
-    assert float(f["--alpha"]) == d.alpha == local.alpha
-    assert float(f["--beta"]) == d.beta == local.beta
-    assert float(f["--tbt-slo-ms"]) == d.tbt_slo_ms == local.tbt_slo_ms
-    assert float(f["--ttft-slo-s"]) == d.ttft_slo_s == local.ttft_slo_s
-    assert int(f["--max-model-len"]) == d.max_model_len == local.max_model_len
-    assert int(f["--port"]) == d.port + DISPATCHERS.index(name)  # replicas on the next ports
+    theirs = config_mapping(local.dispatcher, changed_only=False)
+    own = given_per_process(DispatcherConfig, "dispatcher")
+    assert {"port", "metrics_port", "dispatcher_id", "fallback_prefill", "redis_url"} <= own
+    assert {k: v for k, v in ours.items() if k not in own} == {k: v for k, v in theirs.items() if k not in own}
+    assert (ours["profile"], ours["policy"]) == (local.profile, local.policy)
+    assert ours["max_model_len"] == local.max_model_len
+    assert ours["port"] == DispatcherConfig().port + DISPATCHERS.index(name)  # replicas on the next ports
+
+
+@pytest.mark.parametrize("node", DECODE)
+def test_sidecars_run_what_kairos_up_runs(services: dict[str, dict[str, Any]], node: str) -> None:
+    ours = kairos_settings(services[SIDECARS[node]])
+    theirs = config_mapping(LocalClusterConfig().sidecar, changed_only=False)
+    own = given_per_process(SidecarConfig, "sidecar")
+    assert {"port", "local_vllm", "allowed_prefill_hosts", "redis_url"} <= own
+    assert {k: v for k, v in ours.items() if k not in own} == {k: v for k, v in theirs.items() if k not in own}
+
+
+@pytest.mark.parametrize("node", ENGINES)
+def test_heartbeats_run_what_kairos_up_runs(services: dict[str, dict[str, Any]], node: str) -> None:
+    """As ``kairos up``'s publishers: the cluster's period, the rest the publisher's defaults."""
+    config = kairos_config(services[HEARTBEATS[node]])
+    assert config.period_s == LocalClusterConfig().heartbeat_period_s
+    per_node = {"node_id", "role", "url", "state_url", "sidecar", "kv_events_config", "redis_url"}
+    assert set(config_mapping(config)) <= {*per_node, "period_s"}
+    assert set(per_node) <= set(settings_of(PublisherConfig))
 
 
 def test_engines_run_the_local_cluster_defaults(services: dict[str, dict[str, Any]]) -> None:
     local = LocalClusterConfig()
     assert (len(PREFILL), len(DECODE)) == (local.prefill_nodes, local.decode_nodes)
     for node in ENGINES:
-        f = flags(services[node])
-        assert f["--model"] == local.model_name
-        assert f["--profile"] == local.profile
-        assert float(f["--time-scale"]) == local.time_scale
-        assert int(f["--max-model-len"]) == local.max_model_len
-        assert int(f["--kv-capacity-tokens"]) == local.kv_capacity_tokens
+        s = kairos_settings(services[node])
+        assert s["model"] == local.model_name
+        assert s["profile"] == local.profile
+        assert s["time_scale"] == local.time_scale
+        assert s["max_model_len"] == local.max_model_len
+        assert s["kv_capacity_tokens"] == local.kv_capacity_tokens
         step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
-        assert int(f["--max-step-tokens"]) == step
+        assert s["max_step_tokens"] == step
 
 
 # -- Envoy ----------------------------------------------------------------------------------

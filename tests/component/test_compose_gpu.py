@@ -27,11 +27,11 @@ import yaml
 
 from kairos.common.config import load_config
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
-from kairos.extproc.main import DispatcherConfig
 from kairos.launcher.local_cluster import LocalClusterConfig
 from kairos.launcher.vllm_cluster import default_vllm_python
 from kairos.launcher.vllm_node import KV_TRANSFER_CONFIG, SCHEDULER_CLS, VllmNodeSpec
 from kairos.nodeagent.vllm_plugin.config import ENV_PREFIX, PluginConfig
+from tests.component.test_compose import kairos_environment, kairos_settings, kairos_source
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -153,15 +153,6 @@ def exec_list(value: Any) -> list[str]:
         f"exec-form string list expected: {value}"
     )
     return value
-
-
-def kairos_flags(service: dict[str, Any]) -> dict[str, str]:
-    """``--flag value`` pairs of a Kairos service's command (after its subcommand)."""
-    args = exec_list(service["command"])[1:]
-    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
-    out = dict(zip(args[::2], args[1::2], strict=True))
-    assert len(out) == len(args) // 2, f"a flag is given twice: {args}"
-    return out
 
 
 def vllm_flags(args: list[str]) -> dict[str, str | bool]:
@@ -342,7 +333,8 @@ def test_engine_runs_the_kairos_scheduler_with_nixl_and_its_step_size(
     assert (events["enable_kv_cache_events"], events["publisher"], events["topic"]) == (True, "zmq", KV_EVENTS_TOPIC)
     step = local.prefill_step_tokens if node in PREFILL else local.decode_step_tokens
     assert int(str(f["--max-num-batched-tokens"])) == step
-    assert int(str(f["--max-model-len"])) == local.max_model_len == DispatcherConfig(model_dir="x").max_model_len
+    dispatchers = {kairos_settings(merged[name])["max_model_len"] for name in DISPATCHERS}
+    assert {int(str(f["--max-model-len"]))} == {local.max_model_len} == dispatchers  # what the dispatchers admit
     assert (f["--host"], f["--load-format"]) == ("127.0.0.1", "auto")  # host networking: loopback
 
 
@@ -359,16 +351,23 @@ def test_engines_reserve_one_distinct_gpu_each(merged: dict[str, dict[str, Any]]
 
 
 @pytest.mark.parametrize("node", ENGINES)
-def test_engine_argv_and_env_agree_with_the_node_spec(merged: dict[str, dict[str, Any]], node: str) -> None:
+def test_engine_argv_and_env_agree_with_the_node_spec(
+    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]], node: str
+) -> None:
     svc = merged[node]
-    spec = spec_for(node, svc, kairos_flags(merged["dispatcher0"])["--profile"])
+    spec = spec_for(node, svc, kairos_settings(merged["dispatcher0"])["profile"])
     want, got = spec.argv(), engine_argv(svc)
     assert got[:3] == want[:3]  # python3 -m vllm.entrypoints.openai.api_server
     assert vllm_flags(got[3:]) == vllm_flags(want[3:])
 
     want_env, got_env = spec.env(), engine_env(svc)
     assert want_env.pop(ENV_NEVER, "1") == "1" and ENV_NEVER not in got_env
-    assert set(got_env) - set(want_env) == CONTAINER_ENV
+    # Compose merges environments: the engine keeps the emulated node's settings of the base file,
+    # inert (vLLM and the plugin read none of them), as the README says.
+    inherited = kairos_environment(base[node])  # each one a setting of the emulated node
+    assert not kairos_source(base[node]).env_prefix.startswith((ENV_PREFIX, "VLLM_"))
+    assert set(got_env) - set(want_env) == CONTAINER_ENV | set(inherited)
+    assert {var: got_env[var] for var in inherited} == inherited
     assert {k: got_env[k] for k in want_env} == want_env
 
 
@@ -399,32 +398,36 @@ def test_every_engine_port_is_its_own_on_the_shared_loopback(
         events = json.loads(str(engine_flags(merged[node])["--kv-events-config"]))
         ports += [endpoint_port(events["endpoint"]), endpoint_port(events["replay_endpoint"])]
     for name in (*DISPATCHERS, "d0-sidecar", "d1-sidecar"):
-        f = kairos_flags(merged[name])
-        ports += [int(f["--port"]), *([int(f["--metrics-port"])] if "--metrics-port" in f else [])]
+        s = kairos_settings(merged[name])
+        ports += [s["port"], *([s["metrics_port"]] if "metrics_port" in s else [])]
     assert len(ports) == len(set(ports)), sorted(ports)
     for node in ENGINES:  # the engine API ports are the base file's: the sidecars call them there
-        assert engine_flags(merged[node])["--port"] == kairos_flags(base[node])["--port"]
+        assert int(str(engine_flags(merged[node])["--port"])) == kairos_settings(base[node])["port"]
 
 
 @pytest.mark.parametrize("node", ENGINES)
 def test_heartbeat_reads_its_engines_state_server(
-    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]], node: str
+    base: dict[str, dict[str, Any]], override: dict[str, Any], merged: dict[str, dict[str, Any]], node: str
 ) -> None:
     engine = merged[node]
-    f = kairos_flags(merged[HEARTBEATS[node]])
-    assert f["--state-url"] == f"127.0.0.1:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
-    assert f["--url"] == f"127.0.0.1:{engine_flags(engine)['--port']}"
+    s = kairos_settings(merged[HEARTBEATS[node]])
+    assert s["state_url"] == f"127.0.0.1:{engine_env(engine)['KAIROS_VLLM_STATE_PORT']}"
+    assert s["url"] == f"127.0.0.1:{engine_flags(engine)['--port']}"
     # It advertises the KV event sockets of the engine's own flag, verbatim.
-    assert KvEventsConfig.from_json(f["--kv-events-config"]).to_json() == engine_flags(engine)["--kv-events-config"]
-    # Everything else is the base file's command.
-    base_flags = kairos_flags(base[HEARTBEATS[node]])
-    own = ("--state-url", "--kv-events-config")
-    assert {k: v for k, v in f.items() if k not in own} == {k: v for k, v in base_flags.items() if k not in own}
-    assert merged[HEARTBEATS[node]]["command"][0] == "heartbeat"
+    assert KvEventsConfig.from_json(s["kv_events_config"]).to_json() == engine_flags(engine)["--kv-events-config"]
+    # Everything else is the base file's: its command, and its settings but these two.
+    own = ("state_url", "kv_events_config")
+    assert set(override["services"][HEARTBEATS[node]]) == {"environment"}
+    assert {kairos_source(base[HEARTBEATS[node]]).env_var(name) for name in own} == set(
+        override["services"][HEARTBEATS[node]]["environment"]
+    )
+    was = kairos_settings(base[HEARTBEATS[node]])
+    assert {k: v for k, v in s.items() if k not in own} == {k: v for k, v in was.items() if k not in own}
+    assert merged[HEARTBEATS[node]]["command"] == ["heartbeat"]
 
 
 def test_decode_nodes_hold_the_dispatchers_profile(merged: dict[str, dict[str, Any]]) -> None:
-    profile = kairos_flags(merged["dispatcher0"])["--profile"]
+    profile = kairos_settings(merged["dispatcher0"])["profile"]
     assert profile == LocalClusterConfig().profile
     for node in ENGINES:
         want = profile if node in DECODE else ""
@@ -433,12 +436,15 @@ def test_decode_nodes_hold_the_dispatchers_profile(merged: dict[str, dict[str, A
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)
 def test_dispatcher_changes_only_its_model_dir(
-    base: dict[str, dict[str, Any]], merged: dict[str, dict[str, Any]], dispatcher: str
+    base: dict[str, dict[str, Any]], override: dict[str, Any], merged: dict[str, dict[str, Any]], dispatcher: str
 ) -> None:
-    got, was = kairos_flags(merged[dispatcher]), kairos_flags(base[dispatcher])
-    assert got["--model-dir"] != was["--model-dir"]
-    assert {k: v for k, v in got.items() if k != "--model-dir"} == {k: v for k, v in was.items() if k != "--model-dir"}
-    assert list(got) == list(was)  # same order, so a diff of the two commands shows only that flag
+    got, was = kairos_settings(merged[dispatcher]), kairos_settings(base[dispatcher])
+    assert got["model_dir"] != was["model_dir"]
+    assert {k: v for k, v in got.items() if k != "model_dir"} == {k: v for k, v in was.items() if k != "model_dir"}
+    # The override says only that, in the dispatcher's environment; the command is the base's.
+    variable = kairos_source(base[dispatcher]).env_var("model_dir")
+    assert override["services"][dispatcher] == {"environment": {variable: got["model_dir"]}}
+    assert merged[dispatcher]["command"] == base[dispatcher]["command"] == ["dispatcher"]
 
 
 @pytest.mark.parametrize(("env", "model"), [({}, DEFAULT_MODEL), ({"KAIROS_MODEL": "acme/other-7b"}, "acme/other-7b")])
@@ -454,8 +460,9 @@ def test_served_model_is_the_one_the_dispatcher_tokenizes(env: dict[str, str], m
     assert (COMPOSE_DIR / mount.split(":")[0]).resolve() == COMPOSE_DIR / "fetch_model.py"
     assert "models:/models" in fetch["volumes"]
     for dispatcher in DISPATCHERS:
-        assert fetch["command"] == [model, kairos_flags(services[dispatcher])["--model-dir"]]
-        assert kairos_flags(services[dispatcher])["--model-dir"].startswith("/models/")
+        model_dir = kairos_settings(services[dispatcher])["model_dir"]
+        assert fetch["command"] == [model, model_dir]
+        assert model_dir.startswith("/models/")
         assert "models:/models:ro" in services[dispatcher]["volumes"]
 
 

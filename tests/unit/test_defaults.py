@@ -4,7 +4,7 @@ the README agree with it."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from kairos.common import defaults
-from kairos.common.config import settings_of
+from kairos.common.config import config_mapping, settings_of
 from kairos.common.contracts import HEARTBEAT_PERIOD_S
 from kairos.core.algorithm import DeciderConfig
 from kairos.core.latency import DEFAULT_PROFILE
+from kairos.extproc.config import SOURCE as DISPATCHER
 from kairos.extproc.config import DispatcherConfig
 from kairos.launcher.envoy_config import EnvoySettings, render_envoy_config
 from kairos.launcher.local_cluster import LocalClusterConfig
@@ -136,20 +137,27 @@ def test_every_config_defaults_to_the_shared_values(config: Any, expected: dict[
     assert DEFAULT_PROFILE == defaults.PROFILE
 
 
-def flag_values(command: list[str]) -> dict[str, str]:
-    return {flag: value for flag, value in itertools.pairwise(command) if flag.startswith("--")}
-
-
-@pytest.mark.parametrize("compose_file", ["docker-compose.yml", "docker-compose.gpu.yml"])
+@pytest.mark.parametrize("compose_files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]])
 @pytest.mark.parametrize("dispatcher", ["dispatcher0", "dispatcher1"])
-def test_the_compose_dispatcher_runs_the_shared_defaults(compose_file: str, dispatcher: str) -> None:
-    spec = yaml.safe_load((ROOT / "compose" / compose_file).read_text())
-    flags = flag_values(spec["services"][dispatcher]["command"])
-    assert float(flags["--alpha"]) == defaults.ALPHA
-    assert float(flags["--beta"]) == defaults.BETA
-    assert float(flags["--tbt-slo-ms"]) == defaults.TBT_SLO_S * 1e3
-    assert float(flags["--ttft-slo-s"]) == defaults.TTFT_SLO_S
-    assert int(flags["--max-model-len"]) == defaults.MAX_MODEL_LEN
+def test_the_compose_dispatcher_runs_the_shared_defaults(compose_files: list[str], dispatcher: str) -> None:
+    """Its settings, read from its environment as the dispatcher reads them (every variable one of
+    its settings: a misspelt one would leave a default in place unseen)."""
+    env: dict[str, str] = {}
+    for name in compose_files:  # compose merges an override's environment into the base's
+        env |= yaml.safe_load((ROOT / "compose" / name).read_text())["services"][dispatcher].get("environment", {})
+    known = {DISPATCHER.env_var(name) for name in settings_of(DispatcherConfig)}
+    assert set(env) <= known, f"not dispatcher settings: {sorted(set(env) - known)}"
+    password = re.compile(r"\$\{KAIROS_REDIS_PASSWORD:\?[^}]*\}")  # compose/.env's
+    config = DISPATCHER.load(environ={var: password.sub("pw", value) for var, value in env.items()})
+    got = config_mapping(config, changed_only=False)
+    assert {name: got[name] for name in ("alpha", "beta", "tbt_slo_s", "ttft_slo_s", "max_model_len", "profile")} == {
+        "alpha": defaults.ALPHA,
+        "beta": defaults.BETA,
+        "tbt_slo_s": defaults.TBT_SLO_S,
+        "ttft_slo_s": defaults.TTFT_SLO_S,
+        "max_model_len": defaults.MAX_MODEL_LEN,
+        "profile": defaults.PROFILE,
+    }
 
 
 def test_the_readme_states_the_shared_defaults() -> None:
