@@ -52,7 +52,7 @@ from kairos.common.http_errors import error_json, error_status
 from kairos.core.algorithm import cached_prefix
 from kairos.core.decision import Decision, Route
 from kairos.core.policies import NoPrefillPoolPolicy, Policy
-from kairos.core.slo import DEFAULT_CLASSES, RequestSLO, SloClass, classify, format_classes, parse_classes, request_slo
+from kairos.core.slo import RequestSLO, SloClass, classes_setting, classify, request_slo
 from kairos.core.state import ClusterView
 from kairos.extproc.admission import AdmissionGate
 from kairos.extproc.metrics import DispatcherMetrics
@@ -199,12 +199,7 @@ class DispatchSettings:
     dispatcher_id: str = setting("", help="this replica's name in reservations and metrics; a random id when empty")
     # kairos_dispatcher_class_decisions' class label and the x-kairos-slo-class header: a request's
     # class is read off its SLO pair. The sidecars' setting of the same name counts by them too.
-    slo_classes: tuple[SloClass, ...] = setting(
-        DEFAULT_CLASSES,
-        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated",
-        parse=parse_classes,
-        format=format_classes,
-    )
+    slo_classes: tuple[SloClass, ...] = classes_setting()
 
     def __post_init__(self) -> None:
         if self.reservation_attempts < 1:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kairos.common import contracts as c
 from kairos.common import defaults
+from kairos.common.config import setting
 from kairos.common.errors import ConfigError, InvalidRequestError
 
 # An SLO header's value: milliseconds, within [MIN_SLO_MS, MAX_SLO_MS]. Below a millisecond no step
@@ -122,6 +124,17 @@ def parse_classes(text: str) -> tuple[SloClass, ...]:
 
 def format_classes(classes: Iterable[SloClass]) -> str:
     return ",".join(f"{k.name}={k.ttft_s * 1e3:g}/{k.tpot_s * 1e3:g}" for k in classes)
+
+
+def classes_setting() -> Any:
+    """The setting ``slo_classes`` as every service declares it (the dispatcher's and the
+    sidecars', one setting where kairos up nests both): its default, help text and codec."""
+    return setting(
+        DEFAULT_CLASSES,
+        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated",
+        parse=parse_classes,
+        format=format_classes,
+    )
 
 
 def _slo_ms(name: str, raw: str) -> float:

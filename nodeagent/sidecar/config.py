@@ -11,7 +11,7 @@ from kairos.common import defaults
 from kairos.common.config import ConfigSource, setting
 from kairos.common.errors import ConfigError
 from kairos.common.redis_client import check_redis_url
-from kairos.core.slo import DEFAULT_CLASSES, SloClass, format_classes, parse_classes
+from kairos.core.slo import SloClass, classes_setting
 
 # host:port, nothing else; underscores allowed for docker-compose service names.
 _HOSTPORT = re.compile(r"(?:\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?):([0-9]{1,5})")
@@ -57,12 +57,7 @@ class SidecarConfig:
         "", help="host:port of the gateway (Envoy) a batch's prompts are sent back through; empty: a batch gets 502"
     )
     # The dispatcher's, as kairos.core.slo.parse_classes reads them.
-    slo_classes: tuple[SloClass, ...] = setting(
-        DEFAULT_CLASSES,
-        help="the SLO classes requests are counted by, name=TTFT_MS/TPOT_MS comma-separated",
-        parse=parse_classes,
-        format=format_classes,
-    )
+    slo_classes: tuple[SloClass, ...] = classes_setting()
 
     def __post_init__(self) -> None:
         if not self.host:
