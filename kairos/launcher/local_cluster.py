@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kairos.common import defaults
-from kairos.common.config import ConfigSource, internal, load_config, part, setting, with_settings
+from kairos.common.config import ConfigSource, internal, part, setting, with_settings
 from kairos.common.contracts import HEARTBEAT_PERIOD_S, SIDECAR_METRICS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventsConfig
@@ -136,7 +136,9 @@ SOURCE = ConfigSource(LocalClusterConfig, section="cluster", env_prefix="KAIROS_
 
 def cluster_config(*, log_level: str = "INFO", **settings: Any) -> LocalClusterConfig:
     """A cluster's config from settings by name (``cluster_config(policy="pd", alpha=1.3)``)."""
-    return dataclasses.replace(load_config(LocalClusterConfig, overrides=settings), log_level=log_level)
+    # with_settings, not load_config's overrides: there None means "not given", here a value
+    # (deflect_gate_share=None turns the gate off).
+    return dataclasses.replace(with_settings(LocalClusterConfig(), **settings), log_level=log_level)
 
 
 def kv_events_config(pub_port: int, replay_port: int) -> KvEventsConfig:

@@ -103,7 +103,12 @@ def test_every_child_reads_the_settings_the_cluster_gives_it(tmp_path: Path) -> 
     and the admission's to the dispatchers, the SLO classes to the sidecars, the engine's knobs to
     the nodes; the Redis URL (a password) never, their environment gives it."""
     config = cluster_config(
-        alpha=1.3, admission_max_wait_s=0.5, hop1_timeout_s=7, slo_classes="gold=500/40", time_scale=20
+        alpha=1.3,
+        deflect_gate_share=None,  # a value, not "not given": the gate off
+        admission_max_wait_s=0.5,
+        hop1_timeout_s=7,
+        slo_classes="gold=500/40",
+        time_scale=20,
     )
     cluster = LocalCluster(config, tmp_path)
     cluster.model_dir = tmp_path / "model"
@@ -116,7 +121,7 @@ def test_every_child_reads_the_settings_the_cluster_gives_it(tmp_path: Path) -> 
     cluster.start_agents(cluster.nodes[1])
     dispatcher = child_config(DISPATCHER, started[0].argv)
     assert (dispatcher.decider.alpha, dispatcher.admission_limits.max_wait_s, dispatcher.port) == (1.3, 0.5, 9000)
-    assert dispatcher.view.membership.admit_nodes == "listed"
+    assert dispatcher.view.membership.admit_nodes == "listed" and dispatcher.decider.deflect_gate_share is None
     assert [k.name for k in dispatcher.requests.slo_classes] == ["gold"]  # one setting: the sidecars' classes too
     assert dispatcher.view.membership.fallback_decode == ("d0=127.0.0.1:8101+127.0.0.1:8201",)
     sidecar = child_config(SIDECAR, started[1].argv)
