@@ -78,6 +78,7 @@ class NodeFacts:
         "bound_step_s",
         "budget_s",
         "config",
+        "decode_step_s",
         "end_s",
         "ends",
         "load_s",
@@ -97,6 +98,8 @@ class NodeFacts:
     def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState) -> None:
         self.models, self.config = models, config
         self.load_s = decode_load_s(models, node)
+        # The node's decode-only step T0(B, K): its step phase's period (start_shift_s), once per state.
+        self.decode_step_s = models.decode_step_s(node.decode_tokens, node.kv_tokens)
         self.budget_s = node_step_budget_s(config, node)  # Eq. 5's line on this node
         self.overload_s = node_overload_s(config, node)
         self.runs: list[PathRun] | None = None  # the rest is built on the first bound asked for
@@ -188,7 +191,7 @@ def plan_on_path(
         return plan_on_decode_node(models, config, node, prompt_tokens, give_up_after_s, cached_tokens, now)
     facts = node_facts(models, config, node)
     tail = _tail_start(facts, node, prompt_tokens)
-    shift = start_shift_s(models, config, node, facts.wait_s, now)
+    shift = start_shift_s(models, config, node, facts.wait_s, now, facts.decode_step_s)
     give_up_after_s += shift  # on the path's clock, from the heartbeat
     if tail is None:  # the greedy follows the whole path (read to its end), then finds no safe candidate
         return TOO_SLOW if facts.runs and facts.end_s > give_up_after_s else INFEASIBLE
@@ -250,4 +253,4 @@ def lower_bound_from_facts(
     bound = t + steps * head + rest * per_token
     if now is None or node.running_step_elapsed_s is None:
         return bound
-    return bound - start_shift_s(facts.models, facts.config, node, facts.wait_s, now)
+    return bound - start_shift_s(facts.models, facts.config, node, facts.wait_s, now, facts.decode_step_s)

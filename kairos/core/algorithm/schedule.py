@@ -273,7 +273,12 @@ def backlog_end(
 
 
 def start_shift_s(
-    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, start_s: float, now: float | None
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    start_s: float,
+    now: float | None,
+    decode_step_s: float | None = None,
 ) -> float:
     """How much sooner than ``start_s`` (``backlog_end``'s, from the heartbeat) a new request's
     own steps start on ``node``, seen from ``now``: the node has run for the heartbeat's age
@@ -281,7 +286,8 @@ def start_shift_s(
     train of decode steps, whose phase at ``now`` the step in flight then says (the shift is
     negative where a step began since). 0.0 without ``now``, for an idle node, for a node that
     does not say how long its step had run (planned from its heartbeat, as before the field), and
-    with ``keep_estimate="eq1"`` (the paper's: from the heartbeat, at once)."""
+    with ``keep_estimate="eq1"`` (the paper's: from the heartbeat, at once). ``decode_step_s``:
+    the node's decode-only step T0(B, K) where the caller holds it (``NodeFacts``), else computed."""
     elapsed = node.running_step_elapsed_s
     if now is None or elapsed is None or config.keep_estimate == "eq1":
         return 0.0
@@ -292,7 +298,7 @@ def start_shift_s(
         return age if age < start_s else start_s
     if not node.decode_tokens:
         return 0.0
-    step = models.decode_step_s(node.decode_tokens, node.kv_tokens)
+    step = models.decode_step_s(node.decode_tokens, node.kv_tokens) if decode_step_s is None else decode_step_s
     return (elapsed + age) % step - elapsed % step if step > 0.0 else 0.0
 
 
