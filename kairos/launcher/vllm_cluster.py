@@ -8,7 +8,6 @@ vLLM takes tens of seconds to start, so every engine is launched before the firs
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kairos.common.config import with_settings
 from kairos.common.contracts import STEPS_PATH, Role
 from kairos.common.errors import ConfigError
 from kairos.common.kv_events import KvEventEndpoints
@@ -113,7 +113,7 @@ class VllmCluster(LocalCluster):
         if backend is None:
             raise ConfigError("VllmCluster needs a VllmBackend")
         if self.profile_cache is not None:  # before any spec is made: the decode nodes load it
-            self.config = dataclasses.replace(self.config, profile=str(self.workdir / PROFILE_FILE))
+            self.config = with_settings(self.config, profile=str(self.workdir / PROFILE_FILE))
         processes = [self.engine_process(node) for node in self.nodes]
         startup = self._start_up_profile() if self.profile_cache is not None else None
         found = startup.prepare() if startup is not None else None

@@ -87,19 +87,26 @@ def test_a_streamed_batch_through_the_gateway_streams_as_vllm_itself(vllm_cluste
     for events in (gateway, direct):
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
         assert len({e["id"] for e in events[:-1]}) == 1
-    assert len(gateway) == len(direct)
-    # Chunk by chunk the same fields; per choice index the same text, in the same pieces (the
-    # two prompts' chunks may interleave in another order).
-    assert [list(e) for e in gateway[:-2]] == [list(e) for e in direct[:-2]]
+    # How many chunks carry the text is vLLM's timing, not a contract: its output collector
+    # merges the deltas a slow reader has not taken yet (vllm/v1/engine/output_processor.py),
+    # so a starved host streams the same tokens in fewer, longer pieces. What must match: every
+    # chunk's fields in vLLM's order, and per choice index the text, its finish and their fields.
+    assert {tuple(e) for e in gateway[:-2]} == {tuple(e) for e in direct[:-2]}
 
-    def by_index(events: list[Any]) -> dict[int, list[tuple[Any, ...]]]:
-        out: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
+    def by_index(events: list[Any]) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = defaultdict(lambda: {"text": "", "finish": [], "fields": set()})
         for e in events:
             for ch in e["choices"]:
-                out[ch["index"]].append(tuple(ch.items()))
+                seen = out[ch["index"]]
+                seen["text"] += ch["text"]
+                seen["fields"].add(tuple(ch))
+                if ch["finish_reason"] is not None:
+                    seen["finish"].append((ch["finish_reason"], ch.get("stop_reason")))
         return dict(out)
 
-    assert by_index(gateway[:-2]) == by_index(direct[:-2])
+    per_choice = by_index(gateway[:-2])
+    assert per_choice == by_index(direct[:-2])
+    assert sorted(per_choice) == [0, 1] and all(len(seen["finish"]) == 1 for seen in per_choice.values())
     final, expected = gateway[-2], direct[-2]
     assert list(final) == list(expected) and final["choices"] == []
     assert {k: final["usage"][k] for k in COUNTS} == {k: expected["usage"][k] for k in COUNTS}
