@@ -50,9 +50,10 @@ class Decision:
 
     route: Route
     reason: Reason
-    decode_node: str  # serves the decode phase (and the prefill, on deflect)
-    prefill_node: str | None  # the prefill node on keep, None on deflect
-    # On deflect: prompt tokens per step (chi - B), what the decode node executes; () on keep.
+    decode_node: str  # serves the decode phase (and the prefill, on deflect; the prompt's rest, on split)
+    prefill_node: str | None  # the prefill node on keep and split, None on deflect
+    # On deflect: prompt tokens per step (chi - B), what the decode node executes; on split, the
+    # steps of the prompt after its first split_tokens; () on keep.
     chunk_sizes: tuple[int, ...]
     # The keep path's TTFT estimate on the chosen/best prefill node and the keep path's decode
     # node: Eq. 1 + KV transfer + link queue + admission + first decode step
@@ -75,12 +76,27 @@ class Decision:
     # The request's own SLOs it was decided with (Eq. 7's TTFT bound, its share of Eq. 5's tau);
     # None: a policy that reads none (every request judged by the cluster's).
     slo: RequestSLO | None = None
+    # On split: k, the prompt's leading tokens the prefill node computes (their KV pulled by the
+    # decode node, which prefills the rest); 0 on keep and deflect.
+    split_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.route is Route.DEFLECT and (not self.chunk_sizes or self.prefill_node is not None):
             raise ValueError("a deflect decision needs a schedule and no prefill node")
         if self.route is Route.KEEP and (self.chunk_sizes or self.prefill_node is None):
             raise ValueError("a keep decision needs a prefill node and no schedule")
+        if self.route is Route.SPLIT and (
+            not self.chunk_sizes
+            or self.prefill_node is None
+            or not 0 < self.split_tokens < self.prompt_tokens
+            or sum(self.chunk_sizes) != self.prompt_tokens - self.split_tokens
+        ):
+            raise ValueError(
+                f"a split decision needs a prefill node, 0 < split_tokens ({self.split_tokens}) < prompt tokens "
+                f"({self.prompt_tokens}) and a schedule of the rest (it covers {sum(self.chunk_sizes)})"
+            )
+        if self.route is not Route.SPLIT and self.split_tokens:
+            raise ValueError(f"split_tokens={self.split_tokens} on a {self.route} decision")
         if self.route is Route.DEFLECT and sum(self.chunk_sizes) != self.prompt_tokens - self.cached_tokens:
             raise ValueError(
                 f"schedule covers {sum(self.chunk_sizes)} tokens, prompt has {self.prompt_tokens} "
@@ -92,7 +108,7 @@ class Decision:
     @property
     def schedule(self) -> tuple[ChunkStep, ...]:
         """The schedule step by step, with each step's size, cached tokens and predicted time."""
-        steps, cached = [], self.cached_tokens
+        steps, cached = [], self.split_tokens if self.route is Route.SPLIT else self.cached_tokens
         times = self.predicted_step_s or (float("nan"),) * len(self.chunk_sizes)
         for p, t in zip(self.chunk_sizes, times, strict=True):
             steps.append(ChunkStep(self.planned_decode_tokens + p, p, cached, t))

@@ -14,9 +14,13 @@ H_REQUEST_ID = "x-request-id"  # one id for the whole request, on both sidecar h
 H_ROUTE = "x-kairos-route"  # a Route (the decision's), or ROUTE_FANOUT (kairos.common.contracts.routes)
 H_REASON = "x-kairos-reason"  # the Decision's reason (kairos.core.decision.Reason value)
 H_DECODE_NODE = "x-kairos-decode-node"  # node id of the decode node chosen
-H_PREFILL_HOST = "x-kairos-prefill-host"  # keep: host:port of the prefill node's vLLM server
-# deflect: prompt tokens per step, comma-separated, e.g. "1020,508,508,252"
+H_PREFILL_HOST = "x-kairos-prefill-host"  # keep and split: host:port of the prefill node's vLLM server
+# deflect: prompt tokens per step, comma-separated, e.g. "1020,508,508,252"; split: the steps of
+# the prompt's tokens after the first k (what the decode node prefills itself)
 H_CHUNK_SCHEDULE = "x-kairos-chunk-schedule"
+# split: k, the prompt's leading tokens the prefill node computes (a multiple of the KV block,
+# 0 < k < prompt tokens); the decode node pulls their KV and prefills the rest
+H_SPLIT_TOKENS = "x-kairos-split-tokens"
 # deflect: beta x tau the node enforces per chunk step; keep: the same, for a local prefill
 # should the prefill node fail (the sidecar sends the prompt to its vLLM with this budget)
 H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"
@@ -47,6 +51,7 @@ ECHOED_RESPONSE_HEADERS = (
     H_REASON,
     H_DECODE_NODE,
     H_CHUNK_SCHEDULE,
+    H_SPLIT_TOKENS,
     H_PROMPT_TOKENS,
     H_CACHED_TOKENS,
     H_PRED_TTFT_PREFILL_MS,
@@ -64,6 +69,7 @@ ROUTING_HEADERS = (
     H_DECODE_NODE,
     H_PREFILL_HOST,
     H_CHUNK_SCHEDULE,
+    H_SPLIT_TOKENS,
     H_STEP_BUDGET_MS,
     H_PRED_TTFT_PREFILL_MS,
     H_PRED_TTFT_DECODE_MS,

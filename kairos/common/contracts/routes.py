@@ -11,6 +11,9 @@ class Route(StrEnum):
 
     KEEP = "keep"  # prefill on a prefill node, KV transfer, decode on a decode node
     DEFLECT = "deflect"  # chunked prefill in place on a decode node, no transfer
+    # The prompt's first k tokens on a prefill node, their KV pulled by the decode node, which
+    # prefills the rest as a chunk schedule beside its decodes (x-kairos-split-tokens: k).
+    SPLIT = "split"
 
 
 # A batch (several prompts in one /v1/completions body): the sidecar sends each prompt back

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kairos.common.contracts._checks import is_int
-from kairos.common.contracts.headers import H_CHUNK_SCHEDULE, H_DECIDED_TPOT_SLO_MS, H_STEP_BUDGET_MS
+from kairos.common.contracts.headers import H_CHUNK_SCHEDULE, H_DECIDED_TPOT_SLO_MS, H_SPLIT_TOKENS, H_STEP_BUDGET_MS
 
 # ---------------------------------------------------------------------------------------------
 # vLLM request extensions
@@ -70,6 +70,21 @@ def parse_chunk_schedule_header(value: str) -> tuple[int, ...]:
         raise MalformedSchedule(f"{H_CHUNK_SCHEDULE}={value!r} is not a list of positive integers")
     _check_chunk_count(H_CHUNK_SCHEDULE, len(sizes))
     return sizes
+
+
+def encode_split_tokens(split_tokens: int) -> str:
+    """The :data:`H_SPLIT_TOKENS` value: k, the prompt's leading tokens the prefill node computes."""
+    return str(split_tokens)
+
+
+def parse_split_tokens(value: str, prompt_tokens: int | None = None) -> int:
+    """Decode :data:`H_SPLIT_TOKENS`; :class:`MalformedSchedule` unless it is a positive integer
+    (below ``prompt_tokens`` where that is known: the decode node prefills at least one token)."""
+    k = int(value) if value.isdecimal() else 0
+    if k < 1 or (prompt_tokens is not None and k >= prompt_tokens):
+        within = "" if prompt_tokens is None else f" below the prompt's {prompt_tokens} tokens"
+        raise MalformedSchedule(f"{H_SPLIT_TOKENS}={value!r} is not a positive integer{within}")
+    return k
 
 
 def encode_step_budget_ms(budget_ms: float) -> str:
