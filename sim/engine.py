@@ -200,10 +200,18 @@ class _PrefillQueue:
     def _attention(self, remaining: int, computed: int) -> float:
         return prompt_attention_tokens(remaining, computed, self.chunk_tokens) if self.chunk_tokens else 0.0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, admitted: bool = False) -> None:
+        """``seq`` joins the queue: behind the waiting ones, or (``admitted``) behind the admitted
+        ones, ahead of any still waiting."""
         n = seq.prefill_remaining
-        self.tokens.append(n)
-        self.computed.append(seq.computed)
+        if admitted:
+            at = len(self.admitted)
+            self.tokens.insert(at, n)
+            self.computed.insert(at, seq.computed)
+            self.admitted.append(seq)
+        else:
+            self.tokens.append(n)
+            self.computed.append(seq.computed)
         self.total += n
         self.squared += n * n
         self.attention += self._attention(n, seq.computed)
@@ -362,19 +370,21 @@ class Engine:
         self._make_room()
         return True
 
-    def reserve_transfer(self, seq: Sequence) -> int | None:
-        """Reserve room for ``seq``'s prompt KV arriving by transfer, taking the prefix this node
-        already caches: the tokens to transfer (NixlConnector pulls only the blocks the decode
-        side's own cache lacks), or None when the node is too full now. Pass them as
-        ``reserved_tokens`` to ``accept_transferred``."""
+    def reserve_transfer(self, seq: Sequence, transfer_tokens: int | None = None) -> int | None:
+        """Reserve room for ``seq``'s prompt KV, taking the prefix this node already caches: the
+        tokens to transfer (NixlConnector pulls only the blocks the decode side's own cache lacks),
+        or None when the node is too full now. ``transfer_tokens``: the prompt's leading tokens
+        whose KV comes by transfer (a split's k; the node prefills the rest itself, and the room
+        for it is reserved too); None: the whole prompt. Pass the tokens returned as
+        ``reserved_tokens`` to ``accept_transferred``, or the split's k to ``accept_partial``."""
         if self.free_kv_tokens < seq.prompt_tokens:
             return None
         if seq.block_hashes:
             self._pin(seq)
-        missing = seq.prompt_tokens - seq.computed
-        self.kv_reserved += missing
+        upto = seq.prompt_tokens if transfer_tokens is None else min(transfer_tokens, seq.prompt_tokens)
+        self.kv_reserved += seq.prompt_tokens - seq.computed
         self._make_room()
-        return missing
+        return max(0, upto - seq.computed)
 
     def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
         """Undo ``reserve_transfer``: the transfer will not happen (the pull failed)."""
@@ -396,6 +406,20 @@ class Engine:
             self._cache_prompt(seq)
         self._hold_tpot(seq, 1)
         self.joining.append(seq)
+
+    def accept_partial(self, seq: Sequence, transferred_tokens: int) -> None:
+        """A split request (``reserve_transfer`` with ``transfer_tokens``) whose first
+        ``transferred_tokens`` prompt tokens' KV arrived: admitted at once, as a transferred request
+        joins, it prefills the rest here as a scheduled prefill (its ``schedule``, behind any
+        scheduled prefill before it), then decodes."""
+        self.kv_reserved -= seq.prompt_tokens - seq.computed
+        self.kv_pinned -= seq.cached_hit
+        seq.computed = max(seq.computed, transferred_tokens)
+        self.kv_used += seq.computed
+        self.kv_prefill_pending += seq.prefill_remaining
+        self._hold_tpot(seq, 1)
+        self.prefilling.append(seq)
+        (self._scheduled if seq.schedule else self._unscheduled).add(seq, admitted=True)
 
     @property
     def free_kv_tokens(self) -> int:

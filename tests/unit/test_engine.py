@@ -62,6 +62,28 @@ def test_transferred_request_decodes_its_tokens_then_frees_kv() -> None:
     assert engine.kv_used == 0 and engine.kv_reserved == 0
 
 
+def test_a_split_request_takes_its_prefix_by_transfer_and_prefills_the_rest_by_its_schedule() -> None:
+    engine = make(Role.DECODE, budget=4096)
+    engine.accept_transferred(Sequence("dec", 1000, 100), 0)
+    waiting = Sequence("waiting", 300, 2, schedule=(100,))  # a deflection the KV cannot hold yet
+    split = Sequence("split", 1000, 3, schedule=(256, 128))
+    assert engine.reserve_transfer(split, transfer_tokens=512) == 512  # only the prefix is pulled
+    assert engine.kv_reserved == 1000  # room for the whole prompt: the rest is prefilled here
+    engine.submit(waiting)
+    engine.accept_partial(split, 512)
+    assert engine.kv_reserved == 0 and engine.kv_used == 1000 + 512 and split.computed == 512
+    # Admitted at once, ahead of the scheduled prefill still waiting (the queue the heartbeat reports).
+    assert engine.snapshot().scheduled_prefill_tokens == (488, 300)
+    plans = run_steps(engine, 6)
+    chunks = [[(c.seq.request_id, c.tokens, c.cached) for c in p.chunks] for p in plans]
+    assert [c for c in chunks if c and c[0][0] == "split"] == [
+        [("split", 256, 512)],
+        [("split", 128, 768)],
+        [("split", 104, 896)],
+    ]
+    assert split.first_token_at is not None and split.generated >= 1
+
+
 def test_request_joining_while_a_step_runs_is_not_part_of_it() -> None:
     engine = make(Role.DECODE)
     first = Sequence("first", 100, 2)
