@@ -164,17 +164,21 @@ class RealtimeEngine:
 
         await self._reserve(attempt, lambda _: self.unreserve_kv(tokens))
 
-    async def reserve_transfer(self, seq: Sequence) -> int:
+    async def reserve_transfer(self, seq: Sequence, transfer_tokens: int | None = None) -> int:
         """Reserve KV room for ``seq``'s prompt arriving by transfer, taking the prefix this node
-        already caches (``Engine.reserve_transfer``), waiting (FIFO) while the node is too full:
-        the tokens to transfer. Undo with ``unreserve_transfer``, or pass them to ``accept_transferred``."""
+        already caches (``Engine.reserve_transfer``; ``transfer_tokens``: a split's k, the
+        leading tokens that come by transfer, the rest prefilled here), waiting (FIFO) while the
+        node is too full: the tokens to transfer. Undo with ``unreserve_transfer``; then
+        ``accept_transferred`` (the whole prompt) or ``accept_partial`` (a split)."""
         self._check()
         if seq.prompt_tokens > self.engine.config.kv_capacity_tokens:
             raise ValueError(
                 f"{seq.prompt_tokens} tokens exceed the KV capacity of {self.engine.config.kv_capacity_tokens}"
             )
         engine = self.engine
-        return await self._reserve(lambda: engine.reserve_transfer(seq), lambda n: self.unreserve_transfer(seq, n))
+        return await self._reserve(
+            lambda: engine.reserve_transfer(seq, transfer_tokens), lambda _: self.unreserve_transfer(seq)
+        )
 
     async def _reserve(self, attempt: Callable[[], int | None], undo: Callable[[int], None]) -> int:
         if not self._kv_waiters:
@@ -201,9 +205,11 @@ class RealtimeEngine:
         self._pump_kv()
         self._wake.set()
 
-    def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
-        """Give back a ``reserve_transfer`` whose transfer will not happen (the pull failed)."""
-        self.engine.unreserve_transfer(seq, reserved_tokens)
+    def unreserve_transfer(self, seq: Sequence) -> None:
+        """Give back a ``reserve_transfer`` whose transfer will not happen (the pull failed). It
+        reserved room for the whole prompt past the node's cached prefix (a split's rest too),
+        whatever part of it was to come by transfer."""
+        self.engine.unreserve_transfer(seq, seq.prompt_tokens - seq.computed)
         self._pump_kv()
         self._wake.set()
 
@@ -212,6 +218,16 @@ class RealtimeEngine:
         self._check()
         stream = self._streams[seq] = TokenStream(seq)
         self.engine.accept_transferred(seq, reserved_tokens)
+        self._publish_kv_events()
+        self._wake.set()
+        return stream
+
+    def accept_partial(self, seq: Sequence, transferred_tokens: int) -> TokenStream:
+        """A split's sequence whose prompt's first ``transferred_tokens`` KV arrived: it prefills
+        the rest here, under its schedule, then decodes (``Engine.accept_partial``)."""
+        self._check()
+        stream = self._streams[seq] = TokenStream(seq)
+        self.engine.accept_partial(seq, transferred_tokens)
         self._publish_kv_events()
         self._wake.set()
         return stream

@@ -18,7 +18,12 @@ nothing else. What the node does:
   ``kv_transfer_params`` saying where it is; a decode node given ``do_remote_prefill`` reserves KV
   room, pulls from the prefill node (``POST /kairos/kv/pull``), waits the modelled transfer time
   and decodes. As vLLM's NixlConnector, the decode node first takes the prompt's prefix from its
-  own cache and pulls only the blocks it lacks.
+  own cache and pulls only the blocks it lacks. The prefill hop's ``kv_transfer_params`` are vLLM
+  0.32's (block ids per KV cache group, ``remote_num_tokens``: the prompt tokens it computed).
+- The split route's decode hop: ``remote_num_tokens`` short of the prompt (the prefill node ran
+  only the prompt's first k tokens) pulls those k tokens' blocks, then prefills the rest as a
+  scheduled prefill under the request's ``vllm_xargs`` schedule and step budget, then decodes;
+  its step records and ``vllm:prompt_tokens_by_source`` say which tokens came from where.
 - Deflected prefills: ``vllm_xargs.kairos_chunk_schedule`` (and ``kairos_step_budget_ms``) make
   the engine prefill with exactly that chunk schedule, as the Kairos scheduler plugin does; a
   malformed one is refused by the plugin's own parser with vLLM's very answer (status, body).

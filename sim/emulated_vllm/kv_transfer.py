@@ -75,17 +75,25 @@ class KvTransfer:
         # port 0 and for 0.0.0.0 binds alike).
         sock = request.transport.get_extra_info("sockname") if request.transport else None
         host, port = (sock[0], sock[1]) if sock else (self.config.host, self.config.port)
+        # vLLM 0.32's NixlConnector reply (pull_scheduler.request_finished), in its order: the
+        # block ids per KV cache group (one here), and remote_num_tokens, the prompt tokens it
+        # computed (num_computed_tokens: a split's k, where its prompt was the first k tokens).
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
+            "remote_block_ids": [block_ids],
             "remote_engine_id": self.engine_id,
-            "remote_block_ids": block_ids,
+            "remote_request_id": seq.request_id,
             "remote_host": host,
             "remote_port": port,
-            "remote_request_id": seq.request_id,
             "tp_size": 1,
-            "kairos_prompt_tokens": seq.prompt_tokens,
-            # vLLM 0.32: the prefill side's hit, for the decode side's usage (prompt_tokens_details)
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": seq.prompt_tokens,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            # vLLM 0.32's scheduler adds the prefill side's hit, for the decode side's usage
+            # (prompt_tokens_details)
             "remote_prefill_cached_tokens": seq.cached_hit,
         }
 
@@ -112,8 +120,9 @@ class KvTransfer:
             raise RequestError("the KV pull body is not valid JSON") from None
         if not isinstance(data, dict):
             raise RequestError("the KV pull body must be a JSON object")
-        engine_id, block_ids, rid = data.get("remote_engine_id"), data.get("remote_block_ids"), data.get("request_id")
+        engine_id, groups, rid = data.get("remote_engine_id"), data.get("remote_block_ids"), data.get("request_id")
         held = None
+        block_ids = groups[0] if isinstance(groups, list) and len(groups) == 1 else None  # one KV cache group
         if engine_id == self.engine_id and isinstance(block_ids, list) and block_ids:
             candidate = self._held.get(block_ids[0]) if isinstance(block_ids[0], int) else None
             if candidate is not None and candidate.block_ids == block_ids and rid in (None, candidate.seq.request_id):
@@ -130,7 +139,7 @@ class KvTransfer:
         read = data.get("read_tokens", tokens)  # the decode side reads only the blocks it lacks
         if not is_int(read) or not 0 <= read <= tokens:
             raise RequestError(f"read_tokens must be an integer in 0..{tokens}", "read_tokens")
-        del self._held[block_ids[0]]
+        del self._held[held.block_ids[0]]
         if held.expiry is not None:
             held.expiry.cancel()
         # The prefill node keeps the KV until the transfer has been read, as in the simulator.
@@ -145,20 +154,26 @@ class KvTransfer:
         return web.json_response({"prompt_tokens": tokens, "request_id": held.seq.request_id})
 
     # -- P/D: decode side --------------------------------------------------------------------
-    async def _pull_kv(self, seq: EngineSeq, params: dict[str, Any], rid: str, claim: bool = True) -> TokenStream:
-        """Reserve room, claim the KV from the prefill node, wait the transfer, join the batch.
-        The prompt's prefix this node caches is taken from its cache (vLLM's NixlConnector asks
-        the connector only for the tokens past the local hit): only the rest crosses the link.
-        ``claim`` False: read KV another sequence of the request claimed (n > 1)."""
+    async def _pull_kv(
+        self, seq: EngineSeq, params: dict[str, Any], pull_tokens: int, rid: str, claim: bool = True
+    ) -> TokenStream:
+        """Reserve room, claim the KV of the prompt's first ``pull_tokens`` from the prefill node,
+        wait the transfer, join the batch. The prompt's prefix this node caches is taken from its
+        cache (vLLM's NixlConnector asks the connector only for the tokens past the local hit):
+        only the rest crosses the link. A split (``pull_tokens`` short of the prompt: the prefill
+        node computed only its first k tokens) then prefills the prompt's rest here, under the
+        sequence's schedule, before it decodes. ``claim`` False: read KV another sequence of the
+        request claimed (n > 1)."""
         rt = self.engine
         tokens = seq.prompt_tokens
+        split = pull_tokens < tokens
         host = params["remote_host"]
         prefill = f"[{host}]:{params['remote_port']}" if ":" in host else f"{host}:{params['remote_port']}"
         wait_s = self.config.kv_hold_timeout_s  # as long as the prefill node holds the KV for us
-        self._pulls.append(tokens)
+        self._pulls.append(pull_tokens)
         try:
             try:
-                missing = await asyncio.wait_for(rt.reserve_transfer(seq), wait_s)
+                missing = await asyncio.wait_for(rt.reserve_transfer(seq, pull_tokens if split else None), wait_s)
             except TimeoutError:
                 raise NoHealthyNodeError(
                     f"node {self.config.node_id}: no KV room for {tokens} tokens within "
@@ -170,18 +185,18 @@ class KvTransfer:
                     self._pull_started = rt.now()  # the state says how long the transfer has run
                     try:
                         if claim:
-                            await self._claim(prefill, params, tokens, missing, rid)
+                            await self._claim(prefill, params, pull_tokens, missing, rid)
                         await asyncio.sleep(rt.wall_delay(self.models.kv_transfer_s(missing)))
                     finally:
                         self._pull_started = None
             except BaseException:
-                rt.unreserve_transfer(seq, missing)
+                rt.unreserve_transfer(seq)
                 raise
             finally:
                 self._transferring -= 1
         finally:
-            self._pulls.remove(tokens)  # one of equal values: the list is only read as a multiset and order
-        return rt.accept_transferred(seq, missing)
+            self._pulls.remove(pull_tokens)  # one of equal values: the list is only read as a multiset and order
+        return rt.accept_partial(seq, pull_tokens) if split else rt.accept_transferred(seq, missing)
 
     async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, read: int, rid: str) -> None:
         """Claim the held KV of ``tokens`` prompt tokens, of which this node reads the last ``read``."""
@@ -218,7 +233,7 @@ class KvTransfer:
         if pulled != tokens:
             # The KV is claimed and will be freed on the prefill side; this request cannot use it.
             raise RequestError(
-                f"the transferred KV holds {pulled} prompt tokens but this request's prompt has {tokens}",
+                f"the transferred KV holds {pulled} prompt tokens but {c.KV_TRANSFER_PARAMS} said {tokens}",
                 c.KV_TRANSFER_PARAMS,
             )
 

@@ -65,9 +65,10 @@ class _Plan:
     """How one inference request runs on this node."""
 
     mode: Literal["plain", "deflect", "remote_decode", "remote_prefill"]  # remote_decode = prefill hop 1
-    schedule: tuple[int, ...] = ()
+    schedule: tuple[int, ...] = ()  # deflect, and a split's decode hop: the prompt's rest
     step_budget_s: float | None = None
     kv_params: dict[str, Any] | None = None
+    pull_tokens: int = 0  # remote_prefill: the prompt's leading tokens pulled (fewer than all: a split)
     tpot_slo_s: float | None = None  # its TPOT SLO (vllm_xargs kairos_tpot_slo_ms; None: the cluster's)
 
 
@@ -239,15 +240,18 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
                     child_id,
                     parsed.prompt_tokens,
                     parsed.max_tokens,
+                    schedule=plan.schedule,
+                    step_budget_s=plan.step_budget_s,
                     tpot_slo_s=plan.tpot_slo_s,
                     block_hashes=hashes,
                     token_ids=ids,
                 )
                 # With n > 1 each of vLLM's child requests reads the one prefill's blocks; the
                 # prefill node frees them at the first read's notification (claimed once here).
-                stream = await self._pull_kv(seq, plan.kv_params or {}, seq_id, claim=j == 0)
-                self.metrics.add_prompt(0, seq.cached_hit, parsed.prompt_tokens - seq.cached_hit)
-                own = parsed.prompt_tokens  # what vLLM counts cached here: its hit and the transfer
+                stream = await self._pull_kv(seq, plan.kv_params or {}, plan.pull_tokens, seq_id, claim=j == 0)
+                # What vLLM counts cached here: its hit and the transfer; a split computes the rest.
+                own = max(seq.cached_hit, plan.pull_tokens)
+                self.metrics.add_prompt(parsed.prompt_tokens - own, seq.cached_hit, own - seq.cached_hit)
                 # vLLM's decode side reports the prefill node's hit, which the prefill hop passed on.
                 remote = (plan.kv_params or {}).get("remote_prefill_cached_tokens")
                 cached = remote if is_int(remote) else own
@@ -318,11 +322,10 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
             tpot_s = c.parse_tpot_xarg(xargs)
         except c.MalformedSchedule as exc:
             raise VllmValidationError(str(exc), in_engine=True) from None
-        deflect = chunk_plan is not None
-        if sum((remote_decode, remote_prefill, deflect)) > 1:
+        if remote_decode and (remote_prefill or chunk_plan is not None):
             raise RequestError(
-                "a request is either a prefill hop (do_remote_decode), a decode hop (do_remote_prefill) or a "
-                f"deflected prefill ({c.XARG_CHUNK_SCHEDULE}), not several",
+                "a prefill hop (do_remote_decode) is neither a decode hop (do_remote_prefill) nor a deflected "
+                f"prefill ({c.XARG_CHUNK_SCHEDULE})",
                 c.KV_TRANSFER_PARAMS,
             )
         if remote_decode:
@@ -344,14 +347,17 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
                     f"node {self.config.node_id} is a {role.value} node: do_remote_prefill needs a decode node",
                     c.KV_TRANSFER_PARAMS,
                 )
-            check_pull_params(params, parsed.prompt_tokens)
-            return _Plan("remote_prefill", kv_params=params, tpot_slo_s=tpot_s)
+            pull = check_pull_params(params, parsed.prompt_tokens)
+        if chunk_plan is not None and max(chunk_plan.sizes) > self.config.max_step_tokens:
+            # As the scheduler plugin: vLLM's validator cannot see the engine's limit.
+            log.warning("chunks over max_step_tokens=%d run capped at it", self.config.max_step_tokens)
+        schedule, budget_s = (chunk_plan.sizes, chunk_plan.step_budget_s) if chunk_plan is not None else ((), None)
+        if remote_prefill:
+            # A split's decode hop carries the schedule of the prompt's rest, which this node
+            # prefills after the pulled prefix; a whole prompt's pull has nothing to schedule.
+            return _Plan("remote_prefill", schedule, budget_s, params, pull, tpot_slo_s=tpot_s)
         if chunk_plan is not None:
-            if max(chunk_plan.sizes) > self.config.max_step_tokens:
-                # As the scheduler plugin: vLLM's validator cannot see the engine's limit.
-                log.warning("chunks over max_step_tokens=%d run capped at it", self.config.max_step_tokens)
-            budget_s = chunk_plan.step_budget_s
-            return _Plan("deflect", schedule=chunk_plan.sizes, step_budget_s=budget_s, tpot_slo_s=tpot_s)
+            return _Plan("deflect", schedule=schedule, step_budget_s=budget_s, tpot_slo_s=tpot_s)
         return _Plan("plain", tpot_slo_s=tpot_s)
 
     async def _drain(self, outs: list[Output], arrival: float) -> None:

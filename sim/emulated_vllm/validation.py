@@ -91,17 +91,28 @@ async def vllm_rejection(
     return resp
 
 
-def check_pull_params(params: dict[str, Any], prompt_tokens: int) -> None:
-    """A decode hop's kv_transfer_params must say where the KV is, for this very prompt."""
+def check_pull_params(params: dict[str, Any], prompt_tokens: int) -> int:
+    """A decode hop's kv_transfer_params must say where the KV is, for this very prompt: the
+    prompt tokens whose KV it pulls (``remote_num_tokens``, what the prefill node computed, the
+    whole prompt where absent). Fewer than the prompt's is a split: the prefill node computed the
+    prompt's first k tokens, and this node prefills the rest (Kairos's connector,
+    nodeagent/vllm_plugin/split_connector.py, reads ``remote_num_tokens`` on the decode hop as
+    the pulled prefix; vLLM's own pulls the whole prompt). Past the prompt is refused, as this
+    node refuses a pull of a KV that is not this prompt's."""
 
     def bad(name: str, what: str) -> RequestError:
         return RequestError(f"{c.KV_TRANSFER_PARAMS}.{name} {what}", f"{c.KV_TRANSFER_PARAMS}.{name}")
 
     if not isinstance(params.get("remote_engine_id"), str) or not params["remote_engine_id"]:
         raise bad("remote_engine_id", "must be a non-empty string")
-    ids = params.get("remote_block_ids")
-    if not isinstance(ids, list) or not ids or not all(is_int(x) for x in ids):
-        raise bad("remote_block_ids", "must be a non-empty array of integers")
+    groups = params.get("remote_block_ids")
+    if (  # per KV cache group, as vLLM's connector exchanges them
+        not isinstance(groups, list)
+        or not groups
+        or not all(isinstance(g, list) and all(is_int(x) for x in g) for g in groups)
+        or not groups[0]
+    ):
+        raise bad("remote_block_ids", "must be a non-empty array of arrays of integers (one per KV cache group)")
     if not isinstance(params.get("remote_host"), str) or not params["remote_host"]:
         raise bad("remote_host", "must be a non-empty string")
     port = params.get("remote_port")
@@ -110,9 +121,14 @@ def check_pull_params(params: dict[str, Any], prompt_tokens: int) -> None:
     rid = params.get("remote_request_id")
     if rid is not None and not isinstance(rid, str):
         raise bad("remote_request_id", "must be a string")
-    claimed = params.get("kairos_prompt_tokens")
-    if claimed is not None and claimed != prompt_tokens:
+    computed = params.get("remote_num_tokens")
+    if computed is None or computed == 0:  # vLLM's "none said" (a prefiller that kept no blocks)
+        return prompt_tokens
+    if not is_int(computed) or computed < 0:
+        raise bad("remote_num_tokens", f"must be a non-negative integer, got {dumps(computed)}")
+    if computed > prompt_tokens:
         raise bad(
-            "kairos_prompt_tokens",
-            f"is {claimed} but this request's prompt has {prompt_tokens} tokens: the prefill ran another prompt",
+            "remote_num_tokens",
+            f"is {computed} but this request's prompt has {prompt_tokens} tokens: the prefill ran another prompt",
         )
+    return computed

@@ -249,9 +249,28 @@ async def test_two_hop_prefill_then_decode_pulls_the_kv(
     }
     kv = reply["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False and kv["tp_size"] == 1
-    assert kv["remote_engine_id"] == prefill.node.engine_id and kv["kairos_prompt_tokens"] == n
+    assert kv["remote_engine_id"] == prefill.node.engine_id and kv["remote_num_tokens"] == n
     assert f"{kv['remote_host']}:{kv['remote_port']}" == prefill.host_port
-    assert len(kv["remote_block_ids"]) == -(-n // 16)
+    # vLLM 0.32's reply, key for key (pull_scheduler.request_finished, then the scheduler's hit).
+    assert list(kv) == [
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "transfer_mode",
+        "remote_prefill_cached_tokens",
+    ]
+    assert (kv["dcp_size"], kv["pp_size"], kv["remote_blocks_expiry_time"], kv["transfer_mode"]) == (1, 1, None, "pull")
+    (blocks,) = kv["remote_block_ids"]  # one KV cache group
+    assert len(blocks) == -(-n // 16)
     # The prefill node holds the prompt's KV (and its one sampled token) until it is pulled.
     held = await get_json(http, f"{prefill.url}/kairos/state")
     assert held["kv_tokens"] == n + 1 and held["decode_tokens"] == 0
@@ -467,7 +486,7 @@ async def test_unknown_or_malformed_kv_transfer_params_fail_fast(
     forged = {
         "do_remote_prefill": True,
         "remote_engine_id": prefill.node.engine_id,
-        "remote_block_ids": [7, 8, 9],
+        "remote_block_ids": [[7, 8, 9]],
         "remote_host": host,
         "remote_port": int(port),
     }
@@ -486,7 +505,10 @@ async def test_unknown_or_malformed_kv_transfer_params_fail_fast(
     for params, fragment in [
         ({**forged, "remote_host": None}, "remote_host"),
         ({**forged, "remote_block_ids": []}, "remote_block_ids"),
-        ({**forged, "kairos_prompt_tokens": 41}, "kairos_prompt_tokens"),
+        ({**forged, "remote_block_ids": [7, 8, 9]}, "remote_block_ids"),  # not per KV cache group
+        ({**forged, "remote_num_tokens": 41}, "the prefill ran another prompt"),
+        ({**forged, "remote_num_tokens": -1}, "remote_num_tokens"),
+        ({**forged, "remote_num_tokens": "40"}, "remote_num_tokens"),
         ("not an object", "kv_transfer_params"),
     ]:
         status, body = await post(http, f"{decode.url}/v1/completions", {**base, "kv_transfer_params": params})
