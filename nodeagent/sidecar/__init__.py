@@ -8,7 +8,14 @@ Envoy sends every request for this decode node here, with the decision in ``x-ka
            This is the two-hop protocol of vLLM's ``toy_proxy_server.py`` and llm-d's sidecar.
   deflect  one hop to the local vLLM, the chunk schedule in ``vllm_xargs`` (read by the Kairos
            scheduler plugin).
-  Both routes' hop to the local vLLM carries the request's TPOT SLO (``vllm_xargs``
+  split    the prompt's token ids (the body's, or the local vLLM's ``/tokenize``: exactly what
+           this node's vLLM sees); hop 1: the prefill node computes their first k
+           (``x-kairos-split-tokens``) as a completions prompt of token ids, ``max_tokens=1``,
+           and answers with ``kv_transfer_params`` (``remote_num_tokens`` k); hop 2: the local
+           vLLM gets the client's body, those params and the schedule of the prompt's rest in
+           ``vllm_xargs``: it pulls the k tokens' KV and prefills the rest itself. A prompt it
+           counts otherwise than the dispatcher is served as a keep (counted, never failed).
+  Every route's hop to the local vLLM carries the request's TPOT SLO (``vllm_xargs``
   ``kairos_tpot_slo_ms``, from the dispatcher's ``x-kairos-slo-tpot-ms``); the client's body
   fields, vLLM's ``priority`` included, go to every hop as sent.
   fanout   a batch (several prompts): each prompt is sent back through the gateway (``--gateway``)
@@ -60,8 +67,9 @@ One module per seam, each importing only those above it:
 - ``judgement``: a completion's SLO class, the SLOs it is judged by, and its outcome at its end;
 - ``state``: what one app holds, under the app's keys;
 - ``hygiene``: the client's body and headers checked and cleaned, and the bodies' JSON codec;
-- ``hop1``: the keep's prefill on the prefill node the dispatcher named (its allowlist check);
+- ``hop1``: the keep's or split's prefill on the prefill node the dispatcher named (its allowlist check);
 - ``hop2``: the local vLLM's body per route, and the relay of its answer (the stream's hot path);
+- ``split``: the split's headers, the prompt's token ids, and its two hops' bodies;
 - ``app``: the aiohttp app, its handlers, health and each request's metrics at its end;
 - ``service``: the command line, the app as it is served, and the service's start-up.
 

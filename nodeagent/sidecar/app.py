@@ -8,12 +8,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from typing import Any
 
 from aiohttp import hdrs, web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kairos.common import contracts as c
-from kairos.common.contracts.api import HEALTH_PATH, INFERENCE_PATHS
+from kairos.common.contracts.api import COMPLETIONS_PATH, HEALTH_PATH, INFERENCE_PATHS
 from kairos.common.contracts.routes import Route
 from kairos.common.errors import KairosError, MethodNotAllowedError, NotFoundError
 from kairos.common.http_errors import UpstreamError, error_json, error_status
@@ -26,7 +28,7 @@ from kairos.nodeagent.sidecar.feedback import (
     FEEDBACK_TIMEOUT_S,
     TtftFeedbackPublisher,
 )
-from kairos.nodeagent.sidecar.hop1 import bad_routing, checked_prefill_host, hop1
+from kairos.nodeagent.sidecar.hop1 import bad_routing, checked_prefill_host, hop1, keep_hop1_body
 from kairos.nodeagent.sidecar.hop2 import deflect_body, local_prefill_body, relay, with_tpot_slo
 from kairos.nodeagent.sidecar.hygiene import (
     check_identity_encoding,
@@ -38,6 +40,14 @@ from kairos.nodeagent.sidecar.hygiene import (
 )
 from kairos.nodeagent.sidecar.judgement import Timing, judged_by, slo_outcome
 from kairos.nodeagent.sidecar.metrics import ABORTED, PATH_LOCAL, PATHS, UNOBSERVED_ERROR, SidecarMetrics
+from kairos.nodeagent.sidecar.split import (
+    SplitDegraded,
+    checked_split_params,
+    checked_split_route,
+    prompt_token_ids,
+    split_decode_body,
+    split_hop1_body,
+)
 from kairos.nodeagent.sidecar.state import METRICS, STATE, State, count
 
 log = logging.getLogger(__package__)
@@ -45,8 +55,17 @@ log = logging.getLogger(__package__)
 _HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
 
 
+# The dispatcher's TTFT prediction for each route: the keep path's, or the decode node's (a
+# deflection's, or a split's, planned on that node).
+_PREDICTION_HEADER = {
+    Route.KEEP: c.H_PRED_TTFT_PREFILL_MS,
+    Route.DEFLECT: c.H_PRED_TTFT_DECODE_MS,
+    Route.SPLIT: c.H_PRED_TTFT_DECODE_MS,
+}
+
+
 def _predicted_ttft_s(headers: Mapping[str, str], route: str | None) -> float | None:
-    name = {Route.KEEP: c.H_PRED_TTFT_PREFILL_MS, Route.DEFLECT: c.H_PRED_TTFT_DECODE_MS}.get((route or "").lower())
+    name = _PREDICTION_HEADER.get((route or "").strip().lower())
     try:
         return float(headers[name]) / 1e3 if name and name in headers else None
     except ValueError:
@@ -137,31 +156,19 @@ async def _completion(request: web.Request) -> web.StreamResponse:
                     c.H_ROUTE,
                 )
             data = raw if scrubbed is None else dumps(scrubbed)
-        elif timing.path == Route.KEEP:
-            prefill_host = checked_prefill_host(state, request.headers, rid)
-            try:
-                prefilled = await hop1(state, request.path, prefill_host, clean, headers, rid, timing)
-            except UpstreamError as exc:
-                # The prefill node failed it before a byte reached the client (dead, reset, 5xx,
-                # no answer in time): the local vLLM prefills it, as it would with no prefill pool.
-                # Envoy's retry could only reach another decode node whose hop 1 calls the same
-                # prefill node.
-                log.warning("request %s: %s; prefilling it on the local vLLM instead", rid, exc.message)
-                state.metrics.local_prefills.inc()
-                prefilled = None
+        elif timing.path in (Route.KEEP, Route.SPLIT):
+            prefilled = await _prefill_hops(request, state, clean, headers, rid, timing)
             if isinstance(prefilled, web.Response):
                 status = prefilled.status
                 return prefilled
-            local = local_prefill_body(state, clean, request.headers, rid) if prefilled is None else None
-            hop2 = {**clean, c.KV_TRANSFER_PARAMS: prefilled} if local is None else local
-            data = dumps(with_tpot_slo(state, hop2, request.headers, rid))
+            data = dumps(with_tpot_slo(state, prefilled, request.headers, rid))
         elif timing.path == Route.DEFLECT:
             deflected = deflect_body(state, clean, request.headers, rid)
             data = dumps(with_tpot_slo(state, deflected, request.headers, rid))
         else:
             count(state, "2", "bad_routing_headers")
-            routes = f"{Route.KEEP.value!r} nor {Route.DEFLECT.value!r}"
-            raise bad_routing(rid, f"{c.H_ROUTE}={route!r} is neither {routes}")
+            routes = ", ".join(repr(r.value) for r in Route)
+            raise bad_routing(rid, f"{c.H_ROUTE}={route!r} is none of {routes}")
         if data is not raw:
             headers[hdrs.CONTENT_TYPE] = "application/json"  # we wrote this body
         response = await relay(request, state, data, headers, rid, timing)
@@ -177,6 +184,47 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         return _error_response(exc, rid)
     finally:
         _observe(state, timing, rid, status)
+
+
+async def _prefill_hops(
+    request: web.Request, state: State, clean: dict[str, Any], headers: CIMultiDict[str], rid: str, timing: Timing
+) -> dict[str, Any] | web.Response:
+    """A keep's or a split's hop 1 on the prefill node: hop 2's body for the local vLLM, or the
+    prefill node's answer to relay (4xx). A split whose prompt this node counts otherwise than
+    the dispatcher is served as a keep (``timing`` then says keep, with the keep's prediction)."""
+    prefill_host = checked_prefill_host(state, request.headers, rid)
+    split = checked_split_route(state, request.headers, rid) if timing.path == Route.SPLIT else None
+    ids: list[int] = []
+    if split is not None:
+        try:
+            ids = await prompt_token_ids(state, request.path, clean, headers, split, rid)
+        except SplitDegraded as exc:
+            log.warning("request %s: not split (%s): %s; served as a keep", rid, exc.reason, exc.detail)
+            state.metrics.split_degraded.labels(exc.reason).inc()
+            split = None
+            timing.path = Route.KEEP
+            timing.predicted_s = _predicted_ttft_s(request.headers, Route.KEEP)
+    if split is None:
+        hop_path, hop_body = request.path, keep_hop1_body(clean)
+    else:  # a completions prompt of token ids, whatever the client's endpoint
+        hop_path, hop_body = COMPLETIONS_PATH, split_hop1_body(clean, ids[: split.split_tokens])
+    try:
+        prefilled = await hop1(state, hop_path, prefill_host, hop_body, headers, rid, timing)
+        if split is not None and not isinstance(prefilled, web.Response):
+            checked_split_params(state, prefilled, split, prefill_host)
+    except UpstreamError as exc:
+        # The prefill node failed it before a byte reached the client (dead, reset, 5xx, no
+        # answer in time): the local vLLM prefills the whole prompt, as it would with no prefill
+        # pool. Envoy's retry could only reach another decode node whose hop 1 calls the same
+        # prefill node.
+        log.warning("request %s: %s; prefilling it on the local vLLM instead", rid, exc.message)
+        state.metrics.local_prefills.inc()
+        return local_prefill_body(state, clean, request.headers, rid)
+    if isinstance(prefilled, web.Response):
+        return prefilled
+    if split is not None:
+        return split_decode_body(clean, prefilled, split)
+    return {**clean, c.KV_TRANSFER_PARAMS: prefilled}
 
 
 async def _pass_through(request: web.Request) -> web.StreamResponse:
@@ -244,13 +292,13 @@ def _error_response(exc: BaseException, rid: str) -> web.Response:
 def _observe(state: State, timing: Timing, rid: str, status: int) -> None:
     m = state.metrics
     path = timing.path if timing.path in PATHS else PATH_LOCAL
-    if timing.hop1_s is not None:
-        m.hop1.observe(timing.hop1_s)
+    if timing.hop1_s is not None and (hop1_seconds := m.hop1.get(path)) is not None:
+        hop1_seconds.observe(timing.hop1_s)
     if timing.ttfb_s is not None:
         m.ttfb[path].observe(timing.ttfb_s)
     if timing.ttft_s is not None:
         m.ttft[path].observe(timing.ttft_s)
-        ratio = m.ttft_ratio.get(path)  # a prediction comes with the keep and deflect routes only
+        ratio = m.ttft_ratio.get(path)  # a prediction comes with a route only
         if timing.predicted_s and ratio is not None:
             ratio.observe(timing.ttft_s / timing.predicted_s)
     else:

@@ -1,5 +1,6 @@
-"""Hop 1 of a keep: the prefill host the dispatcher named, checked against the allowlists, and the
-prefill there (``max_tokens=1``, ``do_remote_decode``), which answers with ``kv_transfer_params``."""
+"""Hop 1 of a keep or a split: the prefill host the dispatcher named, checked against the allowlists,
+and the prefill there (``max_tokens=1``, ``do_remote_decode``), which answers with
+``kv_transfer_params``: a keep's of the client's whole prompt, a split's of its first k tokens."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def checked_prefill_host(state: State, headers: CIMultiDictProxy[str], rid: str)
     value = headers.get(c.H_PREFILL_HOST)
     if value is None:
         count(state, "1", "bad_routing_headers")
-        raise bad_routing(rid, f"{c.H_ROUTE}=keep without {c.H_PREFILL_HOST}")
+        raise bad_routing(rid, f"{c.H_ROUTE}={headers.get(c.H_ROUTE, '')} without {c.H_PREFILL_HOST}")
     host = normalize_hostport(value)
     if host is None:
         count(state, "1", "bad_routing_headers")
@@ -79,7 +80,8 @@ def checked_prefill_host(state: State, headers: CIMultiDictProxy[str], rid: str)
     raise _PrefillHostNotAllowedError(f"prefill host {host} is not on this sidecar's allowlist")
 
 
-def _hop1_body(body: dict[str, Any]) -> dict[str, Any]:
+def keep_hop1_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A keep's hop 1: the client's body, the prefill of its whole prompt and nothing more."""
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -102,12 +104,14 @@ async def hop1(
     state: State,
     api_path: str,
     prefill_host: str,
-    body: dict[str, Any],
+    hop_body: dict[str, Any],
     headers: CIMultiDict[str],
     rid: str,
     timing: Timing,
 ) -> dict[str, Any] | web.Response:
-    """Prefill on ``prefill_host``: its ``kv_transfer_params``, or the response to relay (4xx)."""
+    """Prefill ``hop_body`` (:func:`keep_hop1_body`, or a split's) on ``prefill_host``: its
+    ``kv_transfer_params``, or the response to relay (4xx). :class:`UpstreamError` when the
+    prefill node failed it (dead, reset, 5xx, no answer in time, no params)."""
     cfg = state.config
     assert state.hop1_client is not None, "the client is created on app startup"
     hop_headers = CIMultiDict(headers)
@@ -120,7 +124,7 @@ async def hop1(
     try:
         async with deadline:
             reply = await state.hop1_client.request(
-                "POST", prefill_host, api_path, dumps(_hop1_body(body)), hop_headers.items()
+                "POST", prefill_host, api_path, dumps(hop_body), hop_headers.items()
             )
     except TimeoutError:
         count(state, "1", "timeout")

@@ -27,6 +27,8 @@ from kairos.nodeagent.sidecar.state import State, count
 
 log = logging.getLogger(__package__)
 
+_ROUTES = frozenset(Route)  # a routed request's path (every one has a prediction to feed back)
+
 
 def deflect_body(state: State, body: dict[str, Any], headers: CIMultiDictProxy[str], rid: str) -> dict[str, Any]:
     raw_schedule = headers.get(c.H_CHUNK_SCHEDULE)
@@ -40,10 +42,10 @@ def deflect_body(state: State, body: dict[str, Any], headers: CIMultiDictProxy[s
     except c.MalformedSchedule as exc:
         count(state, "2", "bad_routing_headers")
         raise bad_routing(rid, str(exc)) from None
-    return _scheduled_body(body, schedule, budget_ms)
+    return scheduled_body(body, schedule, budget_ms)
 
 
-def _scheduled_body(body: dict[str, Any], schedule: Sequence[int], budget_ms: float | None) -> dict[str, Any]:
+def scheduled_body(body: dict[str, Any], schedule: Sequence[int], budget_ms: float | None) -> dict[str, Any]:
     """The client's own xargs (kairos_* already scrubbed) and a schedule (and step budget)."""
     xargs = body.get(c.VLLM_XARGS)
     if xargs is not None and not isinstance(xargs, dict):
@@ -86,7 +88,7 @@ def local_prefill_body(state: State, body: dict[str, Any], headers: CIMultiDictP
         raise bad_routing(rid, str(exc)) from None
     raw_tokens = headers.get(c.H_PROMPT_TOKENS, "")
     whole = int(raw_tokens) if raw_tokens.isdecimal() and int(raw_tokens) > 0 else defaults.MAX_MODEL_LEN
-    return _scheduled_body(body, (whole,), budget_ms)
+    return scheduled_body(body, (whole,), budget_ms)
 
 
 async def relay(
@@ -160,7 +162,7 @@ async def relay(
             now = time.perf_counter()
             timing.ttfb_s = now - started
             timing.ttft_s = now - timing.started
-            if feedback and timing.predicted_s and timing.path in (Route.KEEP, Route.DEFLECT):
+            if feedback and timing.predicted_s and timing.path in _ROUTES:
                 # Queued now; the writer runs at its next wait, after this chunk is written.
                 feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
 

@@ -19,6 +19,14 @@ ABORTED = "aborted"  # the client left before the first token
 UNOBSERVED = (NOT_STREAMED, UNOBSERVED_ERROR, ABORTED)
 
 
+# Why a split was served as a keep instead (kairos_sidecar_split_degraded_total's reasons).
+SPLIT_PROMPT_MISMATCH = "prompt_mismatch"  # the local vLLM's prompt count is not the dispatcher's
+SPLIT_TOKENIZE_FAILED = "tokenize_failed"  # the local vLLM's /tokenize refused, failed or timed out
+SPLIT_UNSUPPORTED_PROMPT = "unsupported_prompt"  # no one text or token-id prompt (a batch, embeddings)
+SPLIT_DEGRADED = (SPLIT_PROMPT_MISMATCH, SPLIT_TOKENIZE_FAILED, SPLIT_UNSUPPORTED_PROMPT)
+HOP1_PATHS = (Route.KEEP, Route.SPLIT)  # the routes with a prefill hop
+
+
 # A completion's judgement against its SLOs (kairos_sidecar_slo_requests_total's outcomes).
 SLO_MET = "met"
 SLO_MISSED = "missed"
@@ -37,7 +45,8 @@ class SidecarMetrics:
         self.registry = CollectorRegistry()
         self.hop1_seconds = Histogram(
             "kairos_sidecar_hop1_seconds",
-            "Hop 1 duration: the prefill node's queueing and execution, as seen from the sidecar",
+            "Hop 1 duration: the prefill node's queueing and execution (of a split's first k tokens on the "
+            "split path), as seen from the sidecar",
             ["path"],
             buckets=_BUCKETS,
             registry=self.registry,
@@ -83,8 +92,17 @@ class SidecarMetrics:
         )
         self.local_prefills = Counter(
             "kairos_sidecar_local_prefills",
-            "Keep-path requests prefilled on the local vLLM because hop 1 failed (prefill node down, "
-            "reset, 5xx or too slow)",
+            "Keep- and split-path requests prefilled on the local vLLM because hop 1 failed (prefill node "
+            "down, reset, 5xx or too slow)",
+            registry=self.registry,
+        )
+        self.split_degraded = Counter(
+            "kairos_sidecar_split_degraded",
+            "Split-route requests served as a keep instead (the whole prompt through hop 1), by reason: "
+            "prompt_mismatch (the local vLLM counts the prompt's tokens otherwise than the dispatcher), "
+            "tokenize_failed (the local vLLM's /tokenize refused, failed or timed out), unsupported_prompt "
+            "(no one text or token-id prompt)",
+            ["reason"],
             registry=self.registry,
         )
         self.ttft_feedback = Counter(
@@ -98,8 +116,10 @@ class SidecarMetrics:
         # looked up here once, not per request (labels() takes a lock and hashes its labels).
         self.ttfb = {path: self.ttfb_seconds.labels(path) for path in PATHS}
         self.ttft = {path: self.ttft_seconds.labels(path) for path in PATHS}
-        self.hop1 = self.hop1_seconds.labels(Route.KEEP)  # only the keep path has a hop 1
-        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in (Route.KEEP, Route.DEFLECT)}
+        self.hop1 = {path: self.hop1_seconds.labels(path) for path in HOP1_PATHS}
+        self.ttft_ratio = {path: self.ttft_vs_predicted.labels(path) for path in Route}  # every route predicts
+        for reason in SPLIT_DEGRADED:
+            self.split_degraded.labels(reason)
         self.unobserved = {
             (path, reason): self.ttft_unobserved.labels(path, reason) for path in PATHS for reason in UNOBSERVED
         }

@@ -89,6 +89,7 @@ class FakeVLLM:
     status: int = 200  # status of completion replies (errors carry vLLM's error JSON)
     hang: bool = False  # prefill: accept the request and never answer
     with_kv: bool = True  # prefill: put kv_transfer_params in the reply
+    kv: dict[str, Any] = field(default_factory=lambda: PREFILL_KV)  # prefill: those params; decode: expects them
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # decode: holds the stream's tail
     use_gate: bool = False
     sent_last: bool = False
@@ -96,6 +97,9 @@ class FakeVLLM:
     error_event: bool = False  # decode: a stream that carries an error event, as vLLM's in-engine refusals
     reader_gone: asyncio.Event = field(default_factory=asyncio.Event)  # decode: a stream write failed
     health_status: int = 200
+    tokenize_ids: list[int] = field(default_factory=lambda: [1])  # /tokenize: the prompt's ids
+    tokenize_status: int = 200
+    tokenize_reply: dict[str, Any] | None = None  # /tokenize: this reply instead
     release: asyncio.Event = field(default_factory=asyncio.Event)  # set at teardown: ends hangs
     url: str = ""  # host:port once started
 
@@ -113,7 +117,12 @@ class FakeVLLM:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         await self._record(request)
-        return web.json_response({"count": 1, "max_model_len": 2048, "tokens": [1], "token_strs": None})
+        if self.tokenize_status != 200:
+            error = {"object": "error", "message": "fake tokenize error", "type": "BadRequestError", "code": 400}
+            return web.json_response(error, status=self.tokenize_status)
+        ids = self.tokenize_ids
+        reply = self.tokenize_reply or {"count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": None}
+        return web.json_response(reply)
 
     async def _record(self, request: web.Request) -> Seen:
         seen = Seen(
@@ -138,11 +147,11 @@ class FakeVLLM:
         if self.role == "prefill":
             reply: dict[str, Any] = {"id": "cmpl-p", "choices": [{"index": 0, "text": "x"}]}
             if self.with_kv:
-                reply["kv_transfer_params"] = PREFILL_KV
+                reply["kv_transfer_params"] = self.kv
             return web.json_response(reply)
         # decode: a keep request must carry the prefill node's params, as a real decode vLLM needs
         route_keep = body.get("kv_transfer_params") is not None
-        if route_keep and body["kv_transfer_params"] != PREFILL_KV:
+        if route_keep and body["kv_transfer_params"] != self.kv:
             return web.json_response({"error": "wrong kv_transfer_params"}, status=400)
         if not body.get("stream"):
             if self.use_gate:
@@ -590,6 +599,170 @@ async def test_bad_routing_headers_give_502(rig: Rig, headers: dict[str, str]) -
         assert resp.status == 502
         error = await _error(resp)
     assert error["message"].startswith("bad routing headers")
+    assert rig.decode.seen == [] and rig.prefill.seen == []
+
+
+# ---------------------------------------------------------------------------------------------
+# split: the prompt's first k tokens on the prefill node, the rest here
+# ---------------------------------------------------------------------------------------------
+SPLIT_KV = {**PREFILL_KV, "remote_num_tokens": 3}  # vLLM 0.32's reply says the tokens it computed
+
+
+def _split(rig: Rig, k: str = "3", schedule: str = "2", prompt_tokens: str = "5", **extra: str) -> dict[str, str]:
+    return {
+        c.H_ROUTE: "split",
+        c.H_PREFILL_HOST: rig.prefill.url,
+        c.H_SPLIT_TOKENS: k,
+        c.H_CHUNK_SCHEDULE: schedule,
+        c.H_PROMPT_TOKENS: prompt_tokens,
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_split_sends_the_first_k_token_ids_to_the_prefill_node_and_the_rest_with_its_schedule(
+    rig: Rig, path: str
+) -> None:
+    """Hop 1 is a completions body of the prompt's first k ids, whatever the client's endpoint;
+    hop 2 the client's body with the prefill node's params and the schedule of the rest. A chat's
+    ids come from the local vLLM's /tokenize, asked with the request's template fields."""
+    url = await rig.start_sidecar()
+    rig.prefill.kv = rig.decode.kv = SPLIT_KV
+    ids = [11, 12, 13, 14, 15]
+    if path == "/v1/chat/completions":
+        body = {**{k: v for k, v in CHAT.items() if k != "min_tokens"}, "chat_template_kwargs": {"x": 1}, "tools": []}
+        rig.decode.tokenize_ids = ids
+    else:
+        body = {**COMPLETION, "prompt": ids}
+    body |= {"priority": 2, "cache_salt": "tenant-a", c.VLLM_XARGS: {"mine": 1}}
+    headers = _split(rig, **{c.H_STEP_BUDGET_MS: "40", c.H_DECIDED_TPOT_SLO_MS: "60", c.H_REQUEST_ID: "split-1"})
+    async with rig.http.post(f"{url}{path}", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers[c.H_SPLIT_TOKENS] == "3" and resp.headers[c.H_ROUTE] == "split"
+        await resp.read()
+    (hop1,) = rig.prefill.seen
+    assert hop1.path == "/v1/completions" and hop1.headers["x-request-id"] == "split-1"
+    assert hop1.json == {
+        "model": "tiny",
+        "prompt": [11, 12, 13],
+        "max_tokens": 1,
+        "stream": False,
+        "priority": 2,
+        "cache_salt": "tenant-a",
+        c.VLLM_XARGS: {"mine": 1},
+        c.KV_TRANSFER_PARAMS: HOP1_KV_TRANSFER_PARAMS,
+    }
+    *tokenize, hop2 = rig.decode.seen
+    assert hop2.path == path
+    xargs = {"mine": 1, c.XARG_CHUNK_SCHEDULE: [2], c.XARG_STEP_BUDGET_MS: 40.0, c.XARG_TPOT_SLO_MS: 60.0}
+    assert hop2.json == {**body, c.KV_TRANSFER_PARAMS: SPLIT_KV, c.VLLM_XARGS: xargs}
+    if path == "/v1/chat/completions":
+        (asked,) = tokenize
+        assert asked.path == "/tokenize"
+        assert asked.json == {
+            "model": "tiny",
+            "messages": CHAT["messages"],
+            "add_generation_prompt": True,
+            "chat_template_kwargs": {"x": 1},
+            "tools": [],
+        }
+    else:
+        assert tokenize == []  # the prompt's ids are in the body
+
+
+async def test_a_text_prompt_is_tokenized_with_the_clients_special_tokens(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.prefill.kv = rig.decode.kv = SPLIT_KV
+    rig.decode.tokenize_ids = [7, 8, 9, 10, 11]
+    body = {**COMPLETION, "prompt": ["hello there"], "add_special_tokens": False}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_split(rig)) as resp:
+        assert resp.status == 200
+    tokenize, _ = rig.decode.seen
+    assert tokenize.json == {"model": "tiny", "prompt": "hello there", "add_special_tokens": False}
+    assert rig.prefill.seen[0].json["prompt"] == [7, 8, 9]
+
+
+@pytest.mark.parametrize(
+    ("tokenize", "reason"),
+    [
+        ({"ids": [1, 2, 3, 4]}, "prompt_mismatch"),  # the dispatcher counted 5
+        ({"status": 400}, "tokenize_failed"),
+        ({"reply": {"count": 5, "tokens": "no"}}, "tokenize_failed"),
+        ({"prompt": [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]}, "unsupported_prompt"),
+    ],
+)
+async def test_a_split_that_cannot_be_split_here_is_served_as_a_keep(
+    rig: Rig, tokenize: dict[str, Any], reason: str
+) -> None:
+    url = await rig.start_sidecar()
+    rig.decode.tokenize_ids = tokenize.get("ids", [1, 2, 3, 4, 5])
+    rig.decode.tokenize_status = tokenize.get("status", 200)
+    rig.decode.tokenize_reply = tokenize.get("reply")
+    body = {**COMPLETION, "prompt": tokenize.get("prompt", "hello there")}
+    keep_predicted = {c.H_PRED_TTFT_PREFILL_MS: "100", c.H_PRED_TTFT_DECODE_MS: "50"}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_split(rig, **keep_predicted)) as resp:
+        assert resp.status == 200, await resp.text()
+    (hop1,) = rig.prefill.seen
+    assert hop1.json["prompt"] == body["prompt"] and hop1.path == "/v1/completions"  # a keep's hop 1
+    assert rig.decode.seen[-1].json == {**body, c.KV_TRANSFER_PARAMS: PREFILL_KV}
+    text = await _sidecar_metrics(rig, url)
+    assert _metric(text, "kairos_sidecar_split_degraded_total", reason=reason) == 1
+    assert _metric(text, "kairos_sidecar_hop1_seconds_count", path="keep") == 1
+    assert _metric(text, "kairos_sidecar_hop1_seconds_count", path="split") == 0
+
+
+async def test_a_prefill_reply_without_the_splits_token_count_is_prefilled_locally(rig: Rig) -> None:
+    """A prefill node that does not say it computed the first k tokens (no remote_num_tokens: a
+    vLLM older than 0.32, or more than k) cannot be pulled from: the local vLLM prefills it all."""
+    url = await rig.start_sidecar()
+    body = {**COMPLETION, "prompt": [1, 2, 3, 4, 5]}
+    for kv in (PREFILL_KV, {**PREFILL_KV, "remote_num_tokens": 4}):
+        rig.prefill.kv = kv
+        headers = _split(rig, **{c.H_STEP_BUDGET_MS: "40"})
+        async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+        local = rig.decode.seen[-1].json
+        assert c.KV_TRANSFER_PARAMS not in local
+        assert local[c.VLLM_XARGS] == {c.XARG_CHUNK_SCHEDULE: [5], c.XARG_STEP_BUDGET_MS: 40.0}
+    text = await _sidecar_metrics(rig, url)
+    assert _metric(text, "kairos_sidecar_hop_errors_total", hop="1", kind="split_tokens_mismatch") == 2
+    assert _metric(text, "kairos_sidecar_local_prefills_total") == 2
+
+
+async def test_a_split_relays_the_prefill_nodes_4xx(rig: Rig) -> None:
+    url = await rig.start_sidecar()
+    rig.prefill.status = 404
+    body = {**COMPLETION, "prompt": [1, 2, 3, 4, 5]}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=_split(rig)) as resp:
+        assert resp.status == 404
+        assert (await resp.json())["message"] == "fake prefill error"
+    assert rig.decode.seen == []
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {c.H_SPLIT_TOKENS: "5"},  # k not below the prompt
+        {c.H_SPLIT_TOKENS: "9"},
+        {c.H_SPLIT_TOKENS: "three"},
+        {c.H_SPLIT_TOKENS: "0"},
+        {c.H_SPLIT_TOKENS: None},
+        {c.H_CHUNK_SCHEDULE: None},
+        {c.H_CHUNK_SCHEDULE: "1"},  # the schedule does not cover the prompt's rest
+        {c.H_CHUNK_SCHEDULE: "2,x"},
+        {c.H_PROMPT_TOKENS: "five"},
+        {c.H_STEP_BUDGET_MS: "-1"},
+        {c.H_PREFILL_HOST: None},
+        {c.H_PREFILL_HOST: "http://evil/x"},
+    ],
+)
+async def test_bad_split_headers_give_502(rig: Rig, overrides: dict[str, str | None]) -> None:
+    url = await rig.start_sidecar()
+    headers = {k: v for k, v in {**_split(rig), **overrides}.items() if v is not None}
+    body = {**COMPLETION, "prompt": [1, 2, 3, 4, 5]}
+    async with rig.http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+        assert resp.status == 502
+        assert (await _error(resp))["message"].startswith("bad routing headers")
     assert rig.decode.seen == [] and rig.prefill.seen == []
 
 
