@@ -197,7 +197,7 @@ async def _prefill_hops(
     ids: list[int] = []
     if split is not None:
         try:
-            ids = await prompt_token_ids(state, request.path, clean, headers, split, rid)
+            ids = await prompt_token_ids(state, request.path, clean, headers, split)
         except SplitDegraded as exc:
             log.warning("request %s: not split (%s): %s; served as a keep", rid, exc.reason, exc.detail)
             state.metrics.split_degraded.labels(exc.reason).inc()

@@ -22,7 +22,8 @@ UNOBSERVED = (NOT_STREAMED, UNOBSERVED_ERROR, ABORTED)
 # Why a split was served as a keep instead (kairos_sidecar_split_degraded_total's reasons).
 SPLIT_PROMPT_MISMATCH = "prompt_mismatch"  # the local vLLM's prompt count is not the dispatcher's
 SPLIT_TOKENIZE_FAILED = "tokenize_failed"  # the local vLLM's /tokenize refused, failed or timed out
-SPLIT_UNSUPPORTED_PROMPT = "unsupported_prompt"  # no one text or token-id prompt (a batch, embeddings)
+# no one text or token-id prompt (a batch, embeddings), or one vLLM truncates (truncate_prompt_tokens)
+SPLIT_UNSUPPORTED_PROMPT = "unsupported_prompt"
 SPLIT_DEGRADED = (SPLIT_PROMPT_MISMATCH, SPLIT_TOKENIZE_FAILED, SPLIT_UNSUPPORTED_PROMPT)
 HOP1_PATHS = (Route.KEEP, Route.SPLIT)  # the routes with a prefill hop
 
@@ -101,7 +102,7 @@ class SidecarMetrics:
             "Split-route requests served as a keep instead (the whole prompt through hop 1), by reason: "
             "prompt_mismatch (the local vLLM counts the prompt's tokens otherwise than the dispatcher), "
             "tokenize_failed (the local vLLM's /tokenize refused, failed or timed out), unsupported_prompt "
-            "(no one text or token-id prompt)",
+            "(no one text or token-id prompt, or one that vLLM truncates)",
             ["reason"],
             registry=self.registry,
         )

@@ -45,6 +45,9 @@ CHAT_TEMPLATE_FIELDS = (
     "mm_processor_kwargs",
     "media_io_kwargs",
 )
+# Fields with which vLLM runs another prompt than the one tokenized (it keeps the prompt's last
+# N tokens): the prefill node's first k would not be the decode node's, so such a request is no split.
+PROMPT_REWRITING_FIELDS = ("truncate_prompt_tokens",)
 # The client's fields a split's hop 1 keeps: where it queues (priority), whose cache it may hit
 # (cache_salt), and its own vllm_xargs (kairos_* already scrubbed), as a keep's hop 1 carries them.
 HOP1_CLIENT_FIELDS = ("priority", "cache_salt", c.VLLM_XARGS)
@@ -165,10 +168,13 @@ def check_split_fits(route: SplitRoute, ids: Sequence[int]) -> None:
 
 
 async def prompt_token_ids(
-    state: State, api_path: str, body: dict[str, Any], headers: CIMultiDict[str], route: SplitRoute, rid: str
+    state: State, api_path: str, body: dict[str, Any], headers: CIMultiDict[str], route: SplitRoute
 ) -> list[int]:
     """The prompt's token ids as this node's vLLM sees them, checked against the split:
     :class:`SplitDegraded` when they cannot be had or do not fit it."""
+    rewriting = [name for name in PROMPT_REWRITING_FIELDS if body.get(name) is not None]
+    if rewriting:
+        raise SplitDegraded(SPLIT_UNSUPPORTED_PROMPT, f"{rewriting[0]} makes vLLM run another prompt than its own")
     ids = body_token_ids(body) if api_path != CHAT_COMPLETIONS_PATH else None
     if ids is None:
         ids = await _tokenize(state, tokenize_request(api_path, body), headers)

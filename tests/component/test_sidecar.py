@@ -689,6 +689,7 @@ async def test_a_text_prompt_is_tokenized_with_the_clients_special_tokens(rig: R
         ({"status": 400}, "tokenize_failed"),
         ({"reply": {"count": 5, "tokens": "no"}}, "tokenize_failed"),
         ({"prompt": [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]}, "unsupported_prompt"),
+        ({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 4}, "unsupported_prompt"),
     ],
 )
 async def test_a_split_that_cannot_be_split_here_is_served_as_a_keep(
@@ -699,6 +700,8 @@ async def test_a_split_that_cannot_be_split_here_is_served_as_a_keep(
     rig.decode.tokenize_status = tokenize.get("status", 200)
     rig.decode.tokenize_reply = tokenize.get("reply")
     body = {**COMPLETION, "prompt": tokenize.get("prompt", "hello there")}
+    if "truncate_prompt_tokens" in tokenize:
+        body["truncate_prompt_tokens"] = tokenize["truncate_prompt_tokens"]
     keep_predicted = {c.H_PRED_TTFT_PREFILL_MS: "100", c.H_PRED_TTFT_DECODE_MS: "50"}
     async with rig.http.post(f"{url}/v1/completions", json=body, headers=_split(rig, **keep_predicted)) as resp:
         assert resp.status == 200, await resp.text()
