@@ -7,7 +7,9 @@ node recipe cannot drift apart. A node is vLLM's OpenAI server with:
   schedules, state reporter, step recorder), configured by ``KAIROS_VLLM_*`` variables;
 - NixlConnector for the prefill-to-decode KV hand-off (``kv_both`` on every node, as vLLM's
   P/D examples do; the sidecar's two hops decide who sends and who pulls), with a failed pull
-  recomputed on the decode node rather than failed (``KV_TRANSFER_CONFIG``);
+  recomputed on the decode node rather than failed (``KV_TRANSFER_CONFIG``); vLLM's class
+  extended by :mod:`kairos.nodeagent.vllm_plugin.split_connector`, whose decode side pulls only
+  the prefix a split's prefill node computed (loaded by ``kv_connector_module_path``);
 - prefix caching on (vLLM's default; ``prefix_caching=False`` turns it off), with the node's KV
   cache events published over ZMQ (``--kv-events-config``: a PUB socket and a replay socket, the
   wire format :mod:`kairos.common.kv_events` reads) so the dispatchers know which prefixes it
@@ -32,7 +34,14 @@ from kairos.common.kv_events import KV_EVENTS_TOPIC, KvEventEndpoints, KvEventsC
 SCHEDULER_CLS = "kairos.nodeagent.vllm_plugin.scheduler.KairosScheduler"
 # A KV pull that fails (a prefill node gone, a NIXL handshake over its fixed 5 s) makes the decode
 # node compute the prompt itself: the request is served late instead of failed with a 500.
-KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+# The connector keeps vLLM's class name (vLLM checks for NIXL by name); the module path has vLLM
+# load Kairos's subclass of it, which the split route needs on every decode node.
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "NixlConnector",
+    "kv_connector_module_path": "kairos.nodeagent.vllm_plugin.split_connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "*")
 
 

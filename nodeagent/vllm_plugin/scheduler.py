@@ -30,6 +30,14 @@ Start vLLM with ``--scheduler-cls kairos.nodeagent.vllm_plugin.scheduler.KairosS
    ever larger than its planned size, and with a step budget each is held to the budget for
    the context it really runs over (a larger hit makes every chunk's attention costlier, which
    the guard prices; a smaller one only cheaper). The engine model runs the same rule.
+
+   A split's hop 2 (the route's decode side: ``kv_transfer_params`` of a prefill node that
+   computed the prompt's first k tokens, and the schedule of the rest) is the same: the node's
+   connector (:mod:`.split_connector`) pulls the k tokens' KV, after which vLLM's
+   ``num_computed_tokens`` is k and the schedule covers the tail from there. The pull computes
+   nothing, so it starts on arrival even while another scheduled prefill is in progress; only
+   the tail waits its turn. The state reports its k as a pending KV pull and its tail as a
+   scheduled prefill.
 2. **State reporter.** After each step (at most every ``state_refresh_s`` while busy, and at
    once when the request counts change) the engine state is snapshotted for the heartbeat
    publisher, served on loopback (:mod:`.state_server`).
@@ -75,6 +83,7 @@ from kairos.core.latency import LatencyModels, StepGuard, load_profile, profile_
 from kairos.nodeagent.vllm_plugin.config import PluginConfig
 from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, RequestTpots, build_state
 from kairos.nodeagent.vllm_plugin.recorder import StepRecorder
+from kairos.nodeagent.vllm_plugin.remote_prefix import split_prefix_tokens
 from kairos.nodeagent.vllm_plugin.state_server import StateServer
 
 log = logging.getLogger("vllm.kairos")  # under vLLM's logger, so it shows in its log
@@ -225,8 +234,8 @@ class KairosScheduler(Scheduler):
         if not super()._handle_blocked_waiting_request(request):
             return False
         plan = self._plans.get(request.request_id)
-        if plan is None:
-            return True
+        if plan is None or self._split_pull_starts(request):
+            return True  # a split's pull computes nothing: it overlaps the prefill in progress
         if self._step_owner is not None or self._scheduled_in_progress:
             return False  # skipped this step: the queue behind it moves on
         # Deferring it here rather than in the hook keeps vLLM from stopping the waiting queue;
@@ -240,6 +249,17 @@ class KairosScheduler(Scheduler):
         if plan is None:
             return None
         return self._tpots.chunk_budget_s(request_id, plan.step_budget_s, self._running_tpot_s)
+
+    def _split_pull_starts(self, request: Request) -> bool:
+        """A split's hop 2 whose admission starts the pull of its prefix (vLLM loads it between
+        steps): the connector pulls split prefixes, and k goes past the node's own prefix hit."""
+        params = request.kv_transfer_params
+        if request.status != RequestStatus.WAITING or not params or not params.get("do_remote_prefill"):
+            return False
+        k = split_prefix_tokens(params, request.num_prompt_tokens)
+        if k is None or not getattr(self.connector, "pulls_split_prefixes", False):
+            return False
+        return not request.skip_reading_prefix_cache and k > self.kv_cache_manager.get_computed_blocks(request)[1]
 
     def _computed_on_admission(self, request: Request) -> int:
         """The prompt tokens a waiting request starts from: its prefix hit, if vLLM has not looked
@@ -345,7 +365,11 @@ class KairosScheduler(Scheduler):
         for queue in (self.kv_holding_waiting, self.waiting):
             for r in queue:
                 if _kv_arrives_by_transfer(r):
-                    pulls.append(r.num_prompt_tokens)
+                    # A split pulls its first k tokens, then prefills the rest here.
+                    k = split_prefix_tokens(r.kv_transfer_params, r.num_prompt_tokens)
+                    pulls.append(r.num_prompt_tokens if k is None else k)
+                    if k is not None:
+                        prefills.append(PendingPrefill(r.num_prompt_tokens - k, r.request_id in self._plans, k))
                 else:
                     # Its uncached work, as the dispatcher plans it: the hit looked up once,
                     # when the snapshot first sees it waiting (vLLM takes the hit on admission).
@@ -393,6 +417,7 @@ def _stamp(path: Path | None) -> tuple[int, int, int] | None:
 
 
 def _kv_arrives_by_transfer(r: Request) -> bool:
-    """A decode hop of the keep path: its prompt's KV comes from the prefill node, no prefill here."""
+    """A decode hop of the keep or split path still waiting for its KV from the prefill node (a
+    keep's whole prompt, no prefill here; a split's first k tokens, then the rest prefilled here)."""
     params = r.kv_transfer_params
     return r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or bool(params and params.get("do_remote_prefill"))
