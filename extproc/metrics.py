@@ -61,6 +61,14 @@ class DispatcherMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        # A split's k as a share of its prompt: how much of the prompt the prefill node computes.
+        self.split_share = Histogram(
+            "kairos_dispatcher_split_prefill_share",
+            "Split decisions: the prompt's share its prefill node computes (k / prompt tokens); the decode node "
+            "prefills the rest",
+            buckets=(0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0),
+            registry=r,
+        )
         self.rejections = Counter(
             "kairos_dispatcher_rejections_total",
             "Requests answered with an error by the dispatcher",
@@ -83,7 +91,13 @@ class DispatcherMetrics:
             ["route"],
             registry=r,
         )
-        for route, role in ((Route.KEEP, Role.PREFILL), (Route.KEEP, Role.DECODE), (Route.DEFLECT, Role.DECODE)):
+        for route, role in (
+            (Route.KEEP, Role.PREFILL),
+            (Route.KEEP, Role.DECODE),
+            (Route.DEFLECT, Role.DECODE),
+            (Route.SPLIT, Role.PREFILL),
+            (Route.SPLIT, Role.DECODE),
+        ):
             self.prefix_hit_tokens.labels(route=route, role=role)
             self.prefix_lookup_prompt_tokens.labels(route=route)
         # Batches (several prompts in one completions body) and n > 1 go to a decode sidecar whole;
@@ -185,8 +199,10 @@ class DispatcherMetrics:
             self.class_decisions.labels(slo_class, decision.route.value).inc()
         self.decision_seconds.observe(seconds)
         predicted = (
-            decision.predicted_ttft_decode_s if decision.route is Route.DEFLECT else decision.predicted_ttft_prefill_s
+            decision.predicted_ttft_prefill_s if decision.route is Route.KEEP else decision.predicted_ttft_decode_s
         )
+        if decision.split_tokens:
+            self.split_share.observe(decision.split_tokens / decision.prompt_tokens)
         if predicted is not None:
             self.predicted_ttft.labels(route=decision.route.value).observe(predicted)
 
@@ -194,7 +210,7 @@ class DispatcherMetrics:
         """A decision made with the nodes' prefix hits; ``decode_hit``: its decode node's."""
         route = decision.route.value
         self.prefix_lookup_prompt_tokens.labels(route=route).inc(decision.prompt_tokens)
-        if decision.route is Route.KEEP:
+        if decision.route is not Route.DEFLECT:  # keep and split: the prefill node's hit, and the decode node's
             self.prefix_hit_tokens.labels(route=route, role=Role.PREFILL).inc(decision.cached_tokens)
             self.prefix_hit_tokens.labels(route=route, role=Role.DECODE).inc(decode_hit)
         else:

@@ -15,6 +15,7 @@ class Reason(StrEnum):
     DEFLECT_WITHIN_MARGIN = "deflect_within_margin"  # Eq. 7 holds on the fastest feasible node
     DEFLECT_STATIC_RULE = "deflect_static_rule"  # SQ/SL threshold fired
     DEFLECT_NO_PREFILL_NODE = "deflect_no_prefill_node"  # degraded: no prefill node registered
+    SPLIT_WITHIN_MARGIN = "split_within_margin"  # no deflection meets Eq. 7; a split at some k does
     KEEP_DECODE_SLOWER = "keep_decode_slower"  # fastest decode TTFT > alpha x prefill TTFT
     KEEP_DECODE_OVER_SLO = "keep_decode_over_slo"  # fastest decode TTFT > TTFT SLO
     KEEP_NO_SAFE_SCHEDULE = "keep_no_safe_schedule"  # no node has a TBT-safe schedule

@@ -222,33 +222,49 @@ class ClusterTracker:
     def record(self, decision: Decision, now: float) -> object:
         """Account for a dispatch until a heartbeat shows it: the prefill work is the prompt's
         tokens the prefilling node has not cached (what its queue will report), the KV that
-        joins a decode node on keep the whole prompt."""
+        joins a decode node on keep the whole prompt. A split is both: its first k tokens on the
+        prefill node and their KV incoming to the decode node, as a keep of k tokens, and the rest
+        in the decode node's backlog over those k, as a deflection (from now on, until a
+        heartbeat after the KV's predicted landing: the node runs it ahead of the deflections
+        routed since). The handle is what ``cancel`` takes back."""
         tokens = decision.prompt_tokens
-        work = tokens - decision.cached_tokens
-        if decision.route is Route.KEEP:
-            assert decision.prefill_node is not None  # a keep decision always names its prefill node
-            prefill = self._prefill.get(decision.prefill_node)
-            attention = prompt_attention_tokens(work, decision.cached_tokens, prefill.chunk_tokens) if prefill else 0.0
-            self._overlay.setdefault(decision.prefill_node, []).append(
-                _Dispatch(now, work, cached=decision.cached_tokens, attention=attention)
+        if decision.route is Route.DEFLECT:
+            dispatch = _Dispatch(
+                now, tokens - decision.cached_tokens, cached=decision.cached_tokens, tpot_s=_tpot_of(decision)
             )
-            # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
-            # pull (pending_kv_pull_tokens), then the request itself.
-            prefill_s = decision.predicted_prefill_end_s
-            if prefill_s is None:
-                prefill_s = decision.predicted_ttft_prefill_s or 0.0
-            arrival = now + prefill_s
-            incoming = self._incoming.get(decision.decode_node)
-            if incoming is None:
-                incoming = self._incoming[decision.decode_node] = _Incoming()
-            incoming.add(arrival, tokens, _tpot_of(decision), self.link)
-            self._changed(decision.prefill_node, decision.decode_node)
-        else:
-            dispatch = _Dispatch(now, work, cached=decision.cached_tokens, tpot_s=_tpot_of(decision))
             self._overlay.setdefault(decision.decode_node, []).append(dispatch)
             self._changed(decision.decode_node)
-            return decision.decode_node, dispatch
-        return None
+            return ((decision.decode_node, dispatch),)
+        split = decision.route is Route.SPLIT
+        if split:
+            tokens = decision.split_tokens
+        work = tokens - decision.cached_tokens
+        assert decision.prefill_node is not None  # a keep or split decision always names its prefill node
+        prefill = self._prefill.get(decision.prefill_node)
+        attention = prompt_attention_tokens(work, decision.cached_tokens, prefill.chunk_tokens) if prefill else 0.0
+        prefill_dispatch = _Dispatch(now, work, cached=decision.cached_tokens, attention=attention)
+        self._overlay.setdefault(decision.prefill_node, []).append(prefill_dispatch)
+        # Incoming until its prefill ends: from then on the node's heartbeat shows its KV
+        # pull (pending_kv_pull_tokens), then the request itself.
+        prefill_s = decision.predicted_prefill_end_s
+        if prefill_s is None:
+            prefill_s = decision.predicted_ttft_prefill_s or 0.0
+        incoming = self._incoming.get(decision.decode_node)
+        if incoming is None:
+            incoming = self._incoming[decision.decode_node] = _Incoming()
+        incoming.add(now + prefill_s, tokens, _tpot_of(decision), self.link)
+        self._changed(decision.prefill_node, decision.decode_node)
+        if not split:
+            return None
+        # In the backlog until a heartbeat after its KV's predicted landing can show it there.
+        lands = (decision.predicted_ttft_decode_s or 0.0) - sum(decision.predicted_step_s)
+        rest = _Dispatch(
+            now + max(0.0, lands), decision.prompt_tokens - tokens, cached=tokens, tpot_s=_tpot_of(decision)
+        )
+        self._overlay.setdefault(decision.decode_node, []).append(rest)
+        # A refused promise takes back both queues' work; the KV incoming stays until it would have
+        # arrived (its link queue has no removal: rare, and on the safe side).
+        return ((decision.decode_node, rest), (decision.prefill_node, prefill_dispatch))
 
     def relink(self, link: TransferModel | None) -> None:
         """Another transfer model (the profile was reloaded): every node's incoming keeps queue on
@@ -259,14 +275,14 @@ class ClusterTracker:
             self._changed(node_id)
 
     def cancel(self, handle: object) -> None:
-        """Take back a deflection ``record`` returned ``handle`` for (its promise was refused)."""
+        """Take back a deflection or split ``record`` returned ``handle`` for (its promise was refused)."""
         if handle is None:
             return
-        node_id, dispatch = handle  # type: ignore[misc]
-        pending = self._overlay.get(node_id)
-        if pending is not None:
-            self._overlay[node_id] = [d for d in pending if d is not dispatch]
-            self._changed(node_id)
+        for node_id, dispatch in handle:  # type: ignore[attr-defined]
+            pending = self._overlay.get(node_id)
+            if pending is not None:
+                self._overlay[node_id] = [d for d in pending if d is not dispatch]
+                self._changed(node_id)
 
     def set_foreign(self, node_id: str, promises: list[tuple[float, int, str]]) -> None:
         """Other dispatchers' deflections onto ``node_id`` that its heartbeat does not show yet,

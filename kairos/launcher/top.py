@@ -314,11 +314,16 @@ def render(frame: Frame) -> str:
 
     lines.append("")
     total = _rate(frame, "kairos_dispatcher_decisions_total")
-    deflected = _rate(frame, "kairos_dispatcher_decisions_total", route=Route.DEFLECT)
-    share = f", {deflected / total:.0%} deflected" if total and deflected is not None else ""
+    share = ""
+    for route, word in ((Route.DEFLECT, "deflected"), (Route.SPLIT, "split")):
+        rate = _rate(frame, "kairos_dispatcher_decisions_total", route=route)
+        share += f", {rate / total:.0%} {word}" if total and rate is not None else ""
     latency = _mean(scrape, "kairos_dispatcher_decision_seconds")
     latency_ms = None if latency is None else latency * 1e3
     lines.append(f"DECISIONS  {_num(total, '.1f', '/s')}{share}   mean decision time {_num(latency_ms, '.2f', ' ms')}")
+    k_share = _mean(scrape, "kairos_dispatcher_split_prefill_share")
+    if k_share is not None:
+        lines.append(f"  splits: the prefill node computes {k_share:.0%} of the prompt on average (k), the decode node the rest")
     keys = sorted(
         {dict(k)["route"] + " " + dict(k)["reason"] for k in scrape.series("kairos_dispatcher_decisions_total")}
     )

@@ -1219,13 +1219,15 @@ FAST_LINK = flat_models(bandwidth_bytes_per_s=1e8)
 def test_eq7_compares_with_the_full_keep_estimate(
     q: int, models: object, route: Route, reason: Reason, ttft_pf: float
 ) -> None:
-    cfg = dataclasses.replace(CFG, keep_estimate="full")
+    # Eq. 7's two routes: the split, between them, is tested on its own (test_split.py)
+    cfg = dataclasses.replace(CFG, keep_estimate="full", split="off")
     d = decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, cfg)  # type: ignore[arg-type]
     assert (d.route, d.reason) == (route, reason)
     assert d.predicted_ttft_prefill_s == pytest.approx(ttft_pf, abs=1e-9)
     if route is Route.KEEP:
         assert d.predicted_prefill_end_s == pytest.approx(0.115 + 5e-5 * q)
-        assert decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, CFG).route is Route.KEEP  # type: ignore[arg-type]
+        eq1 = dataclasses.replace(CFG, split="off")
+        assert decide(1000, view((prefill_node(queue=(q,)),), B20), 0.0, models, eq1).route is Route.KEEP  # type: ignore[arg-type]
     else:
         assert d.predicted_ttft_decode_s == pytest.approx(0.030 + 0.280)
 

@@ -400,6 +400,7 @@ _SPELLED_ONCE = {str(route) for route in c.Route} | {c.ROUTE_FANOUT, *c.INFERENC
 # The same words that mean something else.
 _OTHER_MEANINGS = {
     ("kairos/core/policies/kairos.py", "keep"),  # the policy spec's keep-estimate parameter
+    ("kairos/core/policies/kairos.py", "split"),  # the policy spec's split-rule parameter
     ("sim/emulated_vllm/node.py", "deflect"),  # the emulated node's plan mode for a scheduled prefill
     ("profiling/fit.py", "split"),  # a profile fit's train/test split in its report
 }

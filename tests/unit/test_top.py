@@ -94,6 +94,11 @@ def _metrics_text(keeps: int, deflects: int, *, degraded: bool = False, mape: fl
         m.ttft_observed_over_predicted.labels(path="keep").observe(1.1)
     for _ in range(deflects):
         m.predicted_ttft.labels(route="deflect").observe(0.100)
+    # One split per 3 deflects, its prefill node computing 60% of its prompt.
+    m.decisions.labels(route=Route.SPLIT.value, reason=Reason.SPLIT_WITHIN_MARGIN.value).inc(deflects // 3)
+    for _ in range(deflects // 3):
+        m.predicted_ttft.labels(route="split").observe(0.200)
+        m.split_share.observe(0.6)
     if mape is not None:
         m.ttft_prediction_mape.labels(path="keep").set(mape)
     # Admission: 512 + keeps in flight of 1,024, 3 waiting; a 429 per deflect, and one busy one.
@@ -128,15 +133,18 @@ p9         prefill      -                    -              -         -         
 SLOW d0: steps up to 2.38x its profile's (p99): a loaded host, or a profile of other hardware
      its chunks are planned to the step budget / 2.38; deflect TTFT predictions there are not scaled
 
-DECISIONS  5.0/s, 40% deflected   mean decision time 1.00 ms
+DECISIONS  6.0/s, 33% deflected, 17% split   mean decision time 1.00 ms
+  splits: the prefill node computes 60% of the prompt on average (k), the decode node the rest
   deflect  deflect_within_margin                    2.00/s        6 total
   keep     keep_decode_slower                       3.00/s       16 total
+  split    split_within_margin                      1.00/s        2 total
 BY CLASS   (no decisions yet)
 ADMISSION  in flight 528/1024 (52%), 3 waiting   shed (429) 2.0/s, 7 total (open_streams 1, queue_full 6)
 
 TTFT       predicted mean observed/predicted  live MAPE  samples
   keep            0.150 s               1.10      30.0%       16
   deflect         0.100 s                  -          -        0
+  split           0.200 s                  -          -        0
 
 ALERTS (local): 2 firing
   FIRING  warning  KairosNodeHeartbeatStale     prefill node p0: last heartbeat 1.5 s ago

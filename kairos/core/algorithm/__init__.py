@@ -14,6 +14,7 @@ One module per step of the decision, each importing only those above it:
 - ``bounds``: a node's derived facts and the lower bound on its deflection TTFT;
 - ``eligibility``: which nodes may take a deflection, and the keep path's nodes;
 - ``search``: the deflection search over the eligible nodes (§4.4);
+- ``split``: the split route, the prompt's first k tokens on a prefill node and the rest on a decode node;
 - ``decide``: Algorithm 1 itself, and its degraded mode without a prefill pool.
 
 This package exports the decision's public API below (what the policies, the dispatcher, the
@@ -25,6 +26,7 @@ from kairos.core.algorithm.bounds import ttft_lower_bound_s
 from kairos.core.algorithm.config import (
     DEFAULT_CHUNK_CANDIDATES,
     KEEP_ESTIMATES,
+    SPLIT_CHOICES,
     DeciderConfig,
     keep_step_budget_s,
     node_overload_s,
@@ -57,13 +59,17 @@ from kairos.core.algorithm.schedule import (
     plan_on_decode_node,
     planning_batch,
 )
+from kairos.core.algorithm.split import SplitPlan, best_split, split_points
 
 __all__ = [
     "DEFAULT_CHUNK_CANDIDATES",
     "KEEP_ESTIMATES",
+    "SPLIT_CHOICES",
     "DeciderConfig",
+    "SplitPlan",
     "backlog_end",
     "best_prefill_node",
+    "best_split",
     "cached_prefix",
     "can_take_deflection",
     "committed_batch",
@@ -89,6 +95,7 @@ __all__ = [
     "prefill_exec_s",
     "prefill_queue_wait_s",
     "prefill_ttft_s",
+    "split_points",
     "ttft_lower_bound_s",
     "validate_prompt",
     "with_request_slo",

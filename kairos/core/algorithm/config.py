@@ -23,6 +23,7 @@ DEFAULT_CHUNK_CANDIDATES = defaults.CHUNK_CANDIDATES
 # sigmas, and sigma = sqrt(pi/2) x MAE. The TBT SLO is a P95, so that is the margin it needs.
 _P95_SIGMAS_PER_MAE = NormalDist().inv_cdf(0.95) * math.sqrt(math.pi / 2)
 KEEP_ESTIMATES = ("full", "eq1")  # DeciderConfig.keep_estimate
+SPLIT_CHOICES = ("offload", "fastest", "off")  # DeciderConfig.split
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,20 @@ class DeciderConfig:
         True, help="plan a deflection beside the decodes whose KV the node is pulling (pending_kv_pull_tokens)"
     )
 
+    # The split route (kairos.core.algorithm.split): when neither deflection meets Eq. 7, the
+    # prompt's first k tokens on the prefill node and the rest on a decode node.
+    split: str = setting(
+        defaults.SPLIT,
+        help="the split route's k: offload (the smallest k whose TTFT meets Eq. 7's bound), fastest (the k of the "
+        "lowest TTFT, when below the keep path's) or off",
+    )
+    split_points: int = setting(
+        defaults.SPLIT_POINTS, help="the split's k search: the prompt cut into this many equal parts (>= 2)"
+    )
+    kv_block_tokens: int = setting(
+        defaults.KV_BLOCK_TOKENS, help="the nodes' KV block size in tokens: a split's k is a multiple of it"
+    )
+
     def __post_init__(self) -> None:
         # Written as "not (valid)" so that NaN, which fails every comparison, is rejected too.
         if not (1.0 <= self.alpha < math.inf):
@@ -128,6 +143,12 @@ class DeciderConfig:
             raise ConfigError(f"model_error must be in [0, 1), got {self.model_error}")
         if self.keep_estimate not in KEEP_ESTIMATES:
             raise ConfigError(f"keep_estimate must be one of {list(KEEP_ESTIMATES)}, got {self.keep_estimate!r}")
+        if self.split not in SPLIT_CHOICES:
+            raise ConfigError(f"split must be one of {list(SPLIT_CHOICES)}, got {self.split!r}")
+        if self.split_points < 2 or self.kv_block_tokens < 1:
+            raise ConfigError(
+                f"split_points must be >= 2 and kv_block_tokens >= 1, got {self.split_points}, {self.kv_block_tokens}"
+            )
         if not (1.0 <= self.mean_output_tokens < math.inf):
             raise ConfigError(f"mean_output_tokens must be a finite number >= 1, got {self.mean_output_tokens}")
 

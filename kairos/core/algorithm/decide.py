@@ -19,6 +19,7 @@ from kairos.core.algorithm.eligibility import (
 from kairos.core.algorithm.keep_estimate import keep_ttft_s
 from kairos.core.algorithm.schedule import expand_runs
 from kairos.core.algorithm.search import best_deflection
+from kairos.core.algorithm.split import SplitPlan, best_split
 from kairos.core.decision import Decision, Reason, Route
 from kairos.core.latency import LatencyModels
 from kairos.core.slo import RequestSLO
@@ -92,16 +93,24 @@ def decide(
     bound = min(margin_s, config.ttft_slo_s)
     best, any_too_slow = best_deflection(models, config, eligible, prompt_tokens, bound, facts, cached, refused, now)
 
+    def split_or_keep(reason: Reason, ttft_dec: float | None) -> Decision:
+        """No deflection meets Eq. 7: a split that does (``best_split``), else the keep."""
+        found = best_split(models, config, prefill_node, eligible, prompt_tokens, bound, ttft_pf, cached, refused, now)
+        if found is None:
+            return keep(reason, ttft_dec)
+        return _split(found, prefill_node.node_id, ttft_pf, prompt_tokens, config, cached, slo)
+
     if best is None:
         if not any_too_slow:
-            return keep(Reason.KEEP_NO_SAFE_SCHEDULE, None)
-        return keep(Reason.KEEP_DECODE_SLOWER if margin_s <= config.ttft_slo_s else Reason.KEEP_DECODE_OVER_SLO, None)
+            return split_or_keep(Reason.KEEP_NO_SAFE_SCHEDULE, None)
+        slower = margin_s <= config.ttft_slo_s
+        return split_or_keep(Reason.KEEP_DECODE_SLOWER if slower else Reason.KEEP_DECODE_OVER_SLO, None)
 
     ttft_dec, node_id, plan = best
     if ttft_dec > margin_s:
-        return keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
+        return split_or_keep(Reason.KEEP_DECODE_SLOWER, ttft_dec)
     if ttft_dec > config.ttft_slo_s:
-        return keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
+        return split_or_keep(Reason.KEEP_DECODE_OVER_SLO, ttft_dec)
     sizes, times = expand_runs(plan.runs)
     return _deflect(
         Reason.DEFLECT_WITHIN_MARGIN,
@@ -172,6 +181,39 @@ def decide_without_prefill_pool(
         config,
         plan.step_budget_s,
         slo=slo,
+    )
+
+
+def _split(
+    found: SplitPlan,
+    prefill_node: str,
+    ttft_pf: float,
+    prompt_tokens: int,
+    config: DeciderConfig,
+    cached: Mapping[str, int] | None,
+    slo: RequestSLO | None,
+) -> Decision:
+    """A split: the prefill node prefills the prompt's first k tokens (of which it caches
+    ``cached_tokens``), the decode node the rest by its schedule, within the step budget it was
+    planned to (as a deflection's)."""
+    plan = found.plan
+    sizes, times = expand_runs(plan.runs)
+    return Decision(
+        route=Route.SPLIT,
+        reason=Reason.SPLIT_WITHIN_MARGIN,
+        decode_node=found.node_id,
+        prefill_node=prefill_node,
+        chunk_sizes=tuple(sizes),
+        predicted_ttft_prefill_s=ttft_pf,
+        predicted_ttft_decode_s=plan.ttft_s,
+        prompt_tokens=prompt_tokens,
+        step_budget_s=plan.step_budget_s if config.node_step_guard else None,
+        predicted_step_s=tuple(times),
+        planned_decode_tokens=plan.decode_tokens,
+        predicted_prefill_end_s=found.prefill_end_s,
+        cached_tokens=cached_prefix(cached, prefill_node, found.split_tokens),
+        slo=slo,
+        split_tokens=found.split_tokens,
     )
 
 

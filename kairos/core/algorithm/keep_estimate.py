@@ -48,6 +48,42 @@ def keep_handoff_s(
 
     b and k are the node's decodes and KV once the backlog, the incoming keeps and the pulls
     ahead have joined."""
+    wait, b, k, t0 = _landing(models, config, node, prompt_tokens, prompt_tokens, prefill_s, cached_tokens, now)
+    join = models.decode_step_s(b + 1, k + prompt_tokens) + (
+        join_wait_s(models, node, t0, prefill_s + wait, now) if b > 0 else 0.0
+    )
+    return wait + join
+
+
+def kv_landing_s(
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    pulled_tokens: int,
+    prefill_s: float,
+    cached_tokens: int = 0,
+    now: float | None = None,
+) -> float:
+    """From the prefill's end (``prefill_s`` from ``now``) until the KV of the prompt's first
+    ``pulled_tokens`` has landed on decode node ``node``: W_link + T_xfer + W_adm of
+    ``keep_handoff_s``, the transfer of those tokens less the ``cached_tokens`` the node holds,
+    the admission for the whole prompt (a split's node prefills the rest into its own KV)."""
+    return _landing(models, config, node, prompt_tokens, pulled_tokens, prefill_s, cached_tokens, now)[0]
+
+
+def _landing(
+    models: LatencyModels,
+    config: DeciderConfig,
+    node: DecodeNodeState,
+    prompt_tokens: int,
+    pulled_tokens: int,
+    prefill_s: float,
+    cached_tokens: int,
+    now: float | None,
+) -> tuple[float, int, int, float]:
+    """W_link + T_xfer + W_adm (``keep_handoff_s``), and the node's decodes, KV tokens and T0
+    once the backlog, the incoming keeps and the pulls ahead have joined."""
     t = models.transfer
     per_token = t.bytes_per_token / t.bandwidth_bytes_per_s
     pulls = node.pending_kv_pull_tokens
@@ -61,18 +97,14 @@ def keep_handoff_s(
         if node.incoming_link is not None:  # in closed form: O(log n) however many are on their way
             clear = node.incoming_link.clear_s(now + clear, now + prefill_s) - now
     link_wait = max(0.0, clear - prefill_s)
-    transfer = t.latency_s + (prompt_tokens - cached_tokens) * per_token
+    transfer = t.latency_s + max(0, pulled_tokens - cached_tokens) * per_token
     b, k = committed_batch(node)
     t0 = models.decode_step_s(b, k)
     admission = 0.0
     deficit = prompt_tokens - (node.kv_capacity_tokens - k)
     if deficit > 0 and k > 0:
         admission = max(0.0, deficit * config.mean_output_tokens * t0 / k - prefill_s - link_wait)
-    wait = link_wait + transfer + admission
-    join = models.decode_step_s(b + 1, k + prompt_tokens) + (
-        join_wait_s(models, node, t0, prefill_s + wait, now) if b > 0 else 0.0
-    )
-    return wait + join
+    return link_wait + transfer + admission, b, k, t0
 
 
 def join_wait_s(

@@ -48,7 +48,8 @@ class KairosPolicy:
         prefix += "" if self.slo_aware else ",slo=off"
         cands = self.config.chunk_candidates
         chunks = "" if cands == defaults.CHUNK_CANDIDATES else f",chunks={format_chunks(cands)}"
-        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{pulls}{keep}{prefix}{chunks}"
+        split = "" if self.config.split == defaults.SPLIT else f",split={self.config.split}"
+        knobs = f"{pending}{guard}{overload}{pressure}{gate}{error}{calibrate}{pulls}{keep}{split}{prefix}{chunks}"
         return f"{name}(alpha={self.config.alpha:g},beta={self.config.beta:g}{knobs})"
 
     def decide(
@@ -78,6 +79,7 @@ DECIDER_PARAMS: dict[str, str] = {
     "error": "E",
     "calibrate": "off",
     "keep": "|".join(alg.KEEP_ESTIMATES),
+    "split": "|".join(alg.SPLIT_CHOICES),
     "prefix": "off",
     "chunks": "2048/1024/...",
     "pulls": "off",
@@ -98,6 +100,7 @@ DECIDER_FIELDS: dict[str, str] = {
     "beta": "beta",
     "error": "model_error",
     "keep": "keep_estimate",
+    "split": "split",
     "chunks": "chunk_candidates",
     "pending": "max_pending_deflections",
     **dict(_SWITCHES),
@@ -120,6 +123,11 @@ def decider_changes(spec: PolicySpec, base: alg.DeciderConfig, *, oracle: bool =
         if keep.lower() not in alg.KEEP_ESTIMATES:
             raise spec.error(f"keep={keep!r} must be one of {list(alg.KEEP_ESTIMATES)}")
         changes["keep_estimate"] = keep.lower()
+    if "split" in spec:
+        split = spec.params["split"].lower()
+        if split not in alg.SPLIT_CHOICES:
+            raise spec.error(f"split={spec.params['split']!r} must be one of {list(alg.SPLIT_CHOICES)}")
+        changes["split"] = split
     for key, field in _SHARES:
         if key in spec:
             share = None if spec.params[key].lower() == "off" else spec.value(key)
