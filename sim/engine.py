@@ -200,15 +200,14 @@ class _PrefillQueue:
     def _attention(self, remaining: int, computed: int) -> float:
         return prompt_attention_tokens(remaining, computed, self.chunk_tokens) if self.chunk_tokens else 0.0
 
-    def add(self, seq: Sequence, admitted: bool = False) -> None:
-        """``seq`` joins the queue: behind the waiting ones, or (``admitted``) behind the admitted
-        ones, ahead of any still waiting."""
+    def add(self, seq: Sequence, at: int | None = None) -> None:
+        """``seq`` joins the queue: behind the waiting ones, or admitted already, at place ``at``
+        among the admitted ones (ahead of any still waiting)."""
         n = seq.prefill_remaining
-        if admitted:
-            at = len(self.admitted)
+        if at is not None:
             self.tokens.insert(at, n)
             self.computed.insert(at, seq.computed)
-            self.admitted.append(seq)
+            self.admitted.insert(at, seq)
         else:
             self.tokens.append(n)
             self.computed.append(seq.computed)
@@ -410,8 +409,8 @@ class Engine:
     def accept_partial(self, seq: Sequence, transferred_tokens: int) -> None:
         """A split request (``reserve_transfer`` with ``transfer_tokens``) whose first
         ``transferred_tokens`` prompt tokens' KV arrived: admitted at once, as a transferred request
-        joins, it prefills the rest here as a scheduled prefill (its ``schedule``, behind any
-        scheduled prefill before it), then decodes."""
+        joins, it prefills the rest here by its ``schedule`` (behind the admitted scheduled
+        prefills, ahead of any still waiting for KV room), then decodes."""
         self.kv_reserved -= seq.prompt_tokens - seq.computed
         self.kv_pinned -= seq.cached_hit
         seq.computed = max(seq.computed, transferred_tokens)
@@ -419,7 +418,8 @@ class Engine:
         self.kv_prefill_pending += seq.prefill_remaining
         self._hold_tpot(seq, 1)
         self.prefilling.append(seq)
-        (self._scheduled if seq.schedule else self._unscheduled).add(seq, admitted=True)
+        queue = self._scheduled if seq.schedule else self._unscheduled
+        queue.add(seq, at=len(queue.admitted))
 
     @property
     def free_kv_tokens(self) -> int:

@@ -35,6 +35,11 @@ class RequestRecord:
     cached_tokens: int = 0  # prompt tokens the node that prefilled it had cached (prefix cache)
     transfer_tokens: int = 0  # keep path: prompt tokens moved to the decode node (those it lacked)
     tpot_slo_s: float | None = None  # the TPOT SLO its decode node was told (its own, or the run's)
+    # A split: k, the prompt's tokens the prefill node computed, and the decode node's schedule of
+    # the rest with its step budget (the decision's, carried to the transfer's end).
+    split_tokens: int = 0
+    schedule: tuple[int, ...] = ()
+    step_budget_s: float | None = None
 
     @property
     def ttft(self) -> float:
@@ -42,7 +47,8 @@ class RequestRecord:
         return self.first_token - self.spec.arrival_s
 
     def ttft_parts(self) -> tuple[float, float, float, float]:
-        """(prefill queue, prefill execution, KV transfer incl. its queueing, decode queue)."""
+        """(prefill queue, prefill execution, KV transfer incl. its queueing, decode queue); a
+        split's prefill is its prefill node's part, its decode queue the rest's prefill there too."""
         assert self.prefill_start is not None and self.prefill_end is not None and self.first_token is not None
         queue = self.prefill_start - self.spec.arrival_s
         execution = self.prefill_end - self.prefill_start
@@ -70,6 +76,7 @@ class SimMetrics:
     # The requests' own TPOT SLOs other than tbt_slo_s: each request's TBT is judged by its own.
     request_tbt_slos: tuple[float, ...] = ()
     deflections: int = 0
+    splits: int = 0
     # Decode steps (with TBT samples) that carried a deflected prefill's chunk, and how many of them
     # went over tau: the probability the node's step calibration keeps under 1%. Not in the summary
     # (its records stay as they were); bench/sim/calibration.py reads them.
@@ -131,6 +138,8 @@ def summarize(
     ttft = np.array([r.ttft for r in records])
     parts = np.array([r.ttft_parts() for r in records]) if records else np.zeros((0, 4))
     deflected = np.array([r.route is Route.DEFLECT for r in records], dtype=bool)
+    split = np.array([r.route is Route.SPLIT for r in records], dtype=bool)
+    kept = ~deflected & ~split
     durations = np.concatenate([np.asarray(s.durations) for s in metrics.steps.values()] or [np.zeros(0)])
     weights = np.concatenate([np.asarray(s.decodes) for s in metrics.steps.values()] or [np.zeros(0)])
     decode_steps = weights > 0
@@ -156,20 +165,26 @@ def summarize(
     prompts = np.array([r.spec.prompt_tokens for r in records], dtype=np.int64)
     cached = np.array([r.cached_tokens for r in records], dtype=np.int64)
     # A decode node's share of a prompt it neither computed nor received: its own cache's hit.
-    decode_hit = np.where(deflected, cached, np.array([r.spec.prompt_tokens - r.transfer_tokens for r in records]))
-    kept_prompt = prompts[~deflected].sum()
+    on_prefill = np.array([r.split_tokens or r.spec.prompt_tokens for r in records], dtype=np.int64)
+    transferred = np.array([r.transfer_tokens for r in records], dtype=np.int64)
+    decode_hit = np.where(deflected, cached, on_prefill - transferred)
+    kept_prompt = on_prefill[~deflected].sum()
     return {
         "requests": len(records),
         "deflections": int(deflected.sum()),
+        "splits": int(split.sum()),
+        # the prompt tokens the decode nodes prefilled: deflections' uncached and splits' rests
+        "decode_prefill_tokens": int((prompts - cached)[deflected].sum() + (prompts - on_prefill)[split].sum()),
         "p50_ttft_s": pct(ttft, 50),
         "p95_ttft_s": pct(ttft, 95),
         "p99_ttft_s": pct(ttft, 99),
-        "p95_ttft_keep_s": pct(ttft[~deflected], 95),
+        "p95_ttft_keep_s": pct(ttft[kept], 95),
         "p95_ttft_deflect_s": pct(ttft[deflected], 95),
-        "p95_prefill_queue_s": pct(parts[~deflected, 0], 95),
-        "p95_prefill_exec_s": pct(parts[~deflected, 1], 95),
-        "p95_kv_transfer_s": pct(parts[~deflected, 2], 95),
-        "p95_decode_queue_s": pct(parts[~deflected, 3], 95),
+        "p95_ttft_split_s": pct(ttft[split], 95),
+        "p95_prefill_queue_s": pct(parts[kept, 0], 95),
+        "p95_prefill_exec_s": pct(parts[kept, 1], 95),
+        "p95_kv_transfer_s": pct(parts[kept, 2], 95),
+        "p95_decode_queue_s": pct(parts[kept, 3], 95),
         "p50_tbt_ms": tbt50 * 1e3,
         "p95_tbt_ms": tbt95 * 1e3,
         "p99_tbt_ms": tbt99 * 1e3,
@@ -180,10 +195,11 @@ def summarize(
         "total_tokens_per_s": all_tokens / span,
         "ttft_prediction_mape": _mape(predicted, ttft, ok),
         # per path: the keep path's estimate (Eq. 1 and the KV hand-off) and the deflect path's (Eq. 6)
-        "ttft_prediction_mape_keep": _mape(predicted, ttft, ok & ~deflected),
+        "ttft_prediction_mape_keep": _mape(predicted, ttft, ok & kept),
         "ttft_prediction_mape_deflect": _mape(predicted, ttft, ok & deflected),
+        "ttft_prediction_mape_split": _mape(predicted, ttft, ok & split),
         # signed mean of (predicted - observed) / observed on the keep path: < 0 under-predicts
-        "ttft_prediction_bias_keep": _mape(predicted, ttft, ok & ~deflected, signed=True),
+        "ttft_prediction_bias_keep": _mape(predicted, ttft, ok & kept, signed=True),
         # Conversations and prefix caching (0 where the run has no later turns or no hashes)
         "p95_ttft_turn2plus_s": pct(ttft[later], 95),
         "prefix_hit_rate_prefill": float(cached[~deflected].sum() / kept_prompt) if kept_prompt else 0.0,

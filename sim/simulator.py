@@ -171,7 +171,7 @@ class _Link:
 
     def pending_tokens(self) -> tuple[int, ...]:
         """Prompt tokens of each transfer running or queued, FIFO: the node's KV pulls to come."""
-        queued = tuple(rec.spec.prompt_tokens for rec in self.queue)
+        queued = tuple(rec.split_tokens or rec.spec.prompt_tokens for rec in self.queue)
         return (self.current_tokens, *queued) if self.busy else queued
 
 
@@ -332,11 +332,12 @@ class Simulator:
             decode_node=decision.decode_node,
             prefill_node=decision.prefill_node,
             predicted_ttft_s=(
-                decision.predicted_ttft_decode_s
-                if decision.route is Route.DEFLECT
-                else decision.predicted_ttft_prefill_s
+                decision.predicted_ttft_prefill_s if decision.route is Route.KEEP else decision.predicted_ttft_decode_s
             ),
             tpot_slo_s=self.tbt_slo_s if slo is None else slo.tpot_s,
+            split_tokens=decision.split_tokens,
+            schedule=decision.chunk_sizes if decision.route is Route.SPLIT else (),
+            step_budget_s=decision.step_budget_s if decision.route is Route.SPLIT else None,
         )
         self._records.append(rec)
         if decision.route is Route.DEFLECT:
@@ -352,12 +353,15 @@ class Simulator:
                 tag=rec,
                 block_hashes=spec.block_hashes,
             )
-        else:
+        else:  # keep, or a split's first k tokens: a prefill hop of that prompt (its full blocks' hashes)
             assert decision.prefill_node is not None
             engine = self.engines[decision.prefill_node]
-            seq = EngineSeq(
-                spec.request_id, spec.prompt_tokens, 1, hold_kv=True, tag=rec, block_hashes=spec.block_hashes
-            )
+            on_prefill = decision.split_tokens or spec.prompt_tokens
+            hashes = spec.block_hashes
+            if decision.split_tokens:
+                hashes = hashes[: on_prefill // engine.config.block_tokens]
+                self.metrics.splits += 1
+            seq = EngineSeq(spec.request_id, on_prefill, 1, hold_kv=True, tag=rec, block_hashes=hashes)
         rec.seq = seq
         engine.submit(seq)
         rec.cached_tokens = seq.cached_hit
@@ -439,16 +443,19 @@ class Simulator:
             spec.request_id,
             spec.prompt_tokens,
             spec.output_tokens,
+            schedule=rec.schedule,  # a split's rest, prefilled on the node once its first k have landed
+            step_budget_s=rec.step_budget_s,
             tpot_slo_s=rec.tpot_slo_s,
             tag=rec,
             block_hashes=spec.block_hashes,
         )
-        missing = self.engines[decode_id].reserve_transfer(seq)  # only the blocks the node lacks
+        # Only the blocks the node lacks, of the prompt or of a split's first k tokens.
+        missing = self.engines[decode_id].reserve_transfer(seq, rec.split_tokens or None)
         if missing is None:
             return  # decode-side memory pressure: wait until a decode finishes
         link.queue.popleft()
         link.busy = True
-        link.current_tokens = rec.spec.prompt_tokens
+        link.current_tokens = rec.split_tokens or rec.spec.prompt_tokens
         link.current_tpot_s = rec.tpot_slo_s
         link.current_started = now
         rec.transfer_start = now
@@ -462,7 +469,10 @@ class Simulator:
         self.engines[rec.prefill_node].release(rec.prefill_seq)
         decode = self.engines[rec.decode_node]
         assert rec.seq is not None
-        decode.accept_transferred(rec.seq, reserved_tokens=rec.transfer_tokens)
+        if rec.split_tokens:
+            decode.accept_partial(rec.seq, rec.split_tokens)
+        else:
+            decode.accept_transferred(rec.seq, reserved_tokens=rec.transfer_tokens)
         self.links[rec.decode_node].busy = False
         self.links[rec.decode_node].current_tokens = 0
         self._start_transfer(rec.decode_node, now)

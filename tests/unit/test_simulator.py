@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kairos.core.decision import Decision
+from kairos.core.decision import Decision, Route
 from kairos.core.latency import load_profile
 from kairos.core.policies import create_policy
 from kairos.core.state import ClusterView, DecodeNodeState, PrefillNodeState
@@ -95,6 +95,24 @@ def test_kairos_keeps_every_step_within_tau_when_truth_equals_the_model() -> Non
     s = simulate(reqs, "kairos:alpha=1.3").metrics.summary
     assert s["deflections"] > 0
     assert s["tbt_violation_rate"] == 0.0 and s["max_tbt_ms"] <= 70.0 + 1e-9
+
+
+@pytest.mark.parametrize("rule", ["offload", "fastest"])
+def test_a_split_prefills_its_first_k_on_the_prefill_node_and_the_rest_on_the_decode_node(rule: str) -> None:
+    reqs = make_workload("bursty", rps=7, duration_s=120, seed=5)
+    sim = simulate(reqs, f"kairos:split={rule}")
+    s = sim.metrics.summary
+    splits = [r for r in sim.metrics.records if r.route is Route.SPLIT]
+    assert s["splits"] == len(splits) > 0
+    assert s["tbt_violation_rate"] == 0.0 and s["max_tbt_ms"] <= 70.0 + 1e-9  # truth = model
+    for r in splits:
+        assert r.prefill_seq is not None and r.prefill_seq.prompt_tokens == r.split_tokens  # k on the prefill node
+        assert 0 < r.transfer_tokens <= r.split_tokens < r.spec.prompt_tokens  # at most k pulled
+        assert sum(r.schedule) == r.spec.prompt_tokens - r.split_tokens
+        assert r.transfer_end is not None and r.first_token is not None and r.first_token > r.transfer_end
+        assert r.finished is not None and r.seq is not None and r.seq.generated == r.spec.output_tokens
+    off = simulate(reqs, "kairos:split=off").metrics.summary
+    assert off["splits"] == 0 and off["requests"] == s["requests"]
 
 
 def test_without_the_node_guard_stale_state_can_break_tbt() -> None:
