@@ -342,11 +342,12 @@ class Dispatcher:
             set_headers.append((c.H_PRED_TTFT_PREFILL_MS, f"{decision.predicted_ttft_prefill_s * 1e3:.1f}"))
         if decision.predicted_ttft_decode_s is not None:
             set_headers.append((c.H_PRED_TTFT_DECODE_MS, f"{decision.predicted_ttft_decode_s * 1e3:.1f}"))
-        if decision.route is Route.KEEP:
-            assert decision.prefill_node is not None
+        if decision.prefill_node is not None:  # keep and split
             set_headers.append((c.H_PREFILL_HOST, addresses[decision.prefill_node].url))
-        else:
+        if decision.chunk_sizes:  # deflect, and a split's rest
             set_headers.append((c.H_CHUNK_SCHEDULE, c.encode_chunk_schedule(decision.chunk_sizes)))
+        if decision.split_tokens:
+            set_headers.append((c.H_SPLIT_TOKENS, c.encode_split_tokens(decision.split_tokens)))
         if decision.step_budget_s is not None:  # a keep's: for a local prefill should its prefill node fail
             set_headers.append((c.H_STEP_BUDGET_MS, c.encode_step_budget_ms(decision.step_budget_s * 1e3)))
         primary = addresses[decision.decode_node].sidecar
@@ -456,7 +457,7 @@ class Dispatcher:
             t0 = time.perf_counter()
             decision = _run(policies.policy, prompt_tokens, view, self._clock(), cached, slo)
             compute_s += time.perf_counter() - t0
-            if decision.route is not Route.DEFLECT:
+            if decision.route is Route.KEEP:
                 break
             node_id = decision.decode_node
             # In the view before the promise's round trip: a request of this dispatcher deciding
@@ -474,7 +475,7 @@ class Dispatcher:
                 excluded.add(node_id)
             view = self.cluster.view()  # with the other dispatchers' promises, if any came back
         assert decision is not None  # the loop runs at least once
-        if decision.route is Route.DEFLECT:
+        if decision.route is not Route.KEEP:
             # No deflection target took the promise: the P/D path, where any decode node
             # (promised ones included) can take the request after its prefill.
             t0 = time.perf_counter()

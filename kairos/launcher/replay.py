@@ -591,6 +591,7 @@ def summarize(results: Sequence[RequestResult], config: ReplayConfig) -> dict[st
     return {
         **overall,
         "deflections": sum(r.route == Route.DEFLECT for r in results),
+        "splits": sum(r.route == Route.SPLIT for r in results),
         "keeps": sum(r.route == Route.KEEP for r in results),
         "tbt_violation_rate": (sum(g > config.tbt_slo_ms for g in gaps) / len(gaps)) if gaps else None,
         "ttft_slo_s": config.ttft_slo_s,
@@ -626,7 +627,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{_fmt(g['p99_tbt_ms'], 1):>8}{('-' if slo is None else f'{slo:.1%}'):>7}"
         )
     lines.append(
-        f"deflections {summary['deflections']}, keeps {summary['keeps']}, errors {summary['errors']}"
+        f"deflections {summary['deflections']}, splits {summary['splits']}, keeps {summary['keeps']}, "
+        f"errors {summary['errors']}"
         + (f" {summary['error_kinds']}" if summary["error_kinds"] else "")
         + f"; SLO: TTFT <= {summary['ttft_slo_s']:g} s and own P95 TBT <= {summary['tbt_slo_ms']:g} ms"
         + (" (a request's own SLOs where it sends them)" if "per_class" in summary else "")

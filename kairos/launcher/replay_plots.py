@@ -25,6 +25,7 @@ from kairos.sim.plots import DPI
 ROUTE_STYLE: dict[str, dict[str, Any]] = {
     Route.KEEP: {"color": "#4e79a7", "marker": "o"},
     Route.DEFLECT: {"color": "#e15759", "marker": "^"},
+    Route.SPLIT: {"color": "#59a14f", "marker": "s"},
     "": {"color": "#999999", "marker": "x"},
 }
 

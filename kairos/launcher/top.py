@@ -315,7 +315,7 @@ def render(frame: Frame) -> str:
     lines.append("")
     total = _rate(frame, "kairos_dispatcher_decisions_total")
     share = ""
-    for route, word in ((Route.DEFLECT, "deflected"), (Route.SPLIT, "split")):
+    for route, word in ((Route.DEFLECT, "deflected"), (Route.SPLIT, Route.SPLIT.value)):
         rate = _rate(frame, "kairos_dispatcher_decisions_total", route=route)
         share += f", {rate / total:.0%} {word}" if total and rate is not None else ""
     latency = _mean(scrape, "kairos_dispatcher_decision_seconds")
@@ -323,7 +323,8 @@ def render(frame: Frame) -> str:
     lines.append(f"DECISIONS  {_num(total, '.1f', '/s')}{share}   mean decision time {_num(latency_ms, '.2f', ' ms')}")
     k_share = _mean(scrape, "kairos_dispatcher_split_prefill_share")
     if k_share is not None:
-        lines.append(f"  splits: the prefill node computes {k_share:.0%} of the prompt on average (k), the decode node the rest")
+        share = f"{k_share:.0%} of the prompt on average (k)"
+        lines.append(f"  splits: the prefill node computes {share}, the decode node the rest")
     keys = sorted(
         {dict(k)["route"] + " " + dict(k)["reason"] for k in scrape.series("kairos_dispatcher_decisions_total")}
     )
