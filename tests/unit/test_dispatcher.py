@@ -149,6 +149,32 @@ class ExplodingPolicy:
         raise RuntimeError("secret internal detail: index out of range in node table")
 
 
+@dataclass(frozen=True)
+class SplittingPolicy:
+    """Splits every prompt on p1 and d1 at k = 256: what the dispatcher makes of a split decision
+    (the decision itself is kairos.core.algorithm.split's, tested in test_split.py)."""
+
+    label = "splitting"
+    fresh_state = False
+
+    def decide(self, prompt_tokens: int, view: ClusterView, now: float) -> Decision:
+        rest = prompt_tokens - 256
+        return Decision(
+            Route.SPLIT,
+            Reason.SPLIT_WITHIN_MARGIN,
+            "d1",
+            "p1",
+            (rest // 2, rest - rest // 2),
+            0.9,
+            0.8,
+            prompt_tokens,
+            step_budget_s=0.06,
+            predicted_step_s=(0.05, 0.05),
+            predicted_prefill_end_s=0.3,
+            split_tokens=256,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixtures and helpers
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +524,34 @@ async def test_each_decision_is_logged_at_debug_and_only_then(
 # ---------------------------------------------------------------------------------------------
 # Decisions are recorded into the cluster view
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("refused", [False, True], ids=["promised", "promise refused"])
+async def test_a_split_sends_its_prefill_host_k_and_the_rests_schedule_after_a_promise(
+    harness: HarnessFactory, refused: bool
+) -> None:
+    h = harness(make_cluster(refuse=("d1",) if refused else ()), policy=SplittingPolicy())  # type: ignore[arg-type]
+    routed = await h.dispatcher.route(
+        RequestHead.of("POST", COMPLETIONS, {"content-type": "application/json"}), completion_body(1000)
+    )
+    assert isinstance(routed, Routed), routed
+    headers = headers_of(routed)
+    assert h.cluster.reservations[0] == ("d1", OWNER)  # its rest plans d1's step budget: a promise first
+    if refused:  # no other node to split onto: the P/D path, never a 503
+        assert headers[c.H_ROUTE] == Route.KEEP.value and c.H_SPLIT_TOKENS not in headers
+        return
+    assert headers[c.H_ROUTE] == Route.SPLIT.value and headers[c.H_REASON] == Reason.SPLIT_WITHIN_MARGIN.value
+    assert headers[c.H_DECODE_NODE] == "d1" and headers[c.H_PREFILL_HOST] == ADDRESSES["p1"].url
+    assert c.parse_split_tokens(headers[c.H_SPLIT_TOKENS], 1000) == 256
+    assert c.parse_chunk_schedule_header(headers[c.H_CHUNK_SCHEDULE]) == (372, 372)
+    assert float(headers[c.H_STEP_BUDGET_MS]) == pytest.approx(60.0)
+    assert float(headers[c.H_PRED_TTFT_DECODE_MS]) == pytest.approx(800.0)
+    assert routed.destinations[0] == SIDECAR["d1"]
+    # In the view: its first k on p1, its rest in d1's backlog.
+    view = h.cluster.view()
+    assert {n.node_id: n.outstanding_tokens for n in view.prefill}["p1"] == 256
+    assert {n.node_id: n.prefill_backlog_tokens for n in view.decode}["d1"] == (744,)
+    assert h.sample("kairos_dispatcher_split_prefill_share_sum") == pytest.approx(0.256)
+
+
 async def test_a_keep_joins_the_chosen_prefill_queue_in_the_view(harness: HarnessFactory) -> None:
     h = harness(make_cluster())
     assert queue_load(h.cluster.view().prefill[0]) == (0, 0, 0)
