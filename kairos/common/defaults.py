@@ -55,7 +55,7 @@ DEFLECT_GATE_SHARE: float | None = 0.25
 # The keep path's TTFT estimate (Eq. 1 plus what the paper leaves out; kairos.core.algorithm).
 KEEP_ESTIMATE = "full"  # "full": Eq. 1 + KV transfer + link queue + admission + first decode step; "eq1": the paper's
 # The split route (kairos.core.algorithm.split): which k, and how finely the k search cuts the prompt.
-SPLIT = "offload"
+SPLIT = "off"
 SPLIT_POINTS = 8
 # Decode-side admission: a running decode's remaining output tokens, memoryless (the Bursty
 # workload's geometric completions, mean 72). Only its KV-freeing rate matters, and only when a

@@ -30,6 +30,7 @@ CFG = alg.DeciderConfig(
     stale_after_s=0.35,
     max_pending_deflections=1,
     kv_block_tokens=16,
+    split="offload",
 )
 
 
