@@ -82,6 +82,8 @@ def test_the_dashboard_covers_what_operators_asked_for() -> None:
         "kairos_dispatcher_class_decisions_total",
         "kairos_sidecar_slo_requests_total",
         "kairos_sidecar_slo_goodput_tokens_total",
+        "kairos_dispatcher_split_prefill_share_bucket",
+        "kairos_sidecar_split_degraded_total",
     } <= read
 
 
