@@ -92,6 +92,9 @@ def _tail_plan(
     b, k, t, shift = start
     begin = t - shift  # from now
     if lands_s > begin:
+        # The keeps on their way to the node join its batch before the rest starts, most of them:
+        # their prefills are ahead of this one's first k in the prefill queues.
+        b, k = b + node.incoming_keeps, k + node.incoming_keep_tokens
         busy = node.decode_tokens > 0 or b > 0
         begin = lands_s + (join_wait_s(models, node, models.decode_step_s(b, k), lands_s, now) if busy else 0.0)
     budget = node_step_budget_s(config, node)
