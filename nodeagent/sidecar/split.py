@@ -22,7 +22,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from kairos.common import contracts as c
 from kairos.common.contracts._checks import is_int
-from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH
+from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH, TOKENIZE_PATH
 from kairos.common.http_errors import UpstreamError
 from kairos.nodeagent.http1 import Http1Error
 from kairos.nodeagent.sidecar.hop1 import ERROR_SNIPPET, HOP1_KV_TRANSFER_PARAMS, bad_routing
@@ -33,7 +33,6 @@ from kairos.nodeagent.sidecar.state import State, count
 
 log = logging.getLogger(__package__)
 
-TOKENIZE_PATH = "/tokenize"  # vLLM's (a public endpoint: kairos.common.contracts.api)
 # The chat request's fields that shape its rendered prompt, which vLLM's /tokenize takes as its
 # chat completion does (vLLM 0.32's TokenizeChatRequest): sent as the client sent them.
 CHAT_TEMPLATE_FIELDS = (

@@ -83,7 +83,7 @@ def build_app(config: EmulatedNodeConfig) -> web.Application:
     app.router.add_get(MODELS_PATH, node.models_list)
     app.router.add_get(HEALTH_PATH, node.health)
     app.router.add_get("/version", node.version)
-    app.router.add_post("/tokenize", node.tokenize)
+    app.router.add_post(c.TOKENIZE_PATH, node.tokenize)
     app.router.add_post("/detokenize", node.detokenize)
     app.router.add_get("/metrics", node.metrics_text)
     app.router.add_get(c.STATE_PATH, node.state)

@@ -27,6 +27,7 @@ from kairos.common.contracts.api import (
     INFERENCE_PATHS,
     MODELS_PATH,
     PUBLIC_ENDPOINTS,
+    TOKENIZE_PATH,
 )
 from kairos.common.contracts.engine_state import (
     STATE_PATH,
@@ -237,6 +238,7 @@ __all__ = [
     "STEP_BUDGET_OVERRUNS_METRIC",
     "STEP_CALIBRATION_MAX",
     "STEP_CALIBRATION_MIN",
+    "TOKENIZE_PATH",
     "TPOT_PARAM",
     "TTFT_FEEDBACK_FIRST_TOKEN",
     "TTFT_FEEDBACK_MAXLEN",

@@ -12,13 +12,14 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"  # the decode sidecar's: 200 when its local vLLM is (vLLM's own, on a node)
+TOKENIZE_PATH = "/tokenize"  # vLLM's; a split's sidecar asks its own vLLM for the prompt's token ids
 INFERENCE_PATHS = (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH)  # POST: routed by Algorithm 1
 PUBLIC_ENDPOINTS: Mapping[str, tuple[str, ...]] = {
     COMPLETIONS_PATH: ("POST",),
     CHAT_COMPLETIONS_PATH: ("POST",),
     MODELS_PATH: ("GET",),
     HEALTH_PATH: ("GET",),
-    "/tokenize": ("POST",),  # vLLM's; `vllm bench serve` calls it first
+    TOKENIZE_PATH: ("POST",),  # vLLM's; `vllm bench serve` calls it first
     "/detokenize": ("POST",),
     "/version": ("GET",),
 }
