@@ -4,6 +4,7 @@ HPLD and azure_conv, from low load to overload.
 
     python -m bench.sim.deciders [--workloads bursty,lphd,hpld,azure_conv] [--duration 1200]
                                  [--seed 90417] [--policies 'pd;llmd;...'] [--error E]
+                                 [--error-form iid|correlated]
                                  [--jobs N] [--json PATH]
 
 Per workload it prints, for each policy, the knee (the highest rate at which P95 TTFT <= 4 s and
@@ -24,6 +25,7 @@ from bench.harness.results import RESULTS_DIR, write_result
 from kairos.common import defaults
 from kairos.core.policies import format_chunks
 from kairos.sim.experiment import SimSettings, run_sweep
+from kairos.sim.simulator import ERROR_FORMS
 
 # From low load to past every policy's knee on 2P2D with the packaged profile.
 RATES: dict[str, tuple[float, ...]] = {
@@ -47,6 +49,9 @@ POLICIES = (
     PAPER := "kairos:alpha=1.3,pending=1,overload=off,calibrate=off,keep=eq1,gate=off,chunks="
     + format_chunks(defaults.PAPER_CHUNK_CANDIDATES),
     "kairos",  # the defaults (this issue's changes)
+    # Issue 34's split route (off by default): the smallest k meeting Eq. 7, and the quickest k.
+    "kairos:split=offload",
+    "kairos:split=fastest",
     "oracle",
 )
 SHORT = {PAPER: "kairos (paper)"}
@@ -74,6 +79,9 @@ def main() -> int:
     ap.add_argument("--policies", default=";".join(POLICIES), help="';'-separated policy specs")
     ap.add_argument("--rps", default=None, help="rates for every workload (default: each workload's sweep)")
     ap.add_argument("--error", type=float, default=0.0, help="simulated step-time error (0.1 = 10%% MAE)")
+    ap.add_argument(
+        "--error-form", choices=ERROR_FORMS, default="iid", help="iid, or correlated (a per-node bias plus noise)"
+    )
     ap.add_argument("--jobs", type=int, default=0, help="parallel simulations (default: one per core)")
     ap.add_argument("--json", type=Path, default=None, help="default bench/results/sim_deciders[_errorN].json")
     args = ap.parse_args()
@@ -91,6 +99,7 @@ def main() -> int:
             duration_s=args.duration,
             seed=args.seed,
             error=args.error,
+            error_form=args.error_form,
             jobs=args.jobs,
         )
         sweep = run_sweep(settings)
@@ -109,6 +118,7 @@ def main() -> int:
                             "slo_attainment": r["slo_attainment"],
                             "tbt_violation_rate": r["tbt_violation_rate"],
                             "deflections": r["deflections"],
+                            "splits": r.get("splits", 0),
                             "p95_ttft_s": r["p95_ttft_s"],
                             "p95_tbt_ms": r["p95_tbt_ms"],
                         }
@@ -126,6 +136,7 @@ def main() -> int:
             "seed": args.seed,
             "duration_s": args.duration,
             "error": args.error,
+            "error_form": args.error_form,
             "topology": "2P2D",
             "slos": {"p95_ttft_s": defaults.TTFT_SLO_S, "p95_tbt_ms": defaults.TBT_SLO_S * 1e3},
             "policies": policies,
@@ -133,9 +144,15 @@ def main() -> int:
             "tables": tables,
             "records": records,
         },
-        args.json or RESULTS_DIR / f"sim_deciders{f'_error{round(100 * args.error)}' if args.error else ''}.json",
+        args.json or RESULTS_DIR / f"sim_deciders{_error_suffix(args.error, args.error_form)}.json",
     )
     return 0
+
+
+def _error_suffix(error: float, form: str) -> str:
+    if not error:
+        return ""
+    return f"_error{round(100 * error)}" + ("" if form == "iid" else f"_{form}")
 
 
 def print_table(workload: str, rates: tuple[float, ...], rows: list[dict[str, Any]]) -> None:

@@ -21,11 +21,12 @@ H_CHUNK_SCHEDULE = "x-kairos-chunk-schedule"
 # split: k, the prompt's leading tokens the prefill node computes (a multiple of the KV block,
 # 0 < k < prompt tokens); the decode node pulls their KV and prefills the rest
 H_SPLIT_TOKENS = "x-kairos-split-tokens"
-# deflect: beta x tau the node enforces per chunk step; keep: the same, for a local prefill
+# deflect and split: beta x tau the node enforces per chunk step; keep: the same, for a local prefill
 # should the prefill node fail (the sidecar sends the prompt to its vLLM with this budget)
 H_STEP_BUDGET_MS = "x-kairos-step-budget-ms"
 H_PRED_TTFT_PREFILL_MS = "x-kairos-predicted-ttft-prefill-ms"
-H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"  # absent when not computed
+# deflect and split: Eq. 6 (a split's: its KV's landing and the rest's steps); absent when not computed
+H_PRED_TTFT_DECODE_MS = "x-kairos-predicted-ttft-decode-ms"
 H_PROMPT_TOKENS = "x-kairos-prompt-tokens"  # the dispatcher's prompt token count
 # The prompt tokens the dispatcher predicted cached on the node that prefills the request (the
 # decode node on deflect, the prefill node on keep), from the nodes' KV events; absent when none.

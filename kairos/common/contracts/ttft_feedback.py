@@ -20,7 +20,7 @@ class TtftFeedbackField:
     """Fields of one :data:`REDIS_TTFT_FEEDBACK_STREAM` entry (all strings on the wire)."""
 
     REQUEST_ID = "request_id"  # the x-request-id both hops carried
-    PATH = "path"  # "keep" or "deflect": the path the dispatcher chose
+    PATH = "path"  # a Route value (keep, deflect, split): the path the dispatcher chose
     NODE = "node"  # the decode node that served it
     PREDICTED_MS = "predicted_ms"  # the dispatcher's TTFT prediction for that path, ms
     OBSERVED_MS = "observed_ms"  # arrival at the sidecar to the first token relayed, ms
