@@ -29,7 +29,7 @@ from kairos.nodeagent.sidecar.feedback import (
     TtftFeedbackPublisher,
 )
 from kairos.nodeagent.sidecar.hop1 import bad_routing, checked_prefill_host, hop1, keep_hop1_body
-from kairos.nodeagent.sidecar.hop2 import deflect_body, local_prefill_body, relay, with_tpot_slo
+from kairos.nodeagent.sidecar.hop2 import Hop2Refused, deflect_body, local_prefill_body, relay, with_tpot_slo
 from kairos.nodeagent.sidecar.hygiene import (
     check_identity_encoding,
     dumps,
@@ -39,11 +39,19 @@ from kairos.nodeagent.sidecar.hygiene import (
     scrub_client_fields,
 )
 from kairos.nodeagent.sidecar.judgement import Timing, judged_by, slo_outcome
-from kairos.nodeagent.sidecar.metrics import ABORTED, PATH_LOCAL, PATHS, UNOBSERVED_ERROR, SidecarMetrics
+from kairos.nodeagent.sidecar.metrics import (
+    ABORTED,
+    PATH_LOCAL,
+    PATHS,
+    SPLIT_NO_CONNECTOR,
+    UNOBSERVED_ERROR,
+    SidecarMetrics,
+)
 from kairos.nodeagent.sidecar.split import (
     SplitDegraded,
     checked_split_params,
     checked_split_route,
+    is_split_refused,
     prompt_token_ids,
     split_decode_body,
     split_hop1_body,
@@ -141,6 +149,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         scrubbed = scrub_client_fields(body, rid)
         clean = body if scrubbed is None else scrubbed
         headers = forward_headers(request.headers, rid)
+        split_hop = False  # hop 2 is a split's decode hop, which the local vLLM may refuse
         if timing.path == c.ROUTE_FANOUT:  # a batch: each prompt back through the gateway
             timing.slo_class = None  # each prompt is judged where it is served
             cfg, client = state.config, state.hop1_client  # hop 1's client: the short connect timeout
@@ -161,7 +170,8 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             if isinstance(prefilled, web.Response):
                 status = prefilled.status
                 return prefilled
-            data = dumps(with_tpot_slo(state, prefilled, request.headers, rid))
+            hop2_body, split_hop = prefilled
+            data = dumps(with_tpot_slo(state, hop2_body, request.headers, rid))
         elif timing.path == Route.DEFLECT:
             deflected = deflect_body(state, clean, request.headers, rid)
             data = dumps(with_tpot_slo(state, deflected, request.headers, rid))
@@ -171,7 +181,15 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             raise bad_routing(rid, f"{c.H_ROUTE}={route!r} is none of {routes}")
         if data is not raw:
             headers[hdrs.CONTENT_TYPE] = "application/json"  # we wrote this body
-        response = await relay(request, state, data, headers, rid, timing)
+        try:
+            response = await relay(request, state, data, headers, rid, timing, is_split_refused if split_hop else None)
+        except Hop2Refused:  # nothing of it reached the client
+            kept = await _split_refused_as_keep(request, state, clean, headers, rid, timing)
+            if isinstance(kept, web.Response):
+                status = kept.status
+                return kept
+            data = dumps(with_tpot_slo(state, kept, request.headers, rid))
+            response = await relay(request, state, data, headers, rid, timing)
         status = response.status
         return response
     except KairosError as exc:
@@ -188,10 +206,11 @@ async def _completion(request: web.Request) -> web.StreamResponse:
 
 async def _prefill_hops(
     request: web.Request, state: State, clean: dict[str, Any], headers: CIMultiDict[str], rid: str, timing: Timing
-) -> dict[str, Any] | web.Response:
-    """A keep's or a split's hop 1 on the prefill node: hop 2's body for the local vLLM, or the
-    prefill node's answer to relay (4xx). A split whose prompt this node counts otherwise than
-    the dispatcher is served as a keep (``timing`` then says keep, with the keep's prediction)."""
+) -> tuple[dict[str, Any], bool] | web.Response:
+    """A keep's or a split's hop 1 on the prefill node: hop 2's body for the local vLLM and whether
+    it is a split's decode hop, or the prefill node's answer to relay (4xx). A split whose prompt
+    this node counts otherwise than the dispatcher is served as a keep (``timing`` then says keep,
+    with the keep's prediction)."""
     prefill_host = checked_prefill_host(state, request.headers, rid)
     split = checked_split_route(state, request.headers, rid) if timing.path == Route.SPLIT else None
     ids: list[int] = []
@@ -200,31 +219,82 @@ async def _prefill_hops(
             ids = await prompt_token_ids(state, request.path, clean, headers, split)
         except SplitDegraded as exc:
             log.warning("request %s: not split (%s): %s; served as a keep", rid, exc.reason, exc.detail)
-            state.metrics.split_degraded.labels(exc.reason).inc()
+            _served_as_keep(request, state, timing, exc.reason)
             split = None
-            timing.path = Route.KEEP
-            timing.predicted_s = _predicted_ttft_s(request.headers, Route.KEEP)
     if split is None:
-        hop_path, hop_body = request.path, keep_hop1_body(clean)
-    else:  # a completions prompt of token ids, whatever the client's endpoint
-        hop_path, hop_body = COMPLETIONS_PATH, split_hop1_body(clean, ids[: split.split_tokens])
+        kept = await _keep_hop1(request, state, clean, headers, rid, timing, prefill_host)
+        return kept if isinstance(kept, web.Response) else (kept, False)
+    # A completions prompt of token ids, whatever the client's endpoint.
+    hop_body = split_hop1_body(clean, ids[: split.split_tokens])
     try:
-        prefilled = await hop1(state, hop_path, prefill_host, hop_body, headers, rid, timing)
-        if split is not None and not isinstance(prefilled, web.Response):
+        prefilled = await hop1(state, COMPLETIONS_PATH, prefill_host, hop_body, headers, rid, timing)
+        if not isinstance(prefilled, web.Response):
             checked_split_params(state, prefilled, split, prefill_host)
     except UpstreamError as exc:
-        # The prefill node failed it before a byte reached the client (dead, reset, 5xx, no
-        # answer in time): the local vLLM prefills the whole prompt, as it would with no prefill
-        # pool. Envoy's retry could only reach another decode node whose hop 1 calls the same
-        # prefill node.
-        log.warning("request %s: %s; prefilling it on the local vLLM instead", rid, exc.message)
-        state.metrics.local_prefills.inc()
-        return local_prefill_body(state, clean, request.headers, rid)
+        return _local_prefill(request, state, clean, rid, exc), False
     if isinstance(prefilled, web.Response):
         return prefilled
-    if split is not None:
-        return split_decode_body(clean, prefilled, split)
+    return split_decode_body(clean, prefilled, split), True
+
+
+async def _keep_hop1(
+    request: web.Request,
+    state: State,
+    clean: dict[str, Any],
+    headers: CIMultiDict[str],
+    rid: str,
+    timing: Timing,
+    prefill_host: str,
+) -> dict[str, Any] | web.Response:
+    """A keep's hop 1, the client's whole prompt on the prefill node: hop 2's body, or the prefill
+    node's answer to relay (4xx)."""
+    try:
+        prefilled = await hop1(state, request.path, prefill_host, keep_hop1_body(clean), headers, rid, timing)
+    except UpstreamError as exc:
+        return _local_prefill(request, state, clean, rid, exc)
+    if isinstance(prefilled, web.Response):
+        return prefilled
     return {**clean, c.KV_TRANSFER_PARAMS: prefilled}
+
+
+def _local_prefill(
+    request: web.Request, state: State, clean: dict[str, Any], rid: str, exc: UpstreamError
+) -> dict[str, Any]:
+    """The prefill node failed hop 1 before a byte reached the client (dead, reset, 5xx, no answer
+    in time): the local vLLM prefills the whole prompt, as it would with no prefill pool. Envoy's
+    retry could only reach another decode node whose hop 1 calls the same prefill node."""
+    log.warning("request %s: %s; prefilling it on the local vLLM instead", rid, exc.message)
+    state.metrics.local_prefills.inc()
+    return local_prefill_body(state, clean, request.headers, rid)
+
+
+async def _split_refused_as_keep(
+    request: web.Request, state: State, clean: dict[str, Any], headers: CIMultiDict[str], rid: str, timing: Timing
+) -> dict[str, Any] | web.Response:
+    """The local vLLM refused the split's decode hop (the validator plugin's 400: its KV connector
+    is not Kairos's split connector, on which the hop would have failed its engine), before any
+    byte reached the client: the request is served as a keep, its whole prompt through hop 1 on
+    the same prefill node (which caches the split's first k tokens by now). Logged once, counted."""
+    if not state.logged_split_refused:
+        state.logged_split_refused = True
+        log.warning(
+            "request %s: the local vLLM %s refused a split's decode hop: it does not load Kairos's split connector "
+            "(--kv-transfer-config's kv_connector_module_path); splits sent here are served as keeps, counted in "
+            "kairos_sidecar_split_degraded_total{reason=%r}; logged once",
+            rid,
+            state.config.local_vllm,
+            SPLIT_NO_CONNECTOR,
+        )
+    _served_as_keep(request, state, timing, SPLIT_NO_CONNECTOR)
+    prefill_host = checked_prefill_host(state, request.headers, rid)  # checked before the split's hop 1
+    return await _keep_hop1(request, state, clean, headers, rid, timing, prefill_host)
+
+
+def _served_as_keep(request: web.Request, state: State, timing: Timing, reason: str) -> None:
+    """A split served as a keep: counted by ``reason``, and timed as the keep it is."""
+    state.metrics.split_degraded.labels(reason).inc()
+    timing.path = Route.KEEP
+    timing.predicted_s = _predicted_ttft_s(request.headers, Route.KEEP)
 
 
 async def _pass_through(request: web.Request) -> web.StreamResponse:

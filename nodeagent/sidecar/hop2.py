@@ -28,6 +28,13 @@ from kairos.nodeagent.sidecar.state import State, count
 log = logging.getLogger(__package__)
 
 _ROUTES = frozenset(Route)  # a routed request's path (every one has a prediction to feed back)
+# Bytes of a stream read before its first event is complete, at most, where it is looked at first.
+FIRST_EVENT_BYTES = 65_536
+
+
+class Hop2Refused(Exception):
+    """The local vLLM refused hop 2 with an answer its caller takes back (``relay``'s
+    ``refused``): nothing of it reached the client."""
 
 
 def deflect_body(state: State, body: dict[str, Any], headers: CIMultiDictProxy[str], rid: str) -> dict[str, Any]:
@@ -98,9 +105,12 @@ async def relay(
     headers: CIMultiDict[str],
     rid: str,
     timing: Timing | None,
+    refused: Callable[[int, bytes], bool] | None = None,
 ) -> web.StreamResponse:
     """Send the request to the local vLLM and relay its answer: JSON whole, anything else (SSE)
-    chunk by chunk as it arrives. 5xx and connection failures become our 502/504."""
+    chunk by chunk as it arrives. 5xx and connection failures become our 502/504. With
+    ``refused``, the answer's status and body (a stream's: its first event, read before its
+    headers go to the client) are shown to it first: :class:`Hop2Refused` when it says so."""
     cfg = state.config
     target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
     t = cfg.hop2_timeout_s
@@ -144,11 +154,14 @@ async def relay(
             except Http1Error as exc:
                 count(state, "2", "broken")
                 raise UpstreamError(f"the local vLLM broke off its response: {type(exc).__name__}") from None
+            whole = b"".join(parts)
+            if refused is not None and refused(head.status, whole):
+                raise Hop2Refused(f"the local vLLM answered {head.status}")
             if timing is not None:
                 # A completion's body is written after its last token: its first byte is no TTFT
                 # (the module docstring says why the sidecar does not rebuild it from a stream).
                 timing.unobserved = NOT_STREAMED if ok else UNOBSERVED_ERROR
-            return web.Response(status=head.status, body=b"".join(parts), headers=out_headers)
+            return web.Response(status=head.status, body=whole, headers=out_headers)
 
         feedback = state.feedback
 
@@ -166,7 +179,12 @@ async def relay(
                 # Queued now; the writer runs at its next wait, after this chunk is written.
                 feedback.offer(rid, timing.path, timing.node, timing.predicted_s, timing.ttft_s)
 
-        return await _stream(request, state, resp, out_headers, first_event, rid, timing)
+        ahead = b""
+        if refused is not None:
+            ahead = await _first_event(state, resp, t)
+            if refused(head.status, ahead):
+                raise Hop2Refused(f"the local vLLM answered {head.status} with an error event")
+        return await _stream(request, state, resp, out_headers, first_event, rid, timing, ahead)
     finally:
         resp.close()  # before the body's end this drops the connection, so vLLM aborts the request
 
@@ -179,9 +197,11 @@ async def _stream(
     first_event: Callable[[bytes], None],
     rid: str,
     timing: Timing | None = None,
+    read_ahead: bytes = b"",
 ) -> web.StreamResponse:
-    """Relay a streaming body (SSE) chunk by chunk: each chunk is written to the client's socket as
-    soon as it arrives (aiohttp writes straight to the transport; TCP_NODELAY is on). For a
+    """Relay a streaming body (SSE) chunk by chunk (``read_ahead``: its start, read already):
+    each chunk is written to the client's socket as soon as it arrives (aiohttp writes straight
+    to the transport; TCP_NODELAY is on). For a
     request judged against its SLOs, the arrival of each chunk after the first that carries a
     token, and the token events, for :func:`slo_outcome` at the end. A chunk is what one read
     returns: an SSE event, or a few that arrived together (coalesced in the socket while the
@@ -198,7 +218,8 @@ async def _stream(
     clock = time.perf_counter
     events = 0
     try:
-        while chunk := await resp.read(t):
+        while chunk := read_ahead or await resp.read(t):
+            read_ahead = b""
             if first:
                 first_event(chunk)
                 first = False
@@ -239,6 +260,22 @@ async def _stream(
     with contextlib.suppress(ConnectionResetError):
         await out.write_eof()
     return out
+
+
+async def _first_event(state: State, resp: Response, timeout_s: float) -> bytes:
+    """A stream's start up to its first whole event (or its end, or FIRST_EVENT_BYTES), before
+    anything of it is relayed: 504/502 as a stall or a break before the response's head."""
+    raw = b""
+    try:
+        while b"\n\n" not in raw and len(raw) < FIRST_EVENT_BYTES and (chunk := await resp.read(timeout_s)):
+            raw += chunk
+    except TimeoutError:
+        count(state, "2", "timeout")
+        raise UpstreamTimeoutError(f"the local vLLM sent no event within {timeout_s:g}s") from None
+    except Http1Error as exc:
+        count(state, "2", "broken")
+        raise UpstreamError(f"the local vLLM broke off its stream: {type(exc).__name__}") from None
+    return raw
 
 
 async def _snippet(resp: Response, timeout_s: float) -> str:

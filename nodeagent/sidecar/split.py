@@ -6,7 +6,9 @@ the rest under the chunk schedule.
 A prompt whose token count here differs from the dispatcher's (their tokenizers, or chat
 templates, disagree), or that is no one prompt, is no split: the request degrades to a keep, its
 whole prompt through hop 1, and is counted (``kairos_sidecar_split_degraded_total``); it never
-fails for it."""
+fails for it. So does a split whose decode hop the local vLLM refuses because it does not load
+Kairos's split connector (:func:`is_split_refused`: the validator plugin's 400, before any byte
+of it reaches the client)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from kairos.common import contracts as c
 from kairos.common.contracts._checks import is_int
 from kairos.common.contracts.api import CHAT_COMPLETIONS_PATH, TOKENIZE_PATH
+from kairos.common.contracts.split_refusal import is_split_refusal
 from kairos.common.http_errors import UpstreamError
 from kairos.nodeagent.http1 import Http1Error
 from kairos.nodeagent.sidecar.hop1 import ERROR_SNIPPET, HOP1_KV_TRANSFER_PARAMS, bad_routing
@@ -47,6 +50,8 @@ CHAT_TEMPLATE_FIELDS = (
 # Fields with which vLLM runs another prompt than the one tokenized (it keeps the prompt's last
 # N tokens): the prefill node's first k would not be the decode node's, so such a request is no split.
 PROMPT_REWRITING_FIELDS = ("truncate_prompt_tokens",)
+# The start of a stream's event: what a refused stream's one event follows.
+_SSE_DATA = b"data:"
 # The client's fields a split's hop 1 keeps: where it queues (priority), whose cache it may hit
 # (cache_salt), and its own vllm_xargs (kairos_* already scrubbed), as a keep's hop 1 carries them.
 HOP1_CLIENT_FIELDS = ("priority", "cache_salt", c.VLLM_XARGS)
@@ -233,3 +238,23 @@ def split_decode_body(body: dict[str, Any], params: dict[str, Any], route: Split
     """The split's hop 2: the client's body (its whole prompt), the prefill node's
     ``kv_transfer_params`` (its KV of the first k tokens) and the schedule of the rest."""
     return scheduled_body({**body, c.KV_TRANSFER_PARAMS: params}, route.schedule, route.step_budget_ms)
+
+
+def is_split_refused(status: int, raw: bytes) -> bool:
+    """Whether the local vLLM's answer to a split's decode hop (its status and its JSON body, or
+    a stream's first event) is the validator plugin's refusal of a split on a node without
+    Kairos's split connector: vLLM's 400, or, on a streamed request, its 200 whose one event is
+    that error (vLLM validates a stream's request after its headers are out)."""
+    if status == 200:
+        event = raw.split(b"\n\n", 1)[0]
+        if not event.startswith(_SSE_DATA):
+            return False
+        raw = event[len(_SSE_DATA) :]
+    elif status != 400:
+        return False
+    try:
+        reply = loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False
+    error = reply.get("error") if isinstance(reply, dict) else None
+    return isinstance(error, dict) and error.get("code") == 400 and is_split_refusal(error.get("message"))

@@ -24,6 +24,7 @@ class State:
     hop1_client: Http1Client | None = None
     local_client: Http1Client | None = None
     logged_unrouted: bool = False
+    logged_split_refused: bool = False  # the local vLLM refused a split's decode hop (logged once)
     feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
     classes: tuple[SloClass, ...] = DEFAULT_CLASSES  # the SLO classes requests are counted by
 
