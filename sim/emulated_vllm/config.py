@@ -56,6 +56,13 @@ class EmulatedNodeConfig:
         False, help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag)", form="switch"
     )
     kv_events_config: str | None = setting(None, help="vLLM's KVEventsConfig as JSON: publish KV cache events")
+    # Off: a node whose vLLM runs stock NixlConnector (no kv_connector_module_path) with the Kairos
+    # plugins, as an operator's own node may: the validator refuses a split's decode hop with its 400.
+    split_connector: bool = setting(
+        True,
+        help="the node's vLLM loads Kairos's split connector (off: a split's decode hop is refused, as there)",
+        form="negatable",
+    )
 
     def __post_init__(self) -> None:
         if not self.node_id:

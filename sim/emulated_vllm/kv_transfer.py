@@ -28,6 +28,17 @@ log = logging.getLogger(__package__)
 KV_PULL_PATH = "/kairos/kv/pull"
 
 
+@dataclass(slots=True, eq=False)
+class PendingPull:
+    """A decode hop from its arrival until its KV transfer ends (waiting for KV room, for the link,
+    or transferring), as a decode node's state reports it."""
+
+    tokens: int  # the prompt tokens whose KV it pulls: the whole prompt, or a split's first k
+    rest: int  # a split's: the prompt tokens it prefills here once they land (l - k); 0 for a keep
+    scheduled: bool  # the rest has a chunk schedule (a scheduled prefill, else a queued one)
+    tpot_slo_s: float | None  # its TPOT SLO (None: the cluster's)
+
+
 @dataclass(slots=True)
 class HeldKV:
     """A prefill hop's KV, kept until the decode node pulls it or the hold times out."""
@@ -53,7 +64,7 @@ class KvTransfer:
     _held: dict[int, HeldKV]
     _block_ids: Iterator[int]
     _transferring: int
-    _pulls: list[int]
+    _pulls: list[PendingPull]
     _pull_started: float | None
     _link: asyncio.Lock
 
@@ -170,7 +181,10 @@ class KvTransfer:
         host = params["remote_host"]
         prefill = f"[{host}]:{params['remote_port']}" if ":" in host else f"{host}:{params['remote_port']}"
         wait_s = self.config.kv_hold_timeout_s  # as long as the prefill node holds the KV for us
-        self._pulls.append(pull_tokens)
+        # Until its KV lands, a split shows as the vLLM plugin reports it: a pull of its k tokens and
+        # a prefill of the rest with k computed (kairos.nodeagent.vllm_plugin.scheduler).
+        pull = PendingPull(pull_tokens, tokens - pull_tokens, bool(seq.schedule), seq.tpot_slo_s)
+        self._pulls.append(pull)
         try:
             try:
                 missing = await asyncio.wait_for(rt.reserve_transfer(seq, pull_tokens if split else None), wait_s)
@@ -195,7 +209,7 @@ class KvTransfer:
             finally:
                 self._transferring -= 1
         finally:
-            self._pulls.remove(pull_tokens)  # one of equal values: the list is only read as a multiset and order
+            self._pulls.remove(pull)
         return rt.accept_partial(seq, pull_tokens) if split else rt.accept_transferred(seq, missing)
 
     async def _claim(self, prefill: str, params: dict[str, Any], tokens: int, read: int, rid: str) -> None:

@@ -24,13 +24,19 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.block_hash import block_keys
 from kairos.common.contracts import Role
+from kairos.common.contracts.split_refusal import (
+    SPLIT_CONNECTOR,
+    describe_connector,
+    is_split_decode_hop,
+    split_refusal,
+)
 from kairos.common.errors import NoHealthyNodeError
 from kairos.common.http_errors import error_body
 from kairos.core.calibration import StepCalibration, prior_from_mape
 from kairos.core.latency import LatencyModels
 from kairos.sim.emulated_vllm.config import PULL_KEEPALIVE_S, PULL_TIMEOUT_S, EmulatedNodeConfig
 from kairos.sim.emulated_vllm.endpoints import VllmEndpoints
-from kairos.sim.emulated_vllm.kv_transfer import HeldKV, KvTransfer
+from kairos.sim.emulated_vllm.kv_transfer import HeldKV, KvTransfer, PendingPull
 from kairos.sim.emulated_vllm.metrics import Metrics
 from kairos.sim.emulated_vllm.reports import NodeReports
 from kairos.sim.emulated_vllm.responses import (
@@ -97,9 +103,9 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
         self._held: dict[int, HeldKV] = {}  # by first block id (unique per node run)
         self._block_ids = itertools.count()
         self._transferring = 0  # decode node: pulls in their transfer wait (vLLM counts them as waiting)
-        # decode node: prompt tokens of each KV pull from its arrival until its transfer ends, FIFO
-        # (waiting for KV room, for the link, or transferring): what its heartbeat reports
-        self._pulls: list[int] = []
+        # decode node: each KV pull from its arrival until its transfer ends, FIFO (waiting for KV
+        # room, for the link, or transferring): what its heartbeat reports
+        self._pulls: list[PendingPull] = []
         self._pull_started: float | None = None  # decode node: when the transfer holding the link began (model time)
         # One inbound KV link per decode node, FIFO, as the simulator models it: concurrent pulls
         # queue on the link instead of overlapping.
@@ -322,6 +328,9 @@ class EmulatedNode(KvTransfer, VllmEndpoints, NodeReports):
             tpot_s = c.parse_tpot_xarg(xargs)
         except c.MalformedSchedule as exc:
             raise VllmValidationError(str(exc), in_engine=True) from None
+        if not self.config.split_connector and is_split_decode_hop({**xargs, c.KV_TRANSFER_PARAMS: params}):
+            # The validator plugin's refusal on a node whose vLLM runs stock NixlConnector.
+            raise VllmValidationError(split_refusal(describe_connector(SPLIT_CONNECTOR, None)), in_engine=True)
         if remote_decode and (remote_prefill or chunk_plan is not None):
             raise RequestError(
                 "a prefill hop (do_remote_decode) is neither a decode hop (do_remote_prefill) nor a deflected "

@@ -2,11 +2,16 @@
 alone). The prefill node computes the prompt's first k tokens, the decode node pulls their KV and
 prefills the rest under the dispatcher's schedule; the client's answer is a keep's. A chat request
 splits by the local vLLM's /tokenize; a dead prefill node fails over to a local prefill; a prompt
-the node counts otherwise than the dispatcher is served as a keep."""
+the node counts otherwise than the dispatcher, or a split the decode node's vLLM refuses (it does not
+load Kairos's split connector), is served as a keep. While its KV is on its way, the decode node
+reports a split as the vLLM plugin does."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -22,9 +27,12 @@ from kairos.api.openai_request import RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.common.contracts import Role
+from kairos.common.contracts.split_refusal import SPLIT_CONNECTOR, describe_connector, split_refusal
 from kairos.launcher.processes import free_port
 from kairos.launcher.tinymodel import build_tiny_model
 from kairos.nodeagent.sidecar import SidecarConfig, app_runner
+from kairos.nodeagent.sidecar.split import is_split_refused
+from kairos.nodeagent.vllm_plugin.engine_state import PendingPrefill, build_state
 from tests.component.test_emulated_vllm import MODEL, Node, get_json, metrics, post, running, sample
 from tests.redis_server import RedisServer
 from tests.waiting import eventually
@@ -81,10 +89,12 @@ class Pair:
 
 
 @asynccontextmanager
-async def pair(model_dir: Path, also_allowed: tuple[str, ...] = (), **sidecar: Any) -> AsyncIterator[Pair]:
+async def pair(
+    model_dir: Path, also_allowed: tuple[str, ...] = (), decode_node: dict[str, Any] | None = None, **sidecar: Any
+) -> AsyncIterator[Pair]:
     async with AsyncExitStack() as stack:
         prefill = await stack.enter_async_context(running(model_dir, "p0", Role.PREFILL))
-        decode = await stack.enter_async_context(running(model_dir, "d0", Role.DECODE))
+        decode = await stack.enter_async_context(running(model_dir, "d0", Role.DECODE, **(decode_node or {})))
         settings: dict[str, Any] = {
             "port": 0,
             "local_vllm": decode.host_port,
@@ -194,7 +204,7 @@ async def test_a_split_answers_as_a_keep_and_each_node_computes_its_part(
         assert await sidecar_metric(http, split.sidecar, ttft, path="split") == int(stream)
         ratio = "kairos_sidecar_ttft_observed_over_predicted_count"
         assert await sidecar_metric(http, split.sidecar, ratio, path="split") == int(stream)
-        for reason in ("prompt_mismatch", "tokenize_failed", "unsupported_prompt"):
+        for reason in ("prompt_mismatch", "tokenize_failed", "unsupported_prompt", "no_split_connector"):
             assert await sidecar_metric(http, split.sidecar, "kairos_sidecar_split_degraded_total", reason=reason) == 0
 
 
@@ -309,6 +319,59 @@ async def test_a_splits_ttft_sample_carries_its_own_prediction(
         )
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_split_the_decode_nodes_vllm_refuses_is_served_as_a_keep(
+    model_dir: Path, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """The decode node's vLLM runs stock NixlConnector: its validator refuses the split's decode
+    hop with a 400 (a streamed one: a 200 whose one event is the error). No byte of that reaches
+    the client: the sidecar sends the whole prompt through hop 1 as a keep's, then hop 2 with its
+    params, and counts it; the second such request is counted, not logged again."""
+    caplog.set_level(logging.WARNING, logger="kairos.nodeagent.sidecar")
+    n, k = 200, 128
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt_ids(n, seed=11), "max_tokens": 4}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    async with pair(model_dir, decode_node={"split_connector": False}) as p:
+        predicted = {c.H_PRED_TTFT_DECODE_MS: "80.0", c.H_PRED_TTFT_PREFILL_MS: "120.0"}
+        headers = p.split(k, n, "72", **predicted, **{c.H_REQUEST_ID: "refused-1"})
+        async with http.post(f"{p.sidecar}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            raw = await resp.read()
+        assert b'"error"' not in raw
+        text, usage = await complete(http, p.sidecar, body, p.keep(n, **{c.H_REQUEST_ID: "kept-1"}))
+        if stream:
+            events = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"]
+            assert raw.endswith(b"data: [DONE]\n\n")
+            assert "".join(ch["text"] for e in events for ch in e["choices"]) == text
+            assert [e["usage"] for e in events if e.get("usage")] == [usage]
+        else:
+            reply = json.loads(raw)
+            assert (reply["choices"][0]["text"], reply["usage"]) == (text, usage)
+        assert usage["prompt_tokens"] == n and usage["completion_tokens"] == 4
+
+        # The decode node computed nothing of it: it pulled the whole prompt, as a keep's decode node.
+        assert await chunks_of(http, p.decode, "refused-1") == []
+        assert (await by_source(http, p.decode))["local_compute"] == 0
+        # The prefill node ran the split's first k, then the keep's prompt past them (cached by then).
+        assert [t for t, _ in await chunks_of(http, p.prefill, "refused-1")] == [k, n - k]
+
+        degraded = "kairos_sidecar_split_degraded_total"
+        assert await sidecar_metric(http, p.sidecar, degraded, reason="no_split_connector") == 1
+        hop1 = "kairos_sidecar_hop1_seconds_count"
+        assert await sidecar_metric(http, p.sidecar, hop1, path="keep") == 2  # this one and the plain keep
+        assert await sidecar_metric(http, p.sidecar, hop1, path="split") == 0
+        ttft = "kairos_sidecar_ttft_seconds_count"
+        assert await sidecar_metric(http, p.sidecar, ttft, path="split") == 0
+        assert await sidecar_metric(http, p.sidecar, ttft, path="keep") == 2 * int(stream)
+        assert await sidecar_metric(http, p.sidecar, "kairos_sidecar_local_prefills_total") == 0
+
+        await complete(http, p.sidecar, body, p.split(k, n, "72", **{c.H_REQUEST_ID: "refused-2"}))
+        assert await sidecar_metric(http, p.sidecar, degraded, reason="no_split_connector") == 2
+    logged = [r for r in caplog.records if "refused a split's decode hop" in r.getMessage()]
+    assert len(logged) == 1 and "kv_connector_module_path" in logged[0].getMessage()
+
+
 # ---------------------------------------------------------------------------------------------
 # The emulated nodes alone: vLLM's wire protocol of a split
 # ---------------------------------------------------------------------------------------------
@@ -376,3 +439,147 @@ async def test_a_split_decode_hop_streams_and_its_pull_is_refused_when_it_claims
             raw = await resp.read()
         assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b'"finish_reason"') == 3
         assert await chunks_of(http, decode, "st-1") == [(n - k, k)]
+
+
+async def test_a_node_without_the_split_connector_refuses_a_splits_decode_hop_as_its_validator_does(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """Its vLLM's validator plugin answers a split's decode hop with a 400 naming the fix (a
+    streamed one with a 200 whose one event is that error, as vLLM validates after a stream's
+    headers), before the engine sees it; a keep's decode hop is served. The sidecar knows both."""
+    n, k = 120, 64
+    ids = prompt_ids(n, seed=9)
+    async with (
+        running(model_dir, "p0", Role.PREFILL) as prefill,
+        running(model_dir, "d0", Role.DECODE, split_connector=False) as decode,
+    ):
+        hop1 = {"model": MODEL, "prompt": ids[:k], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, reply = await post(http, f"{prefill.url}/v1/completions", hop1)
+        assert status == 200
+        body = {
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": 2,
+            "kv_transfer_params": reply["kv_transfer_params"],
+            "vllm_xargs": {c.XARG_CHUNK_SCHEDULE: [n - k]},
+        }
+        message = split_refusal(describe_connector(SPLIT_CONNECTOR, None))
+        error = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+        async with http.post(f"{decode.url}/v1/completions", json=body, headers={c.H_REQUEST_ID: "no-1"}) as resp:
+            raw = await resp.read()
+            assert (resp.status, resp.content_type, json.loads(raw)) == (400, "application/json", error)
+            assert is_split_refused(resp.status, raw)
+        async with http.post(f"{decode.url}/v1/completions", json={**body, "stream": True}) as resp:
+            raw = await resp.read()
+            assert (resp.status, resp.content_type) == (200, "text/event-stream")
+            assert raw == f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            assert is_split_refused(resp.status, raw)
+        assert await chunks_of(http, decode, "no-1") == []
+        assert await by_source(http, decode) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+
+        # A keep's decode hop (the whole prompt computed on the prefill node, no schedule) is served.
+        hop1["prompt"] = ids
+        status, reply = await post(http, f"{prefill.url}/v1/completions", hop1)
+        assert status == 200
+        keep = {"model": MODEL, "prompt": ids, "max_tokens": 2, "kv_transfer_params": reply["kv_transfer_params"]}
+        status, done = await post(http, f"{decode.url}/v1/completions", keep)
+        assert status == 200 and done["usage"]["completion_tokens"] == 2
+        assert (await by_source(http, decode))["external_kv_transfer"] == n
+
+
+async def test_a_split_whose_kv_is_on_its_way_is_reported_as_the_vllm_plugin_reports_it(
+    model_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """From its decode hop's arrival until its pull ends, a split is a pending KV pull of its k
+    tokens and a scheduled prefill of the other l - k with k computed, after the scheduled prefills
+    the node has admitted (a deflection in progress here), its TPOT counted among the node's: the
+    fields and values of the vLLM plugin's state (build_state over the rows KairosScheduler makes).
+    The link is held meanwhile; once it is free, the split lands and prefills its rest."""
+    n, k, tpot_ms = 300, 128, 40.0
+    ids = prompt_ids(n, seed=13)
+    # A slow node: the deflection's one-token chunks keep it in progress for the whole test.
+    async with (
+        running(model_dir, "p0", Role.PREFILL) as prefill,
+        running(model_dir, "d0", Role.DECODE, time_scale=2.0) as decode,
+    ):
+        hop1 = {"model": MODEL, "prompt": ids[:k], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, reply = await post(http, f"{prefill.url}/v1/completions", hop1)
+        assert status == 200
+        deflected = {
+            "model": MODEL,
+            "prompt": prompt_ids(2000, seed=14),
+            "max_tokens": 1,
+            "vllm_xargs": {c.XARG_CHUNK_SCHEDULE: [1]},
+        }
+        split = {
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": 2,
+            "kv_transfer_params": reply["kv_transfer_params"],
+            "vllm_xargs": {c.XARG_CHUNK_SCHEDULE: [n - k], c.XARG_STEP_BUDGET_MS: 5000.0, c.XARG_TPOT_SLO_MS: tpot_ms},
+        }
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            tasks.append(asyncio.create_task(post(http, f"{decode.url}/v1/completions", deflected)))
+
+            async def deflection_started() -> dict[str, Any] | None:
+                state = await get_json(http, f"{decode.url}/kairos/state")
+                computed = state["scheduled_prefill_computed_tokens"]
+                return state if computed and computed[0] > 0 else None
+
+            await eventually(deflection_started, what="the deflection in progress")
+            async with decode.node._link:  # the link is busy: the split's pull waits on it
+                tasks.append(asyncio.create_task(post(http, f"{decode.url}/v1/completions", split)))
+
+                async def pulling() -> dict[str, Any] | None:
+                    state = await get_json(http, f"{decode.url}/kairos/state")
+                    return state if state["pending_kv_pull_tokens"] else None
+
+                state = await eventually(pulling, what="the split's pull in the state")
+                (remaining,), (computed,) = (
+                    state["scheduled_prefill_tokens"][:-1],
+                    state["scheduled_prefill_computed_tokens"][:-1],
+                )
+                assert remaining > 0 and computed > 0  # the deflection, still in progress
+                plugin = build_state(
+                    decode_tokens=state["decode_tokens"],
+                    kv_tokens=state["kv_tokens"],
+                    kv_capacity_tokens=state["kv_capacity_tokens"],
+                    # KairosScheduler's rows: its running prefills, then the split waiting for its KV
+                    prefills=[PendingPrefill(remaining, True, computed), PendingPrefill(n - k, True, k)],
+                    max_step_tokens=state["max_step_tokens"],
+                    model=MODEL,
+                    running_requests=1,
+                    waiting_requests=1,
+                    kv_usage=0.0,
+                    kv_pulls=[k],
+                    tpot_slo_s=tpot_ms / 1e3,  # the tightest: the deflection counts the cluster's 50 ms
+                )
+                fields = (
+                    "queued_prefill_tokens",
+                    "queued_prefill_computed_tokens",
+                    "scheduled_prefill_tokens",
+                    "scheduled_prefill_computed_tokens",
+                    "pending_kv_pull_tokens",
+                    "tpot_slo_ms",
+                )
+                assert {f: state[f] for f in fields} == {f: _as_json(getattr(plugin, f)) for f in fields}
+
+            async def landed() -> dict[str, Any] | None:
+                state = await get_json(http, f"{decode.url}/kairos/state")
+                return state if not state["pending_kv_pull_tokens"] else None
+
+            state = await eventually(landed, what="the split's KV landed")
+            # Admitted now, behind the deflection in progress, with its k computed.
+            assert state["scheduled_prefill_tokens"][-1] == n - k
+            assert state["scheduled_prefill_computed_tokens"][-1] == k
+            assert state["tpot_slo_ms"] == tpot_ms
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await task
+
+
+def _as_json(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
