@@ -61,6 +61,11 @@ from kairos.nodeagent.sidecar.state import METRICS, STATE, State, count
 log = logging.getLogger(__package__)
 
 _HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
+# After the local vLLM refuses a split's decode hop (it does not load Kairos's split connector),
+# splits are served as keeps without trying for this long: each refused split leaves its first k
+# tokens' KV held on its prefill node until vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+# 480 s). A vLLM restarted with the connector takes splits again within this time.
+SPLIT_REFUSED_RETRY_S = 60.0
 
 
 # The dispatcher's TTFT prediction for each route: the keep path's, or the decode node's (a
@@ -214,6 +219,9 @@ async def _prefill_hops(
     prefill_host = checked_prefill_host(state, request.headers, rid)
     split = checked_split_route(state, request.headers, rid) if timing.path == Route.SPLIT else None
     ids: list[int] = []
+    if split is not None and time.monotonic() < state.splits_refused_until:
+        _served_as_keep(request, state, timing, SPLIT_NO_CONNECTOR)  # its vLLM refused the last split
+        split = None
     if split is not None:
         try:
             ids = await prompt_token_ids(state, request.path, clean, headers, split)
@@ -274,16 +282,19 @@ async def _split_refused_as_keep(
     """The local vLLM refused the split's decode hop (the validator plugin's 400: its KV connector
     is not Kairos's split connector, on which the hop would have failed its engine), before any
     byte reached the client: the request is served as a keep, its whole prompt through hop 1 on
-    the same prefill node (which caches the split's first k tokens by now). Logged once, counted."""
+    the same prefill node (which caches the split's first k tokens by now). Logged once, counted;
+    the splits of the next SPLIT_REFUSED_RETRY_S are served as keeps at once."""
+    state.splits_refused_until = time.monotonic() + SPLIT_REFUSED_RETRY_S
     if not state.logged_split_refused:
         state.logged_split_refused = True
         log.warning(
             "request %s: the local vLLM %s refused a split's decode hop: it does not load Kairos's split connector "
             "(--kv-transfer-config's kv_connector_module_path); splits sent here are served as keeps, counted in "
-            "kairos_sidecar_split_degraded_total{reason=%r}; logged once",
+            "kairos_sidecar_split_degraded_total{reason=%r}, and tried again every %gs; logged once",
             rid,
             state.config.local_vllm,
             SPLIT_NO_CONNECTOR,
+            SPLIT_REFUSED_RETRY_S,
         )
     _served_as_keep(request, state, timing, SPLIT_NO_CONNECTOR)
     prefill_host = checked_prefill_host(state, request.headers, rid)  # checked before the split's hop 1

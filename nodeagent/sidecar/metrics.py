@@ -24,7 +24,8 @@ SPLIT_PROMPT_MISMATCH = "prompt_mismatch"  # the local vLLM's prompt count is no
 SPLIT_TOKENIZE_FAILED = "tokenize_failed"  # the local vLLM's /tokenize refused, failed or timed out
 # no one text or token-id prompt (a batch, embeddings), or one vLLM truncates (truncate_prompt_tokens)
 SPLIT_UNSUPPORTED_PROMPT = "unsupported_prompt"
-# the local vLLM refused the split's decode hop: its KV connector is not Kairos's split connector
+# the local vLLM refused the split's decode hop (or an earlier one's, in the last minute): its KV
+# connector is not Kairos's split connector
 SPLIT_NO_CONNECTOR = "no_split_connector"
 SPLIT_DEGRADED = (SPLIT_PROMPT_MISMATCH, SPLIT_TOKENIZE_FAILED, SPLIT_UNSUPPORTED_PROMPT, SPLIT_NO_CONNECTOR)
 HOP1_PATHS = (Route.KEEP, Route.SPLIT)  # the routes with a prefill hop
@@ -105,7 +106,7 @@ class SidecarMetrics:
             "prompt_mismatch (the local vLLM counts the prompt's tokens otherwise than the dispatcher), "
             "tokenize_failed (the local vLLM's /tokenize refused, failed or timed out), unsupported_prompt "
             "(no one text or token-id prompt, or one that vLLM truncates), no_split_connector (the local vLLM refused "
-            "the split's decode hop: it does not load Kairos's split connector)",
+            "its decode hop, or an earlier split's in the last minute: it does not load Kairos's split connector)",
             ["reason"],
             registry=self.registry,
         )

@@ -25,6 +25,9 @@ class State:
     local_client: Http1Client | None = None
     logged_unrouted: bool = False
     logged_split_refused: bool = False  # the local vLLM refused a split's decode hop (logged once)
+    # Until then (time.monotonic()), splits are served as keeps without trying: the local vLLM
+    # refused the last one (app.SPLIT_REFUSED_RETRY_S).
+    splits_refused_until: float = 0.0
     feedback: TtftFeedbackPublisher | None = None  # only with a redis_url
     classes: tuple[SloClass, ...] = DEFAULT_CLASSES  # the SLO classes requests are counted by
 

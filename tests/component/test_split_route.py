@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+import kairos.nodeagent.sidecar.app as sidecar_app
 from kairos.api.openai_request import RequestLimits, parse_request
 from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
@@ -366,10 +367,30 @@ async def test_a_split_the_decode_nodes_vllm_refuses_is_served_as_a_keep(
         assert await sidecar_metric(http, p.sidecar, ttft, path="keep") == 2 * int(stream)
         assert await sidecar_metric(http, p.sidecar, "kairos_sidecar_local_prefills_total") == 0
 
-        await complete(http, p.sidecar, body, p.split(k, n, "72", **{c.H_REQUEST_ID: "refused-2"}))
+        # The next split is served as a keep at once: no split hop 1 leaves KV held on the prefill node.
+        again = {**body, "prompt": prompt_ids(n, seed=12)}
+        await complete(http, p.sidecar, again, p.split(k, n, "72", **{c.H_REQUEST_ID: "refused-2"}))
+        assert await chunks_of(http, p.prefill, "refused-2") == [(n, 0)]
         assert await sidecar_metric(http, p.sidecar, degraded, reason="no_split_connector") == 2
     logged = [r for r in caplog.records if "refused a split's decode hop" in r.getMessage()]
     assert len(logged) == 1 and "kv_connector_module_path" in logged[0].getMessage()
+
+
+async def test_a_node_that_refused_a_split_is_asked_again_after_a_while(
+    model_dir: Path, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its vLLM may have been restarted with the split connector since: once the retry window is
+    over (none here), the next split is tried again (and refused again, as this node still is)."""
+    monkeypatch.setattr(sidecar_app, "SPLIT_REFUSED_RETRY_S", 0.0)
+    n, k = 200, 128
+    async with pair(model_dir, decode_node={"split_connector": False}) as p:
+        for i in range(2):
+            body = {"model": MODEL, "prompt": prompt_ids(n, seed=20 + i), "max_tokens": 2}
+            _, usage = await complete(http, p.sidecar, body, p.split(k, n, "72", **{c.H_REQUEST_ID: f"again-{i}"}))
+            assert usage["prompt_tokens"] == n
+            assert [t for t, _ in await chunks_of(http, p.prefill, f"again-{i}")] == [k, n - k]
+        degraded = "kairos_sidecar_split_degraded_total"
+        assert await sidecar_metric(http, p.sidecar, degraded, reason="no_split_connector") == 2
 
 
 # ---------------------------------------------------------------------------------------------
