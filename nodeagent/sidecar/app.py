@@ -63,8 +63,8 @@ log = logging.getLogger(__package__)
 _HEALTH_TIMEOUT_S = 2.0  # the local vLLM's /health answers at once when it is up
 # After the local vLLM refuses a split's decode hop (it does not load Kairos's split connector),
 # splits are served as keeps without trying for this long: each refused split leaves its first k
-# tokens' KV held on its prefill node until vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT,
-# 480 s). A vLLM restarted with the connector takes splits again within this time.
+# tokens' KV held on its prefill node until its NixlConnector lease runs out (kv_lease_duration,
+# 30 s by default in vLLM 0.32). A vLLM restarted with the connector takes splits again within this time.
 SPLIT_REFUSED_RETRY_S = 60.0
 
 
