@@ -528,7 +528,7 @@ async def test_a_split_whose_kv_is_on_its_way_is_reported_as_the_vllm_plugin_rep
         assert status == 200
         deflected = {
             "model": MODEL,
-            "prompt": prompt_ids(2000, seed=14),
+            "prompt": prompt_ids(4000, seed=14),
             "max_tokens": 1,
             "vllm_xargs": {c.XARG_CHUNK_SCHEDULE: [1]},
         }
