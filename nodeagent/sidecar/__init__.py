@@ -14,7 +14,10 @@ Envoy sends every request for this decode node here, with the decision in ``x-ka
            and answers with ``kv_transfer_params`` (``remote_num_tokens`` k); hop 2: the local
            vLLM gets the client's body, those params and the schedule of the prompt's rest in
            ``vllm_xargs``: it pulls the k tokens' KV and prefills the rest itself. A prompt it
-           counts otherwise than the dispatcher is served as a keep (counted, never failed).
+           counts otherwise than the dispatcher is served as a keep (counted, never failed), and
+           so is a split whose hop 2 the local vLLM refuses because it does not load Kairos's
+           split connector (its validator's 400, seen before any byte goes to the client), as
+           are the splits of the minute after.
   Every route's hop to the local vLLM carries the request's TPOT SLO (``vllm_xargs``
   ``kairos_tpot_slo_ms``, from the dispatcher's ``x-kairos-slo-tpot-ms``); the client's body
   fields, vLLM's ``priority`` included, go to every hop as sent.
