@@ -242,6 +242,8 @@ def test_vllm_node_command_line_on_cpu(tmp_path: Path) -> None:
     assert argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == {
         "kv_connector": "NixlConnector",
+        # vLLM's NixlConnector with the decode side that pulls a split's prefix (docs/design/split-on-vllm.md)
+        "kv_connector_module_path": "kairos.nodeagent.vllm_plugin.split_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_buffer_device": "cpu",
