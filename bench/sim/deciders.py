@@ -113,6 +113,8 @@ def main() -> int:
                     "policy": spec,
                     "label": mine[0]["policy"],
                     "knee_rps": k,
+                    # decode steps over tau, averaged over the sweep's rates (the --error runs' safety figure)
+                    "mean_tbt_violation_rate": sum(r["tbt_violation_rate"] for r in mine) / len(mine),
                     "per_rate": {
                         f"{r['rps']:g}": {
                             "slo_attainment": r["slo_attainment"],

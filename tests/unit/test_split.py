@@ -60,9 +60,9 @@ def _ttft_at(models: LatencyModels, config: alg.DeciderConfig, v: ClusterView, p
     p, node = v.prefill[0], v.decode[0]
     end = alg.keep_prefill_s(models, config, p, k, 0, 0.0)
     lands = end + split_mod.kv_landing_s(models, config, node, prompt, k, end, 0, 0.0)
-    start = split_mod._node_start(models, config, node, 0.0)
-    assert start is not None
-    plan = split_mod._tail_plan(models, config, node, start, prompt, k, lands, float("inf"), 0.0)
+    tail = split_mod._NodeTail(models, config, node, 0.0)
+    assert tail.start is not None
+    plan = tail.plan(prompt, k, lands, float("inf"))
     return None if isinstance(plan, str) else plan.ttft_s
 
 
@@ -76,8 +76,11 @@ def test_offload_takes_the_smallest_k_within_eq7s_bound_and_fastest_the_quickest
     assert d.split_tokens in points
     assert d.predicted_ttft_decode_s == pytest.approx(ttfts[d.split_tokens], rel=1e-12)
     assert d.predicted_ttft_decode_s <= bound
-    # No smaller k meets the bound: the most prefill taken off the prefill node that does.
-    assert all(t is None or t > bound for k, t in ttfts.items() if k < d.split_tokens)
+    # From the prompt's end down, every k to the one taken meets the bound, and the next one does
+    # not: as much prefill taken off the prefill node as Eq. 7 allows.
+    assert all(t is not None and t <= bound for k, t in ttfts.items() if k >= d.split_tokens)
+    below = [t for k, t in ttfts.items() if k < d.split_tokens]
+    assert not below or below[-1] is None or below[-1] > bound
 
     fastest = alg.decide(prompt, v, 0.0, FAST_LINK, dataclasses.replace(CFG, split="fastest"))
     assert fastest.route is Route.SPLIT

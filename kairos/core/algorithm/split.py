@@ -26,11 +26,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from kairos.core.algorithm.bounds import BOUND_SLACK
 from kairos.core.algorithm.config import DeciderConfig, node_step_budget_s
 from kairos.core.algorithm.eligibility import cached_prefix
 from kairos.core.algorithm.keep_estimate import join_wait_s, kv_landing_s
 from kairos.core.algorithm.prefill_estimate import keep_prefill_s
-from kairos.core.algorithm.schedule import Plan, backlog_end, greedy_schedule, start_shift_s
+from kairos.core.algorithm.schedule import (
+    INFEASIBLE,
+    TOO_SLOW,
+    Plan,
+    StepTable,
+    backlog_end,
+    greedy_steps,
+    start_shift_s,
+    step_table,
+)
 from kairos.core.latency import LatencyModels
 from kairos.core.state import DecodeNodeState, PrefillNodeState
 
@@ -60,58 +70,70 @@ def split_points(prompt_tokens: int, floor_tokens: int, grid: int, block_tokens:
     return points
 
 
-def _node_start(
-    models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, now: float | None
-) -> tuple[int, int, float, float] | None:
-    """Where ``node`` could start a new request's own steps: (decodes and KV tokens beside them,
-    the start on the heartbeat's clock, the shift to ``now``: ``plan_on_decode_node``'s), or None
-    when its backlog has no schedule."""
-    b, k, t = backlog_end(models, config, node)
-    if isinstance(t, str):
-        return None
-    return b, k, t, start_shift_s(models, config, node, t, now)
+class _NodeTail:
+    """One decode node's side of the k search: where the node could start a new request's own
+    steps (``backlog_end``, shifted to ``now`` as ``plan_on_decode_node`` does), and the rest's
+    schedule for each k, its Eq. 4 table built once per batch it runs beside."""
 
+    __slots__ = ("b", "budget", "config", "k", "models", "node", "now", "shift", "start", "tables")
 
-def _tail_plan(
-    models: LatencyModels,
-    config: DeciderConfig,
-    node: DecodeNodeState,
-    start: tuple[int, int, float, float],
-    prompt_tokens: int,
-    split_tokens: int,
-    lands_s: float,
-    give_up_after_s: float,
-    now: float | None,
-) -> Plan | str:
-    """The decode node's schedule of the prompt after its first ``split_tokens``, whose KV lands
-    ``lands_s`` from now: from the node's first step boundary after its backlog and the landing
-    (a landing mid-step waits for the step's end: ``join_wait_s``). The node runs its scheduled
-    prefills in the order they reach it; none reaches it meanwhile, for the view holds the rest in
-    the node's backlog from the decision until a heartbeat after the landing, which bars the
-    node to other deflections and splits under the pending limit."""
-    b, k, t, shift = start
-    begin = t - shift  # from now
-    if lands_s > begin:
-        # The keeps on their way to the node join its batch before the rest starts, most of them:
-        # their prefills are ahead of this one's first k in the prefill queues.
-        b, k = b + node.incoming_keeps, k + node.incoming_keep_tokens
-        busy = node.decode_tokens > 0 or b > 0
-        begin = lands_s + (join_wait_s(models, node, models.decode_step_s(b, k), lands_s, now) if busy else 0.0)
-    budget = node_step_budget_s(config, node)
-    done = greedy_schedule(
-        models,
-        prompt_tokens,
-        b,
-        k,
-        config.chunk_candidates,
-        budget,
-        give_up_after_s + shift,
-        begin + shift,
-        split_tokens,
-    )
-    if isinstance(done, str):
-        return done
-    return Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1] - shift, step_budget_s=budget)
+    def __init__(self, models: LatencyModels, config: DeciderConfig, node: DecodeNodeState, now: float | None) -> None:
+        self.models, self.config, self.node, self.now = models, config, node, now
+        b, k, t = backlog_end(models, config, node)
+        self.b, self.k = b, k
+        self.start: float | None = None if isinstance(t, str) else t  # None: the backlog has no schedule
+        self.shift = 0.0 if self.start is None else start_shift_s(models, config, node, self.start, now)
+        self.budget = node_step_budget_s(config, node)
+        self.tables: dict[tuple[int, int], StepTable] = {}
+
+    def plan(self, prompt_tokens: int, split_tokens: int, lands_s: float, give_up_after_s: float) -> Plan | str:
+        """The schedule of the prompt after its first ``split_tokens``, whose KV lands ``lands_s``
+        from now: from the node's first step boundary after its backlog and the landing (a landing
+        mid-step waits for the step's end: ``join_wait_s``). The node runs its scheduled prefills
+        in the order they reach it; none reaches it meanwhile, for the view holds the rest in the
+        node's backlog from the decision until a heartbeat after the landing, which bars the node
+        to other deflections and splits under the pending limit."""
+        assert self.start is not None
+        models, node = self.models, self.node
+        b, k, shift = self.b, self.k, self.shift
+        begin = self.start - shift  # from now
+        if lands_s > begin:
+            # The keeps on their way to the node join its batch before the rest starts, most of
+            # them: their prefills are ahead of this one's first k in the prefill queues.
+            b, k = b + node.incoming_keeps, k + node.incoming_keep_tokens
+            if node.decode_tokens > 0 or b > 0:
+                begin = lands_s + join_wait_s(models, node, models.decode_step_s(b, k), lands_s, self.now)
+            else:
+                begin = lands_s
+        table = self.tables.get((b, k))
+        if table is None:
+            table = self.tables[(b, k)] = step_table(models, b, k, self.config.chunk_candidates)
+        rest = prompt_tokens - split_tokens
+        if models.mixed_nonnegative:
+            # No schedule of the rest beats its steps at their least: each over the k tokens
+            # pulled, as few as its largest chunk allows (ttft_lower_bound_s's argument).
+            a0, a_c, b0, b1 = table[:4]
+            largest = table[6][0]
+            if largest <= 0:
+                return INFEASIBLE
+            least = -(-rest // largest) * (a0 + a_c * split_tokens) + rest * (b0 + b1 * split_tokens)
+            if begin + least > give_up_after_s * (1 + BOUND_SLACK):
+                return TOO_SLOW
+        done = greedy_steps(
+            table,
+            b,
+            models.mixed_monotone,
+            self.budget,
+            give_up_after_s + shift,
+            rest,
+            split_tokens,
+            0,
+            begin + shift,
+            [],
+        )
+        if isinstance(done, str):
+            return done
+        return Plan(decode_tokens=b, runs=tuple(done[0]), ttft_s=done[1] - shift, step_budget_s=self.budget)
 
 
 def best_split(
@@ -144,25 +166,26 @@ def best_split(
         points = split_points(prompt_tokens, hit, config.split_points, block)
         if not points:
             continue
-        start = _node_start(models, config, node, now)
-        if start is None:
+        tail = _NodeTail(models, config, node, now)
+        if tail.start is None:
             continue
-        for k in points:
-            if mode == "offload" and best is not None and k > best[0]:
-                break  # a node with a smaller k already meets the bound
+        # offload: from the prompt's end down, k shrinks while the split meets the bound (its
+        # prefill alone past the bound leaves room for a smaller k; its rest past it ends the walk,
+        # a smaller k only gives the node more). fastest: every k.
+        for k in reversed(points) if mode == "offload" else points:
             end = prefill_end.get(k)
             if end is None:
                 end = prefill_end[k] = keep_prefill_s(models, config, prefill_node, k, min(prefill_hit, k), now)
             if end >= limit:
-                break  # a larger k only prefills longer there
+                continue
             lands = end + kv_landing_s(models, config, node, prompt_tokens, k, end, hit, now)
             give_up = limit if best is None or mode == "offload" else min(limit, best[1])
-            plan = _tail_plan(models, config, node, start, prompt_tokens, k, lands, give_up, now)
+            plan = tail.plan(prompt_tokens, k, lands, give_up)
             if isinstance(plan, str) or plan.ttft_s > limit:
+                if mode == "offload":
+                    break
                 continue
             key = (k, plan.ttft_s, node.node_id) if mode == "offload" else (0, plan.ttft_s, node.node_id)
             if best is None or key < best[:3]:
                 best = (*key, SplitPlan(node.node_id, k, end, plan))
-            if mode == "offload":
-                break  # this node's smallest k within the bound
     return None if best is None else best[3]
