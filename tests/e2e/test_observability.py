@@ -25,7 +25,7 @@ from kairos.api.tokenizer import PromptTokenizer
 from kairos.common import contracts as c
 from kairos.launcher.local_cluster import LocalCluster
 from kairos.launcher.processes import ManagedProcess, free_port, http_ready
-from tests.e2e.conftest import http, post_json, text_of
+from tests.e2e.conftest import http, post_json, start_cluster, text_of
 from tests.observability import RULES, dashboard_queries
 from tests.waiting import wait_until
 
@@ -79,31 +79,41 @@ def has_data(prometheus: str, query: str) -> bool:
     return any(not math.isnan(float(series["value"][1])) for series in api(prometheus, "query", query=query)["result"])
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[LocalCluster]:
+    """The e2e tier's cluster with the split route on (its default is off): the dashboard's split
+    panels need splits to show."""
+    c = start_cluster(tmp_path_factory.mktemp("observed"), model_dir, split="offload")
+    yield c
+    c.stop()
+
+
 def send_traffic(cluster: LocalCluster, tokenizer: PromptTokenizer) -> None:
-    """What every panel needs to show something: keeps and deflections with the sidecars' TTFT
-    feedback, one request the dispatcher rejects, and one hop a sidecar refuses."""
-    # On an idle cluster 400 tokens deflect, 6000 keep (tests/e2e/test_gateway.py); a prompt of
+    """What every panel needs to show something: keeps, deflections and splits with the sidecars'
+    TTFT feedback, one request the dispatcher rejects, and one hop a sidecar refuses."""
+    # On an idle cluster 400 tokens deflect and 6000 split (tests/e2e/test_split.py); 6000 with a
+    # 1 ms TTFT SLO of its own keep (no other path can meet it: Eq. 7's SLO clause). A prompt of
     # its own each time (a repeated one would be found cached on a decode node, and deflect). On a
-    # starved host a decision may keep the short ones too (a late heartbeat, a slow promise), so
-    # pairs go until both routes have been taken.
+    # starved host a decision may keep the others too (a late heartbeat, a slow promise), so
+    # rounds go until every route has been taken.
     decisions: list[tuple[str, str]] = []
 
-    def both_routes() -> bool:
-        for tokens in (400, 6000):
+    def every_route() -> bool:
+        for tokens, slo in ((400, {}), (6000, {}), (6000, {c.H_SLO_TTFT_MS: "1"})):
             # Streamed: a TTFT sample is a stream's first token (a non-streamed response has none).
             body = {"model": MODEL, "prompt": text_of(tokenizer, tokens), "max_tokens": 4, "stream": True}
             status, headers, raw = http(
                 "POST",
                 f"{cluster.gateway_url}/v1/completions",
                 json.dumps(body).encode(),
-                {"content-type": "application/json"},
+                {"content-type": "application/json", **slo},
             )
             assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
             decisions.append((headers[c.H_ROUTE], headers[c.H_REASON]))
-        return len(decisions) >= 6 and {"keep", "deflect"} <= {route for route, _ in decisions}
+        return len(decisions) >= 6 and {"keep", "deflect", "split"} <= {route for route, _ in decisions}
 
     try:
-        wait_until(both_routes, 120.0, interval_s=0.5, what="a keep and a deflection")
+        wait_until(every_route, 120.0, interval_s=0.5, what="a keep, a deflection and a split")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; (route, reason) of each: {decisions}") from None
     status, _, _ = http(

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kairos.common.contracts.routes import Route
 from kairos.core.slo import classify
 from kairos.launcher.cli import main as kairos_main
 from kairos.launcher.replay import ReplayConfig, format_summary, replay, summarize
@@ -109,11 +110,12 @@ def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model
         assert all(g > 0 for g in rec["tbt_ms"])
 
     per_route = summary["per_route"]
-    assert set(per_route) == {"keep", "deflect"}
+    assert set(per_route) == {route.value for route in Route}  # every route, the split's empty (off by default)
     assert per_route["keep"]["requests"] + per_route["deflect"]["requests"] == len(trace)
     assert (
         per_route["keep"]["requests"] == summary["keeps"] and per_route["deflect"]["requests"] == summary["deflections"]
     )
+    assert per_route["split"]["requests"] == summary["splits"] == 0
     assert summary["keeps"] > 0 and summary["deflections"] > 0
     assert 0 < summary["p50_ttft_s"] <= summary["p95_ttft_s"] <= summary["p99_ttft_s"]
     assert 0 < summary["p50_tbt_ms"] <= summary["p95_tbt_ms"] <= summary["p99_tbt_ms"]
@@ -121,7 +123,7 @@ def test_replay_sends_the_trace_and_measures_every_request(tmp_path: Path, model
 
     # The field's figures, per route: every request completed and good under generous limits.
     field = summary["field"]
-    assert set(field) == {"all", "keep", "deflect"}
+    assert set(field) == {"all", *(route.value for route in Route)}
     for name, group in (("keep", summary["keeps"]), ("deflect", summary["deflections"]), ("all", len(trace))):
         vllm, ip = field[name]["vllm"], field[name]["inference_perf"]
         assert vllm["completed"] == ip["count"] == group and vllm["failed"] == 0
