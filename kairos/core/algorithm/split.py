@@ -159,6 +159,10 @@ def best_split(
     prefill_end: dict[int, float] = {}  # k -> the k tokens' prefill end, shared by the nodes
     limit = bound if mode == "offload" else min(bound, keep_ttft_s)
     best: tuple[int, float, str, SplitPlan] | None = None
+    # The prefill of a split's first k grows with k: where even one block's is past the bound (a
+    # saturated prefill pool), no split qualifies on any node, and no node is looked at.
+    if keep_prefill_s(models, config, prefill_node, block, min(prefill_hit, block), now) >= limit:
+        return None
     for node in eligible:
         if refused is not None and refused(node):
             continue
@@ -166,9 +170,7 @@ def best_split(
         points = split_points(prompt_tokens, hit, config.split_points, block)
         if not points:
             continue
-        tail = _NodeTail(models, config, node, now)
-        if tail.start is None:
-            continue
+        tail: _NodeTail | None = None  # built for the first k whose prefill leaves room
         # offload: from the prompt's end down, k shrinks while the split meets the bound (its
         # prefill alone past the bound leaves room for a smaller k; its rest past it ends the walk,
         # a smaller k only gives the node more). fastest: every k.
@@ -178,6 +180,10 @@ def best_split(
                 end = prefill_end[k] = keep_prefill_s(models, config, prefill_node, k, min(prefill_hit, k), now)
             if end >= limit:
                 continue
+            if tail is None:
+                tail = _NodeTail(models, config, node, now)
+            if tail.start is None:
+                break  # the node's backlog has no schedule
             lands = end + kv_landing_s(models, config, node, prompt_tokens, k, end, hit, now)
             give_up = limit if best is None or mode == "offload" else min(limit, best[1])
             plan = tail.plan(prompt_tokens, k, lands, give_up)
