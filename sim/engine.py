@@ -385,9 +385,11 @@ class Engine:
         self._make_room()
         return max(0, upto - seq.computed)
 
-    def unreserve_transfer(self, seq: Sequence, reserved_tokens: int) -> None:
-        """Undo ``reserve_transfer``: the transfer will not happen (the pull failed)."""
-        self.kv_reserved -= reserved_tokens
+    def unreserve_transfer(self, seq: Sequence) -> None:
+        """Undo ``reserve_transfer``: the transfer will not happen (the pull failed). Its
+        reservation is the whole prompt past the node's cached prefix (a split's rest too), as
+        ``accept_partial`` takes it back, whatever part of it was to come by transfer."""
+        self.kv_reserved -= seq.prompt_tokens - seq.computed
         if seq.cache_refs:
             self.kv_pinned -= seq.cached_hit
             assert self.cache is not None

@@ -206,10 +206,8 @@ class RealtimeEngine:
         self._wake.set()
 
     def unreserve_transfer(self, seq: Sequence) -> None:
-        """Give back a ``reserve_transfer`` whose transfer will not happen (the pull failed). It
-        reserved room for the whole prompt past the node's cached prefix (a split's rest too),
-        whatever part of it was to come by transfer."""
-        self.engine.unreserve_transfer(seq, seq.prompt_tokens - seq.computed)
+        """Give back a ``reserve_transfer`` whose transfer will not happen (the pull failed)."""
+        self.engine.unreserve_transfer(seq)
         self._pump_kv()
         self._wake.set()
 

@@ -84,6 +84,18 @@ def test_a_split_request_takes_its_prefix_by_transfer_and_prefills_the_rest_by_i
     assert split.first_token_at is not None and split.generated >= 1
 
 
+def test_a_failed_pull_gives_back_the_whole_reservation_of_a_keep_or_a_split() -> None:
+    engine = make(Role.DECODE)
+    keep, split = Sequence("keep", 700, 2), Sequence("split", 1000, 2, schedule=(256,))
+    assert engine.reserve_transfer(keep) == 700
+    assert engine.reserve_transfer(split, transfer_tokens=512) == 512  # pulls 512, holds room for 1000
+    assert engine.kv_reserved == 1700
+    engine.unreserve_transfer(split)
+    assert engine.kv_reserved == 700  # none of the split's rest left reserved
+    engine.unreserve_transfer(keep)
+    assert engine.kv_reserved == 0 and engine.free_kv_tokens == engine.config.kv_capacity_tokens
+
+
 def test_request_joining_while_a_step_runs_is_not_part_of_it() -> None:
     engine = make(Role.DECODE)
     first = Sequence("first", 100, 2)
